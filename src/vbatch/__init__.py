@@ -1,0 +1,38 @@
+"""vbatch: batch offline inference for Llama-family models."""
+
+from typing import TYPE_CHECKING, Any
+
+from vbatch.errors import (
+    ConfigError,
+    EngineDeadError,
+    EngineStartupError,
+    SamplingParamsError,
+    VbatchError,
+)
+from vbatch.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from vbatch.llm import LLM, CompletionOutput, RequestOutput
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "ConfigError",
+    "EngineDeadError",
+    "EngineStartupError",
+    "RequestOutput",
+    "SamplingParams",
+    "SamplingParamsError",
+    "VbatchError",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # NOTE: lazy so that `import vbatch` (and `vbatch --help`) never pulls in transformers or zmq.
+    if name in ("LLM", "RequestOutput", "CompletionOutput"):
+        from vbatch import llm
+
+        return getattr(llm, name)
+    raise AttributeError(name)

@@ -1,0 +1,133 @@
+"""Every msgspec message that crosses the client/engine-core process boundary."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+import numpy as np
+
+from vbatch.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+def pack_token_ids(token_ids: list[int] | np.ndarray) -> bytes:
+    """Token ids as little-endian int32 bytes: 4 bytes a token instead of a msgpack list."""
+    return np.asarray(token_ids, dtype="<i4").tobytes()
+
+
+def unpack_token_ids(data: bytes) -> list[int]:
+    return np.frombuffer(data, dtype="<i4").tolist()
+
+
+class AddRequest(_Msg, tag=1):
+    request_id: str
+    prompt_token_ids: bytes
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+
+
+class Abort(_Msg, tag=2):
+    request_ids: list[str]
+
+
+class Utility(_Msg, tag=3):
+    call_id: int
+    method: str
+
+
+class Shutdown(_Msg, tag=4):
+    pass
+
+
+ClientMessage = AddRequest | Abort | Utility | Shutdown
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Logprob of one sampled token plus the top alternatives at that position."""
+
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """New tokens for one sample (`index`) of one request since the last step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    index: int = 0
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_kv_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    step_time_s: float = 0.0
+    num_scheduled_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+
+class Ready(_Msg, tag=10):
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    device: str
+    dtype: str
+    vocab_size: int
+    kv_cache_bytes: int
+    attention_backend: str
+    pid: int
+
+
+class StartupFailed(_Msg, tag=11):
+    message: str
+    traceback: str = ""
+
+
+class StartupProgress(_Msg, tag=12):
+    stage: str
+
+
+class EngineOutputs(_Msg, tag=13):
+    outputs: list[TokenDelta]
+    stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+
+
+class UtilityResult(_Msg, tag=14):
+    call_id: int
+    result: SchedulerStats | None = None
+    error: str | None = None
+
+
+CoreMessage = Ready | StartupFailed | StartupProgress | EngineOutputs | UtilityResult
+
+encoder = msgspec.msgpack.Encoder()
+client_decoder = msgspec.msgpack.Decoder(CoreMessage)
+core_decoder = msgspec.msgpack.Decoder(ClientMessage)
+
