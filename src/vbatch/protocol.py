@@ -90,6 +90,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_scheduled_tokens: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    # NOTE: cumulative seconds; busy = inside EngineCore.step, forward = model forward + sampling.
+    busy_time_s: float = 0.0
+    forward_time_s: float = 0.0
 
 
 class Ready(_Msg, tag=10):
@@ -125,7 +128,14 @@ class UtilityResult(_Msg, tag=14):
     error: str | None = None
 
 
-CoreMessage = Ready | StartupFailed | StartupProgress | EngineOutputs | UtilityResult
+class EngineError(_Msg, tag=15):
+    """The core's loop failed after READY; the core exits right after sending this."""
+
+    message: str
+    traceback: str = ""
+
+
+CoreMessage = Ready | StartupFailed | StartupProgress | EngineOutputs | UtilityResult | EngineError
 
 encoder = msgspec.msgpack.Encoder()
 client_decoder = msgspec.msgpack.Decoder(CoreMessage)

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import abc
+import logging
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+from vbatch.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -66,7 +72,165 @@ def write_kv_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_kv_heads, head_dim = k_cache.shape[2:]
     # [num_blocks * block_size, num_kv_heads, head_dim]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+@dataclass
+class _BatchPlan:
+    """How one step's batch splits: decode rows batched together, prefill chunks one by one."""
+
+    meta: AttentionMetadata
+    seq_lens_cpu: list[int]
+    decode_rows: torch.Tensor | None  # [num_decodes] int64 query rows
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_num_blocks_per_seq]
+    decode_seq_lens: torch.Tensor | None  # [num_decodes]
+    max_decode_seq_len: int
+    prefills: list[tuple[int, int, int, int]]  # (seq index, first row, query_len, seq_len)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Pure-torch reference: gathers each context from the paged cache and runs SDPA.
+
+    Decode rows (query_len 1) are gathered as one padded [num_decodes, max_seq_len] batch with
+    a length mask; prefill chunks run one sequence at a time with a causal mask offset by the
+    cached prefix. Cache slots past a sequence's length must hold finite values (zero-init).
+    """
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._plan: _BatchPlan | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode_only:
+            return _paged_decode(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale
+            )
+        plan = self._plan_for(meta)
+        out = torch.empty_like(q)
+        if plan.decode_rows is not None:
+            out[plan.decode_rows] = _paged_decode(
+                q.index_select(0, plan.decode_rows),
+                k_cache,
+                v_cache,
+                plan.decode_block_tables,
+                plan.decode_seq_lens,
+                plan.max_decode_seq_len,
+                scale,
+            )
+        block_size = k_cache.shape[1]
+        for seq_index, start, query_len, seq_len in plan.prefills:
+            num_blocks = -(-seq_len // block_size)
+            block_table = meta.block_tables[seq_index, :num_blocks].long()
+            # [1, num_kv_heads, seq_len, head_dim]
+            seq_k = k_cache.index_select(0, block_table).flatten(0, 1)[:seq_len]
+            seq_v = v_cache.index_select(0, block_table).flatten(0, 1)[:seq_len]
+            seq_k, seq_v = seq_k.transpose(0, 1)[None], seq_v.transpose(0, 1)[None]
+            seq_q = q[start : start + query_len].transpose(0, 1)[None]
+            mask = None
+            if query_len != seq_len:
+                key_pos = torch.arange(seq_len, device=q.device)
+                query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+                mask = key_pos[None, :] <= query_pos[:, None]
+            # NOTE: 4-D inputs reach the fused CPU kernel; 3-D ones fall back to the math path.
+            seq_out = F.scaled_dot_product_attention(
+                seq_q,
+                seq_k,
+                seq_v,
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[start : start + query_len] = seq_out[0].transpose(0, 1)
+        return out
+
+    def _plan_for(self, meta: AttentionMetadata) -> _BatchPlan:
+        # NOTE: every layer sees the same metadata; split the batch once per step, not per layer.
+        plan = self._plan
+        if plan is not None and plan.meta is meta and plan.seq_lens_cpu == meta.seq_lens_cpu:
+            return plan
+        decodes: list[tuple[int, int, int]] = []
+        prefills: list[tuple[int, int, int, int]] = []
+        start = 0
+        lens = zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)
+        for seq_index, (query_len, seq_len) in enumerate(lens):
+            if query_len == 1:
+                decodes.append((seq_index, start, seq_len))
+            else:
+                prefills.append((seq_index, start, query_len, seq_len))
+            start += query_len
+        plan = _BatchPlan(meta, list(meta.seq_lens_cpu), None, None, None, 0, prefills)
+        if decodes:
+            device = meta.block_tables.device
+            seq_indices = torch.tensor([d[0] for d in decodes], device=device)
+            plan.decode_rows = torch.tensor([d[1] for d in decodes], device=device)
+            plan.decode_block_tables = meta.block_tables.index_select(0, seq_indices)
+            plan.decode_seq_lens = meta.seq_lens.index_select(0, seq_indices)
+            plan.max_decode_seq_len = max(d[2] for d in decodes)
+        self._plan = plan
+        return plan
+
+
+def _paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """One query row per sequence: q [num_seqs, num_heads, head_dim] → same shape."""
+    num_seqs = q.shape[0]
+    block_size = k_cache.shape[1]
+    num_blocks = -(-max_seq_len // block_size)
+    block_ids = block_tables[:, :num_blocks].flatten().long()
+    max_len = num_blocks * block_size
+    # [num_seqs, num_kv_heads, max_len, head_dim]
+    keys = k_cache.index_select(0, block_ids).view(num_seqs, max_len, *k_cache.shape[2:])
+    values = v_cache.index_select(0, block_ids).view(num_seqs, max_len, *v_cache.shape[2:])
+    key_pos = torch.arange(max_len, device=q.device)
+    # [num_seqs, 1, 1, max_len]
+    mask = (key_pos[None, :] < seq_lens[:, None]).view(num_seqs, 1, 1, max_len)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(2)
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The backend for `name` (auto|torch|native); native falls back to torch when unusable."""
+    if name not in ("auto", "torch", "native"):
+        raise ConfigError(f"attention backend must be auto, torch or native, got {name!r}")
+    if name == "torch":
+        return TorchAttentionBackend()
+    try:
+        from vbatch.layers import native
+
+        if native.is_available():
+            return native.NativeAttentionBackend()
+        reason = "its kernels are not built for this machine"
+    except Exception as e:
+        reason = f"{type(e).__name__}: {e}"
+    log = logger.warning if name == "native" else logger.info
+    log("native attention backend unavailable on %s (%s); using torch", device, reason)
+    return TorchAttentionBackend()

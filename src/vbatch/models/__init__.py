@@ -1,0 +1,1 @@
+"""Model loading (HF directories, GGUF conversion) and the Llama-family decoder."""

@@ -1,0 +1,174 @@
+"""Per-step non-forward cost (scheduling, batch building, IPC, detokenization) at batch 1/64/256.
+
+Uses a trivially small random Llama so the forward pass is cheap and the overhead shows.
+In-process: wraps the model forward, logits and sampler of an EngineCore and times the rest of
+each step. Through the subprocess: LLM.generate on the same workload, compared with the
+in-process wall time, and the core's own busy time from SchedulerStats.
+
+    python benchmarks/overhead.py [--batches 1 64 256] [--max-tokens 64] [--model DIR]
+        [--attention-backend torch|native]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+PROMPT_LEN = 16
+
+
+def make_tiny_model(out_dir: Path) -> Path:
+    """A random 2-layer, 64-wide Llama with SmolLM2's tokenizer (needs torch + transformers)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from vbatch.models.loader import resolve_model
+
+    smol = resolve_model(None)
+    generation = json.loads((smol.hf_dir / "generation_config.json").read_text())
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=generation["bos_token_id"],
+        eos_token_id=generation["eos_token_id"],
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out_dir, safe_serialization=True)
+    (out_dir / "generation_config.json").write_text(json.dumps(generation))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smol.hf_dir / name).is_file():
+            shutil.copy(smol.hf_dir / name, out_dir / name)
+    return out_dir
+
+
+def engine_args(batch: int, max_tokens: int, backend: str) -> dict[str, Any]:
+    blocks_per_seq = (PROMPT_LEN + max_tokens) // 16 + 2
+    return dict(
+        device="cpu",
+        num_threads=1,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(1024, batch * PROMPT_LEN),
+        num_kv_blocks=batch * blocks_per_seq + 16,
+        enable_prefix_caching=False,
+        attention_backend=backend,
+    )
+
+
+def prompt_ids(batch: int) -> list[list[int]]:
+    return [[100 + (i * 7 + j) % 4000 for j in range(PROMPT_LEN)] for i in range(batch)]
+
+
+def timed(fn: Callable[..., Any], acc: list[float]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[0] += time.perf_counter() - start
+
+    return wrapper
+
+
+def run_in_process(model: Path, batch: int, max_tokens: int, backend: str) -> dict[str, float]:
+    from vbatch.config import EngineConfig
+    from vbatch.engine.core import EngineCore
+    from vbatch.protocol import AddRequest, pack_token_ids
+    from vbatch.sampling_params import SamplingParams
+
+    config = EngineConfig(model=str(model), **engine_args(batch, max_tokens, backend))
+    core = EngineCore(config)
+    forward = [0.0]
+    runner = core.runner
+    runner.model.forward = timed(runner.model.forward, forward)
+    runner.model.compute_logits = timed(runner.model.compute_logits, forward)
+    runner.sampler = timed(runner.sampler, forward)
+    core.add_request(AddRequest("warmup", pack_token_ids([1, 2, 3]), SamplingParams(max_tokens=2)))
+    while core.has_unfinished():
+        core.step()
+    forward[0] = 0.0
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    for i, ids in enumerate(prompt_ids(batch)):
+        core.add_request(AddRequest(str(i), pack_token_ids(ids), params))
+    num_steps = 0
+    while core.has_unfinished():
+        core.step()
+        num_steps += 1
+    wall = time.perf_counter() - start
+    core.shutdown()
+    return {"wall_s": wall, "forward_s": forward[0], "num_steps": num_steps}
+
+
+def run_through_llm(model: Path, batch: int, max_tokens: int, backend: str) -> dict[str, float]:
+    from vbatch import LLM, SamplingParams
+    from vbatch.llm import Request
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    requests = [Request(prompt_token_ids=ids) for ids in prompt_ids(batch)]
+    with LLM(str(model), **engine_args(batch, max_tokens, backend)) as llm:
+        llm.generate(requests[:1], SamplingParams(max_tokens=2))
+        before = llm.get_stats()
+        start = time.perf_counter()
+        outs = llm.generate(requests, params)
+        wall = time.perf_counter() - start
+        after = llm.get_stats()
+    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+    return {
+        "wall_s": wall,
+        "core_busy_s": after.busy_time_s - before.busy_time_s,
+        "num_steps": after.num_steps - before.num_steps,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--attention-backend", default="torch")
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    tmp = Path(tempfile.mkdtemp(prefix="vbatch-overhead-"))
+    try:
+        model = args.model or make_tiny_model(tmp)
+        header = (
+            f"{'batch':>5} {'steps':>5} {'in-proc ms':>10} {'fwd ms':>8} {'µs/step':>8} "
+            f"{'non-fwd':>7} | {'LLM ms':>8} {'core busy':>9} {'+µs/step':>8} {'LLM/in-proc':>11}"
+        )
+        print(header)
+        for batch in args.batches:
+            inproc = run_in_process(model, batch, args.max_tokens, args.attention_backend)
+            api = run_through_llm(model, batch, args.max_tokens, args.attention_backend)
+            steps = inproc["num_steps"]
+            overhead_us = (inproc["wall_s"] - inproc["forward_s"]) / steps * 1e6
+            extra_us = (api["wall_s"] - inproc["wall_s"]) / max(api["num_steps"], 1) * 1e6
+            print(
+                f"{batch:>5} {steps:>5} {inproc['wall_s'] * 1e3:>10.1f} "
+                f"{inproc['forward_s'] * 1e3:>8.1f} {overhead_us:>8.0f} "
+                f"{1 - inproc['forward_s'] / inproc['wall_s']:>7.1%} | "
+                f"{api['wall_s'] * 1e3:>8.1f} {api['core_busy_s'] * 1e3:>9.1f} "
+                f"{extra_us:>8.0f} {api['wall_s'] / inproc['wall_s']:>11.2f}",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Throughput: vbatch's in-process engine against Hugging Face `generate` on the same workload.
+
+python benchmarks/throughput.py [--num-prompts 128] [--max-tokens 128] [--hf-batch-sizes 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from benchmarks.workload import make_messages
+from vbatch.config import EngineConfig
+from vbatch.engine.core import EngineCore
+from vbatch.models.loader import resolve_model
+from vbatch.protocol import AddRequest, pack_token_ids
+from vbatch.sampling_params import SamplingParams
+
+
+def run_vbatch(
+    model: str | None, prompts: list[list[int]], max_tokens: int, args: argparse.Namespace
+) -> dict:
+    core = EngineCore(
+        EngineConfig(
+            model=model,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            attention_backend=args.attention_backend,
+        )
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outputs: dict[str, list[int]] = {}
+    start = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        core.add_request(AddRequest(str(i), pack_token_ids(ids), params))
+    step_times = []
+    while core.has_unfinished():
+        t = time.perf_counter()
+        for delta in core.step():
+            outputs.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+        step_times.append(time.perf_counter() - t)
+    wall = time.perf_counter() - start
+    num_out = sum(len(v) for v in outputs.values())
+    return {
+        "wall_s": wall,
+        "output_tokens": num_out,
+        "output_tok_s": num_out / wall,
+        "prompt_tok_s": sum(map(len, prompts)) / wall,
+        "median_step_ms": statistics.median(step_times) * 1e3,
+        "tokens": [outputs[str(i)] for i in range(len(prompts))],
+        "backend": core.info.attention_backend,
+    }
+
+
+def run_hf(hf_dir: str, prompts: list[list[int]], max_tokens: int, batch_size: int) -> dict:
+    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    pad = next(iter(eos_ids))
+    tokens: list[list[int]] = []
+    start = time.perf_counter()
+    for b in range(0, len(prompts), batch_size):
+        batch = prompts[b : b + batch_size]
+        width = max(map(len, batch))
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+        for row in out[:, width:].tolist():
+            cut = next((j + 1 for j, t in enumerate(row) if t in eos_ids), len(row))
+            tokens.append(row[:cut])
+    wall = time.perf_counter() - start
+    num_out = sum(map(len, tokens))
+    return {
+        "wall_s": wall,
+        "output_tokens": num_out,
+        "output_tok_s": num_out / wall,
+        "prompt_tok_s": sum(map(len, prompts)) / wall,
+        "tokens": tokens,
+    }
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of requests whose greedy continuations are identical."""
+    return sum(x == y for x, y in zip(a, b)) / len(a)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--hf-batch-sizes", default="64")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    resolved = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(resolved.hf_dir)
+    prompts = [
+        tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True)
+        for m in make_messages(args.num_prompts)
+    ]
+    prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
+    lengths = sorted(map(len, prompts))
+    print(
+        f"workload: {len(prompts)} chat prompts, {lengths[0]}-{lengths[-1]} tokens "
+        f"(median {lengths[len(lengths) // 2]}), max_tokens={args.max_tokens}, greedy, "
+        f"threads={args.threads}"
+    )
+    ours = run_vbatch(args.model, prompts, args.max_tokens, args)
+    print(
+        f"vbatch ({ours['backend']} attention): {ours['output_tok_s']:.1f} output tok/s, "
+        f"{ours['prompt_tok_s']:.1f} prompt tok/s, {ours['wall_s']:.1f} s, "
+        f"median step {ours['median_step_ms']:.1f} ms"
+    )
+    if args.skip_hf:
+        return
+    for bs in (int(x) for x in args.hf_batch_sizes.split(",")):
+        hf = run_hf(str(resolved.hf_dir), prompts, args.max_tokens, bs)
+        print(
+            f"HF generate (batch {bs}): {hf['output_tok_s']:.1f} output tok/s, "
+            f"{hf['wall_s']:.1f} s; vbatch/HF = {ours['output_tok_s'] / hf['output_tok_s']:.2f}x; "
+            f"identical greedy continuations: {agreement(ours['tokens'], hf['tokens']):.0%}"
+        )
+
+
+if __name__ == "__main__":
+    main()

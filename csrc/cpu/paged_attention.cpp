@@ -1,0 +1,227 @@
+// CPU kernels for vbatch::paged_attention and vbatch::reshape_and_cache (OpenMP, float32 math).
+//
+// Attention parallelises over (token, kv_head) work items: each item reads its context's K/V rows
+// straight from the paged cache through the block table once and serves the num_heads /
+// num_kv_heads query heads that share them, with an online (flash-decoding style) softmax kept
+// in float32 one cache block at a time.
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "../paged_attention.h"
+
+namespace vbatch {
+namespace {
+
+// Returns one head_dim row as float32: the row itself for float caches, else a converted copy.
+template <typename scalar_t>
+inline const float* as_float_row(const scalar_t* row, int64_t head_dim, float* buf) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return row;
+  } else {
+    for (int64_t d = 0; d < head_dim; ++d) buf[d] = static_cast<float>(row[d]);
+    return buf;
+  }
+}
+
+// Asks for a cache block's K and V rows early: blocks are scattered, so the hardware
+// prefetcher cannot run ahead across a block boundary.
+template <typename scalar_t>
+inline void prefetch_block(const scalar_t* k_block, const scalar_t* v_block, int64_t num_rows,
+                           int64_t row_stride, int64_t head_dim) {
+  constexpr int64_t kLine = 64 / sizeof(scalar_t);
+  for (int64_t j = 0; j < num_rows; ++j) {
+    for (int64_t d = 0; d < head_dim; d += kLine) {
+      __builtin_prefetch(k_block + j * row_stride + d);
+      __builtin_prefetch(v_block + j * row_stride + d);
+    }
+  }
+}
+
+template <typename scalar_t>
+void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const std::vector<int64_t>& token_seq,
+                          const int32_t* query_start_loc, const int32_t* seq_lens,
+                          const int32_t* block_tables, int64_t max_num_blocks, float scale,
+                          at::Tensor& out) {
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t q_token_stride = q.stride(0), q_head_stride = q.stride(1);
+  const int64_t row_stride = num_kv_heads * head_dim;
+  const int64_t block_stride = block_size * row_stride;
+  const scalar_t* q_data = q.const_data_ptr<scalar_t>();
+  const scalar_t* k_data = k_cache.const_data_ptr<scalar_t>();
+  const scalar_t* v_data = v_cache.const_data_ptr<scalar_t>();
+  scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
+  const int64_t num_items = num_tokens * num_kv_heads;
+  const int num_threads = at::get_num_threads();
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> q_buf(group * head_dim), acc(group * head_dim);
+    std::vector<float> scores(group * block_size), k_buf(head_dim), v_buf(head_dim);
+    std::vector<float> running_max(group), running_sum(group);
+
+    // NOTE: dynamic scheduling because causal prefill items grow with their position.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_items; ++item) {
+      const int64_t token = item / num_kv_heads, kv_head = item % num_kv_heads;
+      const int64_t seq = token_seq[token];
+      const int64_t query_len = query_start_loc[seq + 1] - query_start_loc[seq];
+      const int64_t context_len =
+          seq_lens[seq] - query_len + (token - query_start_loc[seq]) + 1;
+      const int32_t* block_table = block_tables + seq * max_num_blocks;
+
+      for (int64_t g = 0; g < group; ++g) {
+        const scalar_t* q_row =
+            q_data + token * q_token_stride + (kv_head * group + g) * q_head_stride;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          q_buf[g * head_dim + d] = static_cast<float>(q_row[d]) * scale;
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
+      std::fill(running_sum.begin(), running_sum.end(), 0.0f);
+
+      for (int64_t start = 0; start < context_len; start += block_size) {
+        const int64_t num_rows = std::min(block_size, context_len - start);
+        const int64_t head_offset = kv_head * head_dim;
+        const int64_t offset = block_table[start / block_size] * block_stride + head_offset;
+        const scalar_t* k_block = k_data + offset;
+        const scalar_t* v_block = v_data + offset;
+        if (start + block_size < context_len) {
+          const int64_t next = block_table[start / block_size + 1] * block_stride + head_offset;
+          prefetch_block(k_data + next, v_data + next, block_size, row_stride, head_dim);
+        }
+
+        for (int64_t j = 0; j < num_rows; ++j) {
+          const float* k_row = as_float_row(k_block + j * row_stride, head_dim, k_buf.data());
+          for (int64_t g = 0; g < group; ++g) {
+            const float* q_g = q_buf.data() + g * head_dim;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim; ++d) dot += q_g[d] * k_row[d];
+            scores[g * block_size + j] = dot;
+          }
+        }
+
+        for (int64_t g = 0; g < group; ++g) {
+          float* s = scores.data() + g * block_size;
+          const float block_max = *std::max_element(s, s + num_rows);
+          const float new_max = std::max(running_max[g], block_max);
+          const float correction = std::exp(running_max[g] - new_max);
+          float block_sum = 0.0f;
+          for (int64_t j = 0; j < num_rows; ++j) {
+            s[j] = std::exp(s[j] - new_max);
+            block_sum += s[j];
+          }
+          running_sum[g] = running_sum[g] * correction + block_sum;
+          running_max[g] = new_max;
+          if (correction != 1.0f) {
+            float* acc_g = acc.data() + g * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) acc_g[d] *= correction;
+          }
+        }
+
+        for (int64_t j = 0; j < num_rows; ++j) {
+          const float* v_row = as_float_row(v_block + j * row_stride, head_dim, v_buf.data());
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * block_size + j];
+            float* acc_g = acc.data() + g * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) acc_g[d] += p * v_row[d];
+          }
+        }
+      }
+
+      for (int64_t g = 0; g < group; ++g) {
+        const float inv_sum = 1.0f / running_sum[g];
+        scalar_t* out_row = out_data + (token * num_heads + kv_head * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          out_row[d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv_sum);
+        }
+      }
+    }
+  }
+}
+
+at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, const at::Tensor& query_start_loc,
+                               const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                               double scale) {
+  check_paged_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables);
+  const int64_t num_tokens = q.size(0), num_seqs = seq_lens.size(0);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
+  const int64_t max_num_blocks = block_tables.size(1);
+  const int32_t* starts = query_start_loc.const_data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+  const int32_t* tables = block_tables.const_data_ptr<int32_t>();
+
+  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == num_tokens,
+              "query_start_loc must run from 0 to num_tokens");
+  std::vector<int64_t> token_seq(num_tokens);
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t query_len = starts[seq + 1] - starts[seq];
+    TORCH_CHECK(query_len >= 0 && query_len <= lens[seq],
+                "each sequence needs 0 <= query_len <= seq_len");
+    const int64_t num_used = (lens[seq] + block_size - 1) / block_size;
+    TORCH_CHECK(num_used <= max_num_blocks, "block_tables is too narrow for seq_lens");
+    for (int64_t b = 0; b < num_used; ++b) {
+      const int32_t block = tables[seq * max_num_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " is out of range");
+    }
+    std::fill(token_seq.begin() + starts[seq], token_seq.begin() + starts[seq + 1], seq);
+  }
+
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  VBATCH_DISPATCH_KV_TYPES(q.scalar_type(), "paged_attention_cpu", [&] {
+    paged_attention_impl<scalar_t>(q, k_cache, v_cache, token_seq, starts, lens, tables,
+                                   max_num_blocks, static_cast<float>(scale), out);
+  });
+  return out;
+}
+
+// NOTE: a negative slot marks a padding token and is skipped.
+void reshape_and_cache_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                           at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  check_reshape_and_cache_args(k, v, k_cache, v_cache, slot_mapping);
+  const int64_t num_tokens = k.size(0), num_kv_heads = k.size(1), head_dim = k.size(2);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " is out of range");
+  }
+
+  VBATCH_DISPATCH_KV_TYPES(k.scalar_type(), "reshape_and_cache_cpu", [&] {
+    const scalar_t* k_data = k.const_data_ptr<scalar_t>();
+    const scalar_t* v_data = v.const_data_ptr<scalar_t>();
+    scalar_t* k_cache_data = k_cache.mutable_data_ptr<scalar_t>();
+    scalar_t* v_cache_data = v_cache.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        if (slots[t] < 0) continue;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          const int64_t dst = (slots[t] * num_kv_heads + h) * head_dim;
+          std::copy_n(k_data + t * k.stride(0) + h * k.stride(1), head_dim, k_cache_data + dst);
+          std::copy_n(v_data + t * v.stride(0) + h * v.stride(1), head_dim, v_cache_data + dst);
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+}  // namespace vbatch
+
+TORCH_LIBRARY_IMPL(vbatch, CPU, m) {
+  m.impl("paged_attention", &vbatch::paged_attention_cpu);
+  m.impl("reshape_and_cache", &vbatch::reshape_and_cache_cpu);
+}

@@ -1,0 +1,13 @@
+// The vbatch:: op schemas; CPU and CUDA kernels register against them with TORCH_LIBRARY_IMPL.
+#include <torch/library.h>
+
+TORCH_LIBRARY(vbatch, m) {
+  // NOTE: the fake (meta) kernels live in Python; this makes torch name the module to import.
+  m.set_python_module("vbatch.layers.native");
+  m.def(
+      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, "
+      "Tensor seq_lens, Tensor block_tables, float scale) -> Tensor");
+  m.def(
+      "reshape_and_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor slot_mapping) -> ()");
+}

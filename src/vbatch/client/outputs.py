@@ -1,0 +1,158 @@
+"""Result types of the Python API and the per-request state that assembles them from deltas."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vbatch.client.detokenizer import IncrementalDetokenizer
+from vbatch.protocol import FinishReason, TokenDelta, TokenLogprobs
+from vbatch.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class Request:
+    """One input item: a prompt, a conversation or token ids, with optional own sampling params."""
+
+    id: Any = None
+    index: int | None = None
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling_params: SamplingParams | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: Any
+    index: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class RequestState:
+    """A submitted request being assembled from token deltas.
+
+    Invariants: `reasons[i]` is set once sample i finished here (core finish or stop string);
+    `num_core_live` counts samples the core still runs, so a request done here with
+    `num_core_live > 0` must be aborted in the core.
+    """
+
+    request: Request
+    position: int
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    detoks: list[IncrementalDetokenizer]
+    reasons: list[tuple[str, str | int | None] | None]
+    logprobs: list[list[TokenLogprobs] | None]
+    num_core_live: int
+    arrival_time: float = field(default_factory=time.time)
+    first_token_time: float | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def is_done(self) -> bool:
+        return all(r is not None for r in self.reasons)
+
+    def apply(self, delta: TokenDelta) -> None:
+        i = delta.index
+        if delta.finish_reason is not None:
+            self.num_core_live -= 1
+        if delta.finish_reason == FinishReason.ERROR:
+            self.error = delta.error or "the engine rejected the request"
+            self.reasons = [("error", None)] * len(self.reasons)
+            return
+        if self.reasons[i] is not None:
+            return
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        if delta.new_token_ids and self.first_token_time is None:
+            self.first_token_time = time.time()
+        if delta.new_logprobs is not None and self.logprobs[i] is not None:
+            self.logprobs[i].extend(delta.new_logprobs)
+        stop = self.detoks[i].update(delta.new_token_ids)
+        if stop is None and delta.finish_reason is not None:
+            stop = self.detoks[i].finalize()
+        if stop is not None:
+            self.reasons[i] = ("stop", stop)
+        elif delta.finish_reason is not None:
+            self.reasons[i] = (str(delta.finish_reason), delta.stop_reason)
+
+    def to_output(self) -> RequestOutput:
+        outputs = []
+        for i, (detok, reason) in enumerate(zip(self.detoks, self.reasons, strict=True)):
+            finish_reason, stop_reason = reason or (None, None)
+            token_ids = detok.token_ids
+            logprobs = self.logprobs[i]
+            outputs.append(
+                CompletionOutput(
+                    i,
+                    detok.text,
+                    list(token_ids),
+                    finish_reason,
+                    stop_reason,
+                    logprobs[: len(token_ids)] if logprobs is not None else None,
+                )
+            )
+        return make_output(
+            self.request,
+            self.position,
+            self.prompt_token_ids,
+            outputs,
+            self.error,
+            self.arrival_time,
+            self.first_token_time,
+            self.num_cached_tokens,
+        )
+
+
+def make_output(
+    request: Request,
+    position: int,
+    prompt_token_ids: list[int],
+    outputs: list[CompletionOutput],
+    error: str | None,
+    arrival_time: float,
+    first_token_time: float | None = None,
+    num_cached_tokens: int = 0,
+) -> RequestOutput:
+    index = request.index if request.index is not None else position
+    return RequestOutput(
+        request_id=request.id if request.id is not None else index,
+        index=index,
+        prompt=request.prompt,
+        prompt_token_ids=prompt_token_ids,
+        outputs=outputs,
+        finished=True,
+        num_cached_tokens=num_cached_tokens,
+        arrival_time=arrival_time,
+        first_token_time=first_token_time,
+        finish_time=time.time(),
+        error=error,
+    )
+
+
+def error_output(
+    request: Request, position: int, prompt_token_ids: list[int], error: str, n: int
+) -> RequestOutput:
+    outputs = [CompletionOutput(i, "", [], "error") for i in range(n)]
+    return make_output(request, position, prompt_token_ids, outputs, error, time.time())

@@ -1,0 +1,216 @@
+"""TextTokenizer: the client's fast tokenizer and chat-template renderer, free of torch."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from vbatch.errors import InputError, ModelLoadError
+
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` renders its body unchanged (it only marks spans)."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2's class attribute)
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # NOTE: jinja2's own tojson escapes HTML characters; chat templates expect plain JSON.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the same sandboxed environment transformers renders with."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check a conversation's shape; return shallow copies without None-valued keys."""
+    if not isinstance(messages, list) or not messages:
+        raise InputError(
+            "messages must be a non-empty list of {'role', 'content'} objects, "
+            f"got {messages!r:.80}"
+        )
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise InputError(
+                f"messages[{i}] must be an object with 'role' and 'content', "
+                f"got {type(message).__name__}"
+            )
+        for key in ("role", "content"):
+            if key not in message:
+                raise InputError(f"messages[{i}] has no '{key}'")
+            if not isinstance(message[key], str):
+                raise InputError(
+                    f"messages[{i}]['{key}'] must be a string, got {type(message[key]).__name__}"
+                )
+        checked.append({k: v for k, v in message.items() if v is not None})
+    return checked
+
+
+def _token_content(value: Any) -> str | None:
+    # NOTE: tokenizer_config stores special tokens as a string or as a serialized AddedToken.
+    if isinstance(value, Mapping):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_chat_template(path: Path, config: Mapping[str, Any]) -> str | None:
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+class TextTokenizer:
+    """Encodes prompts, renders chat templates and decodes ids for one model.
+
+    Invariants: `special_token_ids` are the ids `decode(..., skip_special_tokens=True)` drops;
+    `special_tokens` maps names like "eos_token" to their text and is what templates see;
+    encoding follows the tokenizer.json post-processor (it adds BOS only where the model does).
+    """
+
+    def __init__(
+        self,
+        backend: Tokenizer,
+        special_tokens: Mapping[str, str],
+        chat_template: str | None = None,
+    ) -> None:
+        self.backend = backend
+        self.special_tokens = dict(special_tokens)
+        self.chat_template = chat_template
+        self._template = compile_chat_template(chat_template) if chat_template else None
+        added = backend.get_added_tokens_decoder()
+        self.special_token_ids = frozenset(i for i, tok in added.items() if tok.special)
+        eos = self.special_tokens.get("eos_token")
+        self.eos_token_id: int | None = backend.token_to_id(eos) if eos is not None else None
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> TextTokenizer:
+        """Load tokenizer.json, tokenizer_config.json and the chat template from a directory."""
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ModelLoadError(f"no tokenizer.json in {path}; vbatch needs a fast tokenizer")
+        try:
+            backend = Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:
+            raise ModelLoadError(f"cannot read {tokenizer_file}: {exc}") from None
+        config_file = path / "tokenizer_config.json"
+        config: dict[str, Any] = {}
+        if config_file.is_file():
+            try:
+                config = json.loads(config_file.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as exc:
+                raise ModelLoadError(f"cannot parse {config_file}: {exc}") from None
+        special_tokens = {
+            name: content
+            for name in SPECIAL_TOKEN_NAMES
+            if (content := _token_content(config.get(name))) is not None
+        }
+        chat_template = _read_chat_template(path, config)
+        try:
+            return cls(backend, special_tokens, chat_template)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ModelLoadError(f"the chat template in {path} does not compile: {exc}") from None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        """Token ids for each text; pass add_special_tokens=False for chat-rendered text."""
+        encodings = self.backend.encode_batch_fast(
+            list(texts), add_special_tokens=add_special_tokens
+        )
+        return [enc.ids for enc in encodings]
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render one conversation to prompt text, exactly as transformers does."""
+        if self._template is None:
+            raise InputError(
+                "this model has no chat template, so 'messages' rows cannot be used; "
+                "pass a 'prompt' string instead"
+            )
+        checked = validate_messages(messages)
+        try:
+            return self._template.render(
+                messages=checked,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except jinja2.TemplateError as exc:
+            raise InputError(f"the chat template rejected the messages: {exc}") from None
+
+    def encode_chats(
+        self, conversations: Sequence[list[dict[str, Any]]], add_generation_prompt: bool = True
+    ) -> list[list[int]]:
+        """Render and encode conversations; templates carry their own BOS, so none is added."""
+        texts = [self.apply_chat_template(m, add_generation_prompt) for m in conversations]
+        return self.encode_batch(texts, add_special_tokens=False)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str | None]:
+        return [self.backend.id_to_token(i) for i in token_ids]

@@ -1,0 +1,157 @@
+"""EngineCore: the in-process engine; add requests, step, and collect token deltas."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+from vbatch.config import EngineConfig
+from vbatch.engine.model_runner import ModelRunner
+from vbatch.engine.scheduler import Scheduler, SchedulerConfig
+from vbatch.engine.sequence import Sequence
+from vbatch.models.config import ModelConfig
+from vbatch.models.loader import resolve_model
+from vbatch.protocol import (
+    AddRequest,
+    FinishReason,
+    Ready,
+    SchedulerStats,
+    TokenDelta,
+    unpack_token_ids,
+)
+
+
+class EngineCore:
+    """Schedules requests over the paged KV cache and runs one model step at a time.
+
+    Invariants: every live request id maps to its samples in `requests`, and leaves it once all
+    of them have finished. The n samples of one request are n Sequences; the scheduler admits
+    the later ones after the first has computed the prompt, so they share its KV blocks.
+    """
+
+    def __init__(
+        self, config: EngineConfig, on_progress: Callable[[str], None] | None = None
+    ) -> None:
+        progress = on_progress or (lambda stage: None)
+        self.config = config.validate()
+        progress("resolving model")
+        resolved = resolve_model(config.model)
+        self.model_config = ModelConfig.from_hf_dir(resolved.hf_dir)
+        max_len = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or max_len, max_len)
+        self.runner = ModelRunner(config, resolved, self.model_config, progress)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                block_size=config.block_size,
+                num_kv_blocks=self.runner.num_kv_blocks,
+                enable_prefix_caching=config.enable_prefix_caching,
+            ),
+            eos_token_ids=self.model_config.eos_token_ids,
+        )
+        self.requests: dict[str, list[Sequence]] = {}
+        self.info = Ready(
+            max_model_len=self.max_model_len,
+            num_kv_blocks=self.runner.num_kv_blocks,
+            block_size=config.block_size,
+            device=str(self.runner.device),
+            dtype=str(self.runner.dtype).removeprefix("torch."),
+            vocab_size=self.model_config.vocab_size,
+            kv_cache_bytes=self.runner.kv_cache_bytes,
+            attention_backend=self.runner.attn_backend.name,
+            pid=os.getpid(),
+        )
+        self._step_time = 0.0
+        self._forward_time = 0.0
+
+    def add_request(self, req: AddRequest) -> list[TokenDelta]:
+        prompt_token_ids = unpack_token_ids(req.prompt_token_ids)
+        params = req.sampling_params
+        if req.request_id in self.requests:
+            return [_error(req.request_id, f"request id {req.request_id!r} is already running")]
+        if not prompt_token_ids:
+            return [_error(req.request_id, "the prompt is empty")]
+        reason = self.scheduler.check_prompt(len(prompt_token_ids), params)
+        if reason is not None:
+            return [_error(req.request_id, reason)]
+        vocab_size = self.model_config.vocab_size
+        if max(prompt_token_ids) >= vocab_size or min(prompt_token_ids) < 0:
+            return [_error(req.request_id, f"prompt token ids must lie in [0, {vocab_size})")]
+        seqs = [
+            Sequence(req.request_id, prompt_token_ids, params, i, req.arrival_time)
+            for i in range(params.n)
+        ]
+        self.requests[req.request_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return []
+
+    def abort(self, request_ids: list[str]) -> list[TokenDelta]:
+        live = [rid for rid in request_ids if rid in self.requests]
+        self.scheduler.abort(live)
+        deltas = []
+        for rid in live:
+            seqs = self.requests.pop(rid)
+            self.runner.release(seqs)
+            for seq in seqs:
+                new_ids, logprobs = seq.take_new_tokens()
+                deltas.append(
+                    TokenDelta(
+                        rid,
+                        new_ids,
+                        index=seq.index,
+                        new_logprobs=logprobs,
+                        finish_reason=FinishReason.ABORT,
+                        num_cached_tokens=seq.num_cached_tokens,
+                    )
+                )
+        return deltas
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[TokenDelta]:
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        forward_start = time.perf_counter()
+        token_ids, logprobs = self.runner.execute(out)
+        self._forward_time += time.perf_counter() - forward_start
+        touched = self.scheduler.update(out, token_ids, logprobs)
+        deltas = [self._delta(seq) for seq in touched]
+        self._step_time += time.perf_counter() - start
+        return deltas
+
+    def _delta(self, seq: Sequence) -> TokenDelta:
+        new_ids, logprobs = seq.take_new_tokens()
+        if seq.is_finished:
+            samples = self.requests.get(seq.request_id, [])
+            if samples and all(s.is_finished for s in samples):
+                del self.requests[seq.request_id]
+            self.runner.release([seq])
+        return TokenDelta(
+            seq.request_id,
+            new_ids,
+            index=seq.index,
+            new_logprobs=logprobs,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    def stats(self) -> SchedulerStats:
+        stats = self.scheduler.stats()
+        stats.step_time_s = self._step_time
+        stats.forward_time_s = self._forward_time
+        return stats
+
+    def shutdown(self) -> None:
+        self.abort(list(self.requests))
+
+
+def _error(request_id: str, message: str) -> TokenDelta:
+    return TokenDelta(request_id, [], finish_reason=FinishReason.ERROR, error=message)

@@ -1,0 +1,390 @@
+"""Sampler: one step's logits to next tokens (penalties, top-k/top-p/min-p, seeds, logprobs)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Collection, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from vbatch.engine.sequence import Sequence
+from vbatch.protocol import TokenLogprobs
+
+# NOTE: top-p first looks for each row's nucleus among this many top tokens; rows whose nucleus
+# is wider retry with CANDIDATE_GROWTH times as many, up to a full sort. The result is exact.
+NUM_CANDIDATES = 128
+CANDIDATE_GROWTH = 8
+DRAW_BLOCK = 256
+# NOTE: temperatures below this sample greedily, as in vLLM: the rest differs only on near-ties.
+MIN_TEMPERATURE = 1e-5
+
+
+@dataclass
+class Penalties:
+    """Penalty terms at the (row, token) pairs a penalised row has seen; other logits are kept."""
+
+    keys: torch.Tensor  # [m] int64, unique: row * vocab_size + token id
+    repetition: torch.Tensor  # [m] the row's repetition penalty (prompt and output tokens)
+    subtract: torch.Tensor  # [m] frequency * output count + presence * (output count > 0)
+
+
+@dataclass
+class SamplingMetadata:
+    """One step's sampling inputs, one row per sampling sequence, on the logits' device.
+
+    Invariants: an optional field is None exactly when no row needs it, so the sampler skips that
+    transform; greedy rows have temperature 1 and top_k 1 and consume no randomness; `uniforms`
+    holds one draw per row, a seeded row's from its own generator.
+    """
+
+    num_rows: int
+    vocab_size: int
+    num_logprobs: list[int | None]
+    logprob_rows: torch.Tensor | None = None  # [m] rows that asked for logprobs
+    penalties: Penalties | None = None
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) by min_tokens
+    is_all_greedy: bool = True
+    is_greedy: torch.Tensor | None = None  # [n] bool; None unless greedy and random rows mix
+    temperature: torch.Tensor | None = None  # [n, 1]; None when all greedy
+    uniforms: torch.Tensor | None = None  # [n] in [0, 1); None when all greedy
+    top_k: torch.Tensor | None = None  # [n, 1] int64, vocab_size if off; None: no top-k/top-p
+    top_p: torch.Tensor | None = None  # [n, 1], 1.0 where disabled
+    min_p: torch.Tensor | None = None  # [n, 1], 0 where disabled
+    restricted_rows: torch.Tensor | None = None  # rows top-k or top-p limit; None: all rows
+    unrestricted_rows: torch.Tensor | None = None  # the other rows; None: no row
+    num_candidates: int = 0  # width of the first top-k candidate set
+    needs_full_mass: bool = False  # a top-p row without top-k: its mass spans the whole vocab
+
+    @classmethod
+    def build(
+        cls,
+        seqs: list[Sequence],
+        device: torch.device,
+        vocab_size: int,
+        generators: dict[int, torch.Generator],
+        eos_token_ids: Collection[int] = (),
+    ) -> SamplingMetadata:
+        """Metadata for `seqs` in logits row order; draws this step's seeded uniforms.
+
+        `generators` (seq_id -> CPU generator) persists across steps; missing ones are created
+        from `seed + seq.index`. `eos_token_ids` are barred, with each row's stop_token_ids,
+        until the row has min_tokens output tokens.
+        """
+        n = len(seqs)
+        assert n > 0
+        num_logprobs = [seq.params.logprobs for seq in seqs]
+        logprob_rows = [i for i, k in enumerate(num_logprobs) if k is not None]
+        meta = cls(
+            num_rows=n,
+            vocab_size=vocab_size,
+            num_logprobs=num_logprobs,
+            logprob_rows=torch.tensor(logprob_rows, device=device) if logprob_rows else None,
+            penalties=_build_penalties(seqs, device, vocab_size),
+            banned=_build_banned(seqs, device, eos_token_ids),
+        )
+        is_greedy = [seq.params.temperature < MIN_TEMPERATURE for seq in seqs]
+        meta.is_all_greedy = all(is_greedy)
+        if meta.is_all_greedy:
+            return meta
+        uniforms = torch.rand(n)
+        temperature, top_k, top_p, min_p = [], [], [], []
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if is_greedy[i]:
+                temperature.append(1.0)
+                top_k.append(1)
+                top_p.append(1.0)
+                min_p.append(0.0)
+                continue
+            temperature.append(p.temperature)
+            top_k.append(p.top_k if 0 < p.top_k < vocab_size else vocab_size)
+            top_p.append(p.top_p)
+            min_p.append(p.min_p)
+            if p.seed is not None:
+                gen = generators.get(seq.seq_id)
+                if gen is None:
+                    gen = torch.Generator().manual_seed(p.seed + seq.index)
+                    generators[seq.seq_id] = gen
+                uniforms[i] = torch.rand((), generator=gen)
+
+        def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).view(n, 1).to(device)
+
+        if any(is_greedy):
+            meta.is_greedy = torch.tensor(is_greedy, device=device)
+        meta.temperature = column(temperature, torch.float32)
+        meta.uniforms = uniforms.to(device)
+        if max(min_p) > 0.0:
+            meta.min_p = column(min_p, torch.float32)
+        restricted = [k < vocab_size or q < 1.0 for k, q in zip(top_k, top_p, strict=True)]
+        if not any(r and not g for r, g in zip(restricted, is_greedy, strict=True)):
+            return meta
+        meta.top_k = column(top_k, torch.int64)
+        if not all(restricted):
+            meta.restricted_rows = torch.tensor(
+                [i for i, r in enumerate(restricted) if r], device=device
+            )
+            meta.unrestricted_rows = torch.tensor(
+                [i for i, r in enumerate(restricted) if not r], device=device
+            )
+        max_top_k = max((k for k in top_k if k < vocab_size), default=0)
+        needs_full_mass = any(
+            q < 1.0 and k >= vocab_size for k, q in zip(top_k, top_p, strict=True)
+        )
+        width = max(NUM_CANDIDATES, max_top_k) if needs_full_mass else max_top_k
+        meta.num_candidates = min(vocab_size, width)
+        if min(top_p) < 1.0:
+            meta.top_p = column(top_p, torch.float32)
+            meta.needs_full_mass = needs_full_mass
+        return meta
+
+
+def free_generators(generators: dict[int, torch.Generator], seq_ids: Iterable[int]) -> None:
+    """Forget the generators of finished sequences."""
+    for seq_id in seq_ids:
+        generators.pop(seq_id, None)
+
+
+def _build_penalties(
+    seqs: list[Sequence], device: torch.device, vocab_size: int
+) -> Penalties | None:
+    # NOTE: sparse over the tokens each row has seen, not dense [n, vocab]: cost follows the
+    # number of tokens, not batch * vocab.
+    params = [seq.params for seq in seqs]
+    has_penalty = [
+        p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+        for p in params
+    ]
+    if not any(has_penalty):
+        return None
+
+    def flat_keys(token_lists: list[list[int]]) -> torch.Tensor:
+        ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64)
+        lengths = torch.tensor([len(ids) for ids in token_lists])
+        return ids + torch.arange(len(seqs)).mul_(vocab_size).repeat_interleave(lengths)
+
+    output_keys = flat_keys(
+        [s.output_token_ids if h else [] for s, h in zip(seqs, has_penalty, strict=True)]
+    )
+    prompt_keys = flat_keys(
+        [
+            s.prompt_token_ids if h and s.params.repetition_penalty != 1 else []
+            for s, h in zip(seqs, has_penalty, strict=True)
+        ]
+    )
+    keys = torch.unique(torch.cat([output_keys, prompt_keys]))  # sorted
+    counts = torch.zeros(len(keys)).scatter_add_(
+        0, torch.searchsorted(keys, output_keys), torch.ones(len(output_keys))
+    )
+    row_values = torch.tensor(
+        [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params]
+    )[keys // vocab_size]  # [m, 3]
+    subtract = row_values[:, 1] * counts + row_values[:, 2] * (counts > 0)
+    return Penalties(keys.to(device), row_values[:, 0].to(device), subtract.to(device))
+
+
+def _build_banned(
+    seqs: list[Sequence], device: torch.device, eos_token_ids: Collection[int]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    token_ids: list[int] = []
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if seq.num_output_tokens < p.min_tokens:
+            ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            rows.extend([i] * len(ids))
+            token_ids.extend(ids)
+    if not rows:
+        return None
+    return torch.tensor(rows, device=device), torch.tensor(token_ids, device=device)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [n] int64
+    logprobs: list[TokenLogprobs | None] | None  # None when no row asked for logprobs
+
+
+class Sampler:
+    """Stateless: a call reads `logits` and `meta` only and never writes to `logits`.
+
+    Order: penalties and min_tokens bans, then greedy argmax, or temperature, top-k, top-p (over
+    the top-k renormalised mass), min-p, and an inverse-CDF draw over kept tokens in id order.
+    Logprobs are of the raw model output, before any of these transforms (as vLLM V1 does).
+    """
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        assert logits.shape == (meta.num_rows, meta.vocab_size), logits.shape
+        raw_logprobs = None
+        if meta.logprob_rows is not None:
+            raw_logprobs = torch.log_softmax(logits[meta.logprob_rows].float(), dim=-1)
+        logits = _apply_penalties(logits, meta)
+        if meta.is_all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = _sample(logits, meta)
+            if meta.is_greedy is not None:
+                token_ids = torch.where(meta.is_greedy, logits.argmax(dim=-1), token_ids)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = _token_logprobs(raw_logprobs, token_ids, meta)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+
+def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """A float32 copy with penalties and bans applied; `logits` itself when there are none."""
+    pen = meta.penalties
+    if pen is None and meta.banned is None:
+        return logits.float()
+    logits = logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
+    if pen is not None:
+        flat = logits.view(-1)
+        seen = flat[pen.keys]
+        seen = torch.where(seen > 0, seen / pen.repetition, seen * pen.repetition)
+        flat[pen.keys] = seen - pen.subtract
+    if meta.banned is not None:
+        logits[meta.banned] = -math.inf
+    return logits
+
+
+def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Draw one token per row from the temperature-scaled, filtered distribution."""
+    assert meta.uniforms is not None
+    if meta.top_k is None:
+        return _sample_full_vocab(logits, meta, None)
+    token_ids = torch.empty(meta.num_rows, dtype=torch.int64, device=logits.device)
+    for rows, weights, ids in _nucleus_groups(logits, meta):
+        # NOTE: kept tokens are drawn in id order so that a seeded row's draw does not depend on
+        # the candidate width its batch gives it.
+        ids, order = ids.sort(dim=-1)
+        draws = _draw(weights.gather(1, order), meta.uniforms[rows])
+        token_ids[rows] = ids.gather(1, draws).squeeze(1)
+    if meta.unrestricted_rows is not None:
+        rows = meta.unrestricted_rows
+        token_ids[rows] = _sample_full_vocab(logits[rows], meta, rows)
+    return token_ids
+
+
+def _sample_full_vocab(
+    logits: torch.Tensor, meta: SamplingMetadata, rows: torch.Tensor | None
+) -> torch.Tensor:
+    """Draw from temperature and min-p over the whole vocab for `rows` (all rows when None)."""
+    assert meta.temperature is not None and meta.uniforms is not None
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t if rows is None else t[rows]
+
+    probs = torch.softmax(logits / pick(meta.temperature), dim=-1)  # [rows, vocab]
+    if meta.min_p is not None:
+        min_probs = pick(meta.min_p) * probs.amax(dim=-1, keepdim=True)
+        probs.masked_fill_(probs < min_probs, 0.0)
+    return _draw(probs, pick(meta.uniforms)).squeeze(1)
+
+
+def _nucleus_groups(
+    logits: torch.Tensor, meta: SamplingMetadata
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(rows, weights, ids) of the restricted rows, one group per candidate width tried.
+
+    Candidates are each row's top tokens; outside its kept set a weight is 0 and an id is
+    vocab_size. A row leaves at the first width that holds its whole nucleus.
+    """
+    assert meta.top_k is not None and meta.temperature is not None
+    vocab_size = meta.vocab_size
+    all_rows = torch.arange(meta.num_rows, device=logits.device)
+    rows = all_rows if meta.restricted_rows is None else meta.restricted_rows
+    full_mass = None  # [n, 1]: sum over the vocab of p / p_max
+    if meta.needs_full_mass:
+        scaled = logits / meta.temperature
+        full_mass = (scaled.logsumexp(dim=-1, keepdim=True) - scaled.amax(-1, keepdim=True)).exp()
+    width = meta.num_candidates
+    while True:
+        vals, ids = (logits if rows is all_rows else logits[rows]).topk(width, dim=-1)
+        # [rows, width], descending; p / p_max
+        weights = ((vals - vals[:, :1]) / meta.temperature[rows]).exp_()
+        keep, is_short = _keep_prefix(weights, meta, rows, full_mass)
+        num_short = int(is_short.sum())
+        if num_short < len(rows):
+            done = ~is_short
+            weights.masked_fill_(~keep, 0.0)
+            yield rows[done], weights[done], ids.masked_fill_(~keep, vocab_size)[done]
+        if num_short == 0:
+            return
+        rows = rows[is_short]
+        width = min(vocab_size, width * CANDIDATE_GROWTH)
+
+
+def _keep_prefix(
+    weights: torch.Tensor,
+    meta: SamplingMetadata,
+    rows: torch.Tensor,
+    full_mass: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which descending candidates survive top-k, top-p and min-p; which rows are short.
+
+    `weights` are exp((logit - max) / temperature) of the candidates of `rows`; a row is short
+    when its top-p nucleus may extend past its candidates.
+    """
+    assert meta.top_k is not None
+    width = weights.shape[1]
+    top_k = meta.top_k[rows]
+    keep = torch.arange(width, device=weights.device) < top_k  # [rows, width]
+    is_short = torch.zeros(len(rows), dtype=torch.bool, device=weights.device)
+    if meta.top_p is not None:
+        top_p = meta.top_p[rows]
+        cdf = (weights * keep).cumsum(dim=-1)
+        mass = cdf[:, -1:]
+        if full_mass is not None:
+            mass = torch.where(top_k <= width, mass, full_mass[rows])
+        keep &= F.pad(cdf[:, :-1], (1, 0)) < top_p * mass
+        if width < meta.vocab_size:
+            is_short = ((cdf[:, -1:] < top_p * mass) & (top_k > width)).squeeze(1)
+    if meta.min_p is not None:
+        keep &= weights >= meta.min_p[rows]
+        is_short &= keep[:, -1]
+    return keep, is_short
+
+
+def _draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """[n, 1] column indices drawn with probability proportional to `weights` [n, width].
+
+    Two-level inverse CDF: pick a block of DRAW_BLOCK columns by block sums, then a column
+    inside it; exact, and far cheaper than a cumsum over the whole vocab.
+    """
+    n, width = weights.shape
+    if width % DRAW_BLOCK:
+        weights = F.pad(weights, (0, DRAW_BLOCK - width % DRAW_BLOCK))
+    blocks = weights.view(n, -1, DRAW_BLOCK)  # [n, num_blocks, DRAW_BLOCK]
+    block_cdf = blocks.sum(dim=-1).cumsum(dim=-1)  # [n, num_blocks]
+    targets = uniforms.unsqueeze(1) * block_cdf[:, -1:]
+    block = _search(block_cdf, targets)
+    targets -= F.pad(block_cdf, (1, 0)).gather(1, block)
+    inner_cdf = blocks[torch.arange(n, device=weights.device), block.squeeze(1)].cumsum(dim=-1)
+    return block * DRAW_BLOCK + _search(inner_cdf, targets)
+
+
+def _search(cdf: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[n, 1] first column whose `cdf` exceeds `targets`, never past the last positive weight."""
+    index = torch.searchsorted(cdf, targets, right=True)
+    # NOTE: rounding can put a target at or past the total; the last column that raises the
+    # cdf is the first one equal to the total.
+    return torch.minimum(index, (cdf < cdf[:, -1:]).sum(dim=-1, keepdim=True))
+
+
+def _token_logprobs(
+    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, meta: SamplingMetadata
+) -> list[TokenLogprobs | None]:
+    assert meta.logprob_rows is not None
+    chosen = raw_logprobs.gather(1, token_ids[meta.logprob_rows].unsqueeze(1)).squeeze(1).tolist()
+    max_num = max(k for k in meta.num_logprobs if k is not None)
+    top_vals, top_ids = raw_logprobs.topk(max_num, dim=-1)  # [m, max_num], descending
+    top_vals_list, top_ids_list = top_vals.tolist(), top_ids.tolist()
+    out: list[TokenLogprobs | None] = [None] * meta.num_rows
+    for j, row in enumerate(meta.logprob_rows.tolist()):
+        k = meta.num_logprobs[row]
+        assert k is not None
+        out[row] = TokenLogprobs(chosen[j], top_ids_list[j][:k], top_vals_list[j][:k])
+    return out

@@ -1,0 +1,338 @@
+"""Scheduler: picks each step's batch under a token budget, preempts when KV blocks run out, and
+applies sampled tokens and finish rules (torch-free)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+
+from vbatch.engine.block_manager import BlockManager
+from vbatch.engine.sequence import Sequence, SequenceStatus
+from vbatch.protocol import FinishReason, SchedulerStats, TokenLogprobs
+from vbatch.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch: `seqs[i]` computes `num_new_tokens[i]` tokens from its num_computed_tokens.
+
+    `sampling_mask[i]` says whether seq i samples this step (the step reaches its last token); it is
+    fixed at construction, so it stays right after update() has moved the seqs on.
+    """
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    preempted: list[Sequence] = field(default_factory=list)
+    sampling_mask: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.sampling_mask:
+            self.sampling_mask = [
+                seq.num_computed_tokens + n == seq.num_tokens
+                for seq, n in zip(self.seqs, self.num_new_tokens, strict=True)
+            ]
+
+    @property
+    def sampling_indices(self) -> list[int]:
+        return [i for i, is_sampling in enumerate(self.sampling_mask) if is_sampling]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    """FCFS continuous batching on one BlockManager, with chunked prefill and recompute preemption.
+
+    Invariants: every unfinished seq is in exactly one of `waiting` (no blocks, nothing computed) or
+    `running` (admission order, newest last); a step never exceeds max_num_batched_tokens tokens or
+    max_num_seqs seqs; finished seqs hold no blocks and are in neither queue.
+    """
+
+    def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int]) -> None:
+        self.config = config
+        self.block_manager = BlockManager(
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._seqs_by_request: dict[str, list[Sequence]] = {}
+        self._prompt_owners: dict[str, Sequence] = {}  # request_id -> the sample prefilling it
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self.num_scheduled_tokens = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def check_prompt(self, num_prompt_tokens: int, params: SamplingParams) -> str | None:
+        """Why a prompt of this length can never run here, or None if it can."""
+        max_model_len = self.config.max_model_len
+        if num_prompt_tokens < 1:
+            return "the prompt is empty"
+        if num_prompt_tokens + 1 > max_model_len:
+            return (
+                f"the prompt has {num_prompt_tokens} tokens, which leaves no room for output "
+                f"within the maximum model length of {max_model_len} tokens"
+            )
+        max_num_tokens = min(num_prompt_tokens + params.max_tokens, max_model_len)
+        num_blocks = -(-max_num_tokens // self.config.block_size)
+        if num_blocks > self.config.num_kv_blocks:
+            return (
+                f"the prompt and its output need up to {max_num_tokens} tokens ({num_blocks} KV "
+                f"blocks) but the KV cache has only {self.config.num_kv_blocks} blocks"
+            )
+        return None
+
+    def add(self, seq: Sequence) -> None:
+        assert seq.status == SequenceStatus.WAITING and not seq.block_table
+        self.waiting.append(seq)
+        self._seqs_by_request.setdefault(seq.request_id, []).append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        num_new_tokens: list[int] = []
+        sampling_mask: list[bool] = []
+        preempted: list[Sequence] = []
+        block_size = self.config.block_size
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            num_computed = seq.num_computed_tokens
+            num_uncomputed = len(seq.token_ids) - num_computed
+            num_new = num_uncomputed if num_uncomputed < budget else budget
+            # NOTE: inlines append_slots' "already fits" test; this loop runs per seq per step.
+            if num_computed + num_new > len(seq.block_table) * block_size and not (
+                self._reserve_slots(seq, num_new, preempted)
+            ):
+                break
+            seqs.append(seq)
+            num_new_tokens.append(num_new)
+            sampling_mask.append(num_new == num_uncomputed)
+            budget -= num_new
+            i += 1
+        if not preempted:
+            budget = self._admit_waiting(budget, seqs, num_new_tokens, sampling_mask)
+        if seqs:
+            self.num_steps += 1
+            self.num_scheduled_tokens += self.config.max_num_batched_tokens - budget
+        return SchedulerOutput(seqs, num_new_tokens, preempted, sampling_mask)
+
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled_token_ids: SequenceOf[int],
+        logprobs: SequenceOf[TokenLogprobs | None] | None = None,
+    ) -> list[Sequence]:
+        """Apply one step: `sampled_token_ids` align with out's sampling seqs, in batch order.
+
+        Returns the seqs that got a token this step (finished ones included).
+        """
+        block_manager = self.block_manager
+        block_size = self.config.block_size
+        max_model_len = self.config.max_model_len
+        eos_token_ids = self.eos_token_ids
+        is_caching = self.config.enable_prefix_caching
+        outputs: list[Sequence] = []
+        finished: list[Sequence] = []
+        j = 0
+        for seq, num_new, is_sampling in zip(
+            out.seqs, out.num_new_tokens, out.sampling_mask, strict=True
+        ):
+            if seq.finish_reason is not None:
+                # NOTE: aborted after schedule(); its sampled token (if any) is dropped.
+                j += is_sampling
+                continue
+            old = seq.num_computed_tokens
+            seq.num_computed_tokens = new = old + num_new
+            num_prompt_tokens = seq.num_prompt_tokens
+            if old < num_prompt_tokens:
+                self.num_prompt_tokens += min(new, num_prompt_tokens) - old
+            if is_caching and new // block_size > old // block_size:
+                block_manager.cache_full_blocks(seq)
+            if not is_sampling:
+                continue
+            token_id = sampled_token_ids[j]
+            seq.append_token(token_id, logprobs[j] if logprobs is not None else None)
+            j += 1
+            outputs.append(seq)
+            params = seq.params
+            if params.n > 1:
+                self._release_prompt_owner(seq)
+            num_tokens = len(seq.token_ids)
+            # NOTE: most tokens finish nothing; the full rules run only when one may apply.
+            if (
+                token_id in eos_token_ids
+                or token_id in params.stop_token_ids
+                or num_tokens - num_prompt_tokens >= params.max_tokens
+                or num_tokens >= max_model_len
+            ) and self._check_finish(seq, token_id):
+                finished.append(seq)
+        assert j == len(sampled_token_ids), "one sampled token per sampling seq"
+        self.num_generation_tokens += j
+        if finished:
+            for seq in finished:
+                self._forget(seq)
+            self.running = [seq for seq in self.running if seq.finish_reason is None]
+        return outputs
+
+    def abort(self, request_ids: Iterable[str]) -> list[Sequence]:
+        """Finish all samples of these requests with ABORT, waiting or running; skip unknown ids."""
+        aborted: list[Sequence] = []
+        for request_id in dict.fromkeys(request_ids):
+            aborted.extend(self._seqs_by_request.get(request_id, ()))
+        for seq in aborted:
+            self._finish(seq, FinishReason.ABORT)
+            self._forget(seq)
+        if aborted:
+            self.waiting = deque(seq for seq in self.waiting if seq.finish_reason is None)
+            self.running = [seq for seq in self.running if seq.finish_reason is None]
+        return aborted
+
+    def stats(self) -> SchedulerStats:
+        """Gauges now plus counters since start (step_time_s is the caller's to fill)."""
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_usage=self.block_manager.usage,
+            num_kv_blocks=self.config.num_kv_blocks,
+            prefix_cache_queries=self.block_manager.num_prefix_queries,
+            prefix_cache_hits=self.block_manager.num_prefix_hits,
+            num_preemptions=self.num_preemptions,
+            num_steps=self.num_steps,
+            num_scheduled_tokens=self.num_scheduled_tokens,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+        )
+
+    def _reserve_slots(self, seq: Sequence, num_new: int, preempted: list[Sequence]) -> bool:
+        """Give `seq` room for num_new tokens, preempting the newest running seqs as needed.
+
+        False when `seq` had to preempt itself (it was the newest).
+        """
+        while not self.block_manager.append_slots(seq, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit_waiting(
+        self,
+        budget: int,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        sampling_mask: list[bool],
+    ) -> int:
+        block_manager = self.block_manager
+        block_size = self.config.block_size
+        is_sharing_prompts = self.config.enable_prefix_caching
+        waiting = self.waiting
+        while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = waiting[0]
+            if seq.params.n > 1 and self._is_waiting_for_sibling(seq):
+                break
+            cached_blocks = block_manager.match_prefix(seq)
+            num_uncomputed = seq.num_tokens - len(cached_blocks) * block_size
+            num_new = num_uncomputed if num_uncomputed < budget else budget
+            if not block_manager.can_allocate(num_new, cached_blocks):
+                break
+            waiting.popleft()
+            block_manager.allocate(seq, num_new, cached_blocks)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            if (
+                is_sharing_prompts
+                and seq.params.n > 1
+                and len(cached_blocks) < (seq.num_prompt_tokens - 1) // block_size
+            ):
+                self._prompt_owners.setdefault(seq.request_id, seq)
+            seqs.append(seq)
+            num_new_tokens.append(num_new)
+            sampling_mask.append(num_new == num_uncomputed)
+            budget -= num_new
+        return budget
+
+    def _is_waiting_for_sibling(self, seq: Sequence) -> bool:
+        # NOTE: a sample whose sibling is still prefilling the shared prompt waits (and so does the
+        # queue behind it, FCFS) so that it reuses the sibling's cached blocks, not recomputes them.
+        owner = self._prompt_owners.get(seq.request_id)
+        return owner is not None and owner is not seq
+
+    def _release_prompt_owner(self, seq: Sequence) -> None:
+        if self._prompt_owners.get(seq.request_id) is seq:
+            del self._prompt_owners[seq.request_id]
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self._release_prompt_owner(seq)
+        self.num_preemptions += 1
+
+    def _check_finish(self, seq: Sequence, token_id: int) -> bool:
+        """Finish `seq` if its newest token `token_id` ends it; True if it did."""
+        params = seq.params
+        num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
+        # NOTE: EOS and stop ids count only after min_tokens other tokens, so the earliest stop is
+        # output token min_tokens + 1; this matches the sampler, which bans them until then.
+        if num_output_tokens > params.min_tokens:
+            if token_id in self.eos_token_ids and not params.ignore_eos:
+                self._finish(seq, FinishReason.STOP)
+                return True
+            if token_id in params.stop_token_ids:
+                self._finish(seq, FinishReason.STOP, token_id)
+                return True
+        if (
+            num_output_tokens >= params.max_tokens
+            or len(seq.token_ids) >= self.config.max_model_len
+        ):
+            self._finish(seq, FinishReason.LENGTH)
+            return True
+        return False
+
+    def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | None = None) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    def _forget(self, seq: Sequence) -> None:
+        """Drop a finished seq's blocks and bookkeeping."""
+        self.block_manager.free(seq)
+        self._release_prompt_owner(seq)
+        siblings = self._seqs_by_request[seq.request_id]
+        siblings.remove(seq)
+        if not siblings:
+            del self._seqs_by_request[seq.request_id]

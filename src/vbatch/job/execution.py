@@ -1,0 +1,319 @@
+"""One process's run of a job: admission, LLM.stream, commits, signals, engine death, completion."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from vbatch.errors import EngineDeadError, InputError, VbatchError
+from vbatch.job.finalize import finalize
+from vbatch.job.journal import Journal
+from vbatch.job.manifest import Manifest
+from vbatch.job.reader import InputReader
+from vbatch.job.results import error_row, openai_line, parquet_schema, result_row
+from vbatch.job.rows import ColumnOptions, InputRow, RowParser
+from vbatch.job.writer import JsonlWriter, OutputWriter, ParquetWriter
+from vbatch.sampling_params import SamplingParams
+
+EXIT_INTERRUPTED = 75
+
+
+class _Stop(Exception):
+    """Raised by a signal handler to leave a blocking wait on the engine at once."""
+
+
+def _make_llm(model: str | None, **kwargs: Any) -> Any:
+    from vbatch.llm import LLM
+
+    return LLM(model, **kwargs)
+
+
+class JobExecution:
+    """Drives reader -> LLM.stream -> writer -> journal in the main thread.
+
+    Invariants: only the main thread touches the writer and the journal; a signal handler only
+    sets flags, and raises `_Stop` only while the main thread waits inside the engine client, never
+    mid-write; rows aborted or still in flight when the run ends are not committed (they rerun).
+    """
+
+    def __init__(
+        self,
+        job_dir: Path,
+        manifest: Manifest,
+        journal: Journal,
+        options: Any,
+        llm_factory: Callable[..., Any] | None,
+    ) -> None:
+        self.job_dir = job_dir
+        self.manifest = manifest
+        self.journal = journal
+        self.options = options
+        self.llm_factory = llm_factory or _make_llm
+        settings = manifest.options
+        column_values = dict(settings["columns"])
+        column_values["keep_columns"] = tuple(column_values["keep_columns"])
+        self.columns = ColumnOptions(**column_values)
+        self.defaults = SamplingParams.from_dict(manifest.sampling)
+        self.reader = InputReader(Path(manifest.input_path), manifest.input_format, self.columns)
+        self.parser = RowParser(self.columns, self.defaults)
+        self.schema = None if manifest.output_format == "jsonl" else self._parquet_schema()
+        self.writer = self._make_writer()
+        self.in_flight: dict[int, InputRow] = {}
+        self.num_errors = len(journal.state.errors)
+        self.max_errors = self._max_errors(options.max_errors)
+        self.is_waiting = False
+        self.stop_requested = False
+        self.stop_now = False
+        self.is_over_error_limit = False
+        self.last_commit_t = time.monotonic()
+        self.token_text: Callable[[int], str] = str
+        self.metrics: Any = None
+
+    def _max_errors(self, limit: float | None) -> int | None:
+        if limit is None:
+            return None
+        if 0 < limit < 1:
+            return int(limit * self.manifest.num_rows)
+        return int(limit)
+
+    def _parquet_schema(self) -> Any:
+        import pyarrow as pa
+
+        names = self.columns.keep_columns
+        if self.reader.columns is not None:
+            schema = self.reader._parquet.schema_arrow
+            kept = [schema.field(n) for n in names]
+        else:
+            kept = [pa.field(n, pa.string()) for n in names]
+        return parquet_schema(self.manifest.id_kind, kept)
+
+    def _make_writer(self) -> OutputWriter:
+        if self.schema is None:
+            return JsonlWriter(self.journal, Path(self.manifest.output_path))
+        return ParquetWriter(
+            self.journal,
+            self.job_dir,
+            self.schema,
+            id_kind=self.manifest.id_kind,
+            json_kept=self.manifest.input_format == "jsonl",
+            ordered=self.manifest.options["ordered"],
+        )
+
+    def run(self, output: Path) -> tuple[int, str]:
+        """Run to completion or interruption; returns (exit code, message for the user)."""
+        from rich.console import Console
+
+        from vbatch.job.metrics import JobMetrics
+        from vbatch.job.progress import ProgressDisplay
+
+        state = self.journal.state
+        self.metrics = JobMetrics(
+            total_rows=self.manifest.num_rows,
+            rows_done_before=len(state.committed),
+            rows_errored_before=len(state.errors),
+            model=self.manifest.model["name"],
+            input_path=self.manifest.input_path,
+            output_path=str(output),
+        )
+        display = ProgressDisplay(
+            self.metrics,
+            mode=self.options.display,
+            console=Console(stderr=True),
+            log_interval=self.options.log_interval,
+            metrics_file=self.options.metrics_file,
+        )
+        with display:
+            try:
+                return self._run(output)
+            except BaseException:
+                self.metrics.set_state("failed")
+                raise
+
+    def _run(self, output: Path) -> tuple[int, str]:
+        from vbatch.job.runner import resume_command
+
+        restore = self._install_signal_handlers()
+        try:
+            try:
+                self._run_engine()
+            except EngineDeadError as e:
+                self._commit()
+                raise EngineDeadError(
+                    f"{e}\n{len(self.journal.state.committed)} rows are committed. Resume with: "
+                    f"{resume_command(output)}"
+                ) from None
+            finally:
+                self.writer.close()
+        finally:
+            restore()
+        num_done = len(self.journal.state.committed)
+        if self.is_over_error_limit:
+            raise InputError(
+                f"stopped: {self.num_errors} rows errored, more than --max-errors "
+                f"{self.options.max_errors}. {num_done} rows are committed; see the `error` field "
+                f"of the output rows. Fix the input, or continue with "
+                f"`{resume_command(output)} --max-errors N`"
+            )
+        if num_done >= self.manifest.num_rows:
+            self.metrics.set_state("committing")
+            finalize(
+                self.job_dir,
+                Path(self.manifest.output_path),
+                self.journal,
+                self.schema,
+                ordered=self.manifest.options["ordered"],
+            )
+            self.metrics.set_state("done")
+            return 0, f"wrote {output}: {num_done} rows, {self.num_errors} errored"
+        self.metrics.set_state("interrupted")
+        return EXIT_INTERRUPTED, (
+            f"interrupted: {num_done} of {self.manifest.num_rows} rows are committed. "
+            f"Resume with:\n  {resume_command(output)}"
+        )
+
+    def _run_engine(self) -> None:
+        self.metrics.set_state("loading model")
+        engine_args = dict(self.manifest.engine)
+        self.is_waiting = True
+        try:
+            llm = self.llm_factory(
+                self.manifest.model["source"],
+                max_in_flight=self.options.max_in_flight,
+                on_progress=self.metrics.set_startup_stage,
+                **engine_args,
+            )
+        except _Stop:
+            return
+        finally:
+            self.is_waiting = False
+        try:
+            self.metrics.set_engine_info(llm.engine_info)
+            self.token_text = lambda t: llm.tokenizer.decode([t], skip_special_tokens=False)
+            self.metrics.set_state("draining" if self.stop_requested else "running")
+            self._loop(llm)
+            self._commit()
+        finally:
+            with contextlib.suppress(VbatchError):
+                llm.shutdown()
+
+    def _loop(self, llm: Any) -> None:
+        stream = llm.stream(self._requests(), self.defaults)
+        try:
+            while not self.stop_now:
+                self.is_waiting = True
+                try:
+                    result = next(stream)
+                except StopIteration:
+                    break
+                finally:
+                    self.is_waiting = False
+                row = self.in_flight.pop(result.index)
+                if result.error is None and any(o.finish_reason == "abort" for o in result.outputs):
+                    continue
+                self._emit(row, result_row(row, result, include_token_ids=self._token_ids))
+                stats = llm.latest_stats
+                if stats is not None:
+                    self.metrics.on_engine_stats(stats)
+        except _Stop:
+            pass
+        finally:
+            self.is_waiting = False
+            stream.close()
+
+    @property
+    def _token_ids(self) -> bool:
+        return bool(self.manifest.options["include_token_ids"])
+
+    def _requests(self) -> Iterator[Any]:
+        from vbatch.llm import Request
+
+        for row in self.reader.rows(self.parser, self.journal.state.committed):
+            self.is_waiting = False
+            if self.stop_requested or self.stop_now:
+                break
+            if row.error is not None:
+                self._emit(row, error_row(row, row.error))
+                continue
+            self.in_flight[row.index] = row
+            self.is_waiting = True
+            yield Request(
+                id=row.id,
+                index=row.index,
+                prompt=row.prompt,
+                messages=row.messages,
+                sampling_params=row.sampling_params,
+            )
+        self.is_waiting = True
+
+    def _emit(self, row: InputRow, values: dict[str, Any]) -> None:
+        line = None
+        if self.manifest.options["openai_output"]:
+            line = openai_line(row, values, self.manifest.model["name"], self.token_text)
+        self.writer.add(values, row.kept, line)
+        is_error = values["error"] is not None
+        self.metrics.on_result(
+            finish_reason=values["finish_reason"],
+            prompt_tokens=values["prompt_tokens"],
+            completion_tokens=values["completion_tokens"],
+            cached_tokens=values["cached_tokens"],
+            error_kind=("input" if row.error is not None else "engine") if is_error else None,
+        )
+        if is_error:
+            self.num_errors += 1
+            if self.max_errors is not None and self.num_errors > self.max_errors:
+                self.is_over_error_limit = True
+                self._request_stop()
+        options = self.options
+        if self.writer.num_pending >= options.commit_every_rows or (
+            time.monotonic() - self.last_commit_t >= options.commit_every_seconds
+        ):
+            self._commit()
+
+    def _commit(self) -> None:
+        self.writer.commit()
+        self.last_commit_t = time.monotonic()
+        self.metrics.on_commit(rows_committed=len(self.journal.state.committed))
+
+    def _request_stop(self) -> None:
+        """Stop admitting rows; in-flight rows get `drain_timeout` seconds to finish."""
+        if self.stop_requested:
+            return
+        self.stop_requested = True
+        timeout = max(self.options.drain_timeout, 0.001)
+        self.metrics.set_state("draining")
+        self.metrics.set_drain_deadline(time.monotonic() + timeout)
+        if threading.current_thread() is threading.main_thread():
+            signal.setitimer(signal.ITIMER_REAL, timeout)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if not self.stop_requested:
+            self._request_stop()
+            return
+        self._on_deadline(signum, frame)
+
+    def _on_deadline(self, signum: int, frame: Any) -> None:
+        self.stop_now = True
+        if self.is_waiting:
+            raise _Stop
+
+    def _install_signal_handlers(self) -> Callable[[], None]:
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        handlers = {
+            signal.SIGINT: self._on_signal,
+            signal.SIGTERM: self._on_signal,
+            signal.SIGALRM: self._on_deadline,
+        }
+        previous = {signum: signal.signal(signum, handler) for signum, handler in handlers.items()}
+
+        def restore() -> None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+        return restore

@@ -1,0 +1,169 @@
+"""ProgressDisplay: the display thread behind the live dashboard, the log line and metrics file."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import orjson
+from rich.console import Console
+from rich.live import Live
+
+from vbatch.dashboard import plain_line, render_dashboard, render_summary
+from vbatch.errors import ConfigError
+from vbatch.job.metrics import JobMetrics, JobSnapshot
+
+MODES = ("auto", "live", "plain", "quiet")
+METRICS_FILE_PERIOD_S = 1.0
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Replace `path` with `data` as JSON so that a reader sees the old or the new file, whole."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(orjson.dumps(data, option=orjson.OPT_INDENT_2))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def snapshot_to_json(snap: JobSnapshot) -> dict[str, Any]:
+    data = dataclasses.asdict(snap)
+    data["num_truncated"] = snap.num_truncated
+    data["updated_at"] = time.time()
+    return data
+
+
+class ProgressDisplay:
+    """Shows a job's JobMetrics: a rich Live view, a plain line every `log_interval` s, or nothing.
+
+    Invariants: while started, only the display thread renders, prints progress or writes the
+    metrics file; the job's thread touches nothing here but JobMetrics. `stop()` joins the thread
+    and then prints the summary exactly once, in every mode.
+    """
+
+    def __init__(
+        self,
+        metrics: JobMetrics,
+        *,
+        mode: str = "auto",
+        console: Console | None = None,
+        log_interval: float = 10.0,
+        metrics_file: Path | None = None,
+        refresh_per_second: float = 4.0,
+    ) -> None:
+        if mode not in MODES:
+            raise ConfigError(f"progress mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if log_interval <= 0 or refresh_per_second <= 0:
+            raise ConfigError("log_interval and refresh_per_second must be positive")
+        self.metrics = metrics
+        self.console = console or Console()
+        if mode == "auto":
+            is_tty = self.console.is_terminal and not self.console.is_dumb_terminal
+            mode = "live" if is_tty else "plain"
+        self.mode = mode
+        self.log_interval = log_interval
+        self.metrics_file = Path(metrics_file) if metrics_file is not None else None
+        self._refresh_s = 1.0 / refresh_per_second
+        self._live: Live | None = None
+        self._thread: threading.Thread | None = None
+        self._stop_event = threading.Event()
+        self._last_log_t = 0.0
+        self._last_log_key: tuple[str, str] | None = None
+        self._last_write_t = 0.0
+        self._seen_error_kinds: set[str] = set()
+
+    def __enter__(self) -> ProgressDisplay:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        assert self._thread is None, "ProgressDisplay started twice"
+        snap = self.metrics.snapshot()
+        if self.metrics_file is not None:
+            try:
+                write_json_atomic(self.metrics_file, snapshot_to_json(snap))
+            except OSError as e:
+                raise ConfigError(f"cannot write metrics file {self.metrics_file}: {e}") from e
+            self._last_write_t = time.monotonic()
+        if self.mode == "live":
+            self._live = Live(
+                render_dashboard(snap), console=self.console, auto_refresh=False, transient=True
+            )
+            self._live.start(refresh=True)
+        self._thread = threading.Thread(target=self._run, name="vbatch-progress", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Join the display thread, write the final metrics file and print the summary."""
+        if self._thread is None or self._stop_event.is_set():
+            return
+        self._stop_event.set()
+        self._thread.join()
+        snap = self.metrics.snapshot()
+        if self._live is not None:
+            self._live.update(render_dashboard(snap), refresh=True)
+            self._live.stop()
+        self._report_errors(snap)
+        if self.metrics_file is not None:
+            self._write_metrics_file(snap)
+        self.console.print(render_summary(snap))
+
+    def _run(self) -> None:
+        self._tick(time.monotonic())
+        while not self._stop_event.wait(self._refresh_s):
+            self._tick(time.monotonic())
+
+    def _tick(self, now: float) -> None:
+        snap = self.metrics.snapshot()
+        if self._live is not None:
+            self._live.update(render_dashboard(snap), refresh=True)
+        elif self.mode == "plain":
+            key = (snap.state, snap.startup_stage)
+            if key != self._last_log_key or now - self._last_log_t >= self.log_interval:
+                self._print_plain(plain_line(snap))
+                self._last_log_key, self._last_log_t = key, now
+        self._report_errors(snap)
+        if self.metrics_file is not None and now - self._last_write_t >= METRICS_FILE_PERIOD_S:
+            self._write_metrics_file(snap)
+            self._last_write_t = now
+
+    def _print_plain(self, line: str) -> None:
+        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    def _report_errors(self, snap: JobSnapshot) -> None:
+        """Plain and quiet modes name each new kind of row error once; live shows them anyway."""
+        if self.mode == "live":
+            return
+        for kind in sorted(snap.errors_by_kind.keys() - self._seen_error_kinds):
+            self._seen_error_kinds.add(kind)
+            self._print_plain(f"vbatch: rows are failing with {kind} (see their error column)")
+
+    def _write_metrics_file(self, snap: JobSnapshot) -> None:
+        assert self.metrics_file is not None
+        try:
+            write_json_atomic(self.metrics_file, snapshot_to_json(snap))
+        except OSError as e:
+            # NOTE: a full disk or a removed directory must not stop the job; warn once and go on.
+            self._print_plain(f"vbatch: warning: stopped writing {self.metrics_file}: {e}")
+            self.metrics_file = None

@@ -1,0 +1,243 @@
+"""Streaming input readers (JSONL, gzip/zstd JSONL, Parquet) and the pre-pass over row ids."""
+
+from __future__ import annotations
+
+import gzip
+import io
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import orjson
+
+from vbatch.errors import InputError
+from vbatch.job.journal import IndexSet
+from vbatch.job.rows import ColumnOptions, InputRow, RowParser, is_openai_record
+
+INPUT_FORMATS = ("jsonl", "parquet")
+_JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+_PARQUET_SUFFIXES = (".parquet", ".pq")
+_PARQUET_BATCH_ROWS = 1024
+_ROW_COLUMNS = ("prompt", "messages", "id", "custom_id", "sampling_params", "url", "method", "body")
+_COLUMN_CHECK_ROWS = 100
+MAX_KEYS = 1000
+
+
+def detect_format(path: Path, input_format: str | None) -> str:
+    if input_format is not None:
+        if input_format not in INPUT_FORMATS:
+            raise InputError(f"--input-format must be one of {', '.join(INPUT_FORMATS)}")
+        return input_format
+    name = path.name.lower().removesuffix(".gz").removesuffix(".zst")
+    if name.endswith(_JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(_PARQUET_SUFFIXES):
+        return "parquet"
+    raise InputError(f"cannot tell the format of {path} from its name; pass --input-format")
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    """One undecoded input row: `record` is the decoded object, or `error` says why it is not."""
+
+    index: int
+    location: str
+    record: Any = None
+    error: str | None = None
+
+
+class InputReader:
+    """Streams one input file. Invariant: row `index` is the position among non-blank rows, the
+    same on every pass, so a journal of indices identifies rows across runs."""
+
+    def __init__(self, path: Path, input_format: str | None, options: ColumnOptions) -> None:
+        self.path = path
+        if not path.is_file():
+            raise InputError(f"input file {path} does not exist")
+        self.format = detect_format(path, input_format)
+        self.options = options
+        self.columns: list[str] | None = None
+        if self.format == "parquet":
+            self._open_parquet()
+        else:
+            self._check_jsonl_columns()
+
+    def _named_columns(self) -> list[str]:
+        o = self.options
+        named = [o.prompt_column, o.messages_column, o.id_column, *o.keep_columns]
+        return [c for c in named if c is not None]
+
+    def _open_parquet(self) -> None:
+        import pyarrow.parquet as pq
+
+        try:
+            self._parquet = pq.ParquetFile(self.path)
+        except Exception as e:
+            raise InputError(f"cannot read Parquet file {self.path}: {e}") from None
+        self.columns = list(self._parquet.schema_arrow.names)
+        missing = [c for c in self._named_columns() if c not in self.columns]
+        if missing:
+            raise InputError(
+                f"column(s) {', '.join(map(repr, missing))} not in {self.path} "
+                f"(it has {', '.join(self.columns)})"
+            )
+
+    def _check_jsonl_columns(self) -> None:
+        named = self._named_columns()
+        if not named:
+            return
+        seen: set[str] = set()
+        for raw in self._jsonl_records(None, limit=_COLUMN_CHECK_ROWS):
+            if isinstance(raw.record, dict):
+                seen.update(raw.record)
+        missing = [c for c in named if c not in seen]
+        if seen and missing:
+            raise InputError(
+                f"column(s) {', '.join(map(repr, missing))} not found in the first "
+                f"{_COLUMN_CHECK_ROWS} rows of {self.path}"
+            )
+
+    def _open_text(self) -> IO[bytes]:
+        name = self.path.name.lower()
+        if name.endswith(".gz"):
+            return gzip.open(self.path, "rb")
+        if name.endswith(".zst"):
+            try:
+                import zstandard
+            except ImportError:
+                raise InputError(f"reading {self.path} needs `pip install zstandard`") from None
+            raw = open(self.path, "rb")  # noqa: SIM115
+            return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw))
+        return open(self.path, "rb")
+
+    def records(self, skip: IndexSet | None = None) -> Iterator[RawRecord]:
+        """Every row in order; rows whose index is in `skip` are not decoded or yielded."""
+        if self.format == "parquet":
+            yield from self._parquet_records(skip, self._read_columns())
+        else:
+            yield from self._jsonl_records(skip)
+
+    def _jsonl_records(
+        self, skip: IndexSet | None, limit: int | None = None
+    ) -> Iterator[RawRecord]:
+        index = 0
+        try:
+            with self._open_text() as f:
+                for line_number, line in enumerate(f, start=1):
+                    if line.isspace():
+                        continue
+                    if limit is not None and index >= limit:
+                        return
+                    if skip is None or index not in skip:
+                        location = f"line {line_number}"
+                        try:
+                            yield RawRecord(index, location, orjson.loads(line))
+                        except orjson.JSONDecodeError as e:
+                            yield RawRecord(
+                                index, location, error=f"{location}: invalid JSON ({e})"
+                            )
+                    index += 1
+        except (OSError, EOFError) as e:
+            raise InputError(f"cannot read {self.path}: {e}") from None
+
+    def _read_columns(self, columns: tuple[str, ...] = _ROW_COLUMNS) -> list[str] | None:
+        assert self.columns is not None
+        if self.options.keep_all_columns:
+            return None
+        wanted = {*columns, *self._named_columns()}
+        return [c for c in self.columns if c in wanted]
+
+    def _parquet_records(
+        self, skip: IndexSet | None, columns: list[str] | None
+    ) -> Iterator[RawRecord]:
+        start = 0
+        batches = self._parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=columns)
+        for batch in batches:
+            indices = np.arange(start, start + batch.num_rows)
+            start += batch.num_rows
+            if skip is not None and len(skip):
+                keep = ~skip.contains_array(indices)
+                batch, indices = batch.filter(keep), indices[keep]
+            for index, record in zip(indices.tolist(), batch.to_pylist(), strict=False):
+                yield RawRecord(index, f"row {index + 1}", record)
+
+    def rows(self, parser: RowParser, skip: IndexSet | None = None) -> Iterator[InputRow]:
+        for raw in self.records(skip):
+            if raw.error is not None:
+                yield InputRow(raw.index, raw.location, raw.index, error=raw.error)
+            else:
+                yield parser.parse(raw.record, raw.index, raw.location)
+
+    def id_records(self) -> Iterator[RawRecord]:
+        """Rows decoded only as far as the id needs (for Parquet: only the id columns)."""
+        if self.format == "parquet":
+            id_columns = (self.options.id_column or "id", "custom_id", "body")
+            return self._parquet_records(None, self._read_columns(id_columns))
+        return self._jsonl_records(None)
+
+
+@dataclass(frozen=True)
+class InputScan:
+    """What one pass over the input learned: its size, id type, shape and first duplicate id."""
+
+    num_rows: int
+    id_kind: str
+    is_openai: bool
+    duplicate: str | None
+    keys: set[str]
+
+
+def scan_input(reader: InputReader, parser: RowParser, *, collect_keys: bool = False) -> InputScan:
+    """Count rows, decide whether ids are all integers, and find the first duplicate id.
+
+    With `collect_keys`, also gather the JSONL field names (for --keep-all-columns; at most
+    MAX_KEYS of them).
+
+    NOTE: ids are checked with 8 bytes a row (a 64-bit hash of each id in an array, sorted once),
+    about 80 MB for 10 million rows; only ids whose hash repeats are compared for real, in a
+    second pass, so a hash collision can never be reported as a duplicate.
+    """
+    hashes = array("q")
+    num_rows = 0
+    is_all_int = True
+    is_openai: bool | None = None
+    keys: set[str] = set()
+    for raw in reader.id_records():
+        num_rows += 1
+        if not isinstance(raw.record, dict):
+            continue
+        if is_openai is None:
+            is_openai = is_openai_record(raw.record)
+        if collect_keys and len(keys) < MAX_KEYS:
+            keys.update(raw.record)
+        row_id = parser.row_id(raw.record, raw.index)
+        if row_id is None:
+            continue
+        is_all_int = is_all_int and isinstance(row_id, int)
+        hashes.append(hash(str(row_id)))
+    id_kind = "int" if is_all_int else "str"
+    ordered = np.sort(np.frombuffer(hashes, dtype=np.int64))
+    repeated = set(ordered[1:][ordered[1:] == ordered[:-1]].tolist())
+    del hashes, ordered
+    duplicate = _first_duplicate(reader, parser, repeated)
+    return InputScan(num_rows, id_kind, bool(is_openai), duplicate, keys)
+
+
+def _first_duplicate(reader: InputReader, parser: RowParser, repeated: set[int]) -> str | None:
+    if not repeated:
+        return None
+    first_seen: dict[str, str] = {}
+    for raw in reader.id_records():
+        if not isinstance(raw.record, dict):
+            continue
+        row_id = parser.row_id(raw.record, raw.index)
+        if row_id is None or hash(str(row_id)) not in repeated:
+            continue
+        key = str(row_id)
+        if key in first_seen:
+            return f"duplicate id {row_id!r} at {raw.location} (first at {first_seen[key]})"
+        first_seen[key] = raw.location
+    return None

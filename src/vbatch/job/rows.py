@@ -1,0 +1,192 @@
+"""Input rows: turn one raw record (prompt, messages or OpenAI Batch line) into an InputRow."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vbatch.errors import SamplingParamsError
+from vbatch.sampling_params import SamplingParams
+
+OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+# NOTE: body keys that do not change the result are accepted and ignored; any other unknown key
+# is an error row, so that e.g. a `response_format` the engine cannot honour is never dropped.
+OPENAI_IGNORED_KEYS = frozenset({"model", "user", "metadata", "store", "stream", "messages"})
+OPENAI_SAMPLING_KEYS = {
+    "max_tokens": "max_tokens",
+    "max_completion_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+    "stop": "stop",
+    "n": "n",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+}
+
+
+@dataclass(frozen=True)
+class ColumnOptions:
+    """Which input columns hold the prompt, the chat messages, the id, and what is copied out."""
+
+    prompt_column: str | None = None
+    messages_column: str | None = None
+    id_column: str | None = None
+    keep_columns: tuple[str, ...] = ()
+    keep_all_columns: bool = False
+
+
+@dataclass
+class InputRow:
+    """One input row. Invariant: exactly one of `error`, `prompt`, `messages` is set."""
+
+    index: int
+    location: str
+    id: str | int | None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    sampling_params: SamplingParams | None = None
+    openai_kind: str | None = None
+    kept: dict[str, Any] | None = None
+    error: str | None = None
+
+
+class RowError(ValueError):
+    """A problem with one row: it becomes an error row, the job goes on."""
+
+
+def is_openai_record(record: dict[str, Any]) -> bool:
+    return "body" in record and ("url" in record or "custom_id" in record)
+
+
+class RowParser:
+    """Parses raw records with fixed column options and default sampling params."""
+
+    def __init__(self, options: ColumnOptions, defaults: SamplingParams) -> None:
+        self.options = options
+        self.defaults = defaults
+
+    def row_id(self, record: dict[str, Any], index: int) -> str | int | None:
+        """The row's id: the id column, else `id`, else `custom_id`, else the input index."""
+        column = self.options.id_column
+        if column is None:
+            column = next((c for c in ("id", "custom_id") if c in record), None)
+            if column is None:
+                return index
+        value = record.get(column)
+        if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+            return value
+        return None
+
+    def parse(self, record: Any, index: int, location: str) -> InputRow:
+        if not isinstance(record, dict):
+            return InputRow(
+                index,
+                location,
+                index,
+                error=f"{location}: expected a JSON object, got {type(record).__name__}",
+            )
+        row = InputRow(index, location, self.row_id(record, index))
+        try:
+            if row.id is None:
+                column = self.options.id_column or "id"
+                raise RowError(
+                    f"id column {column!r} must hold a string or an integer, "
+                    f"got {record.get(column)!r}"
+                )
+            if is_openai_record(record):
+                self._parse_openai(record, row)
+            else:
+                self._parse_plain(record, row)
+        except (RowError, SamplingParamsError) as e:
+            row.prompt = row.messages = row.sampling_params = None
+            row.error = f"{location}: {e}"
+        row.kept = self._kept(record)
+        return row
+
+    def _kept(self, record: dict[str, Any]) -> dict[str, Any] | None:
+        if self.options.keep_all_columns:
+            return dict(record)
+        if self.options.keep_columns:
+            return {name: record.get(name) for name in self.options.keep_columns}
+        return None
+
+    def _parse_plain(self, record: dict[str, Any], row: InputRow) -> None:
+        prompt_column = self.options.prompt_column or "prompt"
+        messages_column = self.options.messages_column or "messages"
+        prompt = record.get(prompt_column)
+        messages = record.get(messages_column)
+        if prompt is not None and messages is not None:
+            raise RowError(f"row has both {prompt_column!r} and {messages_column!r}; give one")
+        if messages is not None:
+            row.messages = check_messages(messages, messages_column)
+        elif prompt is not None:
+            row.prompt = check_prompt(prompt, prompt_column)
+        else:
+            raise RowError(
+                f"missing prompt: expected a {prompt_column!r} string or a {messages_column!r} list"
+            )
+        overrides = record.get("sampling_params")
+        if overrides is not None:
+            if not isinstance(overrides, dict):
+                raise RowError(f"sampling_params must be an object, got {overrides!r}")
+            row.sampling_params = self.defaults.updated(overrides)
+
+    def _parse_openai(self, record: dict[str, Any], row: InputRow) -> None:
+        url = record.get("url", "/v1/chat/completions")
+        if url not in OPENAI_URLS:
+            raise RowError(f"url must be one of {', '.join(OPENAI_URLS)}, got {url!r}")
+        method = record.get("method", "POST")
+        if method != "POST":
+            raise RowError(f"method must be POST, got {method!r}")
+        body = record["body"]
+        if not isinstance(body, dict):
+            raise RowError(f"body must be an object, got {type(body).__name__}")
+        row.openai_kind = OPENAI_URLS[url]
+        if row.openai_kind == "chat":
+            row.messages = check_messages(body.get("messages"), "body.messages")
+        else:
+            row.prompt = check_prompt(body.get("prompt"), "body.prompt")
+        row.sampling_params = self.defaults.updated(openai_overrides(body, row.openai_kind))
+
+
+def openai_overrides(body: dict[str, Any], kind: str) -> dict[str, Any]:
+    """Map OpenAI request body fields onto SamplingParams fields."""
+    overrides: dict[str, Any] = {}
+    for key, value in body.items():
+        if key in OPENAI_SAMPLING_KEYS:
+            if value is not None:
+                overrides[OPENAI_SAMPLING_KEYS[key]] = value
+        elif key == "logprobs" and kind == "completions":
+            overrides["logprobs"] = value
+        elif key == "logprobs":
+            if value:
+                overrides.setdefault("logprobs", 0)
+        elif key == "top_logprobs":
+            overrides["logprobs"] = value
+        elif key not in OPENAI_IGNORED_KEYS and key != "prompt":
+            raise RowError(f"unsupported body field {key!r}")
+    return overrides
+
+
+def check_prompt(prompt: Any, column: str) -> str:
+    if not isinstance(prompt, str):
+        raise RowError(f"{column} must be a string, got {type(prompt).__name__}")
+    if not prompt.strip():
+        raise RowError(f"{column} is empty")
+    return prompt
+
+
+def check_messages(messages: Any, column: str) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise RowError(f"{column} must be a non-empty list of messages, got {messages!r:.80}")
+    for number, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RowError(f"{column}[{number}] must be an object with a string 'role'")
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise RowError(f"{column}[{number}].content must be a string or a list of parts")
+    return messages

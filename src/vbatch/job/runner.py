@@ -1,0 +1,275 @@
+"""The batch job's lifecycle: `run`, `resume` and `status` over a job directory."""
+
+from __future__ import annotations
+
+import fcntl
+import shlex
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from vbatch.errors import InputError, JobStateError
+from vbatch.job.finalize import finish_completion, tmp_output_path
+from vbatch.job.journal import Journal, read_journal
+from vbatch.job.manifest import Manifest, input_fingerprint, model_identity
+from vbatch.job.reader import InputReader, scan_input
+from vbatch.job.results import OUTPUT_COLUMNS
+from vbatch.job.rows import ColumnOptions, RowParser
+from vbatch.sampling_params import SamplingParams
+
+JOB_DIR_SUFFIX = ".vbatch"
+OUTPUT_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+# NOTE: kept input columns may not shadow output fields (vbatch rows or OpenAI Batch lines).
+RESERVED_COLUMNS = frozenset(OUTPUT_COLUMNS) | {"custom_id", "response"}
+MAX_KEPT_COLUMNS = 1000
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What decides a job's result; recorded in the manifest and fixed for the job's life."""
+
+    input_path: Path
+    output_path: Path
+    input_format: str | None = None
+    columns: ColumnOptions = field(default_factory=ColumnOptions)
+    model: str | None = None
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    ordered: bool = False
+    include_token_ids: bool = False
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a job runs (not what it produces); `vbatch resume` may change these."""
+
+    commit_every_rows: int = 1000
+    commit_every_seconds: float = 5.0
+    max_errors: float | None = None
+    drain_timeout: float = 30.0
+    max_in_flight: int | None = None
+    display: str = "auto"
+    log_interval: float = 10.0
+    metrics_file: Path | None = None
+    clean: bool = False
+
+    def result_settings(self) -> dict[str, Any]:
+        return {
+            "commit_every_rows": self.commit_every_rows,
+            "commit_every_seconds": self.commit_every_seconds,
+            "max_errors": self.max_errors,
+            "drain_timeout": self.drain_timeout,
+            "max_in_flight": self.max_in_flight,
+        }
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a job invocation ended: `exit_code` 0 (complete) or 75 (interrupted, resumable)."""
+
+    exit_code: int
+    message: str
+    status: dict[str, Any]
+
+
+def job_dir_for(output: Path) -> Path:
+    return output.with_name(output.name + JOB_DIR_SUFFIX)
+
+
+def output_format(output: Path) -> str:
+    fmt = OUTPUT_FORMATS.get(output.suffix.lower())
+    if fmt is None:
+        raise InputError(
+            f"cannot tell the output format of {output}; use one of {', '.join(OUTPUT_FORMATS)}"
+        )
+    return fmt
+
+
+def resume_command(output: Path) -> str:
+    return f"vbatch resume {shlex.quote(str(output))}"
+
+
+class JobLock:
+    """An exclusive flock on the job directory, so two processes never append to one journal."""
+
+    def __init__(self, job_dir: Path) -> None:
+        self._file = open(job_dir / "lock", "w")  # noqa: SIM115
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.close()
+            raise JobStateError(f"another vbatch process is running the job in {job_dir}") from None
+
+    def release(self) -> None:
+        self._file.close()
+
+
+def _resolve_columns(spec: JobSpec, reader: InputReader, keys: set[str] | None) -> ColumnOptions:
+    """Turn --keep-all-columns into an explicit list and refuse kept names that shadow outputs."""
+    columns = spec.columns
+    if columns.keep_all_columns:
+        names = reader.columns if reader.columns is not None else sorted(keys or ())
+        kept = tuple(n for n in names if n not in RESERVED_COLUMNS)
+        return ColumnOptions(
+            columns.prompt_column, columns.messages_column, columns.id_column, kept
+        )
+    return columns
+
+
+def start_job(
+    spec: JobSpec,
+    options: RunOptions,
+    *,
+    overwrite: bool = False,
+    llm_factory: Callable[..., Any] | None = None,
+) -> Outcome:
+    """`vbatch run`: validate everything, write the manifest, then execute the job."""
+    output = spec.output_path
+    job_dir = job_dir_for(output)
+    fmt = output_format(output)
+    if overwrite:
+        shutil.rmtree(job_dir, ignore_errors=True)
+        output.unlink(missing_ok=True)
+        tmp_output_path(output).unlink(missing_ok=True)
+    elif job_dir.exists():
+        raise JobStateError(
+            f"{output} already has a job directory ({job_dir}); continue it with "
+            f"`{resume_command(output)}`, or pass --overwrite to start again"
+        )
+    elif output.exists():
+        raise JobStateError(f"{output} already exists; pass --overwrite to replace it")
+    clashes = [n for n in spec.columns.keep_columns if n in RESERVED_COLUMNS]
+    if clashes:
+        raise InputError(f"--keep-columns {', '.join(clashes)} would overwrite output fields")
+    defaults = SamplingParams.from_dict(spec.sampling)
+    reader = InputReader(spec.input_path, spec.input_format, spec.columns)
+    scan = scan_input(
+        reader, RowParser(spec.columns, defaults), collect_keys=spec.columns.keep_all_columns
+    )
+    if scan.duplicate is not None:
+        raise InputError(f"{spec.input_path}: {scan.duplicate}; ids must be unique")
+    columns = _resolve_columns(spec, reader, scan.keys)
+    from vbatch import __version__
+
+    manifest = Manifest(
+        vbatch_version=__version__,
+        input_path=str(spec.input_path.absolute()),
+        input_format=reader.format,
+        input=input_fingerprint(spec.input_path),
+        num_rows=scan.num_rows,
+        id_kind=scan.id_kind,
+        output_path=str(output.absolute()),
+        output_format=fmt,
+        model=model_identity(spec.model),
+        engine=dict(spec.engine_args),
+        sampling=defaults.to_dict(),
+        options={
+            "columns": asdict(columns),
+            "ordered": spec.ordered,
+            "include_token_ids": spec.include_token_ids,
+            "openai_output": scan.is_openai and fmt == "jsonl",
+            **options.result_settings(),
+        },
+    )
+    output.parent.mkdir(parents=True, exist_ok=True)
+    job_dir.mkdir()
+    manifest.save(job_dir)
+    return _execute(output, job_dir, manifest, options, llm_factory, retry_errors=False)
+
+
+def resume_job(
+    output: Path,
+    overrides: dict[str, Any] | None = None,
+    *,
+    force: bool = False,
+    retry_errors: bool = False,
+    llm_factory: Callable[..., Any] | None = None,
+) -> Outcome:
+    """`vbatch resume`: check the manifest against the world, then finish the job.
+
+    Run options come from the manifest; `overrides` (RunOptions fields) replace some of them.
+    """
+    job_dir = job_dir_for(output)
+    if not job_dir.is_dir():
+        raise JobStateError(f"there is no job to resume for {output} (no {job_dir})")
+    manifest = Manifest.load(job_dir)
+    input_path = Path(manifest.input_path)
+    if not input_path.is_file():
+        raise InputError(f"the job's input file {input_path} no longer exists")
+    mismatches = manifest.mismatches(
+        input_fingerprint(input_path), model_identity(manifest.model["source"])
+    )
+    if mismatches and not force:
+        raise JobStateError(
+            "cannot resume: " + "; ".join(mismatches) + ". The result would not match an "
+            "uninterrupted run. Pass --force to resume anyway, or start again with "
+            "`vbatch run ... --overwrite`"
+        )
+    saved = {k: manifest.options[k] for k in RunOptions().result_settings()}
+    options = RunOptions(**{**saved, **(overrides or {})})
+    return _execute(output, job_dir, manifest, options, llm_factory, retry_errors=retry_errors)
+
+
+def _execute(
+    output: Path,
+    job_dir: Path,
+    manifest: Manifest,
+    options: RunOptions,
+    llm_factory: Callable[..., Any] | None,
+    *,
+    retry_errors: bool,
+) -> Outcome:
+    """Run the job under its lock; `output` is the path as the user wrote it (for messages)."""
+    from vbatch.job.execution import JobExecution
+
+    lock = JobLock(job_dir)
+    try:
+        journal = Journal(job_dir)
+        if journal.state.complete is None:
+            if retry_errors and len(journal.state.errors):
+                journal.append(
+                    "retry", indices=journal.state.errors.ranges(), offset=journal.state.offset
+                )
+            execution = JobExecution(job_dir, manifest, journal, options, llm_factory)
+            exit_code, message = execution.run(output)
+        else:
+            exit_code, message = 0, f"{output} is already complete"
+        if journal.state.complete is not None:
+            finish_completion(job_dir, Path(manifest.output_path), journal.state)
+        journal.close()
+        status = job_status(Path(manifest.output_path))
+    finally:
+        lock.release()
+    if exit_code == 0 and options.clean:
+        shutil.rmtree(job_dir)
+    return Outcome(exit_code, message, status)
+
+
+def job_status(output: Path) -> dict[str, Any]:
+    """`vbatch status`: what the job directory says, without changing anything."""
+    job_dir = job_dir_for(output)
+    if not job_dir.is_dir():
+        raise JobStateError(f"there is no job for {output} (no {job_dir})")
+    manifest = Manifest.load(job_dir)
+    state, _ = read_journal(job_dir / "journal.jsonl")
+    last = state.last_commit_time
+    return {
+        "output": manifest.output_path,
+        "job_dir": str(job_dir),
+        "complete": state.complete is not None,
+        "rows": manifest.num_rows,
+        "done": len(state.committed),
+        "errored": len(state.errors),
+        "remaining": manifest.num_rows - len(state.committed),
+        "last_commit": datetime.fromtimestamp(last).isoformat(timespec="seconds") if last else None,
+        "created": datetime.fromtimestamp(manifest.created).isoformat(timespec="seconds"),
+        "input": manifest.input_path,
+        "model": manifest.model,
+        "engine": manifest.engine,
+        "sampling": manifest.sampling,
+        "options": manifest.options,
+        "vbatch_version": manifest.vbatch_version,
+    }

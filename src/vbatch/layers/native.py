@@ -1,0 +1,174 @@
+"""The native paged-attention backend: builds csrc/ on first use and wraps its vbatch:: ops."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from vbatch.layers.attention import AttentionBackend, AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+EXTENSION_NAME = "vbatch_native"
+CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
+CUDA_FLAGS = ("-O3", "--use_fast_math")
+BUILD_LOCK_TIMEOUT_S = 600.0
+
+
+def find_csrc_dir() -> Path | None:
+    """Returns the kernel sources: the repo's csrc/ (editable install) or vbatch/_csrc (wheel)."""
+    here = Path(__file__).resolve()
+    for candidate in (here.parents[3] / "csrc", here.parents[1] / "_csrc"):
+        if (candidate / "cpu" / "paged_attention.cpp").is_file():
+            return candidate
+    return None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("VBATCH_CACHE_DIR") or Path.home() / ".cache" / "vbatch")
+
+
+def _sources(csrc_dir: Path, with_cuda: bool) -> list[Path]:
+    sources = [csrc_dir / "torch_bindings.cpp", csrc_dir / "cpu" / "paged_attention.cpp"]
+    if with_cuda:
+        sources.append(csrc_dir / "cuda" / "paged_attention.cu")
+    return sources
+
+
+def _cpu_flags() -> str:
+    # NOTE: -march=native ties a build to this CPU, so the CPU's feature set is part of the key.
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return next((line for line in lines if line.startswith(("flags", "Features"))), "")
+
+
+def build_key(csrc_dir: Path, with_cuda: bool) -> str:
+    """A hash of everything the built library depends on; any change means a fresh build."""
+    digest = hashlib.sha256()
+    parts = [torch.__version__, sys.version, platform.machine(), _cpu_flags(), str(with_cuda)]
+    parts += [*CXX_FLAGS, *CUDA_FLAGS, os.environ.get("CXX", "")]
+    for part in parts:
+        digest.update(part.encode() + b"\0")
+    for path in sorted(csrc_dir.rglob("*")):
+        if path.suffix in (".cpp", ".cu", ".h"):
+            digest.update(str(path.relative_to(csrc_dir)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def build_and_load(csrc_dir: Path, root: Path, with_cuda: bool) -> Path:
+    """Builds the library under root/<key> (once per key, under a file lock) and loads it."""
+    from filelock import FileLock
+    from torch.utils import cpp_extension
+
+    build_dir = root / "native" / build_key(csrc_dir, with_cuda)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    library = build_dir / f"{EXTENSION_NAME}.so"
+    done_marker = build_dir / "built"
+    with FileLock(str(build_dir.with_suffix(".lock")), timeout=BUILD_LOCK_TIMEOUT_S):
+        if not done_marker.exists():
+            # NOTE: we hold the lock, so cpp_extension's own baton file can only be a stale one
+            # left by a killed build, and it would make load() wait forever.
+            (build_dir / "lock").unlink(missing_ok=True)
+            cpp_extension.load(
+                name=EXTENSION_NAME,
+                sources=[str(p) for p in _sources(csrc_dir, with_cuda)],
+                extra_cflags=list(CXX_FLAGS),
+                extra_cuda_cflags=list(CUDA_FLAGS),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
+            done_marker.touch()
+            return library
+    torch.ops.load_library(str(library))
+    return library
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("vbatch::paged_attention")
+    def _paged_attention_fake(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        return q.new_empty(q.shape)
+
+    @torch.library.register_fake("vbatch::reshape_and_cache")
+    def _reshape_and_cache_fake(
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        return None
+
+
+def try_build_and_load(csrc_dir: Path, root: Path, with_cuda: bool) -> bool:
+    """build_and_load that logs a one-line notice and returns False instead of raising."""
+    try:
+        build_and_load(csrc_dir, root, with_cuda)
+    except Exception as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        # NOTE: a failed build's message starts with the compiler command; the cause is below it.
+        reason = next((line for line in lines if "error:" in line), lines[0] if lines else "")
+        logger.warning("vbatch native kernels unavailable (%s): %s", type(exc).__name__, reason)
+        return False
+    return True
+
+
+@functools.cache
+def is_available() -> bool:
+    """Whether the vbatch:: ops are loaded; builds them on the first call, never raises."""
+    csrc_dir = find_csrc_dir()
+    if csrc_dir is None:
+        logger.warning("vbatch native kernels unavailable: csrc sources not found")
+        return False
+    with_cuda = torch.cuda.is_available() and torch.version.cuda is not None
+    if not try_build_and_load(csrc_dir, cache_dir(), with_cuda):
+        return False
+    _register_fakes()
+    return True
+
+
+class NativeAttentionBackend(AttentionBackend):
+    """Paged attention through the vbatch:: custom ops (C++/OpenMP on CPU, CUDA on GPU).
+
+    Invariant: constructed only when is_available(); the ops read K/V straight from the cache
+    through the block tables, with no gathered copy of the context.
+    """
+
+    name = "native"
+
+    def __init__(self) -> None:
+        assert is_available(), "NativeAttentionBackend needs the native kernels built"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        torch.ops.vbatch.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        # [num_tokens, num_heads, head_dim]
+        return torch.ops.vbatch.paged_attention(
+            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale
+        )

@@ -1,0 +1,89 @@
+"""Rotary position embeddings: inverse frequencies (default, linear, llama3) and a cos/sin cache."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def rope_inv_freq(
+    head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None
+) -> torch.Tensor:
+    """The per-pair rotation frequencies, [head_dim // 2] float32, scaled as the config says."""
+    # NOTE: always on CPU, so a model built under `torch.device("meta")` still gets real values.
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (rope_theta**exponents)
+    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    assert rope_scaling is not None
+    factor = float(rope_scaling["factor"])
+    if rope_type == "linear":
+        return inv_freq / factor
+    assert rope_type == "llama3", rope_type
+    return _llama3_inv_freq(inv_freq, factor, rope_scaling)
+
+
+def _llama3_inv_freq(
+    inv_freq: torch.Tensor, factor: float, rope_scaling: dict[str, Any]
+) -> torch.Tensor:
+    # NOTE: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    low_freq_factor = float(rope_scaling["low_freq_factor"])
+    high_freq_factor = float(rope_scaling["high_freq_factor"])
+    original_len = float(rope_scaling["original_max_position_embeddings"])
+    low_freq_wavelen = original_len / low_freq_factor
+    high_freq_wavelen = original_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+class RotaryEmbedding:
+    """A cos/sin table for positions [0, max_positions), built lazily per (device, dtype).
+
+    Invariant: `cos_sin(positions)` returns two [num_tokens, head_dim // 2] tensors computed in
+    float32 (as transformers does) and cast to the requested dtype.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        rope_theta: float,
+        rope_scaling: dict[str, Any] | None,
+    ) -> None:
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.inv_freq = rope_inv_freq(head_dim, rope_theta, rope_scaling)
+        self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = self._cache
+        if cache is None or cache[0].device != positions.device or cache[0].dtype != dtype:
+            cache = self._build(positions.device, dtype)
+            self._cache = cache
+        return cache[0].index_select(0, positions), cache[1].index_select(0, positions)
+
+    def _build(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(self.max_positions, device=device, dtype=torch.int64)
+        # [max_positions, head_dim // 2]
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(device)[None, :]
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of each head (HF's rotate_half layout).
+
+    x [num_tokens, num_heads, head_dim]; cos, sin [num_tokens, head_dim // 2].
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,314 @@
+"""LLM: the Python API (generate, stream) over the engine-core subprocess."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from vbatch.client.core_client import EngineCoreClient
+from vbatch.client.detokenizer import IncrementalDetokenizer
+from vbatch.client.outputs import (
+    CompletionOutput,
+    Request,
+    RequestOutput,
+    RequestState,
+    error_output,
+)
+from vbatch.client.tokenizer import TextTokenizer
+from vbatch.config import EngineConfig
+from vbatch.errors import VbatchError
+from vbatch.protocol import (
+    AddRequest,
+    Ready,
+    SchedulerStats,
+    TokenDelta,
+    pack_token_ids,
+)
+from vbatch.sampling_params import SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "Request", "RequestOutput"]
+
+TOKENIZE_BATCH = 64
+_MAIN_GUARD_MESSAGE = (
+    "vbatch.LLM was created while multiprocessing re-imported your script to start the engine "
+    "core (the 'spawn' start method runs the main module again in the child). Put the code that "
+    'creates the LLM under `if __name__ == "__main__":` and run it again.'
+)
+
+
+def _as_request(item: str | list[dict] | Request) -> Request:
+    if isinstance(item, Request):
+        return item
+    if isinstance(item, str):
+        return Request(prompt=item)
+    if isinstance(item, list):
+        return Request(messages=item)
+    raise VbatchError(
+        f"each input must be a prompt string, a messages list or a vbatch.llm.Request, "
+        f"got {type(item).__name__}"
+    )
+
+
+def _check_main_guard() -> None:
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            raise VbatchError(_MAIN_GUARD_MESSAGE)
+        frame = frame.f_back
+
+
+class LLM:
+    """Offline generation over one engine-core subprocess.
+
+    Invariants: at most `max_in_flight` requests are in the core at once; one stream runs at a
+    time (a second concurrent stream raises); request ids sent to the core are unique per LLM,
+    so late deltas of aborted requests are recognised and dropped.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        max_in_flight: int | None = None,
+        on_progress: Callable[[str], None] | None = None,
+        **engine_args: Any,
+    ) -> None:
+        _check_main_guard()
+        from vbatch.models.loader import resolve_model
+
+        if on_progress is not None:
+            on_progress("resolving model")
+        resolved = resolve_model(model)
+        self.model = resolved
+        config = EngineConfig.from_dict({**engine_args, "model": resolved.source})
+        self.tokenizer = TextTokenizer.from_dir(resolved.hf_dir)
+        self._client = EngineCoreClient(config, on_progress=on_progress)
+        self.engine_info: Ready = self._client.info
+        # NOTE: each running sequence holds at least one KV block, so more than
+        # num_kv_blocks can never run together; twice that keeps the scheduler fed.
+        default = 2 * min(config.max_num_seqs, self.engine_info.num_kv_blocks)
+        self.max_in_flight = max(1, max_in_flight if max_in_flight is not None else default)
+        self._request_ids = itertools.count()
+        self._is_streaming = False
+
+    @property
+    def latest_stats(self) -> SchedulerStats | None:
+        return self._client.latest_stats
+
+    def get_stats(self) -> SchedulerStats:
+        return self._client.get_stats()
+
+    def generate(
+        self,
+        prompts: str | Request | Iterable[str | list[dict] | Request],
+        sampling_params: SamplingParams | None = None,
+        *,
+        use_progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; results come back in input order."""
+        items = [prompts] if isinstance(prompts, (str, Request)) else list(prompts)
+        results: list[RequestOutput | None] = [None] * len(items)
+        stream = self._stream(items, sampling_params, None)
+        if not use_progress:
+            for position, out in stream:
+                results[position] = out
+            return results  # type: ignore[return-value]
+        from rich.progress import Progress
+
+        with Progress(transient=False) as progress:
+            task = progress.add_task("generating", total=len(items))
+            for position, out in stream:
+                results[position] = out
+                progress.advance(task)
+        return results  # type: ignore[return-value]
+
+    def stream(
+        self,
+        inputs: Iterable[str | list[dict] | Request],
+        sampling_params: SamplingParams | None = None,
+        *,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yield finished requests in completion order, pulling `inputs` lazily.
+
+        Closing the generator early aborts everything still in flight. Per-request failures are
+        yielded as outputs with `.error` set. `on_output` runs on its own thread.
+        """
+        for _, out in self._stream(inputs, sampling_params, on_output):
+            yield out
+
+    def _stream(
+        self,
+        inputs: Iterable[str | list[dict] | Request],
+        sampling_params: SamplingParams | None,
+        on_output: Callable[[RequestOutput], None] | None,
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        if self._is_streaming:
+            raise VbatchError("this LLM is already streaming; finish or close that stream first")
+        self._is_streaming = True
+        defaults = sampling_params or SamplingParams()
+        source = enumerate(inputs)
+        live: dict[str, RequestState] = {}
+        ready: list[tuple[int, RequestOutput]] = []
+        callbacks = _CallbackThread(on_output, self.max_in_flight) if on_output else None
+        is_exhausted = False
+        try:
+            while True:
+                room = self.max_in_flight - len(live)
+                if not is_exhausted and room > 0:
+                    batch = list(itertools.islice(source, min(room, TOKENIZE_BATCH)))
+                    is_exhausted = len(batch) < min(room, TOKENIZE_BATCH)
+                    self._submit(batch, defaults, live, ready)
+                for position, out in ready:
+                    if callbacks is not None:
+                        callbacks.put(out)
+                    yield position, out
+                ready.clear()
+                if not live:
+                    if is_exhausted:
+                        break
+                    continue
+                is_filling = not is_exhausted and len(live) < self.max_in_flight
+                deltas = self._client.get_outputs(timeout=0.0 if is_filling else None)
+                self._collect(deltas, live, ready)
+            if callbacks is not None:
+                callbacks.close()
+        finally:
+            self._is_streaming = False
+            if live:
+                self._client.abort(list(live))
+            if callbacks is not None:
+                callbacks.close(raise_error=False)
+
+    def _submit(
+        self,
+        batch: list[tuple[int, Any]],
+        defaults: SamplingParams,
+        live: dict[str, RequestState],
+        ready: list[tuple[int, RequestOutput]],
+    ) -> None:
+        """Tokenize a batch and send it to the core; unusable items go straight to `ready`."""
+        requests = []
+        for position, item in batch:
+            try:
+                requests.append((position, _as_request(item)))
+            except VbatchError as e:
+                ready.append((position, error_output(Request(), position, [], str(e), 1)))
+        adds = []
+        tokenized = self._tokenize([req for _, req in requests])
+        for (position, req), prompt_ids in zip(requests, tokenized, strict=True):
+            params = req.sampling_params or defaults
+            if isinstance(prompt_ids, str):
+                ready.append((position, error_output(req, position, [], prompt_ids, params.n)))
+                continue
+            rid = str(next(self._request_ids))
+            live[rid] = RequestState(
+                request=req,
+                position=position,
+                params=params,
+                prompt_token_ids=prompt_ids,
+                detoks=[IncrementalDetokenizer(self.tokenizer, params) for _ in range(params.n)],
+                reasons=[None] * params.n,
+                logprobs=[[] if params.logprobs is not None else None for _ in range(params.n)],
+                num_core_live=params.n,
+            )
+            adds.append(AddRequest(rid, pack_token_ids(prompt_ids), params, time.time()))
+        if adds:
+            self._client.add_requests(adds)
+
+    def _tokenize(self, requests: list[Request]) -> list[list[int] | str]:
+        """Prompt token ids per request, or an error message; one encode_batch call per kind."""
+        results: list[list[int] | str] = ["" for _ in requests]
+        plain: tuple[list[int], list[str]] = ([], [])
+        chats: tuple[list[int], list[str]] = ([], [])
+        for k, req in enumerate(requests):
+            if req.prompt_token_ids is not None:
+                results[k] = list(req.prompt_token_ids)
+            elif req.messages is not None:
+                try:
+                    chats[1].append(self.tokenizer.apply_chat_template(req.messages))
+                    chats[0].append(k)
+                except VbatchError as e:
+                    results[k] = str(e)
+            elif isinstance(req.prompt, str):
+                plain[0].append(k)
+                plain[1].append(req.prompt)
+            else:
+                results[k] = "a request needs a prompt string, messages or prompt_token_ids"
+        # NOTE: chat templates carry their own BOS, so rendered chats get no special tokens.
+        for (ks, texts), add_special in ((plain, True), (chats, False)):
+            if texts:
+                encoded = self.tokenizer.encode_batch(texts, add_special_tokens=add_special)
+                for k, ids in zip(ks, encoded, strict=True):
+                    results[k] = ids
+        return results
+
+    def _collect(
+        self,
+        deltas: list[TokenDelta],
+        live: dict[str, RequestState],
+        ready: list[tuple[int, RequestOutput]],
+    ) -> None:
+        """Apply token deltas; finished requests move to `ready`, stop-string hits are aborted."""
+        aborts = []
+        for delta in deltas:
+            entry = live.get(delta.request_id)
+            if entry is None:
+                continue
+            entry.apply(delta)
+            if entry.is_done:
+                del live[delta.request_id]
+                if entry.num_core_live > 0:
+                    aborts.append(delta.request_id)
+                ready.append((entry.position, entry.to_output()))
+        if aborts:
+            self._client.abort(aborts)
+
+    def shutdown(self) -> None:
+        self._client.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+class _CallbackThread:
+    """Runs `on_output` off the consuming thread so a slow callback doesn't delay submissions.
+
+    The queue is bounded, so a callback slower than generation eventually applies backpressure
+    instead of letting finished outputs pile up in memory.
+    """
+
+    def __init__(self, fn: Callable[[RequestOutput], None], max_pending: int) -> None:
+        self._fn = fn
+        self._queue: queue.Queue[RequestOutput | None] = queue.Queue(maxsize=max_pending)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="vbatch-on-output", daemon=True)
+        self._thread.start()
+
+    def put(self, out: RequestOutput) -> None:
+        if self._error is not None:
+            raise self._error
+        self._queue.put(out)
+
+    def close(self, raise_error: bool = True) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        if raise_error and self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while (out := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self._fn(out)
+                except BaseException as e:
+                    self._error = e

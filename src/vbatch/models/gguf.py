@@ -1,0 +1,190 @@
+"""GGUF → Hugging Face directory conversion: config, dequantized safetensors, tokenizer."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vbatch.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_GGUF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def convert_gguf(path: Path, out_dir: Path) -> None:
+    """Write an HF-style model directory for the GGUF file at `path` into `out_dir`."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+    metadata = _read_metadata(reader, path)
+    arch = metadata.get("general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"GGUF file {path} has unsupported architecture {arch!r}; "
+            f"supported: {', '.join(sorted(SUPPORTED_GGUF_ARCHITECTURES))}"
+        )
+    config = _build_config(metadata, arch, reader, path)
+    tensors = _convert_tensors(reader, config, arch, path)
+    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _write_generation_config(config, out_dir)
+    _write_tokenizer(path, out_dir)
+
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _read_metadata(reader: Any, path: Path) -> dict[str, Any]:
+    metadata: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "token_type", "merges")):
+            continue
+        try:
+            metadata[key] = field.contents()
+        except Exception as e:
+            raise ModelLoadError(f"GGUF file {path} has an unreadable field {key}: {e}") from e
+    return metadata
+
+
+def _build_config(metadata: dict[str, Any], arch: str, reader: Any, path: Path) -> dict[str, Any]:
+    def get(key: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF file {path} lacks the metadata key {arch}.{key}")
+        return value
+
+    num_heads = int(get("attention.head_count"))
+    hidden_size = int(get("embedding_length"))
+    vocab_size = metadata.get(f"{arch}.vocab_size")
+    if vocab_size is None:
+        embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if embed is None:
+            raise ModelLoadError(f"GGUF file {path} has no token_embd.weight tensor")
+        vocab_size = int(embed.shape[-1])
+    architecture, model_type = SUPPORTED_GGUF_ARCHITECTURES[arch]
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": int(vocab_size),
+        "hidden_size": hidden_size,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", num_heads)),
+        "head_dim": int(get("attention.key_length", hidden_size // num_heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length")),
+        "hidden_act": "silu",
+        "attention_bias": arch == "qwen2",
+        "torch_dtype": "float32",
+    }
+    scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type == "linear":
+        config["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": float(get("rope.scaling.factor")),
+        }
+    elif scaling_type != "none":
+        raise ModelLoadError(f"GGUF file {path} uses unsupported rope scaling {scaling_type!r}")
+    for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+        value = metadata.get(f"tokenizer.ggml.{key}")
+        if value is not None:
+            config[name] = int(value)
+    return config
+
+
+def _convert_tensors(
+    reader: Any, config: dict[str, Any], arch: str, path: Path
+) -> dict[str, np.ndarray]:
+    from gguf.quants import dequantize
+
+    tensors: dict[str, np.ndarray] = {}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        if name is None:
+            if tensor.name == "rope_freqs.weight":
+                logger.warning("%s: ignoring rope_freqs.weight (llama3 rope scaling)", path)
+                continue
+            raise ModelLoadError(f"GGUF file {path} has an unknown tensor {tensor.name}")
+        try:
+            # NOTE: GGUF lists shapes innermost-first; dequantize returns the row-major HF layout.
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except Exception as e:
+            raise ModelLoadError(f"GGUF file {path}: cannot read tensor {tensor.name}: {e}") from e
+        array = np.ascontiguousarray(array.reshape(tuple(reversed(tensor.shape.tolist()))))
+        if array.dtype != np.float16:
+            array = array.astype(np.float32, copy=False)
+        # NOTE: llama.cpp's converter interleaves each Q/K head's rotary halves; Qwen2 keeps HF's.
+        if arch == "llama" and tensor.name.endswith("attn_q.weight"):
+            array = unpermute_qk(array, config["num_attention_heads"])
+        elif arch == "llama" and tensor.name.endswith("attn_k.weight"):
+            array = unpermute_qk(array, config["num_key_value_heads"])
+        tensors[name] = array
+    if "model.embed_tokens.weight" not in tensors:
+        raise ModelLoadError(f"GGUF file {path} has no token_embd.weight tensor")
+    return tensors
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head rotary permutation of a Q or K projection ([out, in])."""
+    out_features = weight.shape[0]
+    half_dim = out_features // num_heads // 2
+    # [num_heads, half_dim, 2, in] → [num_heads, 2, half_dim, in]
+    unpermuted = weight.reshape(num_heads, half_dim, 2, *weight.shape[1:]).swapaxes(1, 2)
+    return np.ascontiguousarray(unpermuted.reshape(weight.shape))
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _LAYER_RE.match(gguf_name)
+    if match is None or match.group(2) not in _LAYER_TENSORS:
+        return None
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}"
+
+
+def _write_generation_config(config: dict[str, Any], out_dir: Path) -> None:
+    generation = {key: config[key] for key in ("bos_token_id", "eos_token_id") if key in config}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
+
+
+def _write_tokenizer(path: Path, out_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer.save_pretrained(str(out_dir))
+    except Exception as e:
+        raise ModelLoadError(f"cannot build a tokenizer from GGUF file {path}: {e}") from e

@@ -1,0 +1,200 @@
+"""The Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) over a paged KV cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from vbatch.errors import ModelLoadError
+from vbatch.layers.attention import AttentionBackend, AttentionMetadata
+from vbatch.layers.norm import RMSNorm
+from vbatch.layers.rotary import RotaryEmbedding, apply_rotary
+from vbatch.models.config import ModelConfig
+from vbatch.models.loader import ResolvedModel
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, rotary on Q and K together, paged attention, output projection."""
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        self.attn_backend = attn_backend
+        qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        # [num_tokens, num_heads + 2 * num_kv_heads, head_dim]
+        qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)
+        qk = apply_rotary(qkv[:, :num_qk_heads], cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, num_qk_heads:]
+        out = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU with gate and up fused into one projection."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention block then pre-norm MLP block, each with a residual add."""
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, attn_backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """A flat token batch (prefill chunks and decodes mixed) in, final-normed hidden states out.
+
+    Invariants: parameter names mirror HF's except the fused `qkv_proj` and `gate_up_proj`;
+    with tied embeddings there is no lm_head parameter and logits use the embedding matrix.
+    """
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, attn_backend) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.rotary = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        # [num_tokens, hidden_size]
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden_size] → [n, vocab_size] float32 logits."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+def load_model(
+    model: ResolvedModel | str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    attn_backend: AttentionBackend,
+) -> LlamaForCausalLM:
+    """Build the model from an HF directory, reading safetensors straight onto `device`."""
+    hf_dir = model.hf_dir if isinstance(model, ResolvedModel) else Path(model)
+    config = ModelConfig.from_hf_dir(hf_dir)
+    with torch.device("meta"):
+        llm = LlamaForCausalLM(config, attn_backend).to(dtype)
+    llm.to_empty(device=device)
+    llm.requires_grad_(False)
+    weight_files = sorted(hf_dir.glob("*.safetensors"))
+    if not weight_files:
+        raise ModelLoadError(f"model directory {hf_dir} has no *.safetensors weights")
+    params = dict(llm.named_parameters())
+    num_loaded = dict.fromkeys(params, 0)
+    for path in weight_files:
+        try:
+            with safe_open(str(path), framework="pt", device=str(device)) as f:
+                for hf_name in f.keys():  # noqa: SIM118
+                    target = _param_target(hf_name, config)
+                    if target is None:
+                        continue
+                    name, row_start = target
+                    if name not in params:
+                        raise ModelLoadError(f"{path}: unexpected tensor {hf_name}")
+                    tensor = f.get_tensor(hf_name)
+                    rows = params[name].data[row_start : row_start + tensor.shape[0]]
+                    if rows.shape != tensor.shape:
+                        raise ModelLoadError(
+                            f"{path}: tensor {hf_name} has shape {tuple(tensor.shape)}, "
+                            f"expected {tuple(rows.shape)}"
+                        )
+                    rows.copy_(tensor)
+                    num_loaded[name] += tensor.numel()
+        except (OSError, RuntimeError) as e:
+            raise ModelLoadError(f"cannot read weights {path}: {e}") from e
+    missing = [name for name, param in params.items() if num_loaded[name] != param.numel()]
+    if missing:
+        raise ModelLoadError(f"model in {hf_dir} lacks weights for {', '.join(missing[:5])}")
+    return llm.eval()
+
+
+def _param_target(hf_name: str, config: ModelConfig) -> tuple[str, int] | None:
+    """Our parameter name and first row for an HF tensor; None for tensors we do not use."""
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return None
+    if hf_name == "lm_head.weight":
+        return None if config.tie_word_embeddings else ("lm_head.weight", 0)
+    name = hf_name.removeprefix("model.")
+    prefix, _, leaf = name.rpartition(".")
+    block, _, proj = prefix.rpartition(".")
+    q_size = config.num_attention_heads * config.head_dim
+    kv_size = config.num_key_value_heads * config.head_dim
+    qkv_rows = {"q_proj": 0, "k_proj": q_size, "v_proj": q_size + kv_size}
+    if proj in qkv_rows:
+        return f"{block}.qkv_proj.{leaf}", qkv_rows[proj]
+    gate_up_rows = {"gate_proj": 0, "up_proj": config.intermediate_size}
+    if proj in gate_up_rows:
+        return f"{block}.gate_up_proj.{leaf}", gate_up_rows[proj]
+    return name, 0

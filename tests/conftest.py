@@ -1,0 +1,118 @@
+"""Shared fixtures: the default SmolLM2 model, a tiny random Llama directory, the gpu marker."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from vbatch.models.loader import ResolvedModel, resolve_model
+
+if TYPE_CHECKING:
+    import torch
+
+    from vbatch.layers.attention import AttentionMetadata
+
+# NOTE: set at import so engine subprocesses spawned by tests inherit the same cache.
+os.environ.setdefault("VBATCH_CACHE_DIR", str(Path.home() / ".cache" / "vbatch-test"))
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    # NOTE: torch is imported only when needed so torch-free modules can be tested as such.
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in gpu_items:
+        item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> ResolvedModel:
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2: ResolvedModel) -> Path:
+    """A random-weight 2-layer Llama sharing SmolLM2's tokenizer (vocab 49152, tied)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out_dir = tmp_path_factory.mktemp("tiny-llama")
+    generation = json.loads((smollm2.hf_dir / "generation_config.json").read_text())
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=generation["bos_token_id"],
+        eos_token_id=generation["eos_token_id"],
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    for name in TOKENIZER_FILES:
+        if (smollm2.hf_dir / name).is_file():
+            shutil.copy(smollm2.hf_dir / name, out_dir / name)
+    return out_dir
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Metadata for a flat batch: seq i writes its last query_lens[i] of seq_lens[i] positions."""
+    import torch
+
+    from vbatch.layers.attention import AttentionMetadata
+
+    slots: list[int] = []
+    for query_len, seq_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
+        assert len(table) * block_size >= seq_len
+        for pos in range(seq_len - query_len, seq_len):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    max_blocks = max(len(t) for t in block_tables)
+    padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+    starts = [0]
+    for query_len in query_lens:
+        starts.append(starts[-1] + query_len)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+
+
+@pytest.fixture
+def make_attention_metadata() -> Callable[..., AttentionMetadata]:
+    """build_attention_metadata(query_lens, seq_lens, block_tables, block_size, device)."""
+    return build_attention_metadata

@@ -1,0 +1,233 @@
+"""Tests for the BlockManager: pool accounting, ref counts, prefix caching and LRU eviction."""
+
+import subprocess
+import sys
+
+import pytest
+
+from vbatch.engine.block_manager import BlockManager, hash_block
+from vbatch.engine.sequence import Sequence
+from vbatch.sampling_params import SamplingParams
+
+
+def make_seq(token_ids: list[int]) -> Sequence:
+    return Sequence("r", token_ids, SamplingParams())
+
+
+def check_invariants(bm: BlockManager, live_seqs: list[Sequence]) -> None:
+    """Each block is in exactly one state, and ref counts equal block-table occurrences."""
+    free = set(bm.free_block_ids)
+    cached_free = set(bm.cached_free_block_ids)
+    assert len(free) == len(bm.free_block_ids)
+    assert not free & cached_free
+    occurrences = [0] * bm.num_blocks
+    for seq in live_seqs:
+        for block_id in seq.block_table:
+            occurrences[block_id] += 1
+    assert occurrences == bm.ref_counts
+    for block_id in range(bm.num_blocks):
+        ref_count = bm.ref_counts[block_id]
+        is_hashed = bm.block_hashes[block_id] is not None
+        assert ref_count >= 0
+        assert (ref_count > 0) + (block_id in free) + (block_id in cached_free) == 1
+        assert (block_id in cached_free) <= is_hashed
+        assert (block_id in free) <= (not is_hashed)
+        if is_hashed:
+            assert bm.hash_to_block[bm.block_hashes[block_id]] == block_id
+    assert len(bm.hash_to_block) == sum(h is not None for h in bm.block_hashes)
+
+
+def admit(bm: BlockManager, seq: Sequence) -> None:
+    """Allocate `seq` with its prefix hits, as if its whole remaining prompt were computed."""
+    cached_blocks = bm.match_prefix(seq)
+    num_new = seq.num_tokens - len(cached_blocks) * bm.block_size
+    assert bm.can_allocate(num_new, cached_blocks)
+    bm.allocate(seq, num_new, cached_blocks)
+
+
+def compute_all(bm: BlockManager, seq: Sequence) -> None:
+    seq.num_computed_tokens = seq.num_tokens
+    bm.cache_full_blocks(seq)
+
+
+def test_allocate_append_free_and_usage() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    seq = make_seq(list(range(10)))
+    assert bm.can_allocate(10)
+    bm.allocate(seq, 10)
+    assert len(seq.block_table) == 3 and len(set(seq.block_table)) == 3
+    assert seq.num_computed_tokens == seq.num_cached_tokens == 0
+    assert bm.num_free_blocks == 5
+    assert bm.usage == pytest.approx(3 / 8)
+    check_invariants(bm, [seq])
+
+    seq.num_computed_tokens = 10
+    assert bm.append_slots(seq, 2)
+    assert len(seq.block_table) == 3
+    assert bm.append_slots(seq, 3)
+    assert len(seq.block_table) == 4
+    assert not bm.append_slots(seq, 23)
+    assert len(seq.block_table) == 4, "a failed append_slots allocates nothing"
+    check_invariants(bm, [seq])
+
+    bm.free(seq)
+    assert seq.block_table == []
+    assert bm.num_free_blocks == 8 and bm.usage == 0.0
+    check_invariants(bm, [])
+
+
+def test_can_allocate_counts_the_whole_pool() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    assert bm.can_allocate(16)
+    assert not bm.can_allocate(17)
+
+
+def test_prefix_hits_share_blocks_across_sequences() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4)
+    prompt = list(range(100, 110))
+    a = make_seq(prompt)
+    admit(bm, a)
+    compute_all(bm, a)
+    assert bm.num_cached_blocks == 2
+    assert a.num_cached_tokens == 0
+
+    b = make_seq([*prompt[:8], 7, 7, 7])
+    admit(bm, b)
+    assert b.block_table[:2] == a.block_table[:2]
+    assert b.block_table[2] != a.block_table[2]
+    assert b.num_cached_tokens == b.num_computed_tokens == 8
+    assert [bm.ref_counts[x] for x in a.block_table] == [2, 2, 1]
+    assert (bm.num_prefix_queries, bm.num_prefix_hits) == (10 + 11, 8)
+    check_invariants(bm, [a, b])
+
+    c = make_seq([*prompt[:4], 9, 9, 9, 9, 9])
+    assert bm.match_prefix(c) == a.block_table[:1]
+
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 16
+    check_invariants(bm, [])
+
+
+def test_cache_never_covers_the_last_token() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_seq(list(range(8)))
+    admit(bm, a)
+    compute_all(bm, a)
+    assert bm.num_cached_blocks == 2
+    b = make_seq(list(range(8)))
+    admit(bm, b)
+    assert b.num_cached_tokens == 4
+    assert len(b.block_table) == 2 and b.block_table[0] == a.block_table[0]
+    assert b.block_table[1] != a.block_table[1]
+
+
+def test_cached_free_blocks_are_reused_after_free() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_seq(list(range(9)))
+    admit(bm, a)
+    compute_all(bm, a)
+    full_blocks = a.block_table[:2]
+    bm.free(a)
+    assert bm.num_free_blocks == 8 and bm.usage == 0.0
+    assert set(bm.cached_free_block_ids) == set(full_blocks)
+    check_invariants(bm, [])
+
+    b = make_seq(list(range(9)))
+    admit(bm, b)
+    assert b.block_table[:2] == full_blocks
+    assert b.num_cached_tokens == 8
+    assert not bm.cached_free_block_ids
+    check_invariants(bm, [b])
+
+
+def test_forced_hash_collision_is_caught_by_the_token_check() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4, hash_fn=lambda parent, token_ids: 42)
+    a = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    admit(bm, a)
+    compute_all(bm, a)
+    # NOTE: block 1 collides with block 0 and so stays private.
+    assert bm.num_cached_blocks == 1
+    check_invariants(bm, [a])
+
+    b = make_seq([5, 6, 7, 8, 1, 2, 3, 4, 0])
+    admit(bm, b)
+    assert b.num_cached_tokens == 0
+    assert not set(b.block_table) & set(a.block_table)
+
+    c = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 0])
+    admit(bm, c)
+    assert c.num_cached_tokens == 4
+    assert c.block_table[0] == a.block_table[0] and c.block_table[1] != a.block_table[1]
+    check_invariants(bm, [a, b, c])
+
+
+def test_equal_blocks_computed_twice_keep_the_chain_going() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = make_seq([1, 2, 3, 4, 5])
+    b = make_seq([1, 2, 3, 4, 6, 6, 6, 6, 0])
+    admit(bm, a)
+    admit(bm, b)
+    compute_all(bm, a)
+    compute_all(bm, b)
+    assert bm.block_hashes[b.block_table[0]] is None
+    assert bm.block_hashes[b.block_table[1]] is not None
+    c = make_seq([1, 2, 3, 4, 6, 6, 6, 6, 1])
+    admit(bm, c)
+    assert c.block_table[:2] == [a.block_table[0], b.block_table[1]]
+    assert c.num_cached_tokens == 8
+    check_invariants(bm, [a, b, c])
+
+
+def test_lru_eviction_of_cached_free_blocks() -> None:
+    bm = BlockManager(num_blocks=6, block_size=2)
+    prompts = {"a": [10, 11, 0], "b": [20, 21, 0], "c": [30, 31, 0]}
+    seqs = {name: make_seq(prompt) for name, prompt in prompts.items()}
+    for seq in seqs.values():
+        admit(bm, seq)
+        compute_all(bm, seq)
+    head = {name: seq.block_table[0] for name, seq in seqs.items()}
+    for seq in seqs.values():
+        bm.free(seq)
+    assert list(bm.cached_free_block_ids) == [head["a"], head["b"], head["c"]]
+
+    b_again = make_seq(prompts["b"])
+    admit(bm, b_again)
+    assert b_again.block_table[0] == head["b"]
+    bm.free(b_again)
+    assert list(bm.cached_free_block_ids) == [head["a"], head["c"], head["b"]]
+    check_invariants(bm, [])
+
+    d = make_seq(list(range(100, 108)))
+    admit(bm, d)
+    assert head["a"] in d.block_table, "truly free blocks go first, then the least recent"
+    assert bm.match_prefix(make_seq(prompts["a"])) == []
+    e = make_seq([200, 201])
+    admit(bm, e)
+    assert e.block_table == [head["c"]]
+    assert bm.match_prefix(make_seq(prompts["c"])) == []
+    assert bm.match_prefix(make_seq(prompts["b"])) == [head["b"]]
+    check_invariants(bm, [d, e])
+
+
+def test_prefix_caching_disabled() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    a = make_seq(list(range(9)))
+    admit(bm, a)
+    compute_all(bm, a)
+    assert bm.num_cached_blocks == 0
+    b = make_seq(list(range(9)))
+    assert bm.match_prefix(b) == []
+    bm.free(a)
+    assert not bm.cached_free_block_ids and bm.num_free_blocks == 8
+    assert bm.num_prefix_queries == bm.num_prefix_hits == 0
+
+
+def test_hash_block_chains_the_parent() -> None:
+    assert hash_block(0, (1, 2)) == hash_block(0, (1, 2))
+    assert hash_block(0, (1, 2)) != hash_block(hash_block(0, (1, 2)), (1, 2))
+
+
+def test_module_is_torch_free() -> None:
+    code = "import sys, vbatch.engine.block_manager; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

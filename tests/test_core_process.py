@@ -1,0 +1,169 @@
+"""The engine-core process over raw sockets: READY, deltas, stats, utility, abort, Shutdown."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from vbatch.config import EngineConfig
+from vbatch.engine.core_process import STATS_INTERVAL_S, run_engine_core
+from vbatch.protocol import (
+    Abort,
+    AddRequest,
+    EngineOutputs,
+    FinishReason,
+    Ready,
+    Shutdown,
+    StartupFailed,
+    StartupProgress,
+    Utility,
+    UtilityResult,
+    client_decoder,
+    encoder,
+    pack_token_ids,
+)
+from vbatch.sampling_params import SamplingParams
+
+
+class RawClient:
+    """A bare client: binds the two sockets, spawns the core, and reads its messages."""
+
+    def __init__(self, config: EngineConfig, ipc_dir: Path) -> None:
+        self.ctx = zmq.Context(1)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.pull = self.ctx.socket(zmq.PULL)
+        for sock in (self.push, self.pull):
+            sock.setsockopt(zmq.LINGER, 0)
+        self.push.bind(f"ipc://{ipc_dir}/in")
+        self.pull.bind(f"ipc://{ipc_dir}/out")
+        self.proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core,
+            args=(config, f"ipc://{ipc_dir}/in", f"ipc://{ipc_dir}/out", os.getpid()),
+            daemon=True,
+        )
+        self.proc.start()
+
+    def send(self, msg: object) -> None:
+        self.push.send(encoder.encode(msg))
+
+    def recv(self, timeout_s: float = 60.0) -> object:
+        assert self.pull.poll(int(timeout_s * 1000)), "the core sent nothing"
+        return client_decoder.decode(self.pull.recv())
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(10)
+        self.push.close()
+        self.pull.close()
+        self.ctx.term()
+
+
+@pytest.fixture(scope="module")
+def core(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RawClient]:
+    config = EngineConfig(
+        model=str(tiny_model_dir),
+        device="cpu",
+        num_threads=1,
+        max_num_seqs=4,
+        num_kv_blocks=64,
+        attention_backend="torch",
+    )
+    client = RawClient(config, tmp_path_factory.mktemp("ipc"))
+    msg = client.recv()
+    while isinstance(msg, StartupProgress):
+        msg = client.recv()
+    assert isinstance(msg, Ready), msg
+    assert msg.pid == client.proc.pid
+    yield client
+    client.close()
+
+
+def collect(core: RawClient, until: set[str]) -> dict[str, list]:
+    """Read outputs until every id in `until` has finished; deltas grouped by request id."""
+    seen: dict[str, list] = {}
+    finished: set[str] = set()
+    while not until <= finished:
+        msg = core.recv()
+        if not isinstance(msg, EngineOutputs):
+            continue
+        for delta in msg.outputs:
+            seen.setdefault(delta.request_id, []).append(delta)
+            if delta.finish_reason is not None:
+                finished.add(delta.request_id)
+    return seen
+
+
+def test_requests_stream_compact_deltas(core: RawClient) -> None:
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    core.send(AddRequest("x", pack_token_ids([5, 6, 7]), params))
+    deltas = collect(core, {"x"})["x"]
+    assert sum(len(d.new_token_ids) for d in deltas) == 6
+    assert deltas[-1].finish_reason == FinishReason.LENGTH
+    assert all(d.finish_reason is None for d in deltas[:-1])
+
+
+def test_prompt_too_long_is_an_error_delta_not_a_crash(core: RawClient) -> None:
+    params = SamplingParams(max_tokens=4)
+    core.send(AddRequest("long", pack_token_ids([1] * 600), params))
+    (delta,) = collect(core, {"long"})["long"]
+    assert delta.finish_reason == FinishReason.ERROR
+    assert delta.error
+    assert core.proc.is_alive()
+
+
+def test_abort_lands_before_the_next_step(core: RawClient) -> None:
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    core.send(AddRequest("slow", pack_token_ids([1, 2]), params))
+    core.send(Abort(["slow"]))
+    deltas = collect(core, {"slow"})["slow"]
+    assert deltas[-1].finish_reason == FinishReason.ABORT
+    assert sum(len(d.new_token_ids) for d in deltas) < 400
+
+
+def test_stats_arrive_periodically_and_by_utility(core: RawClient) -> None:
+    core.send(Utility(3, "stats"))
+    reply = core.recv()
+    while not isinstance(reply, UtilityResult):
+        reply = core.recv()
+    assert reply.call_id == 3
+    assert reply.result is not None and reply.result.num_running == 0
+    core.send(Utility(4, "no-such-method"))
+    reply = core.recv()
+    while not isinstance(reply, UtilityResult):
+        reply = core.recv()
+    assert "no-such-method" in reply.error
+    # NOTE: an idle core still reports stats about every STATS_INTERVAL_S.
+    start = time.monotonic()
+    msg = core.recv()
+    while not (isinstance(msg, EngineOutputs) and msg.stats is not None):
+        msg = core.recv()
+    assert time.monotonic() - start < 4 * STATS_INTERVAL_S + 1
+
+
+def test_shutdown_exits_cleanly(core: RawClient) -> None:
+    core.send(Shutdown())
+    core.proc.join(10)
+    assert core.proc.exitcode == 0
+
+
+def test_startup_failure_is_reported_then_exits(tmp_path: Path) -> None:
+    config = EngineConfig(model=str(tmp_path / "missing"), device="cpu")
+    client = RawClient(config, tmp_path)
+    try:
+        msg = client.recv()
+        while isinstance(msg, StartupProgress):
+            msg = client.recv()
+        assert isinstance(msg, StartupFailed)
+        assert "does not exist" in msg.message
+        assert "Traceback" in msg.traceback
+        client.proc.join(10)
+        assert client.proc.exitcode == 1
+    finally:
+        client.close()

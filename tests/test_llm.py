@@ -1,0 +1,206 @@
+"""vbatch.LLM end to end on a tiny random model: generate, stream, stops, aborts, errors, guard."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vbatch import LLM, SamplingParams
+from vbatch.errors import EngineDeadError, ModelLoadError, VbatchError
+from vbatch.llm import TOKENIZE_BATCH, Request, RequestOutput
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir: Path) -> Iterator[LLM]:
+    with LLM(
+        str(tiny_model_dir),
+        device="cpu",
+        num_threads=1,
+        max_num_seqs=8,
+        num_kv_blocks=128,
+        attention_backend="torch",
+    ) as llm:
+        yield llm
+
+
+def assert_idle(llm: LLM) -> None:
+    # NOTE: the stats call travels behind any abort on the same socket, so it sees its effect.
+    stats = llm.get_stats()
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+
+
+def test_engine_info_and_defaults(llm: LLM) -> None:
+    assert llm.engine_info.max_model_len == 512
+    assert llm.max_in_flight == 16
+    assert llm.tokenizer.encode_batch(["hi"])[0]
+
+
+def test_generate_keeps_input_order_and_matches_stream(llm: LLM) -> None:
+    prompts = ["one", "two two", "three three three", "four", "five"]
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.index for o in outs] == list(range(5))
+    assert [o.prompt for o in outs] == prompts
+    for out in outs:
+        (sample,) = out.outputs
+        assert sample.finish_reason == "length"
+        assert len(sample.token_ids) == 12
+        assert sample.text == llm.tokenizer.decode(sample.token_ids)
+        assert out.error is None
+        assert out.arrival_time <= out.first_token_time <= out.finish_time
+    streamed = {o.index: o for o in llm.stream(prompts, GREEDY)}
+    assert sorted(streamed) == list(range(5))
+    assert all(streamed[i].prompt == prompts[i] for i in range(5))
+    assert_idle(llm)
+
+
+def test_stream_yields_in_completion_order(llm: LLM) -> None:
+    long = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    inputs = [Request(id="long", prompt="a long one", sampling_params=long)]
+    inputs += [Request(id=f"s{i}", prompt=f"short {i}") for i in range(4)]
+    order = [o.request_id for o in llm.stream(inputs, short)]
+    assert sorted(order) == ["long", "s0", "s1", "s2", "s3"]
+    assert order[-1] == "long"
+
+
+def test_stop_string_finishes_the_output_and_aborts_in_the_core(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    (free,) = llm.generate(["stop here please"], params)
+    text = free.outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip()
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True, stop=[stop])
+    (out,) = llm.generate(["stop here please"], long)
+    sample = out.outputs[0]
+    assert sample.finish_reason == "stop"
+    assert sample.stop_reason == stop
+    assert sample.text == text[: text.index(stop)]
+    assert len(sample.token_ids) <= 40
+    assert_idle(llm)
+
+
+def test_breaking_out_of_stream_aborts_everything_in_flight(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    short = Request(prompt="quick", sampling_params=SamplingParams(max_tokens=1))
+    stream = llm.stream(itertools.chain([short], itertools.repeat("slow")), params)
+    with contextlib.closing(stream):
+        first = next(stream)
+    assert first.outputs[0].finish_reason == "length"
+    assert_idle(llm)
+    # NOTE: late ABORT deltas of the closed stream must not leak into the next one.
+    (out,) = llm.generate(["after"], GREEDY)
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_lookahead_is_bounded_for_an_endless_input(llm: LLM) -> None:
+    pulled = itertools.count()
+
+    def endless() -> Iterator[str]:
+        while True:
+            next(pulled)
+            yield "again"
+
+    stream = llm.stream(endless(), SamplingParams(max_tokens=2))
+    with contextlib.closing(stream):
+        for _ in range(40):
+            next(stream)
+    assert next(pulled) <= 40 + llm.max_in_flight + TOKENIZE_BATCH
+    assert_idle(llm)
+
+
+def test_per_request_errors_are_outputs_not_exceptions(llm: LLM) -> None:
+    inputs = [
+        Request(id="ok", prompt="fine"),
+        Request(id="long", prompt_token_ids=[1] * 600),
+        Request(id="bad", messages=[{"role": "user"}]),
+        Request(id="empty"),
+        [{"role": "user", "content": "hello"}],
+    ]
+    outs = {o.request_id: o for o in llm.stream(inputs, GREEDY)}
+    assert outs["ok"].error is None
+    assert outs[4].error is None and outs[4].outputs[0].finish_reason == "length"
+    for rid in ("long", "bad", "empty"):
+        assert outs[rid].error, rid
+        assert outs[rid].outputs[0].finish_reason == "error"
+    assert "content" in outs["bad"].error
+
+
+def test_n_samples_and_on_output(llm: LLM) -> None:
+    seen: list[RequestOutput] = []
+    thread_names: set[str] = set()
+
+    def on_output(out: RequestOutput) -> None:
+        thread_names.add(threading.current_thread().name)
+        seen.append(out)
+
+    params = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=1, ignore_eos=True)
+    outs = list(llm.stream(["sample me", "and me"], params, on_output=on_output))
+    assert len(outs) == 2
+    for out in outs:
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        assert all(len(c.token_ids) == 5 for c in out.outputs)
+    assert [o.request_id for o in seen] == [o.request_id for o in outs]
+    assert threading.current_thread().name not in thread_names
+
+
+def test_a_second_concurrent_stream_is_refused(llm: LLM) -> None:
+    first = llm.stream(["a", "b"], GREEDY)
+    with contextlib.closing(first):
+        next(first)
+        with pytest.raises(VbatchError, match="already streaming"):
+            next(llm.stream(["c"], GREEDY))
+    assert_idle(llm)
+
+
+def test_generate_with_progress_bar(llm: LLM) -> None:
+    outs = llm.generate(["x", "y"], GREEDY, use_progress=True)
+    assert [o.index for o in outs] == [0, 1]
+
+
+def test_a_dead_core_ends_the_stream_with_engine_dead_error(tiny_model_dir: Path) -> None:
+    with LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=64, attention_backend="torch") as llm:
+        quick = Request(prompt="quick", sampling_params=SamplingParams(max_tokens=1))
+        slow = SamplingParams(max_tokens=400, ignore_eos=True)
+        stream = llm.stream(itertools.chain([quick], itertools.repeat("slow")), slow)
+        next(stream)
+        os.kill(llm.engine_info.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        with pytest.raises(EngineDeadError, match="SIGKILL"):
+            next(stream)
+        assert time.monotonic() - killed_at < 5.0
+
+
+def test_missing_model_fails_before_spawning(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+
+
+def test_missing_main_guard_gives_a_clear_error(tiny_model_dir: Path, tmp_path: Path) -> None:
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            from vbatch import LLM
+            llm = LLM({str(tiny_model_dir)!r}, device="cpu", num_kv_blocks=64)
+            """
+        )
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0
+    assert 'if __name__ == "__main__":' in result.stderr
+    assert "EngineStartupError" in result.stderr

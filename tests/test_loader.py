@@ -1,0 +1,259 @@
+"""Model resolution and GGUF conversion, checked against transformers' own GGUF loader."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vbatch.errors import ModelLoadError
+from vbatch.layers.attention import TorchAttentionBackend
+from vbatch.models.gguf import unpermute_qk
+from vbatch.models.llama import load_model
+from vbatch.models.loader import (
+    DEFAULT_GGUF_NAME,
+    ResolvedModel,
+    cache_dir,
+    default_model_path,
+    resolve_model,
+)
+
+PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+)
+
+
+def test_default_model_path_is_found() -> None:
+    path = default_model_path()
+    assert path.name == DEFAULT_GGUF_NAME
+    assert path.is_file()
+
+
+def test_resolve_default_converts_once(smollm2: ResolvedModel) -> None:
+    assert smollm2.is_gguf
+    assert Path(smollm2.source) == default_model_path()
+    assert smollm2.hf_dir.is_relative_to(cache_dir())
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        assert (smollm2.hf_dir / name).is_file(), name
+    assert len(smollm2.weights_hash) == 64
+    start = time.perf_counter()
+    again = resolve_model(smollm2.source)
+    assert time.perf_counter() - start < 2.0
+    assert again == smollm2
+    config = json.loads((smollm2.hf_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (9, 3)
+    assert config["tie_word_embeddings"] is True
+
+
+def test_converted_tokenizer_keeps_chat_template(smollm2: ResolvedModel) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2.hf_dir)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    generation = json.loads((smollm2.hf_dir / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_unpermute_inverts_llama_cpp_permutation() -> None:
+    num_heads, head_dim, hidden = 3, 8, 5
+    weight = np.arange(num_heads * head_dim * hidden, dtype=np.float32).reshape(-1, hidden)
+    # llama.cpp's converter: [heads, 2, half, in] → [heads, half, 2, in]
+    permuted = (
+        weight.reshape(num_heads, 2, head_dim // 2, hidden).swapaxes(1, 2).reshape(weight.shape)
+    )
+    assert not np.array_equal(permuted, weight)
+    np.testing.assert_array_equal(unpermute_qk(permuted, num_heads), weight)
+
+
+def test_prefill_logits_match_transformers_gguf(
+    smollm2: ResolvedModel, make_attention_metadata: Callable
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    gguf_path = Path(smollm2.source)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2.hf_dir)
+    reference = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    ).eval()
+    device = torch.device("cpu")
+    model = load_model(smollm2, device, torch.float32, TorchAttentionBackend())
+    config = model.config
+    block_size = 16
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        num_blocks = -(-len(ids) // block_size)
+        kv_caches = [
+            (
+                torch.zeros(num_blocks, block_size, config.num_key_value_heads, config.head_dim),
+                torch.zeros(num_blocks, block_size, config.num_key_value_heads, config.head_dim),
+            )
+            for _ in range(config.num_hidden_layers)
+        ]
+        table = list(reversed(range(num_blocks)))
+        meta = make_attention_metadata([len(ids)], [len(ids)], [table], block_size)
+        with torch.inference_mode():
+            hidden = model(
+                torch.tensor(ids), torch.arange(len(ids)), kv_caches=kv_caches, meta=meta
+            )
+            logits = model.compute_logits(hidden)
+            expected = reference(torch.tensor([ids])).logits[0]
+        assert logits.dtype == torch.float32
+        assert (logits - expected).abs().max().item() < 1e-3, prompt
+        assert logits[-1].argmax() == expected[-1].argmax()
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.gguf"
+    with pytest.raises(ModelLoadError, match=str(missing)):
+        resolve_model(missing)
+
+
+def test_truncated_gguf(tmp_path: Path, smollm2: ResolvedModel) -> None:
+    truncated = tmp_path / "truncated.gguf"
+    with open(smollm2.source, "rb") as f:
+        truncated.write_bytes(f.read(1 << 20))
+    with pytest.raises(ModelLoadError, match=str(truncated)):
+        resolve_model(truncated)
+    assert not list((cache_dir() / "gguf").glob(".converting-*"))
+
+
+def test_dir_without_config(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=f"{tmp_path}.*config.json"):
+        resolve_model(tmp_path)
+
+
+def test_dir_without_weights(tmp_path: Path, smollm2: ResolvedModel) -> None:
+    shutil.copy(smollm2.hf_dir / "config.json", tmp_path / "config.json")
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        resolve_model(tmp_path)
+
+
+def test_unsupported_architecture(tmp_path: Path, tiny_model_dir: Path) -> None:
+    model_dir = tmp_path / "gpt2ish"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=f"{model_dir}.*GPT2LMHeadModel.*LlamaForCausalLM"):
+        resolve_model(model_dir)
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel"):
+        load_model(model_dir, torch.device("cpu"), torch.float32, TorchAttentionBackend())
+
+
+def test_hf_dir_resolves_as_is(tiny_model_dir: Path) -> None:
+    resolved = resolve_model(tiny_model_dir)
+    assert resolved.hf_dir == tiny_model_dir
+    assert not resolved.is_gguf
+    assert resolved.name == tiny_model_dir.name
+    assert resolved.weights_hash == resolve_model(str(tiny_model_dir)).weights_hash
+
+
+def write_gguf(path: Path, arch: str, reference: torch.nn.Module, tokenizer_source: str) -> None:
+    """A float32 GGUF laid out as llama.cpp's converter does (Q/K permuted for llama)."""
+    import gguf
+
+    config = reference.config
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_uint32(f"{arch}.block_count", config.num_hidden_layers)
+    writer.add_uint32(f"{arch}.context_length", config.max_position_embeddings)
+    writer.add_uint32(f"{arch}.embedding_length", config.hidden_size)
+    writer.add_uint32(f"{arch}.feed_forward_length", config.intermediate_size)
+    writer.add_uint32(f"{arch}.attention.head_count", config.num_attention_heads)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", config.num_key_value_heads)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
+    writer.add_float32(f"{arch}.rope.freq_base", config.rope_parameters["rope_theta"])
+    source = gguf.GGUFReader(tokenizer_source)
+    fields = source.fields
+    writer.add_tokenizer_model(fields["tokenizer.ggml.model"].contents())
+    writer.add_tokenizer_pre(fields["tokenizer.ggml.pre"].contents())
+    writer.add_token_list(fields["tokenizer.ggml.tokens"].contents())
+    writer.add_token_types(fields["tokenizer.ggml.token_type"].contents())
+    writer.add_token_merges(fields["tokenizer.ggml.merges"].contents())
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(fields["tokenizer.chat_template"].contents())
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+    names |= {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    names |= {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for name, tensor in reference.state_dict().items():
+        array = tensor.numpy()
+        if name == "model.embed_tokens.weight":
+            writer.add_tensor("token_embd.weight", array)
+        elif name == "model.norm.weight":
+            writer.add_tensor("output_norm.weight", array)
+        elif name == "lm_head.weight":
+            if not config.tie_word_embeddings:
+                writer.add_tensor("output.weight", array)
+        else:
+            _, _, layer, _, part, kind = name.split(".")
+            heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+            if arch == "llama" and part in heads and kind == "weight":
+                half = array.shape[0] // heads[part] // 2
+                array = array.reshape(heads[part], 2, half, -1).swapaxes(1, 2).reshape(array.shape)
+            writer.add_tensor(f"blk.{layer}.{names[part]}.{kind}", np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_synthetic_gguf_round_trips(
+    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, smollm2: ResolvedModel
+) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    shape = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+    config_cls = LlamaConfig if arch == "llama" else Qwen2Config
+    config = config_cls(
+        **shape, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=arch == "llama"
+    )
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.normal_()
+    write_gguf(tmp_path / f"tiny-{arch}.gguf", arch, reference, smollm2.source)
+    resolved = resolve_model(tmp_path / f"tiny-{arch}.gguf")
+    assert resolved.hf_dir.is_relative_to(tmp_path / "cache")
+    converted = load_file(resolved.hf_dir / "model.safetensors")
+    expected = reference.state_dict()
+    if arch == "llama":
+        del expected["lm_head.weight"]
+    assert converted.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(converted[name], tensor, atol=0, rtol=0, msg=name)
+    model_config = json.loads((resolved.hf_dir / "config.json").read_text())
+    assert model_config["architectures"] == [type(reference).__name__]
+    assert model_config["tie_word_embeddings"] == (arch == "llama")
+    assert resolve_model(tmp_path / f"tiny-{arch}.gguf") == resolved
+
+
+def test_unsupported_gguf_architecture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gguf
+
+    monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=f"{path}.*unsupported architecture 'gpt2'"):
+        resolve_model(path)

@@ -1,0 +1,81 @@
+"""Tests for the job manifest: input fingerprints, model identity, save/load, resume checks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from vbatch import __version__
+from vbatch.errors import JobStateError
+from vbatch.job.manifest import Manifest, input_fingerprint, model_identity
+
+
+def make_manifest(input_path: Path, weights_hash: str = "w1") -> Manifest:
+    return Manifest(
+        vbatch_version=__version__,
+        input_path=str(input_path),
+        input_format="jsonl",
+        input=input_fingerprint(input_path),
+        num_rows=3,
+        id_kind="int",
+        output_path="/tmp/out.jsonl",
+        output_format="jsonl",
+        model={"source": "/m", "name": "m", "weights_hash": weights_hash},
+        engine={},
+        sampling={"max_tokens": 4},
+        options={},
+    )
+
+
+def test_fingerprint_ignores_mtime_but_sees_content(tmp_path: Path) -> None:
+    path = tmp_path / "big.jsonl"
+    data = bytearray(os.urandom(5 << 20))
+    path.write_bytes(data)
+    first = input_fingerprint(path)
+    os.utime(path, (1, 1))
+    assert input_fingerprint(path)["sampled_sha256"] == first["sampled_sha256"]
+    data[100] ^= 1
+    path.write_bytes(data)
+    assert input_fingerprint(path)["sampled_sha256"] != first["sampled_sha256"]
+    data[100] ^= 1
+    data[-5] ^= 1
+    path.write_bytes(data)
+    assert input_fingerprint(path)["sampled_sha256"] != first["sampled_sha256"]
+    path.write_bytes(data + b"\n")
+    assert input_fingerprint(path)["size"] == first["size"] + 1
+
+
+def test_save_load_round_trip_and_mismatches(tmp_path: Path) -> None:
+    input_path = tmp_path / "in.jsonl"
+    input_path.write_text('{"prompt": "a"}\n')
+    manifest = make_manifest(input_path)
+    manifest.save(tmp_path)
+    loaded = Manifest.load(tmp_path)
+    assert loaded == manifest
+    same_model = {"weights_hash": "w1"}
+    assert loaded.mismatches(input_fingerprint(input_path), same_model) == []
+    input_path.write_text('{"prompt": "b"}\n')
+    reasons = loaded.mismatches(input_fingerprint(input_path), {"weights_hash": "w2"})
+    assert len(reasons) == 2
+    assert "changed content" in reasons[0] and "model weights changed" in reasons[1]
+    input_path.write_text('{"prompt": "bb"}\n')
+    assert "changed size" in loaded.mismatches(input_fingerprint(input_path), same_model)[0]
+
+
+def test_load_errors(tmp_path: Path) -> None:
+    with pytest.raises(JobStateError, match="not a vbatch job"):
+        Manifest.load(tmp_path)
+    (tmp_path / "manifest.json").write_text("{")
+    with pytest.raises(JobStateError, match="unreadable"):
+        Manifest.load(tmp_path)
+
+
+def test_model_identity_hashes_safetensors_of_a_directory(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"weights-1")
+    first = model_identity(str(tmp_path))
+    assert first["source"] == str(tmp_path) and first["name"] == tmp_path.name
+    (tmp_path / "model.safetensors").write_bytes(b"weights-two")
+    assert model_identity(str(tmp_path))["weights_hash"] != first["weights_hash"]

@@ -1,0 +1,286 @@
+"""Tests for the native vbatch:: paged-attention ops against a dense float64 reference."""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from vbatch.layers import native
+from vbatch.layers.attention import AttentionMetadata, TorchAttentionBackend, write_kv_cache
+
+SMOLLM2_HEADS = (9, 3, 64)  # num_heads, num_kv_heads, head_dim
+MHA_HEADS = (4, 4, 32)
+MIXED = [(33, 33), (17, 1), (16, 1), (40, 7), (1, 1), (15, 15), (50, 20)]
+
+
+@pytest.fixture(scope="module")
+def ops() -> None:
+    if not native.is_available():
+        pytest.skip("native kernels could not be built here (see the logged notice)")
+
+
+def make_batch(
+    specs: list[tuple[int, int]],
+    heads: tuple[int, int, int],
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """q, k, v, k_cache, v_cache, meta for sequences given as (seq_len, query_len).
+
+    Blocks are handed out in a shuffled order so block tables are non-contiguous; the cache
+    starts full of random values that stand for earlier context (and garbage in unused blocks).
+    """
+    num_heads, num_kv_heads, head_dim = heads
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks_per_seq = [math.ceil(seq_len / block_size) for seq_len, _ in specs]
+    num_blocks = sum(num_blocks_per_seq) + 3
+    free_blocks = torch.randperm(num_blocks, generator=gen).tolist()
+    block_tables = torch.zeros(len(specs), max(num_blocks_per_seq) + 1, dtype=torch.int32)
+    slots: list[int] = []
+    for i, ((seq_len, query_len), num_seq_blocks) in enumerate(
+        zip(specs, num_blocks_per_seq, strict=True)
+    ):
+        table = [free_blocks.pop() for _ in range(num_seq_blocks)]
+        block_tables[i, :num_seq_blocks] = torch.tensor(table, dtype=torch.int32)
+        for pos in range(seq_len - query_len, seq_len):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    num_tokens = len(slots)
+    query_lens = [query_len for _, query_len in specs]
+    seq_lens = [seq_len for seq_len, _ in specs]
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()]).to(
+            dtype=torch.int32, device=device
+        ),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    q = randn(num_tokens, num_heads, head_dim)
+    k, v = randn(num_tokens, num_kv_heads, head_dim), randn(num_tokens, num_kv_heads, head_dim)
+    return q, k, v, randn(*cache_shape), randn(*cache_shape), meta
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Dense causal attention in float64, one sequence at a time, through the block tables."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    group = q.shape[1] // num_kv_heads
+    flat_k = k_cache.reshape(-1, num_kv_heads, head_dim).double().cpu()
+    flat_v = v_cache.reshape(-1, num_kv_heads, head_dim).double().cpu()
+    block_tables = meta.block_tables.cpu().long()
+    out = torch.empty(q.shape, dtype=torch.float64)
+    start = 0
+    for i, (seq_len, query_len) in enumerate(
+        zip(meta.seq_lens_cpu, meta.query_lens_cpu, strict=True)
+    ):
+        pos = torch.arange(seq_len)
+        slots = block_tables[i, pos // block_size] * block_size + pos % block_size
+        keys = flat_k[slots].repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
+        values = flat_v[slots].repeat_interleave(group, dim=1)
+        queries = q[start : start + query_len].double().cpu()
+        scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale
+        query_pos = torch.arange(seq_len - query_len, seq_len)
+        scores.masked_fill_(pos[None, None, :] > query_pos[None, :, None], float("-inf"))
+        out[start : start + query_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+        start += query_len
+    return out
+
+
+def run_native_and_reference(
+    batch: tuple, scale: float = 0.125
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v, k_cache, v_cache, meta = batch
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    write_kv_cache(k, v, ref_k_cache, ref_v_cache, meta.slot_mapping)
+    out = native.NativeAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, scale)
+    assert torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
+    return out, reference_attention(q, ref_k_cache, ref_v_cache, meta, scale)
+
+
+@pytest.mark.parametrize("heads", [SMOLLM2_HEADS, MHA_HEADS])
+@pytest.mark.parametrize(
+    "specs",
+    [
+        [(n, 1) for n in (1, 15, 16, 17, 33)],
+        [(n, n) for n in (1, 15, 16, 17, 33)],
+        MIXED,
+    ],
+    ids=["decode", "prefill", "mixed"],
+)
+def test_matches_reference(ops: None, heads: tuple[int, int, int], specs: list) -> None:
+    out, ref = run_native_and_reference(make_batch(specs, heads))
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_batches_match_reference(ops: None, seed: int) -> None:
+    rng = torch.Generator().manual_seed(100 + seed)
+    num_seqs = int(torch.randint(1, 12, (1,), generator=rng))
+    seq_lens = torch.randint(1, 90, (num_seqs,), generator=rng).tolist()
+    specs = [(n, int(torch.randint(1, n + 1, (1,), generator=rng))) for n in seq_lens]
+    block_size = [16, 8, 1, 32, 16, 5][seed]
+    out, ref = run_native_and_reference(make_batch(specs, SMOLLM2_HEADS, block_size, seed=seed))
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+def test_agrees_with_torch_backend(ops: None) -> None:
+    q, k, v, k_cache, v_cache, meta = make_batch(MIXED, SMOLLM2_HEADS)
+    torch_k_cache, torch_v_cache = k_cache.clone(), v_cache.clone()
+    out = native.NativeAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    expected = TorchAttentionBackend().forward(q, k, v, torch_k_cache, torch_v_cache, meta, 0.125)
+    assert torch.equal(k_cache, torch_k_cache)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_strided_q_from_fused_projection(ops: None) -> None:
+    q, k, v, k_cache, v_cache, meta = make_batch(MIXED, SMOLLM2_HEADS)
+    num_tokens = q.shape[0]
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    q_view, k_view, v_view = (
+        t.view(num_tokens, -1, 64) for t in qkv.split([9 * 64, 3 * 64, 3 * 64], dim=1)
+    )
+    assert not q_view.is_contiguous()
+    out, ref = run_native_and_reference((q_view, k_view, v_view, k_cache, v_cache, meta))
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_caches(ops: None, dtype: torch.dtype) -> None:
+    out, ref = run_native_and_reference(make_batch(MIXED, SMOLLM2_HEADS, dtype=dtype))
+    assert out.dtype == dtype
+    assert (out.double() - ref).abs().max().item() < 2e-2
+
+
+def test_same_result_for_any_thread_count(ops: None) -> None:
+    q, _, _, k_cache, v_cache, meta = make_batch(MIXED, SMOLLM2_HEADS)
+    args = (q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125)
+    num_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = torch.ops.vbatch.paged_attention(*args)
+        torch.set_num_threads(2)
+        parallel = torch.ops.vbatch.paged_attention(*args)
+    finally:
+        torch.set_num_threads(num_threads)
+    assert torch.equal(serial, parallel)
+
+
+def test_reshape_and_cache_skips_negative_slots(ops: None) -> None:
+    _, k, v, k_cache, v_cache, meta = make_batch([(20, 4)], SMOLLM2_HEADS)
+    slot_mapping = meta.slot_mapping.clone()
+    slot_mapping[1] = -1
+    before = k_cache.clone()
+    torch.ops.vbatch.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+    flat_k, flat_before = k_cache.view(-1, 3, 64), before.view(-1, 3, 64)
+    assert torch.equal(flat_k[meta.slot_mapping[1]], flat_before[meta.slot_mapping[1]])
+    assert torch.equal(flat_k[meta.slot_mapping[0]], k[0])
+
+
+def test_rejects_bad_inputs(ops: None) -> None:
+    q, _, _, k_cache, v_cache, meta = make_batch(MIXED, SMOLLM2_HEADS)
+    lens = (meta.query_start_loc, meta.seq_lens)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        torch.ops.vbatch.paged_attention(
+            q.double(), k_cache, v_cache, *lens, meta.block_tables, 1.0
+        )
+    bad_tables = meta.block_tables.clone()
+    bad_tables[0, 0] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.vbatch.paged_attention(q, k_cache, v_cache, *lens, bad_tables, 1.0)
+
+
+def test_opcheck(ops: None) -> None:
+    q, k, v, k_cache, v_cache, meta = make_batch(MIXED, SMOLLM2_HEADS)
+    torch.library.opcheck(
+        torch.ops.vbatch.reshape_and_cache.default, (k, v, k_cache, v_cache, meta.slot_mapping)
+    )
+    torch.library.opcheck(
+        torch.ops.vbatch.paged_attention.default,
+        (q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125),
+    )
+
+
+def test_build_key_tracks_sources(tmp_path: Path) -> None:
+    csrc_dir = native.find_csrc_dir()
+    assert csrc_dir is not None
+    copy = tmp_path / "csrc"
+    shutil.copytree(csrc_dir, copy)
+    key = native.build_key(copy, with_cuda=False)
+    assert native.build_key(copy, with_cuda=True) != key
+    with (copy / "cpu" / "paged_attention.cpp").open("a") as f:
+        f.write("\n")
+    assert native.build_key(copy, with_cuda=False) != key
+
+
+def test_failed_build_logs_one_line_and_returns_false(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    csrc_dir = native.find_csrc_dir()
+    assert csrc_dir is not None
+    broken = tmp_path / "csrc"
+    shutil.copytree(csrc_dir, broken)
+    (broken / "cpu" / "paged_attention.cpp").write_text("#error deliberately broken\n")
+    (broken / "torch_bindings.cpp").write_text("int main_unused;\n")
+    with caplog.at_level(logging.WARNING, logger="vbatch.layers.native"):
+        assert not native.try_build_and_load(broken, tmp_path / "cache", with_cuda=False)
+    (record,) = caplog.records
+    assert "deliberately broken" in record.getMessage()
+    assert "\n" not in record.getMessage()
+
+
+@pytest.mark.slow
+def test_concurrent_builds_share_one_result(tmp_path: Path) -> None:
+    script = (
+        "import sys, torch; from pathlib import Path; from vbatch.layers import native; "
+        "sys.exit(0 if native.try_build_and_load(native.find_csrc_dir(), Path(sys.argv[1]), "
+        "False) else 1)"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path)]) for _ in range(2)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    assert len(list((tmp_path / "native").glob("*/vbatch_native.so"))) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_cuda_source_compiles_with_nvcc() -> None:
+    script = Path(__file__).resolve().parents[1] / "csrc" / "check_cuda_compile.sh"
+    started = time.monotonic()
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert time.monotonic() - started < 120
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_reference(ops: None, dtype: torch.dtype) -> None:
+    q, k, v, k_cache, v_cache, meta = make_batch(MIXED, SMOLLM2_HEADS, dtype=dtype, device="cuda")
+    out, ref = run_native_and_reference((q, k, v, k_cache, v_cache, meta))
+    assert out.is_cuda and out.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.double().cpu() - ref).abs().max().item() < tolerance

@@ -1,0 +1,117 @@
+"""Tests for the streaming readers and the id pre-pass."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from vbatch.errors import InputError
+from vbatch.job.journal import IndexSet
+from vbatch.job.reader import InputReader, detect_format, scan_input
+from vbatch.job.rows import ColumnOptions, RowParser
+from vbatch.sampling_params import SamplingParams
+
+PARSER = RowParser(ColumnOptions(), SamplingParams())
+
+
+def write_jsonl(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_jsonl_rows_skip_blank_lines_and_keep_line_numbers(tmp_path: Path) -> None:
+    path = write_jsonl(
+        tmp_path / "in.jsonl",
+        ['{"prompt": "a"}', "", '{"prompt": "b"', "   ", '{"prompt": "c"}'],
+    )
+    rows = list(InputReader(path, None, ColumnOptions()).rows(PARSER))
+    assert [(r.index, r.location) for r in rows] == [(0, "line 1"), (1, "line 3"), (2, "line 5")]
+    assert rows[0].prompt == "a" and rows[2].prompt == "c"
+    assert rows[1].error is not None and rows[1].error.startswith("line 3: invalid JSON")
+
+
+def test_skip_set_is_not_decoded(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "in.jsonl", [f'{{"prompt": "p{i}"}}' for i in range(10)])
+    skip = IndexSet()
+    skip.add_ranges([[0, 3], [5, 9]])
+    rows = list(InputReader(path, None, ColumnOptions()).rows(PARSER, skip))
+    assert [r.index for r in rows] == [3, 4, 9]
+
+
+def test_gzip_jsonl(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write('{"prompt": "x"}\n{"prompt": "y"}\n')
+    reader = InputReader(path, None, ColumnOptions())
+    assert reader.format == "jsonl"
+    assert [r.prompt for r in reader.rows(PARSER)] == ["x", "y"]
+
+
+def test_parquet_streams_by_batches_with_skip(tmp_path: Path) -> None:
+    path = tmp_path / "in.parquet"
+    table = pa.table({"id": [f"r{i}" for i in range(3000)], "prompt": ["p"] * 3000})
+    pq.write_table(table, path, row_group_size=700)
+    skip = IndexSet()
+    skip.add_range(0, 2990)
+    reader = InputReader(path, None, ColumnOptions())
+    rows = list(reader.rows(PARSER, skip))
+    assert [(r.index, r.id, r.location) for r in rows][:2] == [
+        (2990, "r2990", "row 2991"),
+        (2991, "r2991", "row 2992"),
+    ]
+    assert len(rows) == 10
+
+
+def test_missing_input_and_unreadable_parquet(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="does not exist"):
+        InputReader(tmp_path / "nope.jsonl", None, ColumnOptions())
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"not parquet at all")
+    with pytest.raises(InputError, match="cannot read Parquet"):
+        InputReader(bad, None, ColumnOptions())
+    with pytest.raises(InputError, match="cannot tell the format"):
+        detect_format(tmp_path / "x.csv", None)
+    assert detect_format(tmp_path / "x.csv", "jsonl") == "jsonl"
+
+
+def test_unknown_columns_are_refused_before_any_work(tmp_path: Path) -> None:
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["p"]}), path)
+    with pytest.raises(InputError, match="'question' not in"):
+        InputReader(path, None, ColumnOptions(prompt_column="question"))
+    jsonl = write_jsonl(tmp_path / "in.jsonl", ['{"prompt": "x"}'])
+    with pytest.raises(InputError, match="'text' not found"):
+        InputReader(jsonl, None, ColumnOptions(keep_columns=("text",)))
+
+
+def test_scan_counts_rows_and_names_the_first_duplicate(tmp_path: Path) -> None:
+    ids = [f"id-{i}" for i in range(2000)] + ["id-17", "id-5"]
+    path = write_jsonl(
+        tmp_path / "in.jsonl", [orjson.dumps({"id": i, "prompt": "x"}).decode() for i in ids]
+    )
+    scan = scan_input(InputReader(path, None, ColumnOptions()), PARSER)
+    assert scan.num_rows == 2002 and scan.id_kind == "str" and not scan.is_openai
+    assert scan.duplicate == "duplicate id 'id-17' at line 2001 (first at line 18)"
+
+
+def test_scan_int_ids_openai_shape_and_keys(tmp_path: Path) -> None:
+    lines = [
+        orjson.dumps({"custom_id": i, "url": "/v1/completions", "body": {"prompt": "x"}}).decode()
+        for i in range(5)
+    ]
+    path = write_jsonl(tmp_path / "in.jsonl", [*lines, "{broken"])
+    scan = scan_input(InputReader(path, None, ColumnOptions()), PARSER, collect_keys=True)
+    assert (scan.num_rows, scan.id_kind, scan.is_openai, scan.duplicate) == (6, "int", True, None)
+    assert scan.keys == {"custom_id", "url", "body"}
+
+
+def test_scan_parquet_reads_ids_without_duplicates(tmp_path: Path) -> None:
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": list(range(5000)), "prompt": ["p"] * 5000}), path)
+    scan = scan_input(InputReader(path, None, ColumnOptions()), PARSER)
+    assert (scan.num_rows, scan.id_kind, scan.duplicate) == (5000, "int", None)

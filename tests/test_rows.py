@@ -1,0 +1,101 @@
+"""Tests for input row parsing: prompt, messages, OpenAI Batch lines, overrides, row errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from vbatch.job.rows import ColumnOptions, RowParser
+from vbatch.sampling_params import SamplingParams
+
+DEFAULTS = SamplingParams(max_tokens=32, temperature=0.0)
+
+
+def parse(record: Any, options: ColumnOptions | None = None, index: int = 7) -> Any:
+    return RowParser(options or ColumnOptions(), DEFAULTS).parse(record, index, "line 9")
+
+
+def test_prompt_row_uses_the_index_as_id_and_default_params() -> None:
+    row = parse({"prompt": "hello"})
+    assert (row.id, row.index, row.prompt, row.messages, row.error) == (7, 7, "hello", None, None)
+    assert row.sampling_params is None
+
+
+def test_messages_row_and_per_row_overrides() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    row = parse({"id": "a", "messages": messages, "sampling_params": {"max_tokens": 4, "seed": 3}})
+    assert row.id == "a" and row.messages == messages
+    assert row.sampling_params.max_tokens == 4 and row.sampling_params.seed == 3
+    assert row.sampling_params.temperature == 0.0
+
+
+def test_custom_columns() -> None:
+    options = ColumnOptions(prompt_column="q", id_column="key", keep_columns=("extra",))
+    row = parse({"q": "why", "key": 12, "extra": [1, 2]}, options)
+    assert (row.prompt, row.id, row.kept) == ("why", 12, {"extra": [1, 2]})
+
+
+def test_openai_chat_line_maps_body_fields() -> None:
+    record = {
+        "custom_id": "req-1",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": "gpt-x",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 5,
+            "temperature": 0.5,
+            "stop": "\n",
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+    }
+    row = parse(record)
+    params = row.sampling_params
+    assert row.id == "req-1" and row.openai_kind == "chat"
+    assert (params.max_tokens, params.temperature, params.stop, params.logprobs) == (
+        5,
+        0.5,
+        ["\n"],
+        2,
+    )
+
+
+def test_openai_completions_line() -> None:
+    record = {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 1}}
+    row = parse(record)
+    assert row.openai_kind == "completions" and row.prompt == "x"
+    assert row.sampling_params.logprobs == 1
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ([1, 2], "line 9: expected a JSON object, got list"),
+        ({"text": "x"}, "line 9: missing prompt"),
+        ({"prompt": ""}, "line 9: prompt is empty"),
+        ({"prompt": 5}, "line 9: prompt must be a string, got int"),
+        ({"messages": "hi"}, "line 9: messages must be a non-empty list"),
+        ({"messages": [{"content": "x"}]}, "line 9: messages[0] must be an object"),
+        ({"prompt": "x", "messages": [{"role": "user"}]}, "row has both"),
+        ({"prompt": "x", "sampling_params": {"temperature": -1}}, "temperature must be >= 0"),
+        ({"prompt": "x", "sampling_params": {"max_tokens": "9"}}, "max_tokens must be an integer"),
+        ({"prompt": "x", "sampling_params": {"bogus": 1}}, "unknown sampling parameter"),
+        ({"prompt": "x", "sampling_params": [1]}, "sampling_params must be an object"),
+        ({"prompt": "x", "id": 1.5}, "id column 'id' must hold a string or an integer"),
+        ({"custom_id": "a", "url": "/v1/embeddings", "body": {}}, "url must be one of"),
+        ({"custom_id": "a", "url": "/v1/completions", "method": "GET", "body": {}}, "POST"),
+        (
+            {"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "tools": []}},
+            "unsupported body field 'tools'",
+        ),
+        ({"custom_id": "a", "body": {"messages": []}}, "body.messages must be a non-empty list"),
+        ({"custom_id": "a", "body": {"messages": [{"role": "user"}], "n": 0}}, "n must be at"),
+    ],
+)
+def test_bad_rows_become_error_rows(record: Any, message: str) -> None:
+    row = parse(record)
+    assert row.error is not None and message in row.error
+    assert row.error.startswith("line 9: ")
+    assert row.prompt is None and row.messages is None and row.index == 7

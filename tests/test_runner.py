@@ -1,0 +1,242 @@
+"""Tests for `run` / `resume` / `status` on the tiny random model, through one shared engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from vbatch.errors import InputError, JobStateError
+from vbatch.job.rows import ColumnOptions
+from vbatch.job.runner import JobSpec, RunOptions, job_dir_for, job_status, resume_job, start_job
+
+QUIET = RunOptions(display="quiet", commit_every_rows=5)
+SAMPLING = {"max_tokens": 4, "temperature": 0.0}
+
+
+class SharedLLM:
+    """The real engine, started once for this module; a job's shutdown() leaves it running."""
+
+    def __init__(self, llm: Any) -> None:
+        self._llm = llm
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._llm, name)
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def shared_llm(tiny_model_dir: Path) -> Iterator[Callable[..., Any]]:
+    from vbatch.llm import LLM
+
+    llm = LLM(str(tiny_model_dir), num_threads=1, max_num_seqs=16)
+    yield lambda *args, **kwargs: SharedLLM(llm)
+    llm.shutdown()
+
+
+def write_jsonl(path: Path, records: list[Any]) -> Path:
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    return path
+
+
+def read_output(path: Path) -> list[dict[str, Any]]:
+    if path.suffix == ".parquet":
+        return pq.read_table(path).to_pylist()
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+def spec(tmp_path: Path, input_path: Path, output_name: str, model: Path, **kwargs: Any) -> JobSpec:
+    return JobSpec(
+        input_path, tmp_path / output_name, model=str(model), sampling=SAMPLING, **kwargs
+    )
+
+
+MIXED_ROWS = [
+    {"id": "p0", "prompt": "hello there"},
+    {"id": "m1", "messages": [{"role": "user", "content": "hi"}]},
+    {"id": "o2", "prompt": "override", "sampling_params": {"max_tokens": 2}},
+    {"id": "e3", "prompt": ""},
+    {"id": "e4", "text": "no prompt column"},
+    {"id": "e5", "prompt": "x", "sampling_params": {"temperature": -1}},
+    {"id": "e6", "prompt": 12},
+    {"id": "p7", "prompt": "word " * 700},
+]
+
+
+@pytest.mark.parametrize("output_name", ["out.jsonl", "out.parquet"])
+def test_jsonl_input_round_trip_with_error_rows(
+    tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any], output_name: str
+) -> None:
+    input_path = write_jsonl(tmp_path / "in.jsonl", MIXED_ROWS)
+    with input_path.open("ab") as f:
+        f.write(b'{"id": "broken", \n')
+    outcome = start_job(
+        spec(tmp_path, input_path, output_name, tiny_model_dir), QUIET, llm_factory=shared_llm
+    )
+    assert outcome.exit_code == 0
+    # NOTE: a malformed line has no readable id; its input index stands in (int in JSONL).
+    rows = {str(r["id"]): r for r in read_output(tmp_path / output_name)}
+    assert set(rows) == {"p0", "m1", "o2", "e3", "e4", "e5", "e6", "p7", "8"}
+    errored = {i for i, r in rows.items() if r["finish_reason"] == "error"}
+    assert errored == {"e3", "e4", "e5", "e6", "p7", "8"}
+    assert all(r["error"] is not None for i, r in rows.items() if i in errored)
+    assert "line 9: invalid JSON" in rows["8"]["error"]
+    assert rows["p7"]["error"].startswith("line 8: ") and rows["p7"]["prompt_tokens"] > 512
+    assert rows["o2"]["completion_tokens"] == 2 and rows["p0"]["completion_tokens"] == 4
+    assert rows["m1"]["finish_reason"] == "length" and isinstance(rows["m1"]["text"], str)
+    assert [r["index"] for r in read_output(tmp_path / output_name)] != [] and all(
+        rows[i]["index"] == n for n, i in enumerate(["p0", "m1", "o2", "e3", "e4", "e5", "e6"])
+    )
+    status = job_status(tmp_path / output_name)
+    assert (status["complete"], status["done"], status["errored"]) == (True, 9, 6)
+    assert status["remaining"] == 0
+    assert sorted(p.name for p in job_dir_for(tmp_path / output_name).iterdir()) == [
+        "journal.jsonl",
+        "lock",
+        "manifest.json",
+    ]
+
+
+def test_parquet_in_ordered_out_with_kept_columns(
+    tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any]
+) -> None:
+    input_path = tmp_path / "in.parquet"
+    table = pa.table(
+        {
+            "key": [f"k{i}" for i in range(40)],
+            "q": [f"question {i}" for i in range(40)],
+            "topic": [i % 3 for i in range(40)],
+        }
+    )
+    pq.write_table(table, input_path, row_group_size=7)
+    columns = ColumnOptions(prompt_column="q", id_column="key", keep_columns=("topic",))
+    job = spec(tmp_path, input_path, "out.parquet", tiny_model_dir, columns=columns, ordered=True)
+    assert start_job(job, QUIET, llm_factory=shared_llm).exit_code == 0
+    out = pq.read_table(tmp_path / "out.parquet")
+    assert out.column("index").to_pylist() == list(range(40))
+    assert out.column("id").to_pylist() == [f"k{i}" for i in range(40)]
+    assert out.column("topic").to_pylist() == [i % 3 for i in range(40)]
+    assert out.schema.field("topic").type == pa.int64()
+
+
+def test_openai_batch_round_trip(
+    tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any]
+) -> None:
+    chat = {
+        "custom_id": "c1",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": "x",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+    }
+    text = {
+        "custom_id": "t2",
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": "x", "prompt": "once upon", "max_tokens": 2},
+    }
+    bad = {"custom_id": "b3", "method": "POST", "url": "/v1/completions", "body": {"n": 2}}
+    input_path = write_jsonl(tmp_path / "batch.jsonl", [chat, text, bad])
+    job = spec(tmp_path, input_path, "results.jsonl", tiny_model_dir, ordered=True)
+    assert start_job(job, QUIET, llm_factory=shared_llm).exit_code == 0
+    lines = read_output(tmp_path / "results.jsonl")
+    assert [line["custom_id"] for line in lines] == ["c1", "t2", "b3"]
+    body = lines[0]["response"]["body"]
+    assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] == 3
+    assert len(body["choices"][0]["logprobs"]["content"]) == 3
+    assert len(body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+    assert lines[1]["response"]["body"]["object"] == "text_completion"
+    assert lines[1]["response"]["body"]["usage"]["completion_tokens"] == 2
+    assert lines[1]["response"]["body"]["choices"][0]["finish_reason"] == "length"
+    assert lines[2]["response"] is None and "body.prompt" in lines[2]["error"]["message"]
+
+
+def test_refusals_before_any_work(
+    tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any]
+) -> None:
+    input_path = write_jsonl(
+        tmp_path / "in.jsonl",
+        [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}, {"id": "a", "prompt": "z"}],
+    )
+    job = spec(tmp_path, input_path, "out.jsonl", tiny_model_dir)
+    with pytest.raises(InputError, match="duplicate id 'a' at line 3 \\(first at line 1\\)"):
+        start_job(job, QUIET, llm_factory=shared_llm)
+    assert not job_dir_for(job.output_path).exists()
+    with pytest.raises(InputError, match="does not exist"):
+        start_job(spec(tmp_path, tmp_path / "missing.jsonl", "o.jsonl", tiny_model_dir), QUIET)
+    with pytest.raises(InputError, match="output format"):
+        start_job(spec(tmp_path, input_path, "out.csv", tiny_model_dir), QUIET)
+    with pytest.raises(InputError, match="would overwrite output fields"):
+        start_job(
+            spec(
+                tmp_path,
+                input_path,
+                "o.jsonl",
+                tiny_model_dir,
+                columns=ColumnOptions(keep_columns=("text",)),
+            ),
+            QUIET,
+        )
+
+
+def test_existing_job_refusal_resume_checks_retry_errors_and_force(
+    tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any]
+) -> None:
+    records = [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(12)]
+    records[4] = {"id": "r4", "prompt": ""}
+    input_path = write_jsonl(tmp_path / "in.jsonl", records)
+    job = spec(tmp_path, input_path, "out.jsonl", tiny_model_dir)
+    assert start_job(job, QUIET, llm_factory=shared_llm).exit_code == 0
+    with pytest.raises(JobStateError, match="vbatch resume .*--overwrite"):
+        start_job(job, QUIET, llm_factory=shared_llm)
+    again = resume_job(job.output_path, {"display": "quiet"}, llm_factory=shared_llm)
+    assert again.exit_code == 0 and "already complete" in again.message
+    assert start_job(job, QUIET, overwrite=True, llm_factory=shared_llm).exit_code == 0
+
+    # NOTE: an unfinished job whose input is then fixed: refused, then resumed with --force.
+    job_dir = job_dir_for(job.output_path)
+    journal = job_dir / "journal.jsonl"
+    journal.write_bytes(journal.read_bytes().splitlines(keepends=True)[0])
+    records[4] = {"id": "r4", "prompt": "fixed now"}
+    write_jsonl(input_path, records)
+    with pytest.raises(JobStateError, match="changed size.*--force"):
+        resume_job(job.output_path, {"display": "quiet"}, llm_factory=shared_llm)
+    done = resume_job(
+        job.output_path, {"display": "quiet"}, force=True, retry_errors=True, llm_factory=shared_llm
+    )
+    assert done.exit_code == 0
+    rows = read_output(job.output_path)
+    assert sorted(r["id"] for r in rows) == sorted(f"r{i}" for i in range(12))
+    assert [r["error"] for r in rows if r["id"] == "r4"] == [None]
+    assert done.status["errored"] == 0
+
+
+def test_max_errors_stops_the_job_and_keeps_committed_rows(
+    tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any]
+) -> None:
+    records = [{"prompt": "ok"}] * 5 + [{"prompt": ""}] * 30 + [{"prompt": "ok"}] * 5
+    input_path = write_jsonl(tmp_path / "in.jsonl", records)
+    options = RunOptions(display="quiet", max_errors=0.25)
+    job = spec(tmp_path, input_path, "out.jsonl", tiny_model_dir)
+    with pytest.raises(InputError, match="11 rows errored, more than --max-errors 0.25"):
+        start_job(job, options, llm_factory=shared_llm)
+    status = job_status(job.output_path)
+    assert status["errored"] == 11 and not status["complete"]
+    assert len(read_output(job.output_path)) == status["done"]
+    done = resume_job(
+        job.output_path, {"display": "quiet", "max_errors": None}, llm_factory=shared_llm
+    )
+    assert done.exit_code == 0 and done.status["errored"] == 30
+    assert len(read_output(job.output_path)) == 40

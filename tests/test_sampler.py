@@ -1,0 +1,299 @@
+"""Tests for the engine-core sampler: filters against a full-sort reference, seeds, logprobs."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from vbatch.engine.sampler import (
+    CANDIDATE_GROWTH,
+    NUM_CANDIDATES,
+    Sampler,
+    SamplingMetadata,
+    _apply_penalties,
+    _draw,
+    _nucleus_groups,
+    free_generators,
+)
+from vbatch.engine.sequence import Sequence
+from vbatch.sampling_params import SamplingParams
+
+VOCAB = 49152
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+
+
+def make_seqs(*params: SamplingParams, prompt: list[int] | None = None) -> list[Sequence]:
+    return [Sequence(f"r{i}", prompt or [1, 2, 3], p) for i, p in enumerate(params)]
+
+
+def sample(
+    logits: torch.Tensor, seqs: list[Sequence], generators: dict | None = None, **kwargs: object
+) -> torch.Tensor:
+    meta = SamplingMetadata.build(
+        seqs, CPU, logits.shape[1], {} if generators is None else generators, **kwargs
+    )
+    return Sampler()(logits, meta).token_ids
+
+
+def reference_kept(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Token ids kept by temperature, top-k, top-p (renormalised after top-k), min-p: full sort."""
+    probs = torch.softmax(row.double() / p.temperature, dim=-1)
+    sorted_probs, order = probs.sort(descending=True)
+    keep = torch.arange(row.numel()) < (p.top_k if p.top_k > 0 else row.numel())
+    renorm = sorted_probs * keep
+    renorm /= renorm.sum()
+    keep &= (renorm.cumsum(0) - renorm) < p.top_p
+    keep &= sorted_probs >= p.min_p * sorted_probs[0]
+    return order[keep]
+
+
+def reference_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    kept = reference_kept(row, p)
+    probs = torch.zeros(row.numel(), dtype=torch.float64)
+    probs[kept] = torch.softmax(row.double() / p.temperature, dim=-1)[kept]
+    return probs / probs.sum()
+
+
+def test_greedy_top_k_1_and_tiny_temperature_are_argmax() -> None:
+    logits = torch.randn(6, VOCAB) * 3
+    argmax = logits.argmax(-1)
+    greedy = make_seqs(*[SamplingParams(temperature=0.0)] * 6)
+    meta = SamplingMetadata.build(greedy, CPU, VOCAB, {})
+    assert meta.temperature is None and meta.top_k is None and meta.penalties is None
+    assert torch.equal(Sampler()(logits, meta).token_ids, argmax)
+    assert torch.equal(sample(logits, make_seqs(*[SamplingParams(top_k=1)] * 6)), argmax)
+    for temperature in (1e-6, 1e-3):
+        tiny = make_seqs(*[SamplingParams(temperature=temperature)] * 6)
+        assert torch.equal(sample(logits, tiny), argmax)
+    mixed = make_seqs(*[SamplingParams(temperature=0.0), SamplingParams(top_p=0.5)] * 3)
+    assert torch.equal(sample(logits, mixed)[::2], argmax[::2])
+
+
+def test_metadata_skips_unneeded_transforms() -> None:
+    meta = SamplingMetadata.build(make_seqs(SamplingParams(top_k=50)), CPU, VOCAB, {})
+    assert meta.top_k is not None and meta.num_candidates == 50
+    assert meta.top_p is None and meta.min_p is None and meta.penalties is None
+    assert meta.restricted_rows is None and not meta.needs_full_mass
+    meta = SamplingMetadata.build(make_seqs(SamplingParams(min_p=0.1)), CPU, VOCAB, {})
+    assert meta.top_k is None and meta.min_p is not None
+
+
+FILTERS = [
+    SamplingParams(top_k=50),
+    SamplingParams(top_p=0.9),
+    SamplingParams(top_p=0.95, temperature=1.5),
+    SamplingParams(min_p=0.05),
+    SamplingParams(top_k=200, top_p=0.8, min_p=0.01, temperature=0.7),
+    SamplingParams(top_k=40, top_p=0.9),
+    SamplingParams(temperature=0.0),
+]
+
+
+@pytest.mark.parametrize("with_unrestricted_row", [False, True])
+def test_sampled_tokens_lie_in_reference_kept_set(with_unrestricted_row: bool) -> None:
+    params = FILTERS + ([SamplingParams(temperature=0.9)] if with_unrestricted_row else [])
+    # NOTE: rows of mixed sharpness: peaked rows resolve in the candidates, flat ones escalate.
+    scales = torch.tensor([4.0, 0.5, 2.0, 1.0, 3.0, 0.2, 1.0, 1.0][: len(params)])
+    for _ in range(5):
+        logits = torch.randn(len(params), VOCAB) * scales.unsqueeze(1)
+        tokens = sample(logits, make_seqs(*params)).tolist()
+        for row, (token, p) in enumerate(zip(tokens, params, strict=True)):
+            if p.temperature == 0.0:
+                assert token == logits[row].argmax().item()
+            else:
+                assert token in set(reference_kept(logits[row], p).tolist())
+
+
+@pytest.mark.parametrize("scale", [0.05, 0.5, 2.0, 8.0])
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.99])
+def test_top_p_candidate_shortcut_is_exact(scale: float, top_p: float) -> None:
+    params = [SamplingParams(top_p=top_p, temperature=t) for t in (0.5, 1.0, 2.0)]
+    params += [SamplingParams(top_p=top_p, min_p=0.001), SamplingParams(top_k=3, top_p=top_p)]
+    logits = torch.randn(len(params), VOCAB) * scale
+    meta = SamplingMetadata.build(make_seqs(*params), CPU, VOCAB, {})
+    kept: dict[int, tuple[int, set[int]]] = {}
+    for rows, weights, ids in _nucleus_groups(logits, meta):
+        assert torch.equal(weights > 0, ids < VOCAB)
+        for row, row_ids in zip(rows.tolist(), ids, strict=True):
+            assert row not in kept
+            kept[row] = (ids.shape[1], set(row_ids[row_ids < VOCAB].tolist()))
+    for row, p in enumerate(params):
+        width, kept_ids = kept[row]
+        expected = set(reference_kept(logits[row], p).tolist())
+        assert kept_ids == expected
+        # NOTE: a row leaves at the first candidate width that holds its whole nucleus.
+        assert width == NUM_CANDIDATES or len(expected) > width // CANDIDATE_GROWTH
+    if scale <= 0.5:
+        assert max(len(kept[row][1]) for row in range(4)) > CANDIDATE_GROWTH * NUM_CANDIDATES
+
+
+DISTRIBUTION_CASES = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(top_k=5),
+    SamplingParams(top_p=0.7, temperature=1.3),
+    SamplingParams(min_p=0.2),
+    SamplingParams(top_k=8, top_p=0.9, min_p=0.05),
+]
+
+
+@pytest.mark.parametrize("p", DISTRIBUTION_CASES)
+@pytest.mark.parametrize("with_unrestricted_row", [False, True])
+def test_empirical_distribution_matches_filtered(
+    p: SamplingParams, with_unrestricted_row: bool
+) -> None:
+    vocab, num_rows, num_calls = 16, 1000, 10
+    row = torch.randn(vocab) * 1.5
+    params = [p] * num_rows + ([SamplingParams()] if with_unrestricted_row else [])
+    logits = row.expand(len(params), vocab).contiguous()
+    seqs = make_seqs(*params)
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    for _ in range(num_calls):
+        tokens = sample(logits, seqs)[:num_rows]
+        counts += torch.bincount(tokens, minlength=vocab).double()
+    expected = reference_probs(row, p) * num_rows * num_calls
+    assert counts[expected == 0].sum() == 0
+    kept = expected > 0
+    chi2 = ((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum().item()
+    dof = int(kept.sum()) - 1
+    assert chi2 < dof + 6 * math.sqrt(2 * max(dof, 1)) + 10, (chi2, dof)
+
+
+def test_draw_is_an_exact_inverse_cdf() -> None:
+    width, num_draws = 600, 4000  # NOTE: 600 is not a multiple of DRAW_BLOCK: pads 3 blocks
+    weights = torch.rand(width) * (torch.rand(width) > 0.3)
+    uniforms = (torch.arange(num_draws) + 0.5) / num_draws  # stratified: counts are exact
+    columns = _draw(weights.expand(num_draws, width).contiguous(), uniforms).squeeze(1)
+    counts = torch.bincount(columns, minlength=width).double()
+    assert counts[weights == 0].sum() == 0
+    assert (counts - weights / weights.sum() * num_draws).abs().max() <= 1.5
+    edges = _draw(weights.expand(2, width).contiguous(), torch.tensor([0.0, 1 - 2**-24]))
+    assert weights[edges.squeeze(1)].min() > 0
+
+
+def test_penalties_follow_the_formula() -> None:
+    vocab = 10
+    rep = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2)
+    params = [rep, SamplingParams(), SamplingParams(presence_penalty=-0.4)]
+    seqs = make_seqs(*params, prompt=[1, 2, 2, 5])
+    for seq in seqs:
+        for token in (2, 3, 3, 3):
+            seq.append_token(token)
+    logits = torch.randn(3, vocab) * 2
+    logits[0, 1], logits[0, 3] = 1.5, -0.7
+    penalized = _apply_penalties(logits, SamplingMetadata.build(seqs, CPU, vocab, {}))
+    output_counts = {2: 1, 3: 3}
+    expected = logits.clone()
+    for token in range(vocab):
+        value = logits[0, token].item()
+        if token in (1, 2, 3, 5):
+            value = value / 1.3 if value > 0 else value * 1.3
+        count = output_counts.get(token, 0)
+        expected[0, token] = value - 0.5 * count - 0.2 * (count > 0)
+        expected[2, token] += 0.4 * (count > 0)
+    torch.testing.assert_close(penalized, expected)
+    assert penalized[0, 1] == pytest.approx(1.5 / 1.3) and penalized[0, 3] < -0.7 * 1.3 - 1.6
+
+
+def test_min_tokens_bars_eos_and_stop_ids() -> None:
+    logits = torch.zeros(2, 10)
+    logits[:, 7] = 5.0
+    logits[:, 4] = 4.0
+    logits[:, 2] = 3.0
+    p = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[4])
+    seqs = make_seqs(p, SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True))
+    assert sample(logits, seqs, eos_token_ids=[7]).tolist() == [2, 7]
+    for seq in seqs:
+        seq.append_token(0)
+        seq.append_token(0)
+    assert sample(logits, seqs, eos_token_ids=[7]).tolist() == [7, 7]
+
+
+def run_seeded(
+    target: SamplingParams, neighbours: list[SamplingParams], steps: list[torch.Tensor]
+) -> list[int]:
+    """Tokens of a fresh `target` seq over `steps`, batched with shuffled `neighbours`."""
+    rng = random.Random(len(neighbours))
+    seq = Sequence("target", [1, 2, 3], target)
+    others = make_seqs(*neighbours)
+    generators: dict[int, torch.Generator] = {}
+    tokens = []
+    for step_logits in steps:
+        batch = [seq, *others]
+        rng.shuffle(batch)
+        logits = torch.randn(len(batch), VOCAB) * 2
+        row = batch.index(seq)
+        logits[row] = step_logits
+        token = sample(logits, batch, generators)[row].item()
+        seq.append_token(token)
+        tokens.append(token)
+    free_generators(generators, [seq.seq_id])
+    assert seq.seq_id not in generators
+    return tokens
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        SamplingParams(seed=123, temperature=0.8, top_p=0.9),
+        SamplingParams(seed=7, top_k=30, min_p=0.01),
+        SamplingParams(seed=99),
+    ],
+)
+def test_seeded_seq_ignores_its_batch(target: SamplingParams) -> None:
+    steps = [torch.randn(VOCAB) * s for s in torch.linspace(0.3, 3.0, 20).tolist()]
+    alone = run_seeded(target, [], steps)
+    neighbours = [
+        SamplingParams(seed=5),
+        SamplingParams(seed=123, top_k=3),
+        SamplingParams(),
+        SamplingParams(temperature=0.0),
+        SamplingParams(top_p=0.5, temperature=0.3),
+        SamplingParams(top_k=400, seed=1),
+        SamplingParams(min_p=0.1, presence_penalty=0.5),
+        SamplingParams(temperature=0.0, seed=3, logprobs=2),
+    ]
+    assert run_seeded(target, neighbours, steps) == alone
+    assert run_seeded(target, neighbours[::-1][:5], steps) == alone
+    other_index = Sequence("target", [1, 2, 3], target, index=1)
+    tokens = [
+        sample(s.unsqueeze(0), [other_index], {}).item()
+        for s in steps  # fresh generator each
+    ]
+    assert tokens != alone
+
+
+def test_logprobs_are_raw_and_sorted() -> None:
+    params = [
+        SamplingParams(logprobs=5, temperature=0.5, repetition_penalty=1.5),
+        SamplingParams(),
+        SamplingParams(logprobs=0, temperature=0.0),
+        SamplingParams(logprobs=20, top_k=10),
+    ]
+    logits = torch.randn(len(params), VOCAB)
+    meta = SamplingMetadata.build(make_seqs(*params), CPU, VOCAB, {})
+    out = Sampler()(logits, meta)
+    raw = torch.log_softmax(logits.double(), dim=-1)
+    assert out.logprobs is not None and out.logprobs[1] is None
+    for row, p in enumerate(params):
+        lp = out.logprobs[row]
+        if p.logprobs is None:
+            continue
+        assert lp is not None
+        assert lp.logprob == pytest.approx(raw[row, out.token_ids[row]].item(), abs=1e-4)
+        top_vals, top_ids = raw[row].topk(p.logprobs)
+        assert lp.top_token_ids == top_ids.tolist()
+        assert lp.top_logprobs == pytest.approx(top_vals.tolist(), abs=1e-4)
+        assert lp.top_logprobs == sorted(lp.top_logprobs, reverse=True)
+    no_logprobs = make_seqs(SamplingParams())
+    assert (
+        Sampler()(logits[:1], SamplingMetadata.build(no_logprobs, CPU, VOCAB, {})).logprobs is None
+    )

@@ -1,0 +1,357 @@
+"""Tests for the Scheduler, driven by a deterministic fake model: budgets, chunked prefill,
+preemption, finish rules, aborts and prefix caching."""
+
+import random
+import subprocess
+import sys
+
+import pytest
+
+from vbatch.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from vbatch.engine.sequence import Sequence, SequenceStatus
+from vbatch.protocol import FinishReason, TokenLogprobs
+from vbatch.sampling_params import SamplingParams
+
+EOS = 2
+
+
+def make_scheduler(**overrides: int | bool) -> Scheduler:
+    values = dict(
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        block_size=4,
+        num_kv_blocks=64,
+        enable_prefix_caching=True,
+    )
+    values.update(overrides)
+    return Scheduler(SchedulerConfig(**values), eos_token_ids=[EOS])
+
+
+def fake_token(seq: Sequence) -> int:
+    """A token that depends only on the seq's tokens so far, never EOS."""
+    return 10 + (sum(seq.token_ids[-3:]) * 7 + seq.num_tokens + seq.index) % 89
+
+
+def add(
+    sched: Scheduler, request_id: str, prompt: list[int], index: int = 0, **params: object
+) -> Sequence:
+    seq = Sequence(request_id, prompt, SamplingParams(**params), index)
+    sched.add(seq)
+    return seq
+
+
+def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
+    config = sched.config
+    assert out.num_batched_tokens <= config.max_num_batched_tokens
+    assert len(out.seqs) <= config.max_num_seqs and sched.num_running <= config.max_num_seqs
+    assert len({seq.seq_id for seq in out.seqs}) == len(out.seqs)
+    for seq, num_new, is_sampling in zip(
+        out.seqs, out.num_new_tokens, out.sampling_mask, strict=True
+    ):
+        assert seq.status == SequenceStatus.RUNNING and num_new > 0
+        assert len(seq.block_table) * config.block_size >= seq.num_computed_tokens + num_new
+        assert is_sampling == (seq.num_computed_tokens + num_new == seq.num_tokens)
+    bm = sched.block_manager
+    ref_counts = [0] * bm.num_blocks
+    for seq in sched.running:
+        for block_id in seq.block_table:
+            ref_counts[block_id] += 1
+    assert ref_counts == bm.ref_counts
+    for seq in sched.waiting:
+        assert seq.block_table == [] and seq.num_computed_tokens == 0
+
+
+def step(sched: Scheduler, token_fn=fake_token) -> tuple[SchedulerOutput, list[Sequence]]:
+    out = sched.schedule()
+    check_step(sched, out)
+    tokens = [token_fn(out.seqs[i]) for i in out.sampling_indices]
+    return out, sched.update(out, tokens)
+
+
+def run_to_end(sched: Scheduler, token_fn=fake_token, max_steps: int = 10_000) -> int:
+    for num_steps in range(max_steps):
+        if not sched.has_unfinished():
+            assert sched.block_manager.usage == 0.0
+            return num_steps
+        step(sched, token_fn)
+    raise AssertionError("the scheduler did not finish")
+
+
+def test_chunked_prefill_samples_only_on_the_last_chunk() -> None:
+    sched = make_scheduler(max_num_batched_tokens=16)
+    seq = add(sched, "a", list(range(3, 53)), max_tokens=2)
+    chunks = []
+    for _ in range(4):
+        out, outputs = step(sched)
+        chunks.append((out.num_new_tokens, out.sampling_mask, len(outputs)))
+    assert chunks == [([16], [False], 0), ([16], [False], 0), ([16], [False], 0), ([2], [True], 1)]
+    assert seq.num_computed_tokens == 50 and seq.num_output_tokens == 1
+    out, _ = step(sched)
+    assert out.num_new_tokens == [1] and seq.finish_reason == FinishReason.LENGTH
+
+
+def test_running_first_then_waiting_chunked_to_the_rest_of_the_budget() -> None:
+    sched = make_scheduler(max_num_batched_tokens=32)
+    a = add(sched, "a", list(range(3, 13)), max_tokens=50)
+    step(sched)
+    b = add(sched, "b", list(range(3, 103)), max_tokens=5)
+    out, _ = step(sched)
+    assert out.seqs == [a, b] and out.num_new_tokens == [1, 31]
+    assert out.sampling_mask == [True, False] and out.sampling_indices == [0]
+    out, _ = step(sched)
+    assert out.seqs == [a, b] and out.num_new_tokens == [1, 31]
+
+
+def test_max_num_seqs_caps_the_running_set() -> None:
+    sched = make_scheduler(max_num_seqs=2)
+    seqs = [add(sched, str(i), [5, 6, 7], max_tokens=3) for i in range(5)]
+    out, _ = step(sched)
+    assert out.seqs == seqs[:2]
+    assert sched.num_running == 2 and sched.num_waiting == 3
+    assert run_to_end(sched) > 0
+    assert all(seq.num_output_tokens == 3 for seq in seqs)
+
+
+def test_running_set_never_outgrows_the_token_budget() -> None:
+    sched = make_scheduler(max_num_seqs=8, max_num_batched_tokens=4)
+    for i in range(6):
+        add(sched, str(i), [5], max_tokens=3)
+    step(sched)
+    out, _ = step(sched)
+    assert sched.num_running == 4 and len(out.seqs) == 4 and all(out.sampling_mask)
+
+
+def test_budget_and_invariants_hold_on_a_random_workload() -> None:
+    rng = random.Random(0)
+    shared = [rng.randrange(3, 500) for _ in range(24)]
+
+    def workload(sched: Scheduler) -> list[Sequence]:
+        rng = random.Random(1)
+        seqs = []
+        for i in range(40):
+            prefix = shared[: rng.choice([0, 8, 24])]
+            prompt = prefix + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 30))]
+            n = rng.choice([1, 1, 3])
+            params = SamplingParams(n=n, max_tokens=rng.randrange(1, 20))
+            for index in range(n):
+                seq = Sequence(str(i), prompt, params, index)
+                sched.add(seq)
+                seqs.append(seq)
+        return seqs
+
+    tight = make_scheduler(max_num_batched_tokens=24, num_kv_blocks=20, max_num_seqs=6)
+    roomy = make_scheduler(max_num_batched_tokens=4096, num_kv_blocks=4096, max_num_seqs=256)
+    tight_seqs, roomy_seqs = workload(tight), workload(roomy)
+    run_to_end(tight)
+    run_to_end(roomy)
+    assert tight.num_preemptions > 0 and tight.block_manager.num_prefix_hits > 0
+    assert roomy.num_preemptions == 0
+    for t, r in zip(tight_seqs, roomy_seqs, strict=True):
+        assert t.token_ids == r.token_ids and t.finish_reason == FinishReason.LENGTH
+
+
+def test_preemption_requeues_the_newest_and_recomputes_it() -> None:
+    sched = make_scheduler(num_kv_blocks=4)
+    a = add(sched, "a", [3, 4, 5, 6, 7, 8, 9], max_tokens=4)
+    b = add(sched, "b", [13, 14, 15, 16, 17, 18, 19], max_tokens=4)
+    c = add(sched, "c", [1, 2, 3], max_tokens=1)
+    step(sched)
+    step(sched)
+    assert sched.block_manager.num_free_blocks == 0 and sched.num_waiting == 1
+
+    out, _ = step(sched)
+    assert out.preempted == [b] and out.seqs == [a]
+    assert list(sched.waiting) == [b, c], "preempted seqs go to the head of the queue"
+    assert b.status == SequenceStatus.WAITING and b.block_table == []
+    assert b.num_computed_tokens == b.num_cached_tokens == 0
+    assert b.num_output_tokens == 2 and sched.num_preemptions == 1
+
+    step(sched)
+    assert a.is_finished
+    out, _ = step(sched)
+    assert out.seqs[0] is b and b.num_cached_tokens == 4
+    assert out.num_new_tokens[0] == 9 - 4 and out.sampling_mask[0]
+    run_to_end(sched)
+
+    reference = make_scheduler()
+    ref = add(reference, "b", [13, 14, 15, 16, 17, 18, 19], max_tokens=4)
+    run_to_end(reference)
+    assert b.token_ids == ref.token_ids and b.finish_reason == FinishReason.LENGTH
+    assert c.num_output_tokens == 1
+
+
+def test_newest_seq_preempts_itself() -> None:
+    sched = make_scheduler(num_kv_blocks=4)
+    a = add(sched, "a", [3, 4, 5, 6, 7, 8, 9], max_tokens=8)
+    b = add(sched, "b", [13, 14, 15], max_tokens=8)
+    step(sched)
+    step(sched)
+    out, _ = step(sched)
+    assert out.seqs == [a] and out.preempted == [b]
+    assert list(sched.waiting) == [b]
+    run_to_end(sched)
+    assert a.num_output_tokens == b.num_output_tokens == 8
+
+
+def test_no_admission_in_a_step_that_preempted() -> None:
+    sched = make_scheduler(num_kv_blocks=5, max_num_batched_tokens=8, enable_prefix_caching=False)
+    a = add(sched, "a", list(range(3, 11)), max_tokens=10)
+    b = add(sched, "b", list(range(3, 15)), max_tokens=1)
+    step(sched)
+    step(sched)
+    out, _ = step(sched)
+    # NOTE: b's freed blocks would fit its next 7-token chunk, but it must not thrash back in.
+    assert out.seqs == [a] and out.preempted == [b]
+    assert list(sched.waiting) == [b] and sched.block_manager.num_free_blocks == 2
+    run_to_end(sched)
+    assert b.num_output_tokens == 1
+
+
+@pytest.mark.parametrize(
+    ("params", "emitted", "expected_output", "reason", "stop_reason"),
+    [
+        ({}, [5, EOS, 6], [5, EOS], FinishReason.STOP, None),
+        (
+            {"ignore_eos": True, "max_tokens": 3},
+            [5, EOS, 6],
+            [5, EOS, 6],
+            FinishReason.LENGTH,
+            None,
+        ),
+        ({"stop_token_ids": [7]}, [5, 7, 6], [5, 7], FinishReason.STOP, 7),
+        ({"stop_token_ids": [EOS]}, [EOS], [EOS], FinishReason.STOP, None),
+        ({"stop_token_ids": [EOS], "ignore_eos": True}, [EOS], [EOS], FinishReason.STOP, EOS),
+        ({"max_tokens": 2}, [5, 6, 7], [5, 6], FinishReason.LENGTH, None),
+        ({"min_tokens": 2}, [EOS, EOS, EOS, 5], [EOS, EOS, EOS], FinishReason.STOP, None),
+        ({"min_tokens": 1, "stop_token_ids": [7]}, [7, 7], [7, 7], FinishReason.STOP, 7),
+        ({"min_tokens": 2, "max_tokens": 2}, [EOS, EOS, 5], [EOS, EOS], FinishReason.LENGTH, None),
+    ],
+)
+def test_finish_rules(
+    params: dict, emitted: list[int], expected_output: list[int], reason: FinishReason, stop_reason
+) -> None:
+    sched = make_scheduler()
+    seq = add(sched, "r", [3, 4, 5], **{"max_tokens": 10, **params})
+    run_to_end(sched, lambda s: emitted[s.num_output_tokens])
+    assert seq.output_token_ids == expected_output
+    assert (seq.finish_reason, seq.stop_reason) == (reason, stop_reason)
+    assert seq.status == SequenceStatus.FINISHED and seq.block_table == []
+
+
+def test_max_model_len_finishes_with_length() -> None:
+    sched = make_scheduler(max_model_len=13)
+    seq = add(sched, "r", list(range(3, 13)), max_tokens=100)
+    run_to_end(sched)
+    assert seq.num_tokens == 13 and seq.num_output_tokens == 3
+    assert seq.finish_reason == FinishReason.LENGTH
+
+
+def test_update_returns_seqs_with_tokens_and_logprobs() -> None:
+    sched = make_scheduler(max_num_batched_tokens=4)
+    a = add(sched, "a", [3, 4], max_tokens=1)
+    b = add(sched, "b", [5, 6, 7, 8, 9], max_tokens=1)
+    out = sched.schedule()
+    assert out.num_new_tokens == [2, 2] and out.sampling_indices == [0]
+    logprob = TokenLogprobs(logprob=-0.5, top_token_ids=[11], top_logprobs=[-0.5])
+    assert sched.update(out, [11], [logprob]) == [a]
+    assert a.take_new_tokens() == ([11], [logprob]) and a.finish_reason == FinishReason.LENGTH
+    assert b.num_computed_tokens == 2 and b.num_output_tokens == 0
+    with pytest.raises(AssertionError):
+        sched.update(sched.schedule(), [1, 2])
+
+
+def test_abort_waiting_and_running_samples() -> None:
+    sched = make_scheduler(max_num_seqs=2)
+    running = add(sched, "run", [3, 4, 5], max_tokens=50)
+    pair = [add(sched, "pair", [6, 7, 8], index, n=2, max_tokens=50) for index in range(2)]
+    other = add(sched, "other", [9, 10], max_tokens=2)
+    step(sched)
+    assert sched.running == [running, pair[0]] and list(sched.waiting) == [pair[1], other]
+
+    aborted = sched.abort(["pair", "pair", "missing"])
+    assert aborted == pair
+    assert all(s.finish_reason == FinishReason.ABORT and s.block_table == [] for s in pair)
+    assert sched.running == [running] and list(sched.waiting) == [other]
+    out, _ = step(sched)
+    assert out.seqs == [running, other]
+
+    assert sched.abort(["run"]) == [running]
+    run_to_end(sched)
+    assert running.finish_reason == FinishReason.ABORT and other.num_output_tokens == 2
+
+
+def test_abort_between_schedule_and_update_drops_its_token() -> None:
+    sched = make_scheduler()
+    a = add(sched, "a", [3, 4], max_tokens=5)
+    b = add(sched, "b", [5, 6], max_tokens=5)
+    out = sched.schedule()
+    sched.abort(["a"])
+    assert sched.update(out, [11, 12]) == [b]
+    assert b.output_token_ids == [12] and a.output_token_ids == []
+
+
+def test_check_prompt() -> None:
+    sched = make_scheduler(max_model_len=20, num_kv_blocks=4, block_size=4)
+    params = SamplingParams(max_tokens=1)
+    assert sched.check_prompt(0, params) is not None
+    assert sched.check_prompt(15, params) is None
+    assert sched.check_prompt(19, SamplingParams(max_tokens=1)) is not None
+    assert "maximum model length" in sched.check_prompt(20, params)
+    assert "KV cache" in sched.check_prompt(15, SamplingParams(max_tokens=2))
+
+
+def test_prefix_cache_hit_skips_the_shared_blocks() -> None:
+    sched = make_scheduler()
+    prompt = list(range(3, 21))
+    a = add(sched, "a", prompt, max_tokens=2)
+    run_to_end(sched)
+    b = add(sched, "b", [*prompt[:12], 99, 98], max_tokens=2)
+    out, _ = step(sched)
+    assert out.num_new_tokens == [2] and b.num_cached_tokens == 12
+    run_to_end(sched)
+    stats = sched.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (18 + 14, 12)
+    assert stats.num_generation_tokens == 4 and stats.num_prompt_tokens == 18 + 2
+    assert a.num_cached_tokens == 0
+
+
+def test_samples_of_one_request_share_the_prompt_blocks() -> None:
+    sched = make_scheduler()
+    samples = [add(sched, "r", list(range(3, 21)), index, n=3, max_tokens=3) for index in range(3)]
+    out, _ = step(sched)
+    assert out.seqs == samples[:1] and sched.num_waiting == 2
+    out, _ = step(sched)
+    assert out.seqs == samples and out.num_new_tokens == [1, 2, 2]
+    assert [s.num_cached_tokens for s in samples] == [0, 16, 16]
+    assert samples[1].block_table[:4] == samples[0].block_table[:4]
+    run_to_end(sched)
+    assert len({tuple(s.output_token_ids) for s in samples}) == 3
+
+
+def test_prefix_caching_disabled_computes_every_token() -> None:
+    sched = make_scheduler(enable_prefix_caching=False)
+    for index in range(2):
+        add(sched, "r", list(range(3, 21)), index, n=2, max_tokens=2)
+    out, _ = step(sched)
+    assert out.num_new_tokens == [18, 18]
+    run_to_end(sched)
+    assert sched.stats().prefix_cache_hits == 0
+
+
+def test_empty_schedule_and_stats() -> None:
+    sched = make_scheduler()
+    out = sched.schedule()
+    assert out.is_empty and out.num_batched_tokens == 0 and out.sampling_indices == []
+    assert sched.update(out, []) == []
+    add(sched, "a", [3, 4, 5], max_tokens=1)
+    assert sched.has_unfinished() and sched.stats().num_waiting == 1
+    run_to_end(sched)
+    stats = sched.stats()
+    assert (stats.num_steps, stats.num_scheduled_tokens, stats.kv_usage) == (1, 3, 0.0)
+    assert not sched.has_unfinished()
+
+
+def test_module_is_torch_free() -> None:
+    code = "import sys, vbatch.engine.scheduler; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

