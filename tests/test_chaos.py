@@ -115,7 +115,8 @@ def test_sigkill_three_times_with_torn_tails(
         wait_for_records(proc, job_dir, target)
         time.sleep(rng.uniform(0.0, 0.3))
         proc.kill()
-        finish(proc)
+        code, stderr = finish(proc)
+        assert code == -signal.SIGKILL, f"the job ended before it was killed: {stderr}"
         # NOTE: what a crash mid-write leaves behind: an orphan part and a torn journal record.
         (job_dir / "parts" / f"part-{999 - attempt:06d}.parquet").write_bytes(b"PAR1 torn")
         with (job_dir / "journal.jsonl").open("ab") as f:
@@ -137,6 +138,8 @@ def test_sigterm_drains_and_exits_75_then_resume(
     code, stderr = finish(proc)
     assert code == 75, stderr
     assert f"vbatch resume {output}" in stderr
+    status = subprocess.run(vbatch("status", output, "--json"), cwd=workdir, capture_output=True)
+    assert orjson.loads(status.stdout)["remaining"] > 0
     with (workdir / output).open("ab") as f:
         f.write(b'{"id": "r0", "text": "torn')
     resume_to_completion(workdir, output)

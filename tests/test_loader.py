@@ -7,6 +7,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 from vbatch.errors import ModelLoadError
 from vbatch.layers.attention import TorchAttentionBackend
+from vbatch.models.config import ModelConfig
 from vbatch.models.gguf import unpermute_qk
 from vbatch.models.llama import load_model
 from vbatch.models.loader import (
@@ -161,7 +163,18 @@ def test_hf_dir_resolves_as_is(tiny_model_dir: Path) -> None:
     assert resolved.weights_hash == resolve_model(str(tiny_model_dir)).weights_hash
 
 
-def write_gguf(path: Path, arch: str, reference: torch.nn.Module, tokenizer_source: str) -> None:
+@pytest.fixture(scope="module")
+def tokenizer_fields(smollm2: ResolvedModel) -> dict[str, Any]:
+    """SmolLM2's GGUF tokenizer metadata, to give synthetic GGUF files a real tokenizer."""
+    import gguf
+
+    fields = gguf.GGUFReader(smollm2.source).fields
+    return {key: fields[key].contents() for key in fields if key.startswith("tokenizer.")}
+
+
+def write_gguf(
+    path: Path, arch: str, reference: torch.nn.Module, tokenizer_fields: dict[str, Any]
+) -> None:
     """A float32 GGUF laid out as llama.cpp's converter does (Q/K permuted for llama)."""
     import gguf
 
@@ -175,16 +188,14 @@ def write_gguf(path: Path, arch: str, reference: torch.nn.Module, tokenizer_sour
     writer.add_uint32(f"{arch}.attention.head_count_kv", config.num_key_value_heads)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
     writer.add_float32(f"{arch}.rope.freq_base", config.rope_parameters["rope_theta"])
-    source = gguf.GGUFReader(tokenizer_source)
-    fields = source.fields
-    writer.add_tokenizer_model(fields["tokenizer.ggml.model"].contents())
-    writer.add_tokenizer_pre(fields["tokenizer.ggml.pre"].contents())
-    writer.add_token_list(fields["tokenizer.ggml.tokens"].contents())
-    writer.add_token_types(fields["tokenizer.ggml.token_type"].contents())
-    writer.add_token_merges(fields["tokenizer.ggml.merges"].contents())
+    writer.add_tokenizer_model(tokenizer_fields["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(tokenizer_fields["tokenizer.ggml.pre"])
+    writer.add_token_list(tokenizer_fields["tokenizer.ggml.tokens"])
+    writer.add_token_types(tokenizer_fields["tokenizer.ggml.token_type"])
+    writer.add_token_merges(tokenizer_fields["tokenizer.ggml.merges"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    writer.add_chat_template(fields["tokenizer.chat_template"].contents())
+    writer.add_chat_template(tokenizer_fields["tokenizer.chat_template"])
     names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
     names |= {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
     names |= {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
@@ -198,7 +209,8 @@ def write_gguf(path: Path, arch: str, reference: torch.nn.Module, tokenizer_sour
             if not config.tie_word_embeddings:
                 writer.add_tensor("output.weight", array)
         else:
-            _, _, layer, _, part, kind = name.split(".")
+            parts = name.split(".")
+            layer, part, kind = parts[2], parts[-2], parts[-1]
             heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
             if arch == "llama" and part in heads and kind == "weight":
                 half = array.shape[0] // heads[part] // 2
@@ -212,7 +224,10 @@ def write_gguf(path: Path, arch: str, reference: torch.nn.Module, tokenizer_sour
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_synthetic_gguf_round_trips(
-    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, smollm2: ResolvedModel
+    arch: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tokenizer_fields: dict[str, Any],
 ) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
@@ -228,7 +243,7 @@ def test_synthetic_gguf_round_trips(
     with torch.no_grad():
         for param in reference.parameters():
             param.normal_()
-    write_gguf(tmp_path / f"tiny-{arch}.gguf", arch, reference, smollm2.source)
+    write_gguf(tmp_path / f"tiny-{arch}.gguf", arch, reference, tokenizer_fields)
     resolved = resolve_model(tmp_path / f"tiny-{arch}.gguf")
     assert resolved.hf_dir.is_relative_to(tmp_path / "cache")
     converted = load_file(resolved.hf_dir / "model.safetensors")
@@ -238,9 +253,14 @@ def test_synthetic_gguf_round_trips(
     assert converted.keys() == expected.keys()
     for name, tensor in expected.items():
         torch.testing.assert_close(converted[name], tensor, atol=0, rtol=0, msg=name)
-    model_config = json.loads((resolved.hf_dir / "config.json").read_text())
-    assert model_config["architectures"] == [type(reference).__name__]
-    assert model_config["tie_word_embeddings"] == (arch == "llama")
+    got = ModelConfig.from_hf_dir(resolved.hf_dir)
+    assert got.architecture == type(reference).__name__
+    assert got.tie_word_embeddings == (arch == "llama")
+    assert got.attention_bias == (arch == "qwen2")
+    assert (got.num_attention_heads, got.num_key_value_heads, got.head_dim) == (4, 2, 16)
+    assert got.rope_theta == config.rope_parameters["rope_theta"]
+    assert got.rms_norm_eps == pytest.approx(config.rms_norm_eps)
+    assert (got.bos_token_id, got.eos_token_ids) == (1, (2,))
     assert resolve_model(tmp_path / f"tiny-{arch}.gguf") == resolved
 
 

@@ -145,7 +145,14 @@ def test_openai_batch_round_trip(
         "custom_id": "t2",
         "method": "POST",
         "url": "/v1/completions",
-        "body": {"model": "x", "prompt": "once upon", "max_tokens": 2},
+        "body": {
+            "model": "x",
+            "prompt": "once upon",
+            "max_tokens": 2,
+            "n": 2,
+            "temperature": 0.8,
+            "seed": 5,
+        },
     }
     bad = {"custom_id": "b3", "method": "POST", "url": "/v1/completions", "body": {"n": 2}}
     input_path = write_jsonl(tmp_path / "batch.jsonl", [chat, text, bad])
@@ -158,8 +165,10 @@ def test_openai_batch_round_trip(
     assert len(body["choices"][0]["logprobs"]["content"]) == 3
     assert len(body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
     assert lines[1]["response"]["body"]["object"] == "text_completion"
-    assert lines[1]["response"]["body"]["usage"]["completion_tokens"] == 2
-    assert lines[1]["response"]["body"]["choices"][0]["finish_reason"] == "length"
+    assert lines[1]["response"]["body"]["usage"]["completion_tokens"] == 4
+    choices = lines[1]["response"]["body"]["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    assert [c["finish_reason"] for c in choices] == ["length", "length"]
     assert lines[2]["response"] is None and "body.prompt" in lines[2]["error"]["message"]
 
 
@@ -199,7 +208,7 @@ def test_existing_job_refusal_resume_checks_retry_errors_and_force(
     input_path = write_jsonl(tmp_path / "in.jsonl", records)
     job = spec(tmp_path, input_path, "out.jsonl", tiny_model_dir)
     assert start_job(job, QUIET, llm_factory=shared_llm).exit_code == 0
-    with pytest.raises(JobStateError, match="vbatch resume .*--overwrite"):
+    with pytest.raises(JobStateError, match=r"vbatch resume .*--overwrite"):
         start_job(job, QUIET, llm_factory=shared_llm)
     again = resume_job(job.output_path, {"display": "quiet"}, llm_factory=shared_llm)
     assert again.exit_code == 0 and "already complete" in again.message
@@ -211,7 +220,7 @@ def test_existing_job_refusal_resume_checks_retry_errors_and_force(
     journal.write_bytes(journal.read_bytes().splitlines(keepends=True)[0])
     records[4] = {"id": "r4", "prompt": "fixed now"}
     write_jsonl(input_path, records)
-    with pytest.raises(JobStateError, match="changed size.*--force"):
+    with pytest.raises(JobStateError, match=r"changed size.*--force"):
         resume_job(job.output_path, {"display": "quiet"}, llm_factory=shared_llm)
     done = resume_job(
         job.output_path, {"display": "quiet"}, force=True, retry_errors=True, llm_factory=shared_llm
@@ -230,7 +239,7 @@ def test_max_errors_stops_the_job_and_keeps_committed_rows(
     input_path = write_jsonl(tmp_path / "in.jsonl", records)
     options = RunOptions(display="quiet", max_errors=0.25)
     job = spec(tmp_path, input_path, "out.jsonl", tiny_model_dir)
-    with pytest.raises(InputError, match="11 rows errored, more than --max-errors 0.25"):
+    with pytest.raises(InputError, match=r"11 rows errored, more than --max-errors 0\.25"):
         start_job(job, options, llm_factory=shared_llm)
     status = job_status(job.output_path)
     assert status["errored"] == 11 and not status["complete"]

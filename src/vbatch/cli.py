@@ -26,6 +26,7 @@ SAMPLING = "Sampling"
 INPUT = "Input"
 JOB = "Job"
 DISPLAY = "Display"
+SAVED = "As for `run` (default: the setting the job started with)."
 
 
 def _fail(message: str, exit_code: int = 1) -> None:
@@ -39,7 +40,9 @@ def _guarded(fn: Callable[[], T]) -> T:
         return fn()
     except VbatchError as e:
         _fail(str(e), e.exit_code)
-        raise AssertionError("unreachable") from None
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+    raise AssertionError("unreachable")
 
 
 def _finish(outcome: Any) -> None:
@@ -60,27 +63,37 @@ def run(
         typer.Option(help="jsonl or parquet (default: by extension).", rich_help_panel=INPUT),
     ] = None,
     prompt_column: Annotated[
-        str | None, typer.Option(help="Column holding the prompt [prompt].", rich_help_panel=INPUT)
+        str | None,
+        typer.Option(help="Column holding the prompt (default: prompt).", rich_help_panel=INPUT),
     ] = None,
     messages_column: Annotated[
         str | None,
-        typer.Option(help="Column holding chat messages [messages].", rich_help_panel=INPUT),
+        typer.Option(
+            help="Column holding chat messages (default: messages).", rich_help_panel=INPUT
+        ),
     ] = None,
     id_column: Annotated[
         str | None,
-        typer.Option(help="Id column [id, custom_id, else the row index].", rich_help_panel=INPUT),
+        typer.Option(
+            help="Id column (default: id, custom_id, else the row index).", rich_help_panel=INPUT
+        ),
     ] = None,
     keep_columns: Annotated[
         str | None,
         typer.Option(help="Comma-separated input columns to copy.", rich_help_panel=INPUT),
     ] = None,
     keep_all_columns: Annotated[
-        bool, typer.Option(help="Copy every input column to the output.", rich_help_panel=INPUT)
+        bool,
+        typer.Option(
+            "--keep-all-columns",
+            help="Copy every input column to the output.",
+            rich_help_panel=INPUT,
+        ),
     ] = False,
     model: Annotated[
         str | None,
         typer.Option(
-            help="HF model directory or .gguf file [bundled SmolLM2-135M-Instruct].",
+            help="HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct).",
             rich_help_panel=ENGINE,
         ),
     ] = None,
@@ -90,9 +103,15 @@ def run(
     dtype: Annotated[
         str | None, typer.Option(help="auto, float32, bfloat16 or float16.", rich_help_panel=ENGINE)
     ] = None,
-    max_num_seqs: Annotated[int | None, typer.Option(rich_help_panel=ENGINE)] = None,
-    max_num_batched_tokens: Annotated[int | None, typer.Option(rich_help_panel=ENGINE)] = None,
-    max_model_len: Annotated[int | None, typer.Option(rich_help_panel=ENGINE)] = None,
+    max_num_seqs: Annotated[
+        int | None, typer.Option(help="Most sequences in one batch.", rich_help_panel=ENGINE)
+    ] = None,
+    max_num_batched_tokens: Annotated[
+        int | None, typer.Option(help="Token budget of one engine step.", rich_help_panel=ENGINE)
+    ] = None,
+    max_model_len: Annotated[
+        int | None, typer.Option(help="Longest prompt + output (tokens).", rich_help_panel=ENGINE)
+    ] = None,
     kv_cache_memory: Annotated[
         float | None, typer.Option(help="KV cache size in GB.", rich_help_panel=ENGINE)
     ] = None,
@@ -102,14 +121,19 @@ def run(
     num_threads: Annotated[
         int | None, typer.Option(help="CPU threads for the engine.", rich_help_panel=ENGINE)
     ] = None,
-    max_tokens: Annotated[int, typer.Option(rich_help_panel=SAMPLING)] = 256,
+    max_tokens: Annotated[
+        int, typer.Option(help="Most generated tokens per row.", rich_help_panel=SAMPLING)
+    ] = 256,
     temperature: Annotated[
         float, typer.Option(help="0 means greedy (reproducible).", rich_help_panel=SAMPLING)
     ] = 0.0,
     top_p: Annotated[float, typer.Option(rich_help_panel=SAMPLING)] = 1.0,
     top_k: Annotated[int, typer.Option(help="0 disables.", rich_help_panel=SAMPLING)] = 0,
     min_p: Annotated[float, typer.Option(rich_help_panel=SAMPLING)] = 0.0,
-    seed: Annotated[int | None, typer.Option(rich_help_panel=SAMPLING)] = None,
+    seed: Annotated[
+        int | None,
+        typer.Option(help="Seed for sampled rows (reproducible).", rich_help_panel=SAMPLING),
+    ] = None,
     stop: Annotated[
         list[str] | None, typer.Option(help="Stop string (repeatable).", rich_help_panel=SAMPLING)
     ] = None,
@@ -118,19 +142,31 @@ def run(
         int | None, typer.Option(help="Top logprobs per token (0-20).", rich_help_panel=SAMPLING)
     ] = None,
     include_token_ids: Annotated[
-        bool, typer.Option(help="Add output token ids.", rich_help_panel=SAMPLING)
+        bool,
+        typer.Option("--include-token-ids", help="Add output token ids.", rich_help_panel=SAMPLING),
     ] = False,
     ordered: Annotated[
-        bool, typer.Option(help="Sort the final output by input index.", rich_help_panel=JOB)
+        bool,
+        typer.Option(
+            "--ordered", help="Sort the final output by input index.", rich_help_panel=JOB
+        ),
     ] = False,
     overwrite: Annotated[
-        bool, typer.Option(help="Replace an existing output and job.", rich_help_panel=JOB)
+        bool,
+        typer.Option(
+            "--overwrite", help="Replace an existing output and job.", rich_help_panel=JOB
+        ),
     ] = False,
     clean: Annotated[
-        bool, typer.Option(help="Remove the job directory on success.", rich_help_panel=JOB)
+        bool,
+        typer.Option("--clean", help="Remove the job directory on success.", rich_help_panel=JOB),
     ] = False,
-    commit_every_rows: Annotated[int, typer.Option(rich_help_panel=JOB)] = 1000,
-    commit_every_seconds: Annotated[float, typer.Option(rich_help_panel=JOB)] = 5.0,
+    commit_every_rows: Annotated[
+        int, typer.Option(help="Commit after this many finished rows.", rich_help_panel=JOB)
+    ] = 5000,
+    commit_every_seconds: Annotated[
+        float, typer.Option(help="Commit at least this often.", rich_help_panel=JOB)
+    ] = 5.0,
     max_errors: Annotated[
         float | None,
         typer.Option(help="Stop when more rows error (N, or a fraction < 1).", rich_help_panel=JOB),
@@ -139,8 +175,12 @@ def run(
         float,
         typer.Option(help="Seconds in-flight rows get on SIGTERM/SIGINT.", rich_help_panel=JOB),
     ] = 30.0,
-    max_in_flight: Annotated[int | None, typer.Option(rich_help_panel=JOB)] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=DISPLAY)] = False,
+    max_in_flight: Annotated[
+        int | None, typer.Option(help="Most rows admitted at once.", rich_help_panel=JOB)
+    ] = None,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="No progress display.", rich_help_panel=DISPLAY)
+    ] = False,
     log_interval: Annotated[
         float, typer.Option(help="Seconds between plain progress lines.", rich_help_panel=DISPLAY)
     ] = 10.0,
@@ -204,20 +244,27 @@ def run(
 def resume(
     output: Annotated[Path, typer.Argument(help="The output path the job was started with.")],
     force: Annotated[
-        bool, typer.Option(help="Resume even if the input, model or vbatch version changed.")
+        bool,
+        typer.Option("--force", help="Resume even if the input, model or vbatch version changed."),
     ] = False,
     retry_errors: Annotated[
-        bool, typer.Option(help="Run the rows that ended in error again.")
+        bool, typer.Option("--retry-errors", help="Run the rows that ended in error again.")
     ] = False,
-    clean: Annotated[bool, typer.Option(help="Remove the job directory on success.")] = False,
-    commit_every_rows: Annotated[int | None, typer.Option()] = None,
-    commit_every_seconds: Annotated[float | None, typer.Option()] = None,
-    max_errors: Annotated[float | None, typer.Option()] = None,
-    drain_timeout: Annotated[float | None, typer.Option()] = None,
-    max_in_flight: Annotated[int | None, typer.Option()] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
-    log_interval: Annotated[float, typer.Option()] = 10.0,
-    metrics_file: Annotated[Path | None, typer.Option()] = None,
+    clean: Annotated[
+        bool, typer.Option("--clean", help="Remove the job directory on success.")
+    ] = False,
+    commit_every_rows: Annotated[int | None, typer.Option(help=SAVED)] = None,
+    commit_every_seconds: Annotated[float | None, typer.Option(help=SAVED)] = None,
+    max_errors: Annotated[float | None, typer.Option(help=SAVED)] = None,
+    drain_timeout: Annotated[float | None, typer.Option(help=SAVED)] = None,
+    max_in_flight: Annotated[int | None, typer.Option(help=SAVED)] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display.")] = False,
+    log_interval: Annotated[
+        float, typer.Option(help="Seconds between plain progress lines.")
+    ] = 10.0,
+    metrics_file: Annotated[
+        Path | None, typer.Option(help="Keep live job metrics in this file.")
+    ] = None,
 ) -> None:
     """Continue an interrupted job; the result equals an uninterrupted run."""
     from vbatch.job.runner import resume_job
@@ -239,7 +286,7 @@ def status(
     output: Annotated[Path, typer.Argument(help="The output path of the job.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
-    """Show a job's progress: done, errored, remaining, last commit, settings."""
+    """Show the progress of a job: done, errored, remaining, last commit, settings."""
     from vbatch.job.runner import job_status
 
     info = _guarded(lambda: job_status(output))

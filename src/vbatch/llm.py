@@ -139,8 +139,12 @@ class LLM:
         Closing the generator early aborts everything still in flight. Per-request failures are
         yielded as outputs with `.error` set. `on_output` runs on its own thread.
         """
-        for _, out in self._stream(inputs, sampling_params, on_output):
-            yield out
+        inner = self._stream(inputs, sampling_params, on_output)
+        try:
+            for _, out in inner:
+                yield out
+        finally:
+            inner.close()
 
     def _stream(
         self,

@@ -140,4 +140,3 @@ CoreMessage = Ready | StartupFailed | StartupProgress | EngineOutputs | UtilityR
 encoder = msgspec.msgpack.Encoder()
 client_decoder = msgspec.msgpack.Decoder(CoreMessage)
 core_decoder = msgspec.msgpack.Decoder(ClientMessage)
-

@@ -15,8 +15,9 @@ from vbatch.protocol import TokenLogprobs
 
 # NOTE: top-p first looks for each row's nucleus among this many top tokens; rows whose nucleus
 # is wider retry with CANDIDATE_GROWTH times as many, up to a full sort. The result is exact.
+# 128 * 6 = 768 keeps the second try on torch's cheaper heap top-k (k <= vocab / 64).
 NUM_CANDIDATES = 128
-CANDIDATE_GROWTH = 8
+CANDIDATE_GROWTH = 6
 DRAW_BLOCK = 256
 # NOTE: temperatures below this sample greedily, as in vLLM: the rest differs only on near-ties.
 MIN_TEMPERATURE = 1e-5
@@ -36,8 +37,9 @@ class SamplingMetadata:
     """One step's sampling inputs, one row per sampling sequence, on the logits' device.
 
     Invariants: an optional field is None exactly when no row needs it, so the sampler skips that
-    transform; greedy rows have temperature 1 and top_k 1 and consume no randomness; `uniforms`
-    holds one draw per row, a seeded row's from its own generator.
+    transform; greedy rows (temperature < MIN_TEMPERATURE) get temperature 1 and top_k 1 and draw
+    nothing from their generator; `uniforms` holds one draw per row, a seeded row's from its own
+    generator.
     """
 
     num_rows: int
@@ -47,13 +49,12 @@ class SamplingMetadata:
     penalties: Penalties | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) by min_tokens
     is_all_greedy: bool = True
-    is_greedy: torch.Tensor | None = None  # [n] bool; None unless greedy and random rows mix
     temperature: torch.Tensor | None = None  # [n, 1]; None when all greedy
     uniforms: torch.Tensor | None = None  # [n] in [0, 1); None when all greedy
-    top_k: torch.Tensor | None = None  # [n, 1] int64, vocab_size if off; None: no top-k/top-p
+    top_k: torch.Tensor | None = None  # [n, 1] int64, vocab_size if off; None: no row limited
     top_p: torch.Tensor | None = None  # [n, 1], 1.0 where disabled
     min_p: torch.Tensor | None = None  # [n, 1], 0 where disabled
-    restricted_rows: torch.Tensor | None = None  # rows top-k or top-p limit; None: all rows
+    restricted_rows: torch.Tensor | None = None  # rows top-k/top-p/greedy limit; None: all
     unrestricted_rows: torch.Tensor | None = None  # the other rows; None: no row
     num_candidates: int = 0  # width of the first top-k candidate set
     needs_full_mass: bool = False  # a top-p row without top-k: its mass spans the whole vocab
@@ -90,55 +91,47 @@ class SamplingMetadata:
         if meta.is_all_greedy:
             return meta
         uniforms = torch.rand(n)
-        temperature, top_k, top_p, min_p = [], [], [], []
+        row_params = []  # (temperature, top_k, top_p, min_p); greedy rows sample top-1
         for i, seq in enumerate(seqs):
             p = seq.params
             if is_greedy[i]:
-                temperature.append(1.0)
-                top_k.append(1)
-                top_p.append(1.0)
-                min_p.append(0.0)
+                row_params.append((1.0, 1, 1.0, 0.0))
                 continue
-            temperature.append(p.temperature)
-            top_k.append(p.top_k if 0 < p.top_k < vocab_size else vocab_size)
-            top_p.append(p.top_p)
-            min_p.append(p.min_p)
+            top_k = p.top_k if 0 < p.top_k < vocab_size else vocab_size
+            row_params.append((p.temperature, top_k, p.top_p, p.min_p))
             if p.seed is not None:
                 gen = generators.get(seq.seq_id)
                 if gen is None:
-                    gen = torch.Generator().manual_seed(p.seed + seq.index)
+                    gen = torch.Generator().manual_seed((p.seed + seq.index) % 2**64)
                     generators[seq.seq_id] = gen
                 uniforms[i] = torch.rand((), generator=gen)
+        temperature, top_k, top_p, min_p = (list(values) for values in zip(*row_params))
 
         def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).view(n, 1).to(device)
 
-        if any(is_greedy):
-            meta.is_greedy = torch.tensor(is_greedy, device=device)
+        def indices(flags: list[bool]) -> torch.Tensor:
+            return torch.tensor([i for i, flag in enumerate(flags) if flag], device=device)
+
         meta.temperature = column(temperature, torch.float32)
         meta.uniforms = uniforms.to(device)
         if max(min_p) > 0.0:
             meta.min_p = column(min_p, torch.float32)
         restricted = [k < vocab_size or q < 1.0 for k, q in zip(top_k, top_p, strict=True)]
-        if not any(r and not g for r, g in zip(restricted, is_greedy, strict=True)):
+        if not any(restricted):
             return meta
         meta.top_k = column(top_k, torch.int64)
         if not all(restricted):
-            meta.restricted_rows = torch.tensor(
-                [i for i, r in enumerate(restricted) if r], device=device
-            )
-            meta.unrestricted_rows = torch.tensor(
-                [i for i, r in enumerate(restricted) if not r], device=device
-            )
+            meta.restricted_rows = indices(restricted)
+            meta.unrestricted_rows = indices([not r for r in restricted])
         max_top_k = max((k for k in top_k if k < vocab_size), default=0)
-        needs_full_mass = any(
-            q < 1.0 and k >= vocab_size for k, q in zip(top_k, top_p, strict=True)
+        no_top_k = [q < 1.0 and k >= vocab_size for k, q in zip(top_k, top_p, strict=True)]
+        meta.num_candidates = min(
+            vocab_size, max(NUM_CANDIDATES if any(no_top_k) else 0, max_top_k)
         )
-        width = max(NUM_CANDIDATES, max_top_k) if needs_full_mass else max_top_k
-        meta.num_candidates = min(vocab_size, width)
         if min(top_p) < 1.0:
             meta.top_p = column(top_p, torch.float32)
-            meta.needs_full_mass = needs_full_mass
+            meta.needs_full_mass = any(no_top_k)
         return meta
 
 
@@ -153,12 +146,14 @@ def _build_penalties(
 ) -> Penalties | None:
     # NOTE: sparse over the tokens each row has seen, not dense [n, vocab]: cost follows the
     # number of tokens, not batch * vocab.
-    params = [seq.params for seq in seqs]
-    has_penalty = [
-        p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
-        for p in params
-    ]
-    if not any(has_penalty):
+    output_lists, prompt_lists = [], []
+    for seq in seqs:
+        p = seq.params
+        has_penalty = p.presence_penalty != 0 or p.frequency_penalty != 0
+        has_penalty |= p.repetition_penalty != 1
+        output_lists.append(seq.output_token_ids if has_penalty else [])
+        prompt_lists.append(seq.prompt_token_ids if p.repetition_penalty != 1 else [])
+    if not any(output_lists) and not any(prompt_lists):
         return None
 
     def flat_keys(token_lists: list[list[int]]) -> torch.Tensor:
@@ -166,21 +161,17 @@ def _build_penalties(
         lengths = torch.tensor([len(ids) for ids in token_lists])
         return ids + torch.arange(len(seqs)).mul_(vocab_size).repeat_interleave(lengths)
 
-    output_keys = flat_keys(
-        [s.output_token_ids if h else [] for s, h in zip(seqs, has_penalty, strict=True)]
-    )
-    prompt_keys = flat_keys(
-        [
-            s.prompt_token_ids if h and s.params.repetition_penalty != 1 else []
-            for s, h in zip(seqs, has_penalty, strict=True)
-        ]
-    )
+    output_keys = flat_keys(output_lists)
+    prompt_keys = flat_keys(prompt_lists)
     keys = torch.unique(torch.cat([output_keys, prompt_keys]))  # sorted
     counts = torch.zeros(len(keys)).scatter_add_(
         0, torch.searchsorted(keys, output_keys), torch.ones(len(output_keys))
     )
     row_values = torch.tensor(
-        [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params]
+        [
+            [s.params.repetition_penalty, s.params.frequency_penalty, s.params.presence_penalty]
+            for s in seqs
+        ]
     )[keys // vocab_size]  # [m, 3]
     subtract = row_values[:, 1] * counts + row_values[:, 2] * (counts > 0)
     return Penalties(keys.to(device), row_values[:, 0].to(device), subtract.to(device))
@@ -193,7 +184,7 @@ def _build_banned(
     token_ids: list[int] = []
     for i, seq in enumerate(seqs):
         p = seq.params
-        if seq.num_output_tokens < p.min_tokens:
+        if seq.num_output_tokens <= p.min_tokens:
             ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
             rows.extend([i] * len(ids))
             token_ids.extend(ids)
@@ -220,14 +211,11 @@ class Sampler:
         assert logits.shape == (meta.num_rows, meta.vocab_size), logits.shape
         raw_logprobs = None
         if meta.logprob_rows is not None:
-            raw_logprobs = torch.log_softmax(logits[meta.logprob_rows].float(), dim=-1)
+            raw_logprobs = torch.log_softmax(
+                logits.index_select(0, meta.logprob_rows).float(), dim=-1
+            )
         logits = _apply_penalties(logits, meta)
-        if meta.is_all_greedy:
-            token_ids = logits.argmax(dim=-1)
-        else:
-            token_ids = _sample(logits, meta)
-            if meta.is_greedy is not None:
-                token_ids = torch.where(meta.is_greedy, logits.argmax(dim=-1), token_ids)
+        token_ids = logits.argmax(dim=-1) if meta.is_all_greedy else _sample(logits, meta)
         logprobs = None
         if raw_logprobs is not None:
             logprobs = _token_logprobs(raw_logprobs, token_ids, meta)
@@ -264,7 +252,7 @@ def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         token_ids[rows] = ids.gather(1, draws).squeeze(1)
     if meta.unrestricted_rows is not None:
         rows = meta.unrestricted_rows
-        token_ids[rows] = _sample_full_vocab(logits[rows], meta, rows)
+        token_ids[rows] = _sample_full_vocab(logits.index_select(0, rows), meta, rows)
     return token_ids
 
 
@@ -298,11 +286,14 @@ def _nucleus_groups(
     rows = all_rows if meta.restricted_rows is None else meta.restricted_rows
     full_mass = None  # [n, 1]: sum over the vocab of p / p_max
     if meta.needs_full_mass:
-        scaled = logits / meta.temperature
-        full_mass = (scaled.logsumexp(dim=-1, keepdim=True) - scaled.amax(-1, keepdim=True)).exp()
+        # NOTE: sum of p / p_max is 1 / p_max; softmax is the cheapest full pass that gives it.
+        full_mass = torch.softmax(logits / meta.temperature, dim=-1).amax(dim=-1, keepdim=True)
+        full_mass.reciprocal_()
     width = meta.num_candidates
     while True:
-        vals, ids = (logits if rows is all_rows else logits[rows]).topk(width, dim=-1)
+        vals, ids = (logits if rows is all_rows else logits.index_select(0, rows)).topk(
+            width, dim=-1
+        )
         # [rows, width], descending; p / p_max
         weights = ((vals - vals[:, :1]) / meta.temperature[rows]).exp_()
         keep, is_short = _keep_prefix(weights, meta, rows, full_mass)
@@ -314,7 +305,9 @@ def _nucleus_groups(
         if num_short == 0:
             return
         rows = rows[is_short]
-        width = min(vocab_size, width * CANDIDATE_GROWTH)
+        width *= CANDIDATE_GROWTH
+        # NOTE: past a quarter of the vocab a full sort is no dearer than a partial one.
+        width = vocab_size if width > vocab_size // 4 else width
 
 
 def _keep_prefix(

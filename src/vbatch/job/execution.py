@@ -10,14 +10,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from vbatch.errors import EngineDeadError, InputError, VbatchError
+from vbatch.errors import InputError, VbatchError
 from vbatch.job.finalize import finalize
 from vbatch.job.journal import Journal
 from vbatch.job.manifest import Manifest
 from vbatch.job.reader import InputReader
 from vbatch.job.results import error_row, openai_line, parquet_schema, result_row
 from vbatch.job.rows import ColumnOptions, InputRow, RowParser
-from vbatch.job.writer import JsonlWriter, OutputWriter, ParquetWriter
+from vbatch.job.writer import open_writer
 from vbatch.sampling_params import SamplingParams
 
 EXIT_INTERRUPTED = 75
@@ -61,13 +61,18 @@ class JobExecution:
         self.defaults = SamplingParams.from_dict(manifest.sampling)
         self.reader = InputReader(Path(manifest.input_path), manifest.input_format, self.columns)
         self.parser = RowParser(self.columns, self.defaults)
-        self.schema = None if manifest.output_format == "jsonl" else self._parquet_schema()
-        self.writer = self._make_writer()
+        self.schema = None
+        if manifest.output_format == "parquet":
+            kept = self.columns.keep_columns
+            self.schema = parquet_schema(manifest.id_kind, kept, self.reader.arrow_schema)
+        self.writer = open_writer(job_dir, journal, manifest, self.schema)
         self.in_flight: dict[int, InputRow] = {}
         self.num_errors = len(journal.state.errors)
         self.max_errors = self._max_errors(options.max_errors)
         self.is_waiting = False
         self.stop_requested = False
+        self.is_stop_shown = False
+        self.drain_deadline: float | None = None
         self.stop_now = False
         self.is_over_error_limit = False
         self.last_commit_t = time.monotonic()
@@ -80,29 +85,6 @@ class JobExecution:
         if 0 < limit < 1:
             return int(limit * self.manifest.num_rows)
         return int(limit)
-
-    def _parquet_schema(self) -> Any:
-        import pyarrow as pa
-
-        names = self.columns.keep_columns
-        if self.reader.columns is not None:
-            schema = self.reader._parquet.schema_arrow
-            kept = [schema.field(n) for n in names]
-        else:
-            kept = [pa.field(n, pa.string()) for n in names]
-        return parquet_schema(self.manifest.id_kind, kept)
-
-    def _make_writer(self) -> OutputWriter:
-        if self.schema is None:
-            return JsonlWriter(self.journal, Path(self.manifest.output_path))
-        return ParquetWriter(
-            self.journal,
-            self.job_dir,
-            self.schema,
-            id_kind=self.manifest.id_kind,
-            json_kept=self.manifest.input_format == "jsonl",
-            ordered=self.manifest.options["ordered"],
-        )
 
     def run(self, output: Path) -> tuple[int, str]:
         """Run to completion or interruption; returns (exit code, message for the user)."""
@@ -140,10 +122,12 @@ class JobExecution:
         restore = self._install_signal_handlers()
         try:
             try:
-                self._run_engine()
-            except EngineDeadError as e:
+                if len(self.journal.state.committed) < self.manifest.num_rows:
+                    self._run_engine()
+            except VbatchError as e:
+                # NOTE: every row handed to the writer is complete, so it is safe to commit them.
                 self._commit()
-                raise EngineDeadError(
+                raise type(e)(
                     f"{e}\n{len(self.journal.state.committed)} rows are committed. Resume with: "
                     f"{resume_command(output)}"
                 ) from None
@@ -194,7 +178,7 @@ class JobExecution:
         try:
             self.metrics.set_engine_info(llm.engine_info)
             self.token_text = lambda t: llm.tokenizer.decode([t], skip_special_tokens=False)
-            self.metrics.set_state("draining" if self.stop_requested else "running")
+            self.metrics.set_state("running")
             self._loop(llm)
             self._commit()
         finally:
@@ -212,6 +196,7 @@ class JobExecution:
                     break
                 finally:
                     self.is_waiting = False
+                self._show_stop()
                 row = self.in_flight.pop(result.index)
                 if result.error is None and any(o.finish_reason == "abort" for o in result.outputs):
                     continue
@@ -235,6 +220,7 @@ class JobExecution:
         for row in self.reader.rows(self.parser, self.journal.state.committed):
             self.is_waiting = False
             if self.stop_requested or self.stop_now:
+                self._show_stop()
                 break
             if row.error is not None:
                 self._emit(row, error_row(row, row.error))
@@ -280,15 +266,24 @@ class JobExecution:
         self.metrics.on_commit(rows_committed=len(self.journal.state.committed))
 
     def _request_stop(self) -> None:
-        """Stop admitting rows; in-flight rows get `drain_timeout` seconds to finish."""
+        """Stop admitting rows; in-flight rows get `drain_timeout` seconds to finish.
+
+        NOTE: runs inside signal handlers, so it takes no locks (JobMetrics has one): the main
+        thread shows the draining state later, in `_show_stop`.
+        """
         if self.stop_requested:
             return
-        self.stop_requested = True
         timeout = max(self.options.drain_timeout, 0.001)
-        self.metrics.set_state("draining")
-        self.metrics.set_drain_deadline(time.monotonic() + timeout)
+        self.drain_deadline = time.monotonic() + timeout
+        self.stop_requested = True
         if threading.current_thread() is threading.main_thread():
             signal.setitimer(signal.ITIMER_REAL, timeout)
+
+    def _show_stop(self) -> None:
+        if self.stop_requested and not self.is_stop_shown:
+            self.is_stop_shown = True
+            self.metrics.set_state("draining")
+            self.metrics.set_drain_deadline(self.drain_deadline)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if not self.stop_requested:

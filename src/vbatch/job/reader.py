@@ -65,6 +65,11 @@ class InputReader:
         else:
             self._check_jsonl_columns()
 
+    @property
+    def arrow_schema(self) -> Any:
+        """The Parquet input's Arrow schema (None for JSONL)."""
+        return self._parquet.schema_arrow if self.format == "parquet" else None
+
     def _named_columns(self) -> list[str]:
         o = self.options
         named = [o.prompt_column, o.messages_column, o.id_column, *o.keep_columns]

@@ -196,9 +196,17 @@ def jsonl_bytes(values: dict[str, Any], kept: dict[str, Any] | None) -> bytes:
     return orjson.dumps(out, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY)
 
 
-def parquet_schema(id_kind: str, kept_fields: Sequence[pa.Field]) -> pa.Schema:
-    """The fixed Parquet schema of every part and of the final file."""
+def parquet_schema(
+    id_kind: str, kept_columns: Sequence[str] = (), input_schema: pa.Schema | None = None
+) -> pa.Schema:
+    """The fixed Parquet schema of every part and of the final file. Kept columns keep their
+    Parquet input type; kept JSONL values are stored as JSON text."""
     import pyarrow as pa
+
+    if input_schema is not None:
+        kept_fields = [input_schema.field(name) for name in kept_columns]
+    else:
+        kept_fields = [pa.field(name, pa.string()) for name in kept_columns]
 
     logprob = pa.struct(
         [

@@ -46,7 +46,7 @@ class JobSpec:
 class RunOptions:
     """How a job runs (not what it produces); `vbatch resume` may change these."""
 
-    commit_every_rows: int = 1000
+    commit_every_rows: int = 5000
     commit_every_seconds: float = 5.0
     max_errors: float | None = None
     drain_timeout: float = 30.0
@@ -199,18 +199,36 @@ def resume_job(
     input_path = Path(manifest.input_path)
     if not input_path.is_file():
         raise InputError(f"the job's input file {input_path} no longer exists")
-    mismatches = manifest.mismatches(
-        input_fingerprint(input_path), model_identity(manifest.model["source"])
-    )
+    fingerprint = input_fingerprint(input_path)
+    identity = model_identity(manifest.model["source"])
+    mismatches = manifest.mismatches(fingerprint, identity)
     if mismatches and not force:
         raise JobStateError(
             "cannot resume: " + "; ".join(mismatches) + ". The result would not match an "
             "uninterrupted run. Pass --force to resume anyway, or start again with "
             "`vbatch run ... --overwrite`"
         )
+    if mismatches:
+        _accept_changes(job_dir, manifest, fingerprint, identity)
     saved = {k: manifest.options[k] for k in RunOptions().result_settings()}
     options = RunOptions(**{**saved, **(overrides or {})})
     return _execute(output, job_dir, manifest, options, llm_factory, retry_errors=retry_errors)
+
+
+def _accept_changes(
+    job_dir: Path, manifest: Manifest, fingerprint: dict[str, Any], identity: dict[str, Any]
+) -> None:
+    """--force: adopt the changed input and model, so later resumes check against them."""
+    from vbatch import __version__
+
+    columns = ColumnOptions(**{**manifest.options["columns"], "keep_all_columns": False})
+    reader = InputReader(Path(manifest.input_path), manifest.input_format, columns)
+    scan = scan_input(reader, RowParser(columns, SamplingParams.from_dict(manifest.sampling)))
+    if scan.duplicate is not None:
+        raise InputError(f"{manifest.input_path}: {scan.duplicate}; ids must be unique")
+    manifest.input, manifest.model, manifest.num_rows = fingerprint, identity, scan.num_rows
+    manifest.vbatch_version = __version__
+    manifest.save(job_dir)
 
 
 def _execute(
@@ -235,6 +253,11 @@ def _execute(
                 )
             execution = JobExecution(job_dir, manifest, journal, options, llm_factory)
             exit_code, message = execution.run(output)
+        elif retry_errors and journal.state.complete["errors"]:
+            raise JobStateError(
+                f"{output} is already complete; --retry-errors only reruns rows of an unfinished "
+                "job. Select the error rows from the output and run them as a new job"
+            )
         else:
             exit_code, message = 0, f"{output} is already complete"
         if journal.state.complete is not None:

@@ -13,6 +13,8 @@ from vbatch.job.results import jsonl_bytes, parquet_values
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from vbatch.job.manifest import Manifest
+
 PARTS_DIR = "parts"
 
 
@@ -31,10 +33,10 @@ class OutputWriter:
 
     def add(self, values: dict[str, Any], kept: dict[str, Any] | None, line: dict | None) -> None:
         """Queue one row; `line` replaces `values` as the JSONL line (OpenAI Batch shape)."""
+        self._write(values, kept, line)
         self.pending_indices.append(values["index"])
         if values["error"] is not None:
             self.pending_errors.append(values["index"])
-        self._write(values, kept, line)
 
     def commit(self) -> int:
         """Make every queued row durable; returns how many rows this commit covered."""
@@ -144,6 +146,22 @@ class ParquetWriter(OutputWriter):
         fsync_dir(self.parts_dir)
         self._rows.clear()
         return {"part": name}
+
+
+def open_writer(
+    job_dir: Path, journal: Journal, manifest: Manifest, schema: pa.Schema | None
+) -> OutputWriter:
+    """The writer for the job's output format (`schema` is None for JSONL)."""
+    if schema is None:
+        return JsonlWriter(journal, Path(manifest.output_path))
+    return ParquetWriter(
+        journal,
+        job_dir,
+        schema,
+        id_kind=manifest.id_kind,
+        json_kept=manifest.input_format == "jsonl",
+        ordered=manifest.options["ordered"],
+    )
 
 
 def remove_orphan_parts(parts_dir: Path, committed: set[str]) -> None:

@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "vbatch_native"
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
-CUDA_FLAGS = ("-O3", "--use_fast_math")
+CUDA_FLAGS = ("-O3",)
 BUILD_LOCK_TIMEOUT_S = 600.0
 
 
