@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -249,3 +251,45 @@ def test_max_errors_stops_the_job_and_keeps_committed_rows(
     )
     assert done.exit_code == 0 and done.status["errored"] == 30
     assert len(read_output(job.output_path)) == 40
+
+
+class SignallingLLM(SharedLLM):
+    """The shared engine, whose stream sends this process `signals` after `after` results."""
+
+    def __init__(self, llm: Any, signals: list[int], after: int) -> None:
+        super().__init__(llm)
+        self.signals, self.after = signals, after
+
+    def stream(self, inputs: Any, sampling_params: Any = None) -> Iterator[Any]:
+        for n, result in enumerate(self._llm.stream(inputs, sampling_params), start=1):
+            if n == self.after:
+                for signum in self.signals:
+                    os.kill(os.getpid(), signum)
+            yield result
+
+
+@pytest.mark.parametrize(
+    ("signals", "drain_timeout"),
+    [([signal.SIGINT, signal.SIGINT], 60.0), ([signal.SIGTERM], 0.001)],
+    ids=["second-sigint", "drain-timeout"],
+)
+def test_hard_stop_commits_finished_rows_and_resumes(
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    shared_llm: Callable[..., Any],
+    signals: list[int],
+    drain_timeout: float,
+) -> None:
+    records = [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(60)]
+    input_path = write_jsonl(tmp_path / "in.jsonl", records)
+    job = spec(tmp_path, input_path, "out.jsonl", tiny_model_dir)
+    llm = shared_llm()._llm
+    options = RunOptions(display="quiet", drain_timeout=drain_timeout, max_in_flight=16)
+    outcome = start_job(job, options, llm_factory=lambda *a, **k: SignallingLLM(llm, signals, 5))
+    assert outcome.exit_code == 75 and "vbatch resume" in outcome.message
+    # NOTE: the stop came with 16 rows in flight (and the 5th result in hand): not committed.
+    assert 4 <= outcome.status["done"] < 20
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    done = resume_job(job.output_path, {"display": "quiet"}, llm_factory=shared_llm)
+    assert done.exit_code == 0
+    assert sorted(r["id"] for r in read_output(job.output_path)) == sorted(r["id"] for r in records)

@@ -184,7 +184,7 @@ def _build_banned(
     token_ids: list[int] = []
     for i, seq in enumerate(seqs):
         p = seq.params
-        if seq.num_output_tokens <= p.min_tokens:
+        if seq.num_output_tokens < p.min_tokens:
             ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
             rows.extend([i] * len(ids))
             token_ids.extend(ids)

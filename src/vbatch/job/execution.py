@@ -73,6 +73,7 @@ class JobExecution:
         self.stop_requested = False
         self.is_stop_shown = False
         self.drain_deadline: float | None = None
+        self.drain_timer: threading.Timer | None = None
         self.stop_now = False
         self.is_over_error_limit = False
         self.last_commit_t = time.monotonic()
@@ -276,8 +277,8 @@ class JobExecution:
         timeout = max(self.options.drain_timeout, 0.001)
         self.drain_deadline = time.monotonic() + timeout
         self.stop_requested = True
-        if threading.current_thread() is threading.main_thread():
-            signal.setitimer(signal.ITIMER_REAL, timeout)
+        if self.drain_timer is not None:
+            self.drain_timer.start()
 
     def _show_stop(self) -> None:
         if self.stop_requested and not self.is_stop_shown:
@@ -305,9 +306,18 @@ class JobExecution:
             signal.SIGALRM: self._on_deadline,
         }
         previous = {signum: signal.signal(signum, handler) for signum, handler in handlers.items()}
+        # NOTE: the drain deadline is a SIGALRM sent to the main thread, which interrupts a
+        # blocking wait there; a timer thread rather than setitimer leaves other alarms alone.
+        main_id = threading.main_thread().ident
+        assert main_id is not None
+        timer = threading.Timer(
+            self.options.drain_timeout, signal.pthread_kill, (main_id, signal.SIGALRM)
+        )
+        timer.daemon = True
+        self.drain_timer = timer
 
         def restore() -> None:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            timer.cancel()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
