@@ -187,8 +187,14 @@ class ModelRunner:
         sampling_seqs = [out.seqs[i] for i in sample_rows]
         last_rows = meta.query_start_loc[1:][torch.as_tensor(sample_rows, device=self.device)] - 1
         logits = self.model.compute_logits(hidden[last_rows.long()])
+        return self.sample(logits, sampling_seqs)
+
+    def sample(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        """One token per row of logits [len(seqs), vocab_size]."""
         sampling = SamplingMetadata.build(
-            sampling_seqs,
+            seqs,
             self.device,
             self.model_config.vocab_size,
             self.generators,

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,14 +15,11 @@ from vbatch.job.manifest import Manifest
 from vbatch.job.reader import InputReader
 from vbatch.job.results import error_row, openai_line, parquet_schema, result_row
 from vbatch.job.rows import ColumnOptions, InputRow, RowParser
+from vbatch.job.stopping import StopControl, StopNow
 from vbatch.job.writer import open_writer
 from vbatch.sampling_params import SamplingParams
 
 EXIT_INTERRUPTED = 75
-
-
-class _Stop(Exception):
-    """Raised by a signal handler to leave a blocking wait on the engine at once."""
 
 
 def _make_llm(model: str | None, **kwargs: Any) -> Any:
@@ -36,9 +31,9 @@ def _make_llm(model: str | None, **kwargs: Any) -> Any:
 class JobExecution:
     """Drives reader -> LLM.stream -> writer -> journal in the main thread.
 
-    Invariants: only the main thread touches the writer and the journal; a signal handler only
-    sets flags, and raises `_Stop` only while the main thread waits inside the engine client, never
-    mid-write; rows aborted or still in flight when the run ends are not committed (they rerun).
+    Invariants: only the main thread touches the writer and the journal; signals reach the loop
+    only through `self.stop` (StopControl); rows aborted or still in flight when the run ends
+    are not committed (they rerun).
     """
 
     def __init__(
@@ -69,12 +64,8 @@ class JobExecution:
         self.in_flight: dict[int, InputRow] = {}
         self.num_errors = len(journal.state.errors)
         self.max_errors = self._max_errors(options.max_errors)
-        self.is_waiting = False
-        self.stop_requested = False
+        self.stop = StopControl(options.drain_timeout)
         self.is_stop_shown = False
-        self.drain_deadline: float | None = None
-        self.drain_timer: threading.Timer | None = None
-        self.stop_now = False
         self.is_over_error_limit = False
         self.last_commit_t = time.monotonic()
         self.token_text: Callable[[int], str] = str
@@ -120,8 +111,7 @@ class JobExecution:
     def _run(self, output: Path) -> tuple[int, str]:
         from vbatch.job.runner import resume_command
 
-        restore = self._install_signal_handlers()
-        try:
+        with self.stop:
             try:
                 if len(self.journal.state.committed) < self.manifest.num_rows:
                     self._run_engine()
@@ -134,8 +124,6 @@ class JobExecution:
                 ) from None
             finally:
                 self.writer.close()
-        finally:
-            restore()
         num_done = len(self.journal.state.committed)
         if self.is_over_error_limit:
             raise InputError(
@@ -164,7 +152,7 @@ class JobExecution:
     def _run_engine(self) -> None:
         self.metrics.set_state("loading model")
         engine_args = dict(self.manifest.engine)
-        self.is_waiting = True
+        self.stop.is_waiting = True
         try:
             llm = self.llm_factory(
                 self.manifest.model["source"],
@@ -172,10 +160,10 @@ class JobExecution:
                 on_progress=self.metrics.set_startup_stage,
                 **engine_args,
             )
-        except _Stop:
+        except StopNow:
             return
         finally:
-            self.is_waiting = False
+            self.stop.is_waiting = False
         try:
             self.metrics.set_engine_info(llm.engine_info)
             self.token_text = lambda t: llm.tokenizer.decode([t], skip_special_tokens=False)
@@ -189,14 +177,14 @@ class JobExecution:
     def _loop(self, llm: Any) -> None:
         stream = llm.stream(self._requests(), self.defaults)
         try:
-            while not self.stop_now:
-                self.is_waiting = True
+            while not self.stop.stop_now:
+                self.stop.is_waiting = True
                 try:
                     result = next(stream)
                 except StopIteration:
                     break
                 finally:
-                    self.is_waiting = False
+                    self.stop.is_waiting = False
                 self._show_stop()
                 row = self.in_flight.pop(result.index)
                 if result.error is None and any(o.finish_reason == "abort" for o in result.outputs):
@@ -205,10 +193,10 @@ class JobExecution:
                 stats = llm.latest_stats
                 if stats is not None:
                     self.metrics.on_engine_stats(stats)
-        except _Stop:
+        except StopNow:
             pass
         finally:
-            self.is_waiting = False
+            self.stop.is_waiting = False
             stream.close()
 
     @property
@@ -219,15 +207,15 @@ class JobExecution:
         from vbatch.llm import Request
 
         for row in self.reader.rows(self.parser, self.journal.state.committed):
-            self.is_waiting = False
-            if self.stop_requested or self.stop_now:
+            self.stop.is_waiting = False
+            if self.stop.is_stopping:
                 self._show_stop()
                 break
             if row.error is not None:
                 self._emit(row, error_row(row, row.error))
                 continue
             self.in_flight[row.index] = row
-            self.is_waiting = True
+            self.stop.is_waiting = True
             yield Request(
                 id=row.id,
                 index=row.index,
@@ -235,7 +223,7 @@ class JobExecution:
                 messages=row.messages,
                 sampling_params=row.sampling_params,
             )
-        self.is_waiting = True
+        self.stop.is_waiting = True
 
     def _emit(self, row: InputRow, values: dict[str, Any]) -> None:
         line = None
@@ -254,7 +242,7 @@ class JobExecution:
             self.num_errors += 1
             if self.max_errors is not None and self.num_errors > self.max_errors:
                 self.is_over_error_limit = True
-                self._request_stop()
+                self.stop.request_stop()
         options = self.options
         if self.writer.num_pending >= options.commit_every_rows or (
             time.monotonic() - self.last_commit_t >= options.commit_every_seconds
@@ -266,59 +254,9 @@ class JobExecution:
         self.last_commit_t = time.monotonic()
         self.metrics.on_commit(rows_committed=len(self.journal.state.committed))
 
-    def _request_stop(self) -> None:
-        """Stop admitting rows; in-flight rows get `drain_timeout` seconds to finish.
-
-        NOTE: runs inside signal handlers, so it takes no locks (JobMetrics has one): the main
-        thread shows the draining state later, in `_show_stop`.
-        """
-        if self.stop_requested:
-            return
-        timeout = max(self.options.drain_timeout, 0.001)
-        self.drain_deadline = time.monotonic() + timeout
-        self.stop_requested = True
-        if self.drain_timer is not None:
-            self.drain_timer.start()
-
     def _show_stop(self) -> None:
-        if self.stop_requested and not self.is_stop_shown:
+        """Show a stop request on the dashboard (from the main thread: JobMetrics locks)."""
+        if self.stop.stop_requested and not self.is_stop_shown:
             self.is_stop_shown = True
             self.metrics.set_state("draining")
-            self.metrics.set_drain_deadline(self.drain_deadline)
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        if not self.stop_requested:
-            self._request_stop()
-            return
-        self._on_deadline(signum, frame)
-
-    def _on_deadline(self, signum: int, frame: Any) -> None:
-        self.stop_now = True
-        if self.is_waiting:
-            raise _Stop
-
-    def _install_signal_handlers(self) -> Callable[[], None]:
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        handlers = {
-            signal.SIGINT: self._on_signal,
-            signal.SIGTERM: self._on_signal,
-            signal.SIGALRM: self._on_deadline,
-        }
-        previous = {signum: signal.signal(signum, handler) for signum, handler in handlers.items()}
-        # NOTE: the drain deadline is a SIGALRM sent to the main thread, which interrupts a
-        # blocking wait there; a timer thread rather than setitimer leaves other alarms alone.
-        main_id = threading.main_thread().ident
-        assert main_id is not None
-        timer = threading.Timer(
-            self.options.drain_timeout, signal.pthread_kill, (main_id, signal.SIGALRM)
-        )
-        timer.daemon = True
-        self.drain_timer = timer
-
-        def restore() -> None:
-            timer.cancel()
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-
-        return restore
+            self.metrics.set_drain_deadline(self.stop.drain_deadline)

@@ -1,0 +1,89 @@
+"""StopControl: turns SIGTERM / SIGINT / the drain deadline into a job's stop flags."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from types import TracebackType
+from typing import Any
+
+
+class StopNow(Exception):
+    """Raised by a signal handler to leave a blocking wait on the engine at once."""
+
+
+class StopControl:
+    """Stop flags for the job loop, set by signal handlers (SIGTERM, SIGINT) and by the loop.
+
+    Invariants: handlers only set flags and take no locks; they raise StopNow only while
+    `is_waiting` (the main thread is inside the engine client), never mid-write. The first stop
+    request starts the drain deadline; a second signal, or the deadline, sets `stop_now`.
+    """
+
+    def __init__(self, drain_timeout: float) -> None:
+        self.drain_timeout = max(drain_timeout, 0.001)
+        self.is_waiting = False
+        self.stop_requested = False
+        self.stop_now = False
+        self.drain_deadline: float | None = None
+        self._timer: threading.Timer | None = None
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def is_stopping(self) -> bool:
+        return self.stop_requested or self.stop_now
+
+    def request_stop(self) -> None:
+        """Stop admitting rows; in-flight rows get `drain_timeout` seconds to finish."""
+        if self.stop_requested:
+            return
+        self.drain_deadline = time.monotonic() + self.drain_timeout
+        self.stop_requested = True
+        if self._timer is not None:
+            self._timer.start()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if not self.stop_requested:
+            self.request_stop()
+        else:
+            self._on_deadline(signum, frame)
+
+    def _on_deadline(self, signum: int, frame: Any) -> None:
+        self.stop_now = True
+        if self.is_waiting:
+            raise StopNow
+
+    def __enter__(self) -> StopControl:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        handlers = {
+            signal.SIGINT: self._on_signal,
+            signal.SIGTERM: self._on_signal,
+            signal.SIGALRM: self._on_deadline,
+        }
+        self._previous = {signum: signal.signal(signum, fn) for signum, fn in handlers.items()}
+        # NOTE: the deadline is a SIGALRM sent to the main thread, which interrupts a blocking
+        # wait there; a timer thread rather than setitimer leaves other alarms alone.
+        main_id = threading.main_thread().ident
+        assert main_id is not None
+        self._timer = threading.Timer(
+            self.drain_timeout, signal.pthread_kill, (main_id, signal.SIGALRM)
+        )
+        self._timer.daemon = True
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.is_waiting = False
+        if self._timer is not None:
+            self._timer.cancel()
+            if self._timer.is_alive():
+                self._timer.join()
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}

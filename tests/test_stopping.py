@@ -1,0 +1,43 @@
+"""Tests for StopControl: real signals to this process, the drain deadline, handler restore."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from vbatch.job.stopping import StopControl, StopNow
+
+
+def test_first_signal_requests_a_drain_and_second_stops_now() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with StopControl(drain_timeout=60) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.stop_requested and not stop.stop_now
+        assert stop.drain_deadline is not None and stop.drain_deadline > time.monotonic() + 50
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.stop_now
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_stop_now_interrupts_only_a_wait_on_the_engine() -> None:
+    with StopControl(drain_timeout=60) as stop:
+        stop.request_stop()
+        stop.is_waiting = True
+        with pytest.raises(StopNow):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        stop.is_waiting = False
+
+
+def test_drain_deadline_interrupts_a_blocking_wait() -> None:
+    with StopControl(drain_timeout=0.05) as stop:
+        stop.request_stop()
+        stop.is_waiting = True
+        started = time.monotonic()
+        with pytest.raises(StopNow):
+            time.sleep(5)
+        assert time.monotonic() - started < 2 and stop.stop_now
