@@ -116,3 +116,51 @@ def build_attention_metadata(
 def make_attention_metadata() -> Callable[..., AttentionMetadata]:
     """build_attention_metadata(query_lens, seq_lens, block_tables, block_size, device)."""
     return build_attention_metadata
+
+
+EXAMPLE_PROMPTS = Path(__file__).parents[1] / "examples" / "prompts.jsonl"
+TIE_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="session")
+def chat_messages() -> list[list[dict[str, str]]]:
+    """The 16 first chat conversations of the bundled example."""
+    rows = [json.loads(line) for line in EXAMPLE_PROMPTS.read_text().splitlines()]
+    return [row["messages"] for row in rows[:16]]
+
+
+@pytest.fixture(scope="session")
+def prompts(smollm2: ResolvedModel, chat_messages: list[list[dict[str, str]]]) -> list[list[int]]:
+    """The example conversations rendered with SmolLM2's chat template, as token ids."""
+    from vbatch.client.tokenizer import TextTokenizer
+
+    return TextTokenizer.from_dir(smollm2.hf_dir).encode_chats(chat_messages)
+
+
+@pytest.fixture(scope="session")
+def assert_greedy_matches_hf(smollm2: ResolvedModel) -> Callable[..., None]:
+    """A check that every generated token is transformers' greedy choice given the same prefix.
+
+    NOTE: the reference logits come from one full forward pass over prompt + generated tokens
+    (teacher forcing). transformers 5's own cached `generate` drifts by up to ~0.1 in the logits
+    from its full forward pass on this model, too coarse for the 1e-4 tie check.
+    """
+    import torch
+    from transformers import LlamaForCausalLM
+
+    hf_model = LlamaForCausalLM.from_pretrained(smollm2.hf_dir, dtype=torch.float32).eval()
+
+    def check(prompts: list[list[int]], got: list[list[int]]) -> None:
+        for i, (ids, tokens) in enumerate(zip(prompts, got)):
+            with torch.inference_mode():
+                logits = hf_model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1]
+            best = logits.argmax(-1).tolist()
+            for pos, (ours, ref) in enumerate(zip(tokens, best)):
+                if ours != ref:
+                    gap = float(logits[pos, ref] - logits[pos, ours])
+                    assert gap <= TIE_TOLERANCE, (
+                        f"prompt {i} token {pos}: vbatch chose {ours}, transformers {ref}, "
+                        f"whose logit is higher by {gap}"
+                    )
+
+    return check

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoTokenizer, LlamaForCausalLM
 
 from vbatch.config import EngineConfig
 from vbatch.engine.core import EngineCore
@@ -19,22 +16,6 @@ NUM_TOKENS = 32
 TIE_TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module")
-def prompts(smollm2) -> list[list[int]]:
-    tokenizer = AutoTokenizer.from_pretrained(smollm2.hf_dir)
-    rows = [json.loads(line) for line in EXAMPLES.read_text().splitlines()][:16]
-    encoded = [
-        tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True)
-        for r in rows
-    ]
-    return [list(e["input_ids"]) if hasattr(e, "keys") else list(e) for e in encoded]
-
-
-@pytest.fixture(scope="module")
-def hf_model(smollm2) -> LlamaForCausalLM:
-    return LlamaForCausalLM.from_pretrained(smollm2.hf_dir, dtype=torch.float32).eval()
-
-
 def run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
     tokens: dict[str, list[int]] = {}
     for i, ids in enumerate(prompts):
@@ -43,27 +24,6 @@ def run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> l
         for delta in core.step():
             tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
     return [tokens[f"r{i}"] for i in range(len(prompts))]
-
-
-def assert_matches_hf(hf_model, prompts: list[list[int]], got: list[list[int]]) -> None:
-    """Every generated token is transformers' greedy choice given the same prefix.
-
-    NOTE: the reference logits come from one full forward pass over prompt + generated tokens
-    (teacher forcing). transformers 5's own cached `generate` drifts by up to ~0.1 in the logits
-    from its full forward pass on this model, so it is not a sharp enough reference.
-    """
-    for i, (ids, tokens) in enumerate(zip(prompts, got)):
-        assert len(tokens) == NUM_TOKENS
-        with torch.inference_mode():
-            logits = hf_model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1]
-        best = logits.argmax(-1).tolist()
-        for pos, (ours, ref) in enumerate(zip(tokens, best)):
-            if ours != ref:
-                gap = float(logits[pos, ref] - logits[pos, ours])
-                assert gap <= TIE_TOLERANCE, (
-                    f"prompt {i} token {pos}: vbatch chose {ours}, transformers {ref}, "
-                    f"whose logit is higher by {gap}"
-                )
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
@@ -79,10 +39,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     ],
     ids=["batched", "chunked-prefill-16", "preemption", "no-prefix-cache"],
 )
-def test_greedy_matches_hf(smollm2, prompts, hf_model, overrides) -> None:
+def test_greedy_matches_hf(smollm2, prompts, assert_greedy_matches_hf, overrides) -> None:
     core = EngineCore(EngineConfig(model=str(smollm2.hf_dir), **overrides))
     got = run(core, prompts, GREEDY)
-    assert_matches_hf(hf_model, prompts, got)
+    assert_greedy_matches_hf(prompts, got)
     stats = core.stats()
     if "num_kv_blocks" in overrides:
         assert stats.num_preemptions > 0
@@ -90,13 +50,13 @@ def test_greedy_matches_hf(smollm2, prompts, hf_model, overrides) -> None:
         assert stats.num_steps >= sum(map(len, prompts)) // 16
 
 
-def test_prefix_cache_hits_give_same_tokens(smollm2, prompts, hf_model) -> None:
+def test_prefix_cache_hits_give_same_tokens(smollm2, prompts, assert_greedy_matches_hf) -> None:
     core = EngineCore(EngineConfig(model=str(smollm2.hf_dir)))
     run(core, prompts, GREEDY)
     hits_before = core.stats().prefix_cache_hits
     got = run(core, prompts, GREEDY)
     assert core.stats().prefix_cache_hits > hits_before
-    assert_matches_hf(hf_model, prompts, got)
+    assert_greedy_matches_hf(prompts, got)
 
 
 def test_seeded_sampling_is_batch_invariant(smollm2, prompts) -> None:

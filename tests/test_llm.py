@@ -204,3 +204,15 @@ def test_missing_main_guard_gives_a_clear_error(tiny_model_dir: Path, tmp_path: 
     assert result.returncode != 0
     assert 'if __name__ == "__main__":' in result.stderr
     assert "EngineStartupError" in result.stderr
+
+
+def test_generate_on_smollm2_is_token_exact_with_hf(
+    smollm2, chat_messages, prompts, assert_greedy_matches_hf
+) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    with LLM(str(smollm2.source)) as real:
+        outs = real.generate(chat_messages, params)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    got = [o.outputs[0].token_ids for o in outs]
+    assert all(len(tokens) == 32 for tokens in got)
+    assert_greedy_matches_hf(prompts, got)

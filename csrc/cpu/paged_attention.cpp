@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "../paged_attention.h"
+#include "vec_math.h"
 
 namespace vbatch {
 namespace {
@@ -118,8 +119,9 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
           const float new_max = std::max(running_max[g], block_max);
           const float correction = std::exp(running_max[g] - new_max);
           float block_sum = 0.0f;
+#pragma omp simd reduction(+ : block_sum)
           for (int64_t j = 0; j < num_rows; ++j) {
-            s[j] = std::exp(s[j] - new_max);
+            s[j] = fast_exp(s[j] - new_max);
             block_sum += s[j];
           }
           running_sum[g] = running_sum[g] * correction + block_sum;
