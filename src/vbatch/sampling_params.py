@@ -85,7 +85,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             fail(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.repetition_penalty <= 0.0:
             fail(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
             fail(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             fail(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
