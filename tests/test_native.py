@@ -7,7 +7,6 @@ import math
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -265,14 +264,11 @@ def test_concurrent_builds_share_one_result(tmp_path: Path) -> None:
     assert len(list((tmp_path / "native").glob("*/vbatch_native.so"))) == 1
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_cuda_source_compiles_with_nvcc() -> None:
     script = Path(__file__).resolve().parents[1] / "csrc" / "check_cuda_compile.sh"
-    started = time.monotonic()
     result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert time.monotonic() - started < 120
 
 
 @pytest.mark.gpu
