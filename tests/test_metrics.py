@@ -148,6 +148,28 @@ def test_engine_stats_gauges_and_counter_deltas() -> None:
     assert metrics.snapshot().stats_age_s == pytest.approx(3.0)
 
 
+def test_snapshot_pulls_fresh_stats_while_no_row_finishes() -> None:
+    clock = FakeClock()
+    metrics = JobMetrics(total_rows=10, clock=clock)
+    metrics.set_state("running")
+    latest: list[SchedulerStats | None] = [None]
+    metrics.set_stats_source(lambda: latest[0])
+    assert metrics.snapshot().stats_age_s is None
+    for i in range(1, 41):  # 20 s of engine stats, no finished row at all
+        clock.now += 0.5
+        latest[0] = SchedulerStats(
+            num_running=4, num_steps=i, step_time_s=0.1 * i, num_generation_tokens=40 * i
+        )
+        snap = metrics.snapshot()
+    assert snap.num_rows_done == 0
+    assert snap.stats_age_s == 0.0
+    assert snap.num_running == 4
+    assert snap.gen_tps == pytest.approx(80.0)
+    metrics.set_stats_source(None)
+    clock.now += 2.0
+    assert metrics.snapshot().stats_age_s == pytest.approx(2.0)
+
+
 def test_step_figures_fall_back_to_totals_when_the_window_has_no_steps() -> None:
     clock = FakeClock()
     metrics = JobMetrics(total_rows=None, clock=clock)

@@ -166,11 +166,13 @@ class JobExecution:
             self.stop.is_waiting = False
         try:
             self.metrics.set_engine_info(llm.engine_info)
+            self.metrics.set_stats_source(lambda: llm.latest_stats)
             self.token_text = lambda t: llm.tokenizer.decode([t], skip_special_tokens=False)
             self.metrics.set_state("running")
             self._loop(llm)
             self._commit()
         finally:
+            self.metrics.set_stats_source(None)
             with contextlib.suppress(VbatchError):
                 llm.shutdown()
 
@@ -190,9 +192,6 @@ class JobExecution:
                 if result.error is None and any(o.finish_reason == "abort" for o in result.outputs):
                     continue
                 self._emit(row, result_row(row, result, include_token_ids=self._token_ids))
-                stats = llm.latest_stats
-                if stats is not None:
-                    self.metrics.on_engine_stats(stats)
         except StopNow:
             pass
         finally:

@@ -138,6 +138,7 @@ class JobMetrics:
         self._cached_tokens = 0
         self._stats: SchedulerStats | None = None
         self._stats_t = 0.0
+        self._stats_source: Callable[[], SchedulerStats | None] | None = None
         self._rows_committed = rows_done_before
         self._commit_t: float | None = None
         self._drain_deadline: float | None = None
@@ -199,6 +200,11 @@ class JobMetrics:
             if now - self._samples[-1].t >= SAMPLE_PERIOD_S:
                 self._add_sample(now)
 
+    def set_stats_source(self, source: Callable[[], SchedulerStats | None] | None) -> None:
+        """Where snapshot() pulls the engine's latest periodic stats from, so they stay fresh
+        while no row finishes (e.g. `lambda: llm.latest_stats`)."""
+        self._stats_source = source
+
     def on_commit(self, *, rows_committed: int) -> None:
         """Record a durable commit; `rows_committed` counts all durable rows so far."""
         now = self._clock()
@@ -229,6 +235,11 @@ class JobMetrics:
             self._samples.popleft()
 
     def snapshot(self) -> JobSnapshot:
+        source = self._stats_source
+        if source is not None:
+            stats = source()
+            if stats is not None and stats is not self._stats:
+                self.on_engine_stats(stats)
         now = self._clock()
         with self._lock:
             if self._end_t is None and now - self._samples[-1].t >= SAMPLE_PERIOD_S:
