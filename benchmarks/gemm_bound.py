@@ -17,7 +17,7 @@ INTERMEDIATE, VOCAB = 1536, 49152
 
 
 def smollm2_layer_shapes() -> list[tuple[int, int]]:
-    """(in_features, out_features) of one decoder layer's linear layers, fused as vbatch runs them."""
+    """(in, out) features of one decoder layer's linear layers, fused as vbatch has them."""
     qkv = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
     return [
         (HIDDEN, qkv),

@@ -52,6 +52,7 @@ class StepTimers:
         runner.model.compute_logits = self.timed("gemm", runner.model.compute_logits)
         backend = runner.attn_backend
         backend.forward = self.timed("attention", backend.forward)
+        runner.sampling_metadata = self.timed("sampling", runner.sampling_metadata)
         runner.sample = self.timed("sampling", runner.sample)
 
 

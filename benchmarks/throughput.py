@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--hf-batch-sizes", default="64")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()

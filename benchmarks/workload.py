@@ -24,11 +24,40 @@ TOPICS = [
     "the basics of supply and demand",
     "how birds migrate",
 ]
-WORDS = (
-    "river mountain signal garden engine library window harvest lantern market orbit "
-    "thunder pencil harbor meadow circuit castle forest planet candle bridge mirror "
-    "village rocket ocean valley compass ladder feather tunnel anchor season"
-).split()
+WORDS = [
+    "river",
+    "mountain",
+    "signal",
+    "garden",
+    "engine",
+    "library",
+    "window",
+    "harvest",
+    "lantern",
+    "market",
+    "orbit",
+    "thunder",
+    "pencil",
+    "harbor",
+    "meadow",
+    "circuit",
+    "castle",
+    "forest",
+    "planet",
+    "candle",
+    "bridge",
+    "mirror",
+    "village",
+    "rocket",
+    "ocean",
+    "valley",
+    "compass",
+    "ladder",
+    "feather",
+    "tunnel",
+    "anchor",
+    "season",
+]
 
 
 def make_messages(num_prompts: int = 128, seed: int = 0) -> list[list[dict[str, str]]]:

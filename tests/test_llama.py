@@ -18,6 +18,7 @@ from transformers import (
     Qwen2Config,
 )
 
+from vbatch.layers import native
 from vbatch.layers.attention import TorchAttentionBackend
 from vbatch.models.config import ModelConfig
 from vbatch.models.llama import LlamaForCausalLM, load_model
@@ -131,14 +132,29 @@ def test_full_prefill_matches_transformers(
     torch.testing.assert_close(logits, expected, atol=TOLERANCE, rtol=0)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def native_copy(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """The same weights on the native attention backend and fused RMSNorm and rotary ops."""
+    if not native.is_available():
+        pytest.skip("native kernels could not be built here")
+    clone = LlamaForCausalLM(model.config, native.NativeAttentionBackend(), use_native_ops=True)
+    clone.load_state_dict(model.state_dict())
+    return clone.eval()
+
+
+@pytest.mark.parametrize(
+    ("device", "ops"),
+    [("cpu", "torch"), ("cpu", "native"), pytest.param("cuda", "torch", marks=pytest.mark.gpu)],
+)
 def test_chunked_prefill_and_decode_match_transformers(
     model_pair: tuple[torch.nn.Module, LlamaForCausalLM],
     make_attention_metadata: Callable,
     device: str,
+    ops: str,
 ) -> None:
     """Ragged sequences advance in random chunks through shuffled 4-token blocks."""
     reference, model = model_pair
+    if ops == "native":
+        model = native_copy(model)
     model = copy.deepcopy(model).to(device) if device != "cpu" else model
     tolerance = TOLERANCE if device == "cpu" else 1e-3
     rng = random.Random(2)

@@ -1,4 +1,4 @@
-"""Tests for the native vbatch:: paged-attention ops against a dense float64 reference."""
+"""Tests for the native vbatch:: ops (paged attention, fused RMSNorm and rotary) and their build."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import torch
 
 from vbatch.layers import native
 from vbatch.layers.attention import AttentionMetadata, TorchAttentionBackend, write_kv_cache
+from vbatch.layers.norm import RMSNorm
+from vbatch.layers.rotary import RotaryEmbedding
 
 SMOLLM2_HEADS = (9, 3, 64)  # num_heads, num_kv_heads, head_dim
 MHA_HEADS = (4, 4, 32)
@@ -136,6 +138,18 @@ def test_matches_reference(ops: None, heads: tuple[int, int, int], specs: list) 
     assert (out.double() - ref).abs().max().item() < 1e-5
 
 
+def test_op_alone_handles_long_prefill_chunks(ops: None) -> None:
+    """The backend sends chunks over MAX_NATIVE_QUERY_LEN to SDPA; the op must still be exact."""
+    q, k, v, k_cache, v_cache, meta = make_batch(MIXED, SMOLLM2_HEADS)
+    assert max(meta.query_lens_cpu) > native.MAX_NATIVE_QUERY_LEN
+    write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.ops.vbatch.paged_attention(
+        q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125
+    )
+    ref = reference_attention(q, k_cache, v_cache, meta, 0.125)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_batches_match_reference(ops: None, seed: int) -> None:
     rng = torch.Generator().manual_seed(100 + seed)
@@ -221,6 +235,65 @@ def test_opcheck(ops: None) -> None:
     torch.library.opcheck(
         torch.ops.vbatch.paged_attention.default,
         (q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125),
+    )
+
+
+def fused_inputs(
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, RotaryEmbedding]:
+    """(x [7, 96], residual, weight, positions [7], RotaryEmbedding for head_dim 16)."""
+    gen = torch.Generator().manual_seed(3)
+    x = (3 * torch.randn(7, 96, generator=gen)).to(dtype)
+    residual = torch.randn(7, 96, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(96, generator=gen)).to(dtype)
+    positions = torch.tensor([0, 1, 5, 63, 2, 17, 40])
+    return x, residual, weight, positions, RotaryEmbedding(16, 64, 10000.0, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norm_ops_match_torch(ops: None, dtype: torch.dtype) -> None:
+    x, residual, weight, _, _ = fused_inputs(dtype)
+    reference = RMSNorm(96, 1e-6).to(dtype)
+    reference.weight.data.copy_(weight)
+    fused = RMSNorm(96, 1e-6, use_native_ops=True).to(dtype)
+    fused.weight.data.copy_(weight)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else {}
+    with torch.inference_mode():
+        torch.testing.assert_close(fused(x), reference(x), **tolerance)
+        expected_out, expected_residual = reference.add_and_norm(x, residual)
+        got_x, got_residual = x.clone(), residual.clone()
+        out, new_residual = fused.add_and_norm(got_x, got_residual)
+    assert out.data_ptr() == got_x.data_ptr() and new_residual.data_ptr() == got_residual.data_ptr()
+    torch.testing.assert_close(new_residual, expected_residual, atol=0, rtol=0)
+    torch.testing.assert_close(out, expected_out, **tolerance)
+
+
+def test_rotary_in_place_on_strided_slice_matches_torch(ops: None) -> None:
+    _, _, _, positions, rotary = fused_inputs()
+    # [num_tokens, 4 q heads + 2 k heads + 2 v heads, head_dim]: rotate the q and k heads only
+    qkv = torch.randn(7, 8, 16)
+    expected = rotary.for_positions(positions, torch.float32).rotate(qkv[:, :6])
+    native_batch = rotary.for_positions(positions, torch.float32, use_native_ops=True)
+    got = qkv.clone()
+    native_batch.rotate(got[:, :6])
+    torch.testing.assert_close(got[:, :6], expected, atol=1e-6, rtol=1e-6)
+    assert torch.equal(got[:, 6:], qkv[:, 6:])
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.vbatch.rotary_embedding(
+            positions + 64, got[:, :6], native_batch.cos, native_batch.sin
+        )
+
+
+def test_fused_ops_opcheck(ops: None) -> None:
+    x, residual, weight, positions, rotary = fused_inputs()
+    tables = rotary.for_positions(positions, torch.float32, use_native_ops=True)
+    torch.library.opcheck(torch.ops.vbatch.rms_norm.default, (x, weight, 1e-6))
+    torch.library.opcheck(
+        torch.ops.vbatch.fused_add_rms_norm.default, (x.clone(), residual.clone(), weight, 1e-6)
+    )
+    torch.library.opcheck(
+        torch.ops.vbatch.rotary_embedding.default,
+        (positions, torch.randn(7, 6, 16), tables.cos, tables.sin),
     )
 
 

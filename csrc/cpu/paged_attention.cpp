@@ -1,9 +1,9 @@
 // CPU kernels for vbatch::paged_attention and vbatch::reshape_and_cache (OpenMP, float32 math).
 //
-// Attention parallelises over (token, kv_head) work items: each item reads its context's K/V rows
-// straight from the paged cache through the block table once and serves the num_heads /
-// num_kv_heads query heads that share them, with an online (flash-decoding style) softmax kept
-// in float32 one cache block at a time.
+// Attention parallelises over tokens: each token reads its context's K/V rows straight from the
+// paged cache through the block table once, every KV head of a row together (a block is one
+// contiguous run of memory), serving all query heads (GQA groups share a KV head), with an
+// online (flash-decoding style) softmax kept in float32 one cache block at a time.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -15,34 +15,28 @@
 #include <vector>
 
 #include "../paged_attention.h"
-#include "vec_math.h"
+#include "../vec_math.h"
 
 namespace vbatch {
 namespace {
 
-// Returns one head_dim row as float32: the row itself for float caches, else a converted copy.
+// Returns `n` cache values as float32: the values themselves for float caches, else a copy.
 template <typename scalar_t>
-inline const float* as_float_row(const scalar_t* row, int64_t head_dim, float* buf) {
+inline const float* as_float(const scalar_t* values, int64_t n, float* buf) {
   if constexpr (std::is_same_v<scalar_t, float>) {
-    return row;
+    return values;
   } else {
-    for (int64_t d = 0; d < head_dim; ++d) buf[d] = static_cast<float>(row[d]);
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(values[i]);
     return buf;
   }
 }
 
-// Asks for a cache block's K and V rows early: blocks are scattered, so the hardware
+// Asks for one cache row (all KV heads) early: blocks are scattered, so the hardware
 // prefetcher cannot run ahead across a block boundary.
 template <typename scalar_t>
-inline void prefetch_block(const scalar_t* k_block, const scalar_t* v_block, int64_t num_rows,
-                           int64_t row_stride, int64_t head_dim) {
+inline void prefetch_row(const scalar_t* row, int64_t row_size) {
   constexpr int64_t kLine = 64 / sizeof(scalar_t);
-  for (int64_t j = 0; j < num_rows; ++j) {
-    for (int64_t d = 0; d < head_dim; d += kLine) {
-      __builtin_prefetch(k_block + j * row_stride + d);
-      __builtin_prefetch(v_block + j * row_stride + d);
-    }
-  }
+  for (int64_t d = 0; d < row_size; d += kLine) __builtin_prefetch(row + d);
 }
 
 template <typename scalar_t>
@@ -61,30 +55,27 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
   const scalar_t* k_data = k_cache.const_data_ptr<scalar_t>();
   const scalar_t* v_data = v_cache.const_data_ptr<scalar_t>();
   scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
-  const int64_t num_items = num_tokens * num_kv_heads;
   const int num_threads = at::get_num_threads();
 
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> q_buf(group * head_dim), acc(group * head_dim);
-    std::vector<float> scores(group * block_size), k_buf(head_dim), v_buf(head_dim);
-    std::vector<float> running_max(group), running_sum(group);
+    std::vector<float> q_buf(num_heads * head_dim), acc(num_heads * head_dim);
+    std::vector<float> scores(num_heads * block_size), kv_buf(block_stride);
+    std::vector<float> running_max(num_heads), running_sum(num_heads);
 
     // NOTE: dynamic scheduling because causal prefill items grow with their position.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_items; ++item) {
-      const int64_t token = item / num_kv_heads, kv_head = item % num_kv_heads;
+    for (int64_t token = 0; token < num_tokens; ++token) {
       const int64_t seq = token_seq[token];
       const int64_t query_len = query_start_loc[seq + 1] - query_start_loc[seq];
       const int64_t context_len =
           seq_lens[seq] - query_len + (token - query_start_loc[seq]) + 1;
       const int32_t* block_table = block_tables + seq * max_num_blocks;
 
-      for (int64_t g = 0; g < group; ++g) {
-        const scalar_t* q_row =
-            q_data + token * q_token_stride + (kv_head * group + g) * q_head_stride;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const scalar_t* q_row = q_data + token * q_token_stride + h * q_head_stride;
         for (int64_t d = 0; d < head_dim; ++d) {
-          q_buf[g * head_dim + d] = static_cast<float>(q_row[d]) * scale;
+          q_buf[h * head_dim + d] = static_cast<float>(q_row[d]) * scale;
         }
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
@@ -93,62 +84,58 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
 
       for (int64_t start = 0; start < context_len; start += block_size) {
         const int64_t num_rows = std::min(block_size, context_len - start);
-        const int64_t head_offset = kv_head * head_dim;
-        const int64_t offset = block_table[start / block_size] * block_stride + head_offset;
-        const scalar_t* k_block = k_data + offset;
-        const scalar_t* v_block = v_data + offset;
-        if (start + block_size < context_len) {
-          const int64_t next = block_table[start / block_size + 1] * block_stride + head_offset;
-          prefetch_block(k_data + next, v_data + next, block_size, row_stride, head_dim);
-        }
+        // NOTE: a block holds all KV heads of its rows contiguously, so reading every head of
+        // a row at once streams the block front to back.
+        const scalar_t* k_block = k_data + block_table[start / block_size] * block_stride;
+        const scalar_t* v_block = v_data + block_table[start / block_size] * block_stride;
+        const bool has_next = start + block_size < context_len;
+        const int64_t next = has_next ? block_table[start / block_size + 1] * block_stride : 0;
 
+        const float* k_rows = as_float(k_block, num_rows * row_stride, kv_buf.data());
         for (int64_t j = 0; j < num_rows; ++j) {
-          const float* k_row = as_float_row(k_block + j * row_stride, head_dim, k_buf.data());
-          for (int64_t g = 0; g < group; ++g) {
-            const float* q_g = q_buf.data() + g * head_dim;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += q_g[d] * k_row[d];
-            scores[g * block_size + j] = dot;
+          if (has_next) {
+            prefetch_row(k_data + next + j * row_stride, row_stride);
+            prefetch_row(v_data + next + j * row_stride, row_stride);
+          }
+          const float* k_row = k_rows + j * row_stride;
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const float* q_h = q_buf.data() + h * head_dim;
+            scores[h * block_size + j] = dot(q_h, k_row + (h / group) * head_dim, head_dim);
           }
         }
 
-        for (int64_t g = 0; g < group; ++g) {
-          float* s = scores.data() + g * block_size;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          float* s = scores.data() + h * block_size;
           const float block_max = *std::max_element(s, s + num_rows);
-          const float new_max = std::max(running_max[g], block_max);
-          const float correction = std::exp(running_max[g] - new_max);
+          const float new_max = std::max(running_max[h], block_max);
+          const float correction = std::exp(running_max[h] - new_max);
           float block_sum = 0.0f;
 #pragma omp simd reduction(+ : block_sum)
           for (int64_t j = 0; j < num_rows; ++j) {
             s[j] = fast_exp(s[j] - new_max);
             block_sum += s[j];
           }
-          running_sum[g] = running_sum[g] * correction + block_sum;
-          running_max[g] = new_max;
+          running_sum[h] = running_sum[h] * correction + block_sum;
+          running_max[h] = new_max;
           if (correction != 1.0f) {
-            float* acc_g = acc.data() + g * head_dim;
+            float* acc_h = acc.data() + h * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) acc_g[d] *= correction;
+            for (int64_t d = 0; d < head_dim; ++d) acc_h[d] *= correction;
           }
         }
 
-        for (int64_t j = 0; j < num_rows; ++j) {
-          const float* v_row = as_float_row(v_block + j * row_stride, head_dim, v_buf.data());
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * block_size + j];
-            float* acc_g = acc.data() + g * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) acc_g[d] += p * v_row[d];
-          }
+        const float* v_rows = as_float(v_block, num_rows * row_stride, kv_buf.data());
+        for (int64_t h = 0; h < num_heads; ++h) {
+          add_weighted_rows(acc.data() + h * head_dim, scores.data() + h * block_size,
+                            v_rows + (h / group) * head_dim, num_rows, row_stride, head_dim);
         }
       }
 
-      for (int64_t g = 0; g < group; ++g) {
-        const float inv_sum = 1.0f / running_sum[g];
-        scalar_t* out_row = out_data + (token * num_heads + kv_head * group + g) * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const float inv_sum = 1.0f / running_sum[h];
+        scalar_t* out_row = out_data + (token * num_heads + h) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) {
-          out_row[d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv_sum);
+          out_row[d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv_sum);
         }
       }
     }

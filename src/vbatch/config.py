@@ -24,7 +24,7 @@ class EngineConfig:
     dtype: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 1024
+    max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.85

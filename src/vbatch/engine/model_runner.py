@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import psutil
@@ -43,6 +45,18 @@ def select_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+@dataclass
+class StepInputs:
+    """One step's device tensors; `logits_rows[i]` is the hidden row sampled for seq
+    `sample_rows[i]` (its last scheduled token)."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # [num_sampling_seqs] int64
+    sample_rows: list[int]
+
+
 class ModelRunner:
     """Owns the model weights and KV cache tensors of one engine core.
 
@@ -78,17 +92,23 @@ class ModelRunner:
             model_config.num_key_value_heads,
             model_config.head_dim,
         )
+        # NOTE: the torch backend's padded decode gather reads slots past a context, which must
+        # then be finite; the native ops never do, so their cache skips touching every page.
+        alloc = torch.zeros if self.attn_backend.name == "torch" else torch.empty
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                alloc(shape, dtype=self.dtype, device=self.device),
+                alloc(shape, dtype=self.dtype, device=self.device),
             )
             for _ in range(model_config.num_hidden_layers)
         ]
         self.kv_cache_bytes = self.num_kv_blocks * self.block_bytes
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
-        self._pin = self.device.type == "cuda"
+        self._staging: dict[str, torch.Tensor] = {}
+        self._inputs_copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        # [max rows sampled so far, vocab_size] float32 CPU logits, reused by every step
+        self._logits = torch.empty(0, model_config.vocab_size)
 
     @property
     def block_bytes(self) -> int:
@@ -119,87 +139,124 @@ class ModelRunner:
             )
         return num_blocks
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+    def _to_device(self, name: str, array: np.ndarray) -> torch.Tensor:
+        """`array` on the runner's device; on CUDA through a reused pinned buffer, no sync."""
         tensor = torch.from_numpy(array)
         if self.device.type == "cpu":
             return tensor
-        if self._pin:
-            tensor = tensor.pin_memory()
-        return tensor.to(self.device, non_blocking=True)
+        staging = self._staging.get(name)
+        if staging is None or staging.numel() < tensor.numel() or staging.dtype != tensor.dtype:
+            staging = torch.empty(max(tensor.numel(), 1024), dtype=tensor.dtype, pin_memory=True)
+            self._staging[name] = staging
+        host = staging[: tensor.numel()].view(tensor.shape)
+        host.copy_(tensor)
+        return host.to(self.device, non_blocking=True)
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flat input ids, positions and attention metadata for one scheduled step."""
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """Flat input ids, positions, attention metadata and logits rows for one step."""
+        if self._inputs_copied is not None:
+            # NOTE: the previous step's non-blocking copies may still read the pinned buffers
+            # (a step that samples nothing ends without a sync); this waits for those copies only.
+            self._inputs_copied.synchronize()
         seqs, num_new = out.seqs, out.num_new_tokens
+        num_seqs = len(seqs)
         bs = self.block_size
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
-        query_lens = np.asarray(num_new, dtype=np.int64)
+        starts = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
+        query_lens = np.array(num_new, dtype=np.int64)
         seq_lens = starts + query_lens
-        num_tokens = int(query_lens.sum())
-        if int(query_lens.max()) == 1:
-            input_ids = np.fromiter(
-                (s.token_ids[c] for s, c in zip(seqs, starts.tolist())), np.int64, len(seqs)
-            )
+        max_query_len = max(num_new)
+        if max_query_len == 1:
+            input_ids = np.array([s.token_ids[c] for s, c in zip(seqs, starts.tolist())])
             positions = starts
-            seq_index = np.arange(len(seqs))
+            seq_index = np.arange(num_seqs)
+            num_tokens = num_seqs
         else:
-            ids: list[int] = []
-            for seq, start, n in zip(seqs, starts.tolist(), num_new):
-                ids.extend(seq.token_ids[start : start + n])
-            input_ids = np.asarray(ids, dtype=np.int64)
-            seq_index = np.repeat(np.arange(len(seqs)), query_lens)
+            input_ids = np.fromiter(
+                itertools.chain.from_iterable(
+                    s.token_ids[c : c + n] for s, c, n in zip(seqs, starts.tolist(), num_new)
+                ),
+                np.int64,
+            )
+            num_tokens = len(input_ids)
+            seq_index = np.repeat(np.arange(num_seqs), query_lens)
             offsets = np.arange(num_tokens) - np.repeat(
                 np.cumsum(query_lens) - query_lens, query_lens
             )
             positions = starts[seq_index] + offsets
-        max_blocks = max(len(s.block_table) for s in seqs)
-        block_tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
-        for i, seq in enumerate(seqs):
-            block_tables[i, : len(seq.block_table)] = seq.block_table
-        slot_mapping = (
-            block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+        num_blocks = np.array([len(s.block_table) for s in seqs])
+        # [num_seqs, max_num_blocks_per_seq], 0-padded: row-major mask order = concatenation order
+        block_tables = np.zeros((num_seqs, int(num_blocks.max())), dtype=np.int32)
+        block_tables[np.arange(block_tables.shape[1]) < num_blocks[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(s.block_table for s in seqs),
+            np.int32,
+            int(num_blocks.sum()),
         )
-        query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int32)
+        slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + (
+            positions % bs
+        )
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
         np.cumsum(query_lens, out=query_start_loc[1:])
+        sample_rows = np.flatnonzero(out.sampling_mask)
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping),
-            query_start_loc=self._to_device(query_start_loc),
-            seq_lens=self._to_device(seq_lens.astype(np.int32)),
-            block_tables=self._to_device(block_tables),
-            query_lens_cpu=query_lens.tolist(),
+            slot_mapping=self._to_device("slot_mapping", slot_mapping),
+            query_start_loc=self._to_device("query_start_loc", query_start_loc),
+            seq_lens=self._to_device("seq_lens", seq_lens.astype(np.int32)),
+            block_tables=self._to_device("block_tables", block_tables),
+            query_lens_cpu=num_new,
             seq_lens_cpu=seq_lens.tolist(),
-            max_query_len=int(query_lens.max()),
+            max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
         )
-        return self._to_device(input_ids), self._to_device(positions), meta
+        inputs = StepInputs(
+            input_ids=self._to_device("input_ids", input_ids),
+            positions=self._to_device("positions", positions),
+            meta=meta,
+            logits_rows=self._to_device(
+                "logits_rows", query_start_loc[1:][sample_rows].astype(np.int64) - 1
+            ),
+            sample_rows=sample_rows.tolist(),
+        )
+        if self._inputs_copied is not None:
+            self._inputs_copied.record()
+        return inputs
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """Run one step; returns the sampled token per sampling seq, in batch order."""
-        input_ids, positions, meta = self.prepare(out)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        sample_rows = [
-            i
-            for i, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens))
-            if seq.num_computed_tokens + n == seq.num_tokens
-        ]
-        if not sample_rows:
+        inputs = self.prepare(out)
+        if not inputs.sample_rows:
+            self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             return [], None
-        sampling_seqs = [out.seqs[i] for i in sample_rows]
-        last_rows = meta.query_start_loc[1:][torch.as_tensor(sample_rows, device=self.device)] - 1
-        logits = self.model.compute_logits(hidden[last_rows.long()])
-        return self.sample(logits, sampling_seqs)
+        # NOTE: built before the forward is queued: on CUDA its host-to-device copies of Python
+        # lists would otherwise wait for the forward to finish.
+        sampling_seqs = [out.seqs[i] for i in inputs.sample_rows]
+        sampling = self.sampling_metadata(sampling_seqs)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        logits = self.model.compute_logits(
+            hidden.index_select(0, inputs.logits_rows), out=self._logits_buffer(len(sampling_seqs))
+        )
+        return self.sample(logits, sampling)
 
-    def sample(
-        self, logits: torch.Tensor, seqs: list[Sequence]
-    ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
-        """One token per row of logits [len(seqs), vocab_size]."""
-        sampling = SamplingMetadata.build(
+    def _logits_buffer(self, num_rows: int) -> torch.Tensor | None:
+        if self.device.type != "cpu":
+            return None
+        if self._logits.shape[0] < num_rows:
+            self._logits = torch.empty(num_rows, self.model_config.vocab_size)
+        return self._logits[:num_rows]
+
+    def sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
+        return SamplingMetadata.build(
             seqs,
             self.device,
             self.model_config.vocab_size,
             self.generators,
             self.model_config.eos_token_ids,
         )
+
+    def sample(
+        self, logits: torch.Tensor, sampling: SamplingMetadata
+    ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        """One token per row of logits [num_rows, vocab_size]; the step's one host sync."""
         result = self.sampler(logits, sampling)
         return result.token_ids.tolist(), result.logprobs
 

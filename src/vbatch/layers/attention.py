@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -79,16 +80,91 @@ def write_kv_cache(
 
 
 @dataclass
-class _BatchPlan:
-    """How one step's batch splits: decode rows batched together, prefill chunks one by one."""
+class BatchPlan:
+    """How one step's batch splits: sequences whose query_len is at most a backend's limit are
+    batched together (`short_*`, in batch order); longer prefill chunks run one by one."""
 
     meta: AttentionMetadata
     seq_lens_cpu: list[int]
-    decode_rows: torch.Tensor | None  # [num_decodes] int64 query rows
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_num_blocks_per_seq]
-    decode_seq_lens: torch.Tensor | None  # [num_decodes]
-    max_decode_seq_len: int
-    prefills: list[tuple[int, int, int, int]]  # (seq index, first row, query_len, seq_len)
+    long_chunks: list[tuple[int, int, int, int]]  # (seq index, first row, query_len, seq_len)
+    short_rows: torch.Tensor | None = None  # [num_short_tokens] int64 query rows
+    short_query_start_loc: torch.Tensor | None = None  # [num_short + 1] int32
+    short_seq_lens: torch.Tensor | None = None  # [num_short] int32
+    short_block_tables: torch.Tensor | None = None  # [num_short, max_num_blocks_per_seq]
+    max_short_seq_len: int = 0
+
+
+class BatchPlanner:
+    """Splits a batch for a backend, once per step: every layer sees the same metadata."""
+
+    def __init__(self, max_short_query_len: int) -> None:
+        self.max_short_query_len = max_short_query_len
+        self._plan: BatchPlan | None = None
+
+    def plan(self, meta: AttentionMetadata) -> BatchPlan:
+        plan = self._plan
+        if plan is not None and plan.meta is meta and plan.seq_lens_cpu == meta.seq_lens_cpu:
+            return plan
+        shorts: list[tuple[int, int, int, int]] = []
+        longs: list[tuple[int, int, int, int]] = []
+        start = 0
+        lens = zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)
+        for seq_index, (query_len, seq_len) in enumerate(lens):
+            group = shorts if query_len <= self.max_short_query_len else longs
+            group.append((seq_index, start, query_len, seq_len))
+            start += query_len
+        plan = BatchPlan(meta, list(meta.seq_lens_cpu), longs)
+        if shorts:
+            device = meta.block_tables.device
+            rows = [row for _, first, n, _ in shorts for row in range(first, first + n)]
+            seq_indices = torch.tensor([short[0] for short in shorts], device=device)
+            plan.short_rows = torch.tensor(rows, device=device)
+            plan.short_query_start_loc = torch.tensor(
+                [0, *itertools.accumulate(short[2] for short in shorts)],
+                dtype=torch.int32,
+                device=device,
+            )
+            plan.short_block_tables = meta.block_tables.index_select(0, seq_indices)
+            plan.short_seq_lens = meta.seq_lens.index_select(0, seq_indices)
+            plan.max_short_seq_len = max(short[3] for short in shorts)
+        self._plan = plan
+        return plan
+
+
+def attend_long_chunks(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: BatchPlan,
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    """SDPA over each long prefill chunk's gathered context, causal from its cached prefix."""
+    block_size = k_cache.shape[1]
+    for seq_index, start, query_len, seq_len in plan.long_chunks:
+        num_blocks = -(-seq_len // block_size)
+        block_table = plan.meta.block_tables[seq_index, :num_blocks].long()
+        # [1, num_kv_heads, seq_len, head_dim]
+        seq_k = k_cache.index_select(0, block_table).flatten(0, 1)[:seq_len]
+        seq_v = v_cache.index_select(0, block_table).flatten(0, 1)[:seq_len]
+        seq_k, seq_v = seq_k.transpose(0, 1)[None], seq_v.transpose(0, 1)[None]
+        seq_q = q[start : start + query_len].transpose(0, 1)[None]
+        mask = None
+        if query_len != seq_len:
+            key_pos = torch.arange(seq_len, device=q.device)
+            query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+            mask = key_pos[None, :] <= query_pos[:, None]
+        # NOTE: 4-D inputs reach the fused CPU kernel; 3-D ones fall back to the math path.
+        seq_out = F.scaled_dot_product_attention(
+            seq_q,
+            seq_k,
+            seq_v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[start : start + query_len] = seq_out[0].transpose(0, 1)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -102,7 +178,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self) -> None:
-        self._plan: _BatchPlan | None = None
+        self._planner = BatchPlanner(max_short_query_len=1)
 
     def forward(
         self,
@@ -119,70 +195,21 @@ class TorchAttentionBackend(AttentionBackend):
             return _paged_decode(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale
             )
-        plan = self._plan_for(meta)
+        plan = self._planner.plan(meta)
         out = torch.empty_like(q)
-        if plan.decode_rows is not None:
-            out[plan.decode_rows] = _paged_decode(
-                q.index_select(0, plan.decode_rows),
+        if plan.short_rows is not None:
+            assert plan.short_block_tables is not None and plan.short_seq_lens is not None
+            out[plan.short_rows] = _paged_decode(
+                q.index_select(0, plan.short_rows),
                 k_cache,
                 v_cache,
-                plan.decode_block_tables,
-                plan.decode_seq_lens,
-                plan.max_decode_seq_len,
+                plan.short_block_tables,
+                plan.short_seq_lens,
+                plan.max_short_seq_len,
                 scale,
             )
-        block_size = k_cache.shape[1]
-        for seq_index, start, query_len, seq_len in plan.prefills:
-            num_blocks = -(-seq_len // block_size)
-            block_table = meta.block_tables[seq_index, :num_blocks].long()
-            # [1, num_kv_heads, seq_len, head_dim]
-            seq_k = k_cache.index_select(0, block_table).flatten(0, 1)[:seq_len]
-            seq_v = v_cache.index_select(0, block_table).flatten(0, 1)[:seq_len]
-            seq_k, seq_v = seq_k.transpose(0, 1)[None], seq_v.transpose(0, 1)[None]
-            seq_q = q[start : start + query_len].transpose(0, 1)[None]
-            mask = None
-            if query_len != seq_len:
-                key_pos = torch.arange(seq_len, device=q.device)
-                query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
-                mask = key_pos[None, :] <= query_pos[:, None]
-            # NOTE: 4-D inputs reach the fused CPU kernel; 3-D ones fall back to the math path.
-            seq_out = F.scaled_dot_product_attention(
-                seq_q,
-                seq_k,
-                seq_v,
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=scale,
-                enable_gqa=True,
-            )
-            out[start : start + query_len] = seq_out[0].transpose(0, 1)
+        attend_long_chunks(q, k_cache, v_cache, plan, out, scale)
         return out
-
-    def _plan_for(self, meta: AttentionMetadata) -> _BatchPlan:
-        # NOTE: every layer sees the same metadata; split the batch once per step, not per layer.
-        plan = self._plan
-        if plan is not None and plan.meta is meta and plan.seq_lens_cpu == meta.seq_lens_cpu:
-            return plan
-        decodes: list[tuple[int, int, int]] = []
-        prefills: list[tuple[int, int, int, int]] = []
-        start = 0
-        lens = zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)
-        for seq_index, (query_len, seq_len) in enumerate(lens):
-            if query_len == 1:
-                decodes.append((seq_index, start, seq_len))
-            else:
-                prefills.append((seq_index, start, query_len, seq_len))
-            start += query_len
-        plan = _BatchPlan(meta, list(meta.seq_lens_cpu), None, None, None, 0, prefills)
-        if decodes:
-            device = meta.block_tables.device
-            seq_indices = torch.tensor([d[0] for d in decodes], device=device)
-            plan.decode_rows = torch.tensor([d[1] for d in decodes], device=device)
-            plan.decode_block_tables = meta.block_tables.index_select(0, seq_indices)
-            plan.decode_seq_lens = meta.seq_lens.index_select(0, seq_indices)
-            plan.max_decode_seq_len = max(d[2] for d in decodes)
-        self._plan = plan
-        return plan
 
 
 def _paged_decode(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,8 +47,8 @@ def _llama3_inv_freq(
 class RotaryEmbedding:
     """A cos/sin table for positions [0, max_positions), built lazily per (device, dtype).
 
-    Invariant: `cos_sin(positions)` returns two [num_tokens, head_dim // 2] tensors computed in
-    float32 (as transformers does) and cast to the requested dtype.
+    Invariant: the tables are [max_positions, head_dim // 2], computed in float32 (as
+    transformers does) and cast to the requested dtype.
     """
 
     def __init__(
@@ -62,14 +63,19 @@ class RotaryEmbedding:
         self.inv_freq = rope_inv_freq(head_dim, rope_theta, rope_scaling)
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def for_positions(
+        self, positions: torch.Tensor, dtype: torch.dtype, use_native_ops: bool = False
+    ) -> RotaryBatch:
+        """This step's rotation; the native form keeps whole tables and indexes them per token."""
         cache = self._cache
         if cache is None or cache[0].device != positions.device or cache[0].dtype != dtype:
             cache = self._build(positions.device, dtype)
             self._cache = cache
-        return cache[0].index_select(0, positions), cache[1].index_select(0, positions)
+        if use_native_ops:
+            return RotaryBatch(positions, cache[0], cache[1], is_native=True)
+        cos = cache[0].index_select(0, positions)
+        sin = cache[1].index_select(0, positions)
+        return RotaryBatch(positions, cos, sin, is_native=False)
 
     def _build(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(self.max_positions, device=device, dtype=torch.int64)
@@ -87,3 +93,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     cos = cos.unsqueeze(1)
     sin = sin.unsqueeze(1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+@dataclass
+class RotaryBatch:
+    """One step's rotation: per-token cos/sin rows, or (native) the whole tables and positions."""
+
+    positions: torch.Tensor  # [num_tokens] int64
+    cos: torch.Tensor  # [num_tokens, head_dim // 2], or [max_positions, head_dim // 2] if native
+    sin: torch.Tensor
+    is_native: bool
+
+    def rotate(self, qk: torch.Tensor) -> torch.Tensor:
+        """Rotated qk [num_tokens, num_heads, head_dim]; the native path rotates qk in place."""
+        if self.is_native:
+            torch.ops.vbatch.rotary_embedding(self.positions, qk, self.cos, self.sin)
+            return qk
+        return apply_rotary(qk, self.cos, self.sin)

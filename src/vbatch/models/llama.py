@@ -11,12 +11,14 @@ from torch import nn
 
 from vbatch.errors import ModelLoadError
 from vbatch.layers.attention import AttentionBackend, AttentionMetadata
+from vbatch.layers.native import has_fused_ops
 from vbatch.layers.norm import RMSNorm
-from vbatch.layers.rotary import RotaryEmbedding, apply_rotary
+from vbatch.layers.rotary import RotaryBatch, RotaryEmbedding
 from vbatch.models.config import ModelConfig
 from vbatch.models.loader import ResolvedModel
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+LM_HEAD_CHUNK = 3072
 
 
 class LlamaAttention(nn.Module):
@@ -34,18 +36,13 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
+        self, x: torch.Tensor, rotary: RotaryBatch, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         num_qk_heads = self.num_heads + self.num_kv_heads
         # [num_tokens, num_heads + 2 * num_kv_heads, head_dim]
         qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)
-        qk = apply_rotary(qkv[:, :num_qk_heads], cos, sin)
+        qk = rotary.rotate(qkv[:, :num_qk_heads])
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, num_qk_heads:]
         out = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
@@ -67,25 +64,35 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention block then pre-norm MLP block, each with a residual add."""
+    """Pre-norm attention block then pre-norm MLP block; each residual add is fused into the
+    next norm, so a layer takes and returns (block output, residual stream before it)."""
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, attn_backend: AttentionBackend, use_native_ops: bool
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, use_native_ops)
         self.self_attn = LlamaAttention(config, attn_backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, use_native_ops)
         self.mlp = LlamaMLP(config)
 
     def forward(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: RotaryBatch,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(hidden, rotary, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -93,16 +100,21 @@ class LlamaForCausalLM(nn.Module):
 
     Invariants: parameter names mirror HF's except the fused `qkv_proj` and `gate_up_proj`;
     with tied embeddings there is no lm_head parameter and logits use the embedding matrix.
+    `use_native_ops` (fused RMSNorm and rotary kernels) only where has_fused_ops(device).
     """
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, attn_backend: AttentionBackend, use_native_ops: bool = False
+    ) -> None:
         super().__init__()
         self.config = config
+        self.use_native_ops = use_native_ops
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attn_backend) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, attn_backend, use_native_ops)
+            for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_native_ops)
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -124,15 +136,27 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         # [num_tokens, hidden_size]
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        rotary = self.rotary.for_positions(positions, hidden.dtype, self.use_native_ops)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rotary, kv_cache, meta)
+        assert residual is not None, "a model has at least one layer"
+        return self.norm.add_and_norm(hidden, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden_size] → [n, vocab_size] float32 logits."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[n, hidden_size] → [n, vocab_size] float32 logits; on CPU written into `out` if given
+        (a reused buffer: a fresh one this large is mmap'd and page-faulted in every step)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        vocab_size = weight.shape[0]
+        if hidden.device.type != "cpu" or hidden.dtype != torch.float32:
+            return F.linear(hidden, weight).float()
+        logits = hidden.new_empty(hidden.shape[0], vocab_size) if out is None else out
+        # NOTE: GEMMs over vocab chunks keep each output tile in cache; measured ~25% faster
+        # than one [n, vocab_size] GEMM at n = 64-256 on CPU.
+        for start in range(0, vocab_size, LM_HEAD_CHUNK):
+            end = min(start + LM_HEAD_CHUNK, vocab_size)
+            torch.mm(hidden, weight[start:end].t(), out=logits[:, start:end])
+        return logits
 
 
 def load_model(
@@ -141,11 +165,15 @@ def load_model(
     dtype: torch.dtype,
     attn_backend: AttentionBackend,
 ) -> LlamaForCausalLM:
-    """Build the model from an HF directory, reading safetensors straight onto `device`."""
+    """Build the model from an HF directory, reading safetensors straight onto `device`.
+
+    The fused native ops come with the native attention backend, where they serve `device`.
+    """
     hf_dir = model.hf_dir if isinstance(model, ResolvedModel) else Path(model)
     config = ModelConfig.from_hf_dir(hf_dir)
+    use_native_ops = attn_backend.name == "native" and has_fused_ops(device)
     with torch.device("meta"):
-        llm = LlamaForCausalLM(config, attn_backend).to(dtype)
+        llm = LlamaForCausalLM(config, attn_backend, use_native_ops).to(dtype)
     llm.to_empty(device=device)
     llm.requires_grad_(False)
     weight_files = sorted(hf_dir.glob("*.safetensors"))

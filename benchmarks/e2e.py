@@ -1,0 +1,115 @@
+"""End to end: `vbatch run` (the CLI, in a subprocess) against HF `generate` and the GEMM bound.
+
+Writes the throughput workload to JSONL, times `vbatch run IN -o OUT --max-tokens N
+--temperature 0`, then HF `generate` at each batch size asked for (its best one is the baseline),
+and prints vbatch/HF and bound/achieved wall time, where the bound is the sum over requests of
+(prompt + output tokens) x FLOPs/token divided by the GEMM rate measured in this run (and a
+tighter one: prompt tokens without the LM head, at the 512-row prefill GEMM rate).
+
+python -m benchmarks.e2e [--num-prompts 128] [--max-tokens 128] [--threads 2]
+    [--hf-batch-sizes 32,64] [--skip-hf] [--show-progress]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.gemm_bound import flops_per_token, model_gemm_rate
+from benchmarks.throughput import run_hf
+from benchmarks.workload import make_messages, write_jsonl
+
+
+def run_cli(in_path: Path, out_path: Path, args: argparse.Namespace) -> dict[str, float]:
+    """Time one `vbatch run`; token counts come from the output rows' usage fields."""
+    cmd = [
+        sys.executable, "-m", "vbatch.cli", "run", str(in_path), "-o", str(out_path),
+        "--max-tokens", str(args.max_tokens), "--temperature", "0",
+        "--num-threads", str(args.threads), "--overwrite",
+    ]  # fmt: skip
+    if not args.show_progress:
+        cmd.append("--quiet")
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    start = time.perf_counter()
+    subprocess.run(
+        cmd, check=True, env=env, stdout=None if args.show_progress else subprocess.DEVNULL
+    )
+    wall = time.perf_counter() - start
+    prompt_tokens = output_tokens = 0
+    with open(out_path) as f:
+        for line in f:
+            row = json.loads(line)
+            prompt_tokens += row["prompt_tokens"]
+            output_tokens += row["completion_tokens"]
+    return {"wall_s": wall, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--hf-batch-sizes", default="32,64")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--show-progress", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    body_rate, head_rate = model_gemm_rate(64, repeats=5)
+    prefill_rate, _ = model_gemm_rate(512, repeats=5)
+    body_flops, head_flops = flops_per_token()
+    gemm_gflops = (body_flops + head_flops) / (body_flops / body_rate + head_flops / head_rate)
+    with tempfile.TemporaryDirectory() as tmp:
+        in_path = write_jsonl(Path(tmp) / "workload.jsonl", args.num_prompts)
+        ours = run_cli(in_path, Path(tmp) / "out.jsonl", args)
+    num_tokens = ours["prompt_tokens"] + ours["output_tokens"]
+    bound_s = num_tokens * (body_flops + head_flops) / (gemm_gflops * 1e9)
+    # NOTE: tighter: prompt tokens skip the LM head and run as 512-row GEMMs, outputs at batch 64.
+    tight_s = (
+        ours["prompt_tokens"] * body_flops / prefill_rate
+        + ours["output_tokens"] * (body_flops / body_rate + head_flops / head_rate)
+    ) / 1e9
+    ours_tok_s = ours["output_tokens"] / ours["wall_s"]
+    print(
+        f"workload: {args.num_prompts} chat prompts, max_tokens={args.max_tokens}, greedy, "
+        f"threads={args.threads}; GEMM rate {gemm_gflops:.0f} GFLOP/s at decode shapes"
+    )
+    print(
+        f"vbatch run: {ours['wall_s']:.1f} s, {ours['prompt_tokens']} prompt + "
+        f"{ours['output_tokens']} output tokens, {ours_tok_s:.1f} output tok/s; "
+        f"GEMM bound {bound_s:.1f} s, wall/bound = {ours['wall_s'] / bound_s:.2f} "
+        f"(tighter bound {tight_s:.1f} s, wall/tighter = {ours['wall_s'] / tight_s:.2f})"
+    )
+    if args.skip_hf:
+        return
+    from transformers import AutoTokenizer
+
+    from vbatch.models.loader import resolve_model
+
+    resolved = resolve_model(None)
+    tokenizer = AutoTokenizer.from_pretrained(resolved.hf_dir)
+    prompts = []
+    for messages in make_messages(args.num_prompts):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        prompts.append(list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids))
+    best = 0.0
+    for batch_size in (int(x) for x in args.hf_batch_sizes.split(",")):
+        hf = run_hf(str(resolved.hf_dir), prompts, args.max_tokens, batch_size)
+        best = max(best, hf["output_tok_s"])
+        print(
+            f"HF generate (batch {batch_size}): {hf['output_tok_s']:.1f} output tok/s, "
+            f"{hf['wall_s']:.1f} s"
+        )
+    print(f"vbatch/HF (best batch) = {ours_tok_s / best:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

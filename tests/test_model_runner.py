@@ -1,0 +1,100 @@
+"""Tests for ModelRunner: device and dtype choice, step batch building, and the CUDA path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from vbatch.config import EngineConfig
+from vbatch.engine.model_runner import ModelRunner, select_device, select_dtype
+from vbatch.engine.scheduler import SchedulerOutput
+from vbatch.engine.sequence import Sequence
+from vbatch.errors import ConfigError
+from vbatch.models.config import ModelConfig
+from vbatch.models.loader import resolve_model
+from vbatch.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+
+
+def make_runner(model_dir: Path, device: str = "cpu") -> ModelRunner:
+    config = EngineConfig(
+        model=str(model_dir), device=device, block_size=BLOCK_SIZE, num_kv_blocks=64
+    ).validate()
+    resolved = resolve_model(config.model)
+    return ModelRunner(config, resolved, ModelConfig.from_hf_dir(resolved.hf_dir))
+
+
+def make_seq(token_ids: list[int], num_computed: int, block_table: list[int]) -> Sequence:
+    seq = Sequence("r", token_ids, SamplingParams(temperature=0.0, max_tokens=8), 0, 0.0)
+    seq.num_computed_tokens = num_computed
+    seq.block_table.extend(block_table)
+    return seq
+
+
+def mixed_batch() -> SchedulerOutput:
+    """A decode at context 6, a prefill chunk that samples, and one that does not."""
+    decode = make_seq([5, 6, 7, 8, 9, 10], 5, [9, 3])
+    last_chunk = make_seq([11, 12, 13, 14, 15], 2, [7, 1])
+    first_chunk = make_seq(list(range(20, 30)), 0, [4])
+    return SchedulerOutput([decode, last_chunk, first_chunk], [1, 3, 4])
+
+
+def test_auto_dtype_is_float32_on_cpu() -> None:
+    # NOTE: bf16 matmul on a CPU without bf16 units is 50-400x slower than fp32.
+    assert select_dtype("auto", torch.device("cpu")) == torch.float32
+    assert select_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    assert select_dtype("float32", torch.device("cpu")) == torch.float32
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_without_a_device_is_a_config_error() -> None:
+    assert select_device("auto") == torch.device("cpu")
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        select_device("cuda")
+
+
+def test_prepare_builds_flat_batch(tiny_model_dir: Path) -> None:
+    runner = make_runner(tiny_model_dir)
+    assert runner.dtype == torch.float32
+    inputs = runner.prepare(mixed_batch())
+    assert inputs.input_ids.tolist() == [10, 13, 14, 15, 20, 21, 22, 23]
+    assert inputs.positions.tolist() == [5, 2, 3, 4, 0, 1, 2, 3]
+    meta = inputs.meta
+    assert meta.block_tables.tolist() == [[9, 3], [7, 1], [4, 0]]
+    # slot = block_table[pos // 4] * 4 + pos % 4
+    assert meta.slot_mapping.tolist() == [13, 30, 31, 4, 16, 17, 18, 19]
+    assert meta.query_start_loc.tolist() == [0, 1, 4, 8]
+    assert meta.seq_lens.tolist() == [6, 5, 4]
+    assert (meta.max_query_len, meta.max_seq_len) == (4, 6)
+    assert inputs.sample_rows == [0, 1]
+    assert inputs.logits_rows.tolist() == [0, 3]
+
+
+def test_execute_decode_batch_samples_each_seq(tiny_model_dir: Path) -> None:
+    runner = make_runner(tiny_model_dir)
+    seqs = [make_seq([3, 4, 5], 0, [i]) for i in range(3)]
+    token_ids, _ = runner.execute(SchedulerOutput(seqs, [3, 3, 3]))
+    assert len(token_ids) == 3 and len(set(token_ids)) == 1
+    for seq, token_id in zip(seqs, token_ids, strict=True):
+        seq.num_computed_tokens = 3
+        seq.append_token(token_id)
+    decoded, _ = runner.execute(SchedulerOutput(seqs, [1, 1, 1]))
+    assert len(decoded) == 3 and len(set(decoded)) == 1
+
+
+@pytest.mark.gpu
+def test_cuda_step_matches_cpu(tiny_model_dir: Path) -> None:
+    cpu, cuda = make_runner(tiny_model_dir), make_runner(tiny_model_dir, "cuda")
+    assert cuda.dtype in (torch.bfloat16, torch.float16)
+    batch = mixed_batch()
+    inputs = cuda.prepare(batch)
+    assert inputs.input_ids.is_cuda and inputs.meta.block_tables.is_cuda
+    assert inputs.logits_rows.tolist() == cpu.prepare(batch).logits_rows.tolist()
+    # NOTE: a second step reuses the pinned staging buffers; its inputs must be its own.
+    decode = make_seq([1, 2, 3], 2, [5])
+    assert cuda.prepare(SchedulerOutput([decode], [1])).input_ids.tolist() == [3]
+    token_ids, _ = cuda.execute(mixed_batch())
+    assert len(token_ids) == 2
