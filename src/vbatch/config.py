@@ -33,7 +33,6 @@ class EngineConfig:
     attention_backend: str = "auto"
     num_threads: int | None = None
     seed: int = 0
-    enable_cuda_graphs: bool = True
     startup_timeout_s: float = 600.0
 
     def validate(self) -> EngineConfig:
