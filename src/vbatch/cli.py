@@ -308,7 +308,9 @@ def status(
 
 
 def _settings(values: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in values.items() if v not in (None, [], False))
+    # NOTE: identity checks, because `0.0 in (False,)` is true and would hide temperature=0.
+    shown = {k: v for k, v in values.items() if v is not None and v is not False and v != []}
+    return ", ".join(f"{k}={v}" for k, v in shown.items())
 
 
 def main() -> None:
