@@ -56,7 +56,8 @@ SCRIPT = textwrap.dedent(
             pass
 
     start = time.perf_counter()
-    spec = JobSpec(input_path, workdir / "out.jsonl", model=str(workdir / "stand-in"),
+    (workdir / "stand-in.gguf").write_bytes(b"stand-in weights")
+    spec = JobSpec(input_path, workdir / "out.jsonl", model=str(workdir / "stand-in.gguf"),
                    sampling={"max_tokens": 2})
     outcome = start_job(spec, RunOptions(display="quiet"), llm_factory=ConstantLLM)
     elapsed = time.perf_counter() - start

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from vbatch.errors import InputError, JobStateError
+from vbatch.errors import InputError, JobStateError, ModelLoadError
 from vbatch.job.rows import ColumnOptions
 from vbatch.job.runner import JobSpec, RunOptions, job_dir_for, job_status, resume_job, start_job
 
@@ -200,6 +200,12 @@ def test_refusals_before_any_work(
             ),
             QUIET,
         )
+    good_input = write_jsonl(tmp_path / "good.jsonl", [{"id": "a", "prompt": "x"}])
+    for bad_model in (tmp_path / "no-such-model", tmp_path):
+        bad = spec(tmp_path, good_input, "bad-model.jsonl", bad_model)
+        with pytest.raises(ModelLoadError, match=str(bad_model)):
+            start_job(bad, QUIET)
+        assert not job_dir_for(bad.output_path).exists()
 
 
 def test_existing_job_refusal_resume_checks_retry_errors_and_force(

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vbatch.errors import JobStateError
+from vbatch.errors import JobStateError, ModelLoadError
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -49,11 +49,18 @@ def model_identity(model: str | None) -> dict[str, Any]:
     from vbatch.models.loader import default_model_path, hash_files
 
     path = default_model_path() if model is None else Path(model).expanduser().absolute()
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist")
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or (path.is_dir() and not (path / "config.json").is_file()):
+        raise ModelLoadError(
+            f"{path} is not a model: give a GGUF file or a Hugging Face directory with "
+            "config.json and *.safetensors"
+        )
     return {
         "source": str(path),
         "name": path.stem if path.is_file() else path.name,
-        "weights_hash": hash_files(files) if files and all(p.exists() for p in files) else None,
+        "weights_hash": hash_files(files),
     }
 
 
