@@ -1,0 +1,1 @@
+"""The client side of the engine: core process handling, tokenizer, detokenizer, outputs."""

@@ -1,0 +1,1 @@
+"""The batch job: readers, writers, the commit journal, and the run/resume lifecycle."""

@@ -1,0 +1,1 @@
+"""Model building blocks: paged attention backends, rotary embeddings, norms."""
