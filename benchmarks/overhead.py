@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import shutil
 import tempfile
 import time
@@ -26,32 +25,10 @@ PROMPT_LEN = 16
 
 def make_tiny_model(out_dir: Path) -> Path:
     """A random 2-layer, 64-wide Llama with SmolLM2's tokenizer (needs torch + transformers)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    from benchmarks.tiny_model import write_tiny_llama
     from vbatch.models.loader import resolve_model
 
-    smol = resolve_model(None)
-    generation = json.loads((smol.hf_dir / "generation_config.json").read_text())
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=generation["bos_token_id"],
-        eos_token_id=generation["eos_token_id"],
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out_dir, safe_serialization=True)
-    (out_dir / "generation_config.json").write_text(json.dumps(generation))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (smol.hf_dir / name).is_file():
-            shutil.copy(smol.hf_dir / name, out_dir / name)
-    return out_dir
+    return write_tiny_llama(out_dir, resolve_model(None).hf_dir, max_position_embeddings=1024)
 
 
 def engine_args(batch: int, max_tokens: int, backend: str) -> dict[str, Any]:

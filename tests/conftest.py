@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
+from benchmarks.tiny_model import write_tiny_llama
 from vbatch.models.loader import ResolvedModel, resolve_model
 
 if TYPE_CHECKING:
@@ -20,13 +20,6 @@ if TYPE_CHECKING:
 
 # NOTE: set at import so engine subprocesses spawned by tests inherit the same cache.
 os.environ.setdefault("VBATCH_CACHE_DIR", str(Path.home() / ".cache" / "vbatch-test"))
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "chat_template.jinja",
-    "special_tokens_map.json",
-)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -51,31 +44,7 @@ def smollm2() -> ResolvedModel:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2: ResolvedModel) -> Path:
     """A random-weight 2-layer Llama sharing SmolLM2's tokenizer (vocab 49152, tied)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out_dir = tmp_path_factory.mktemp("tiny-llama")
-    generation = json.loads((smollm2.hf_dir / "generation_config.json").read_text())
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=generation["bos_token_id"],
-        eos_token_id=generation["eos_token_id"],
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    for name in TOKENIZER_FILES:
-        if (smollm2.hf_dir / name).is_file():
-            shutil.copy(smollm2.hf_dir / name, out_dir / name)
-    return out_dir
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2.hf_dir)
 
 
 def build_attention_metadata(
