@@ -16,6 +16,7 @@ from vbatch.models.loader import ResolvedModel, resolve_model
 if TYPE_CHECKING:
     import torch
 
+    from vbatch.client.tokenizer import TextTokenizer
     from vbatch.layers.attention import AttentionMetadata
 
 # NOTE: set at import so engine subprocesses spawned by tests inherit the same cache.
@@ -99,11 +100,17 @@ def chat_messages() -> list[list[dict[str, str]]]:
 
 
 @pytest.fixture(scope="session")
-def prompts(smollm2: ResolvedModel, chat_messages: list[list[dict[str, str]]]) -> list[list[int]]:
-    """The example conversations rendered with SmolLM2's chat template, as token ids."""
+def tokenizer(smollm2: ResolvedModel) -> TextTokenizer:
+    """The client-side tokenizer of the default model."""
     from vbatch.client.tokenizer import TextTokenizer
 
-    return TextTokenizer.from_dir(smollm2.hf_dir).encode_chats(chat_messages)
+    return TextTokenizer.from_dir(smollm2.hf_dir)
+
+
+@pytest.fixture(scope="session")
+def prompts(tokenizer: TextTokenizer, chat_messages: list[list[dict[str, str]]]) -> list[list[int]]:
+    """The example conversations rendered with SmolLM2's chat template, as token ids."""
+    return tokenizer.encode_chats(chat_messages)
 
 
 @pytest.fixture(scope="session")

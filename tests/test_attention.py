@@ -11,7 +11,6 @@ import torch
 
 from vbatch.errors import ConfigError
 from vbatch.layers.attention import (
-    AttentionBackend,
     TorchAttentionBackend,
     get_attention_backend,
 )
@@ -110,16 +109,21 @@ def test_decode_only_batch_equals_one_by_one(make_attention_metadata: Callable) 
         torch.testing.assert_close(batched[i : i + 1], out, atol=1e-6, rtol=0)
 
 
-def test_get_attention_backend(caplog: pytest.LogCaptureFixture) -> None:
+def test_get_attention_backend(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vbatch.layers import native as native_module
+
     cpu = torch.device("cpu")
     assert isinstance(get_attention_backend("torch", cpu), TorchAttentionBackend)
+    if native_module.is_available():
+        assert get_attention_backend("native", cpu).name == "native"
+        assert get_attention_backend("auto", cpu).name == "native"
+    monkeypatch.setattr(native_module, "is_available", lambda: False)
     with caplog.at_level(logging.WARNING, logger="vbatch.layers.attention"):
-        native = get_attention_backend("native", cpu)
-    assert isinstance(native, AttentionBackend)
-    if isinstance(native, TorchAttentionBackend):
-        assert "native attention backend unavailable" in caplog.text
-    else:
-        assert native.name != "torch"
-    assert isinstance(get_attention_backend("auto", cpu), type(native))
+        fallback = get_attention_backend("native", cpu)
+    assert isinstance(fallback, TorchAttentionBackend)
+    assert "native attention backend unavailable" in caplog.text
+    assert isinstance(get_attention_backend("auto", cpu), TorchAttentionBackend)
     with pytest.raises(ConfigError, match="fast"):
         get_attention_backend("fast", cpu)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from vbatch.config import EngineConfig
@@ -11,9 +9,7 @@ from vbatch.engine.core import EngineCore
 from vbatch.protocol import AddRequest, FinishReason, TokenDelta, pack_token_ids
 from vbatch.sampling_params import SamplingParams
 
-EXAMPLES = Path(__file__).parents[1] / "examples" / "prompts.jsonl"
 NUM_TOKENS = 32
-TIE_TOLERANCE = 1e-4
 
 
 def run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -122,12 +118,13 @@ def test_finish_reasons_and_abort(smollm2, prompts) -> None:
     core.add_request(AddRequest("stoptok", pack_token_ids(prompts[0]), stop_params))
     core.add_request(AddRequest("abort", pack_token_ids(prompts[1]), GREEDY))
     deltas += core.step()
-    deltas += core.abort(["abort", "unknown"])
+    deltas += core.abort(["abort", "abort", "unknown"])
     while core.has_unfinished():
         deltas += core.step()
     final = {d.request_id: d for d in deltas if d.finish_reason is not None}
     assert final["len"].finish_reason == FinishReason.LENGTH
     assert final["abort"].finish_reason == FinishReason.ABORT
+    assert sum(d.request_id == "abort" and d.finish_reason is not None for d in deltas) == 1
     assert "unknown" not in final
     assert final["stoptok"].finish_reason == FinishReason.STOP
     assert final["stoptok"].stop_reason == stop_token

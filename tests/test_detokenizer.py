@@ -9,7 +9,6 @@ import pytest
 
 from vbatch.client.detokenizer import IncrementalDetokenizer
 from vbatch.client.tokenizer import TextTokenizer
-from vbatch.models.loader import ResolvedModel
 from vbatch.sampling_params import SamplingParams
 
 MULTIBYTE_TEXTS = [
@@ -18,11 +17,6 @@ MULTIBYTE_TEXTS = [
     "Emoji: 🎉🚀👩‍👩‍👧‍👦 and flags 🇫🇷🇯🇵 ok",
     "Mixed: ñ ü ß Ω ж 한국어 العربية 🙂 end",
 ]
-
-
-@pytest.fixture(scope="session")
-def tokenizer(smollm2: ResolvedModel) -> TextTokenizer:
-    return TextTokenizer.from_dir(smollm2.hf_dir)
 
 
 def reference_text(full: str, stops: Sequence[str], include_stop: bool) -> tuple[str, str | None]:

@@ -28,7 +28,7 @@ def make_runner(model_dir: Path, device: str = "cpu") -> ModelRunner:
 
 
 def make_seq(token_ids: list[int], num_computed: int, block_table: list[int]) -> Sequence:
-    seq = Sequence("r", token_ids, SamplingParams(temperature=0.0, max_tokens=8), 0, 0.0)
+    seq = Sequence("r", token_ids, SamplingParams(temperature=0.0, max_tokens=8), 0)
     seq.num_computed_tokens = num_computed
     seq.block_table.extend(block_table)
     return seq

@@ -62,11 +62,6 @@ def hf_tokenizer(hf_dir: Path):
     return AutoTokenizer.from_pretrained(hf_dir)
 
 
-@pytest.fixture(scope="session")
-def tokenizer(hf_dir: Path) -> TextTokenizer:
-    return TextTokenizer.from_dir(hf_dir)
-
-
 def test_import_does_not_pull_in_torch_or_transformers() -> None:
     code = (
         "import sys, vbatch.client.tokenizer, vbatch.client.detokenizer\n"

@@ -214,7 +214,6 @@ class LLM:
             live[rid] = RequestState(
                 request=req,
                 position=position,
-                params=params,
                 prompt_token_ids=prompt_ids,
                 detoks=[IncrementalDetokenizer(self.tokenizer, params) for _ in range(params.n)],
                 reasons=[None] * params.n,

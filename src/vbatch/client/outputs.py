@@ -59,7 +59,6 @@ class RequestState:
 
     request: Request
     position: int
-    params: SamplingParams
     prompt_token_ids: list[int]
     detoks: list[IncrementalDetokenizer]
     reasons: list[tuple[str, str | int | None] | None]

@@ -72,25 +72,20 @@ class EngineCore:
         params = req.sampling_params
         if req.request_id in self.requests:
             return [_error(req.request_id, f"request id {req.request_id!r} is already running")]
-        if not prompt_token_ids:
-            return [_error(req.request_id, "the prompt is empty")]
         reason = self.scheduler.check_prompt(len(prompt_token_ids), params)
         if reason is not None:
             return [_error(req.request_id, reason)]
         vocab_size = self.model_config.vocab_size
         if max(prompt_token_ids) >= vocab_size or min(prompt_token_ids) < 0:
             return [_error(req.request_id, f"prompt token ids must lie in [0, {vocab_size})")]
-        seqs = [
-            Sequence(req.request_id, prompt_token_ids, params, i, req.arrival_time)
-            for i in range(params.n)
-        ]
+        seqs = [Sequence(req.request_id, prompt_token_ids, params, i) for i in range(params.n)]
         self.requests[req.request_id] = seqs
         for seq in seqs:
             self.scheduler.add(seq)
         return []
 
     def abort(self, request_ids: list[str]) -> list[TokenDelta]:
-        live = [rid for rid in request_ids if rid in self.requests]
+        live = [rid for rid in dict.fromkeys(request_ids) if rid in self.requests]
         self.scheduler.abort(live)
         deltas = []
         for rid in live:

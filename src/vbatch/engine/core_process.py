@@ -90,7 +90,7 @@ def _serve(config: EngineConfig, in_q: queue.Queue, out_q: queue.Queue) -> int:
     except BaseException as e:
         out_q.put(StartupFailed(message=_describe(e), traceback=traceback.format_exc()))
         return 1
-    info = msgspec.structs.replace(core.info, pid=os.getpid())
+    info = core.info
     out_q.put(info)
     try:
         _busy_loop(core, in_q, out_q)

@@ -83,7 +83,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
         progress("loading model")
-        self.model = load_model(resolved, self.device, self.dtype, self.attn_backend)
+        self.model = load_model(resolved, self.device, self.dtype, self.attn_backend, model_config)
         progress("sizing KV cache")
         self.num_kv_blocks = self._num_kv_blocks()
         shape = (

@@ -26,7 +26,6 @@ class Sequence:
     """
 
     __slots__ = (
-        "arrival_time",
         "block_table",
         "finish_reason",
         "index",
@@ -49,7 +48,6 @@ class Sequence:
         prompt_token_ids: list[int],
         params: SamplingParams,
         index: int = 0,
-        arrival_time: float = 0.0,
     ) -> None:
         self.seq_id = next(_seq_counter)
         self.request_id = request_id
@@ -61,7 +59,6 @@ class Sequence:
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
         self.params = params
-        self.arrival_time = arrival_time
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
         self.last_emitted = self.num_prompt_tokens
@@ -91,25 +88,8 @@ class Sequence:
         return self.token_ids[: self.num_prompt_tokens]
 
     @property
-    def last_token_id(self) -> int:
-        return self.token_ids[-1]
-
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
-
-    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
-
-    @property
-    def is_prefill(self) -> bool:
-        """True while more than the last sampled token still needs computing."""
-        return self.num_uncomputed_tokens > 1
-
-    def num_blocks_needed(self, block_size: int, num_tokens: int | None = None) -> int:
-        n = self.num_tokens if num_tokens is None else num_tokens
-        return (n + block_size - 1) // block_size
 
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
         self.token_ids.append(token_id)

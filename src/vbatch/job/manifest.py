@@ -122,8 +122,9 @@ class Manifest:
         return reasons
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temp file in the same directory, fsync, rename, fsync the directory."""
+def write_atomic(path: Path, data: bytes, *, sync_dir: bool = True) -> None:
+    """Write to a temp file in the same directory, fsync, rename, then fsync the directory
+    unless `sync_dir` is false (a reader then sees the old or the new file, whole)."""
     from vbatch.job.journal import fsync_dir
 
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -136,4 +137,5 @@ def write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if sync_dir:
+        fsync_dir(path.parent)

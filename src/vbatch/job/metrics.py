@@ -130,7 +130,6 @@ class JobMetrics:
         self._run_start_t: float | None = None
         self._end_t: float | None = None
         self._num_rows = 0
-        self._num_errored = 0
         self._finish_reasons = dict.fromkeys(FINISH_REASONS, 0)
         self._errors_by_kind: dict[str, int] = {}
         self._prompt_tokens = 0
@@ -183,7 +182,6 @@ class JobMetrics:
             self._num_rows += 1
             self._finish_reasons[finish_reason] = self._finish_reasons.get(finish_reason, 0) + 1
             if finish_reason == "error":
-                self._num_errored += 1
                 kind = error_kind or "error"
                 self._errors_by_kind[kind] = self._errors_by_kind.get(kind, 0) + 1
             self._prompt_tokens += prompt_tokens
@@ -286,7 +284,7 @@ class JobMetrics:
             running_s=running_s,
             total_rows=self._total_rows,
             num_rows_done=num_done,
-            num_rows_errored=self._rows_errored_before + self._num_errored,
+            num_rows_errored=self._rows_errored_before + self._finish_reasons["error"],
             num_rows_remaining=remaining,
             rows_done_before=self._rows_done_before,
             finish_reasons=dict(self._finish_reasons),

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -18,6 +15,7 @@ from rich.live import Live
 
 from vbatch.dashboard import plain_line, render_dashboard, render_summary
 from vbatch.errors import ConfigError
+from vbatch.job.manifest import write_atomic
 from vbatch.job.metrics import JobMetrics, JobSnapshot
 
 MODES = ("auto", "live", "plain", "quiet")
@@ -26,17 +24,7 @@ METRICS_FILE_PERIOD_S = 1.0
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     """Replace `path` with `data` as JSON so that a reader sees the old or the new file, whole."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(orjson.dumps(data, option=orjson.OPT_INDENT_2))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, orjson.dumps(data, option=orjson.OPT_INDENT_2), sync_dir=False)
 
 
 def snapshot_to_json(snap: JobSnapshot) -> dict[str, Any]:

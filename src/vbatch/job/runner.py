@@ -13,7 +13,7 @@ from typing import Any
 
 from vbatch.errors import InputError, JobStateError
 from vbatch.job.finalize import finish_completion, tmp_output_path
-from vbatch.job.journal import Journal, read_journal
+from vbatch.job.journal import JOURNAL_NAME, JobState, Journal, read_journal
 from vbatch.job.manifest import Manifest, input_fingerprint, model_identity
 from vbatch.job.reader import InputReader, scan_input
 from vbatch.job.results import OUTPUT_COLUMNS
@@ -260,10 +260,9 @@ def _execute(
             )
         else:
             exit_code, message = 0, f"{output} is already complete"
-        if journal.state.complete is not None:
             finish_completion(job_dir, Path(manifest.output_path), journal.state)
         journal.close()
-        status = job_status(Path(manifest.output_path))
+        status = _status(job_dir, manifest, journal.state)
     finally:
         lock.release()
     if exit_code == 0 and options.clean:
@@ -276,8 +275,11 @@ def job_status(output: Path) -> dict[str, Any]:
     job_dir = job_dir_for(output)
     if not job_dir.is_dir():
         raise JobStateError(f"there is no job for {output} (no {job_dir})")
-    manifest = Manifest.load(job_dir)
-    state, _ = read_journal(job_dir / "journal.jsonl")
+    state, _ = read_journal(job_dir / JOURNAL_NAME)
+    return _status(job_dir, Manifest.load(job_dir), state)
+
+
+def _status(job_dir: Path, manifest: Manifest, state: JobState) -> dict[str, Any]:
     last = state.last_commit_time
     return {
         "output": manifest.output_path,

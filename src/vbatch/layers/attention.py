@@ -35,10 +35,6 @@ class AttentionMetadata:
     max_seq_len: int
 
     @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)
-
-    @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
 

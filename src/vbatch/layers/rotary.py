@@ -58,7 +58,6 @@ class RotaryEmbedding:
         rope_theta: float,
         rope_scaling: dict[str, Any] | None,
     ) -> None:
-        self.head_dim = head_dim
         self.max_positions = max_positions
         self.inv_freq = rope_inv_freq(head_dim, rope_theta, rope_scaling)
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -164,13 +164,14 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     attn_backend: AttentionBackend,
+    config: ModelConfig | None = None,
 ) -> LlamaForCausalLM:
     """Build the model from an HF directory, reading safetensors straight onto `device`.
 
     The fused native ops come with the native attention backend, where they serve `device`.
     """
     hf_dir = model.hf_dir if isinstance(model, ResolvedModel) else Path(model)
-    config = ModelConfig.from_hf_dir(hf_dir)
+    config = config or ModelConfig.from_hf_dir(hf_dir)
     use_native_ops = attn_backend.name == "native" and has_fused_ops(device)
     with torch.device("meta"):
         llm = LlamaForCausalLM(config, attn_backend, use_native_ops).to(dtype)
