@@ -56,9 +56,8 @@ def run(prompts: list[list[int]], args: argparse.Namespace, caching: bool) -> di
     for i, ids in enumerate(prompts):
         core.add_request(AddRequest(str(i), pack_token_ids(ids), params))
     while core.has_unfinished():
-        for delta in core.step():
-            if delta.finish_reason is not None:
-                cached_tokens[delta.request_id] = delta.num_cached_tokens
+        for finish in core.step().finished:
+            cached_tokens[finish.request_id] = finish.num_cached_tokens
     wall = time.perf_counter() - start
     stats = core.stats()
     return {

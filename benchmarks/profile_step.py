@@ -99,9 +99,9 @@ def profile_backend(args: argparse.Namespace, backend: str) -> dict[str, float]:
     for _ in range(args.steps):
         before = dict(timers.seconds)
         start = time.perf_counter()
-        deltas = core.step()
+        out = core.step()
         step_times.append(time.perf_counter() - start)
-        assert len(deltas) == args.batch, "every seq decodes one token per step"
+        assert len(out.token_ids) == args.batch, "every seq decodes one token per step"
         per_step.append({k: timers.seconds[k] - before.get(k, 0.0) for k in timers.seconds})
     result = {
         "backend": core.runner.attn_backend.name,

@@ -29,6 +29,7 @@ def run_vbatch(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             attention_backend=args.attention_backend,
+            quantization=getattr(args, "quantization", None),
         )
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -39,8 +40,9 @@ def run_vbatch(
     step_times = []
     while core.has_unfinished():
         t = time.perf_counter()
-        for delta in core.step():
-            outputs.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+        out = core.step()
+        for rid, token_id in zip(out.request_ids, out.token_ids, strict=True):
+            outputs.setdefault(rid, []).append(token_id)
         step_times.append(time.perf_counter() - t)
     wall = time.perf_counter() - start
     num_out = sum(len(v) for v in outputs.values())

@@ -35,6 +35,13 @@ def check_invariants(bm: BlockManager, live_seqs: list[Sequence]) -> None:
         if is_hashed:
             assert bm.hash_to_block[bm.block_hashes[block_id]] == block_id
     assert len(bm.hash_to_block) == sum(h is not None for h in bm.block_hashes)
+    rows = [seq.block_row for seq in live_seqs if seq.block_table]
+    assert len(set(rows)) == len(rows) and not set(rows) & set(bm._free_rows)
+    for seq in live_seqs:
+        if seq.block_table:
+            row = bm.tables[seq.block_row].tolist()
+            assert row == seq.block_table + [0] * (len(row) - len(seq.block_table))
+    assert not bm.tables[bm._free_rows].any()
 
 
 def admit(bm: BlockManager, seq: Sequence) -> None:
@@ -231,3 +238,18 @@ def test_hash_block_chains_the_parent() -> None:
 def test_module_is_torch_free() -> None:
     code = "import sys, vbatch.engine.block_manager; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_table_rows_grow_and_are_reused_zeroed() -> None:
+    bm = BlockManager(num_blocks=4000, block_size=2, enable_prefix_caching=False)
+    seqs = [make_seq(list(range(3, 40 + i))) for i in range(70)]
+    for seq in seqs:
+        admit(bm, seq)
+    assert bm.tables.shape[0] >= 70 and bm.tables.shape[1] >= len(seqs[-1].block_table) > 16
+    check_invariants(bm, seqs)
+    for seq in seqs[::2]:
+        bm.free(seq)
+    check_invariants(bm, seqs[1::2])
+    short = make_seq([5, 6, 7])
+    admit(bm, short)
+    check_invariants(bm, [*seqs[1::2], short])

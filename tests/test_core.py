@@ -6,7 +6,7 @@ import pytest
 
 from vbatch.config import EngineConfig
 from vbatch.engine.core import EngineCore
-from vbatch.protocol import AddRequest, FinishReason, TokenDelta, pack_token_ids
+from vbatch.protocol import AddRequest, EngineOutputs, FinishReason, SampleFinish, pack_token_ids
 from vbatch.sampling_params import SamplingParams
 
 NUM_TOKENS = 32
@@ -17,8 +17,9 @@ def run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> l
     for i, ids in enumerate(prompts):
         assert core.add_request(AddRequest(f"r{i}", pack_token_ids(ids), params)) == []
     while core.has_unfinished():
-        for delta in core.step():
-            tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+        out = core.step()
+        for rid, token_id in zip(out.request_ids, out.token_ids, strict=True):
+            tokens.setdefault(rid, []).append(token_id)
     return [tokens[f"r{i}"] for i in range(len(prompts))]
 
 
@@ -67,9 +68,8 @@ def test_seeded_sampling_is_batch_invariant(smollm2, prompts) -> None:
     core.add_request(AddRequest("target", pack_token_ids(prompts[0]), seeded))
     tokens: list[int] = []
     while core.has_unfinished():
-        for delta in core.step():
-            if delta.request_id == "target":
-                tokens.extend(delta.new_token_ids)
+        out = core.step()
+        tokens += [t for rid, t in zip(out.request_ids, out.token_ids) if rid == "target"]
     assert tokens == alone
 
 
@@ -80,10 +80,10 @@ def test_n_samples_share_prompt_blocks(smollm2, prompts) -> None:
     samples: dict[int, list[int]] = {}
     finished = set()
     while core.has_unfinished():
-        for delta in core.step():
-            samples.setdefault(delta.index, []).extend(delta.new_token_ids)
-            if delta.finish_reason is not None:
-                finished.add(delta.index)
+        out = core.step()
+        for index, token_id in zip(out.indices, out.token_ids, strict=True):
+            samples.setdefault(index, []).append(token_id)
+        finished.update(f.index for f in out.finished if f.request_id == "multi")
     assert finished == {0, 1, 2}
     assert all(len(v) == 8 for v in samples.values())
     assert len({tuple(v) for v in samples.values()}) > 1
@@ -96,9 +96,9 @@ def test_bad_requests_fail_alone(smollm2, prompts) -> None:
     too_long = core.add_request(AddRequest("long", pack_token_ids([5] * 80), GREEDY))
     empty = core.add_request(AddRequest("empty", pack_token_ids([]), GREEDY))
     bad_id = core.add_request(AddRequest("bad", pack_token_ids([10**6]), GREEDY))
-    for deltas in (too_long, empty, bad_id):
-        assert len(deltas) == 1 and deltas[0].finish_reason == FinishReason.ERROR
-        assert deltas[0].error
+    for finishes in (too_long, empty, bad_id):
+        assert len(finishes) == 1 and finishes[0].finish_reason == FinishReason.ERROR
+        assert finishes[0].error
     assert "64" in too_long[0].error
     short = [5, 6, 7]
     got = run(core, [short], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
@@ -110,23 +110,44 @@ def test_finish_reasons_and_abort(smollm2, prompts) -> None:
     ref_tokens = run(core, prompts[:1], GREEDY)[0]
     stop_pos = next(p for p in range(3, NUM_TOKENS) if ref_tokens[p] not in ref_tokens[:p])
     stop_token = ref_tokens[stop_pos]
-    deltas: list[TokenDelta] = []
+    steps: list[EngineOutputs] = []
+    finishes: list[SampleFinish] = []
     core.add_request(AddRequest("len", pack_token_ids(prompts[0]), GREEDY))
     stop_params = SamplingParams(
         temperature=0.0, max_tokens=NUM_TOKENS, stop_token_ids=[stop_token]
     )
     core.add_request(AddRequest("stoptok", pack_token_ids(prompts[0]), stop_params))
     core.add_request(AddRequest("abort", pack_token_ids(prompts[1]), GREEDY))
-    deltas += core.step()
-    deltas += core.abort(["abort", "abort", "unknown"])
+    steps.append(core.step())
+    finishes += core.abort(["abort", "abort", "unknown"])
     while core.has_unfinished():
-        deltas += core.step()
-    final = {d.request_id: d for d in deltas if d.finish_reason is not None}
+        steps.append(core.step())
+    finishes += [f for out in steps for f in out.finished]
+    final = {f.request_id: f for f in finishes}
+    assert len(finishes) == len(final) == 3
     assert final["len"].finish_reason == FinishReason.LENGTH
     assert final["abort"].finish_reason == FinishReason.ABORT
-    assert sum(d.request_id == "abort" and d.finish_reason is not None for d in deltas) == 1
-    assert "unknown" not in final
     assert final["stoptok"].finish_reason == FinishReason.STOP
     assert final["stoptok"].stop_reason == stop_token
-    stop_tokens = [t for d in deltas if d.request_id == "stoptok" for t in d.new_token_ids]
+    stop_tokens = [
+        t for out in steps for rid, t in zip(out.request_ids, out.token_ids) if rid == "stoptok"
+    ]
     assert stop_tokens == ref_tokens[: stop_pos + 1]
+
+
+def test_abort_mid_step_drops_its_token(smollm2, prompts) -> None:
+    core = EngineCore(EngineConfig(model=str(smollm2.hf_dir)))
+    for rid, ids in (("keep", prompts[0]), ("drop", prompts[1])):
+        core.add_request(AddRequest(rid, pack_token_ids(ids), GREEDY))
+    core.step()
+    execute = core.runner.execute
+
+    def execute_then_abort(out):  # the client's abort lands while the forward runs
+        result = execute(out)
+        assert [f.request_id for f in core.abort(["drop"])] == ["drop"]
+        return result
+
+    core.runner.execute = execute_then_abort
+    out = core.step()
+    assert out.request_ids == ["keep"] and len(out.token_ids) == 1 and out.finished == []
+    assert core.scheduler.running and all(s.request_id == "keep" for s in core.scheduler.running)

@@ -79,10 +79,11 @@ def test_handshake_serves_requests_and_shuts_down_cleanly(tiny_model_dir: Path) 
         tokens: list[int] = []
         finish = None
         while finish is None:
-            for delta in client.get_outputs(timeout=30):
-                assert delta.request_id == "a"
-                tokens.extend(delta.new_token_ids)
-                finish = delta.finish_reason
+            for out in client.get_outputs(timeout=30):
+                assert not out.is_empty and set(out.request_ids) <= {"a"}
+                tokens += out.token_ids
+                if out.finished:
+                    (finish,) = (f.finish_reason for f in out.finished)
         assert finish == FinishReason.LENGTH
         assert len(tokens) == 5
         stats = client.get_stats()

@@ -19,6 +19,7 @@ from vbatch.protocol import (
     EngineOutputs,
     FinishReason,
     Ready,
+    SampleFinish,
     Shutdown,
     StartupFailed,
     StartupProgress,
@@ -85,36 +86,40 @@ def core(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     client.close()
 
 
-def collect(core: RawClient, until: set[str]) -> dict[str, list]:
-    """Read outputs until every id in `until` has finished; deltas grouped by request id."""
-    seen: dict[str, list] = {}
-    finished: set[str] = set()
-    while not until <= finished:
+def collect(
+    core: RawClient, until: set[str]
+) -> tuple[dict[str, list[int]], dict[str, SampleFinish]]:
+    """Read outputs until every id in `until` has finished: tokens and finishes by request id."""
+    tokens: dict[str, list[int]] = {}
+    finished: dict[str, SampleFinish] = {}
+    while not until <= finished.keys():
         msg = core.recv()
         if not isinstance(msg, EngineOutputs):
             continue
-        for delta in msg.outputs:
-            seen.setdefault(delta.request_id, []).append(delta)
-            if delta.finish_reason is not None:
-                finished.add(delta.request_id)
-    return seen
+        for rid, token_id in zip(msg.request_ids, msg.token_ids, strict=True):
+            assert rid not in finished, "a token after its sample finished"
+            tokens.setdefault(rid, []).append(token_id)
+        for finish in msg.finished:
+            assert finish.request_id not in finished, "one finish per sample"
+            finished[finish.request_id] = finish
+    return tokens, finished
 
 
-def test_requests_stream_compact_deltas(core: RawClient) -> None:
+def test_requests_stream_compact_outputs(core: RawClient) -> None:
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     core.send(AddRequest("x", pack_token_ids([5, 6, 7]), params))
-    deltas = collect(core, {"x"})["x"]
-    assert sum(len(d.new_token_ids) for d in deltas) == 6
-    assert deltas[-1].finish_reason == FinishReason.LENGTH
-    assert all(d.finish_reason is None for d in deltas[:-1])
+    tokens, finished = collect(core, {"x"})
+    assert len(tokens["x"]) == 6
+    assert finished["x"].finish_reason == FinishReason.LENGTH
 
 
-def test_prompt_too_long_is_an_error_delta_not_a_crash(core: RawClient) -> None:
+def test_prompt_too_long_is_an_error_finish_not_a_crash(core: RawClient) -> None:
     params = SamplingParams(max_tokens=4)
     core.send(AddRequest("long", pack_token_ids([1] * 600), params))
-    (delta,) = collect(core, {"long"})["long"]
-    assert delta.finish_reason == FinishReason.ERROR
-    assert delta.error
+    tokens, finished = collect(core, {"long"})
+    assert "long" not in tokens
+    assert finished["long"].finish_reason == FinishReason.ERROR
+    assert finished["long"].error
     assert core.proc.is_alive()
 
 
@@ -122,9 +127,9 @@ def test_abort_lands_before_the_next_step(core: RawClient) -> None:
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     core.send(AddRequest("slow", pack_token_ids([1, 2]), params))
     core.send(Abort(["slow"]))
-    deltas = collect(core, {"slow"})["slow"]
-    assert deltas[-1].finish_reason == FinishReason.ABORT
-    assert sum(len(d.new_token_ids) for d in deltas) < 400
+    tokens, finished = collect(core, {"slow"})
+    assert finished["slow"].finish_reason == FinishReason.ABORT
+    assert len(tokens.get("slow", [])) < 400
 
 
 def test_stats_arrive_periodically_and_by_utility(core: RawClient) -> None:

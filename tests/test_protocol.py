@@ -12,11 +12,11 @@ from vbatch.protocol import (
     EngineOutputs,
     FinishReason,
     Ready,
+    SampleFinish,
     SchedulerStats,
     Shutdown,
     StartupFailed,
     StartupProgress,
-    TokenDelta,
     TokenLogprobs,
     Utility,
     UtilityResult,
@@ -53,23 +53,19 @@ CORE_MESSAGES = [
     ),
     StartupFailed("model path /x does not exist", "Traceback ..."),
     StartupProgress("loading model"),
-    EngineOutputs([], None, 0.0),
+    EngineOutputs(),
     EngineOutputs(
-        [
-            TokenDelta("r1", [5, 6]),
-            TokenDelta(
-                "r2",
-                [7],
-                index=1,
-                new_logprobs=[TokenLogprobs(-0.5, [7, 8], [-0.5, -1.5])],
-                finish_reason=FinishReason.STOP,
-                stop_reason=2,
-                num_cached_tokens=16,
-            ),
-            TokenDelta("r3", [], finish_reason=FinishReason.ERROR, error="prompt too long"),
+        request_ids=["r1", "r2"],
+        indices=[0, 1],
+        token_ids=[5, 7],
+        logprobs=[None, TokenLogprobs(-0.5, [7, 8], [-0.5, -1.5])],
+        finished=[
+            SampleFinish("r2", FinishReason.STOP, index=1, stop_reason=2, num_cached_tokens=16),
+            SampleFinish("r3", FinishReason.ERROR, error="prompt too long"),
         ],
-        STATS,
-        1700000000.5,
+        num_cached_tokens={"r1": 32},
+        stats=STATS,
+        timestamp=1700000000.5,
     ),
     UtilityResult(7, result=STATS),
     UtilityResult(8, error="unknown utility method 'x'"),
@@ -92,10 +88,10 @@ def test_core_messages_round_trip(msg: msgspec.Struct) -> None:
 
 
 def test_finish_reason_decodes_as_enum_and_prints_lowercase() -> None:
-    msg = EngineOutputs([TokenDelta("r", [1], finish_reason=FinishReason.LENGTH)])
-    delta = client_decoder.decode(encoder.encode(msg)).outputs[0]
-    assert delta.finish_reason is FinishReason.LENGTH
-    assert str(delta.finish_reason) == "length"
+    msg = EngineOutputs(finished=[SampleFinish("r", FinishReason.LENGTH)])
+    finish = client_decoder.decode(encoder.encode(msg)).finished[0]
+    assert finish.finish_reason is FinishReason.LENGTH
+    assert str(finish.finish_reason) == "length"
 
 
 def test_decoders_reject_the_other_direction() -> None:
@@ -113,6 +109,8 @@ def test_token_ids_pack_compactly() -> None:
 
 
 def test_decode_step_is_compact_on_the_wire() -> None:
-    # NOTE: array_like structs carry no field names: a decode step costs ~14 bytes a sequence.
-    step = EngineOutputs([TokenDelta(str(i), [4567]) for i in range(256)], timestamp=1.0)
-    assert len(encoder.encode(step)) < 16 * 256
+    # NOTE: columnar and array_like: a decode step costs ~8 bytes a sequence.
+    ids = [str(i) for i in range(256)]
+    step = EngineOutputs(ids, [0] * 256, [4567] * 256, timestamp=1.0)
+    assert len(encoder.encode(step)) < 9 * 256
+    assert not step.is_empty and EngineOutputs(stats=STATS).is_empty

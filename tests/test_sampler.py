@@ -16,9 +16,12 @@ from vbatch.engine.sampler import (
     SamplingMetadata,
     _apply_penalties,
     _draw,
+    _keep_prefix,
     _nucleus_groups,
     _search,
     free_generators,
+    to_device,
+    to_host,
 )
 from vbatch.engine.sequence import Sequence
 from vbatch.sampling_params import SamplingParams
@@ -99,6 +102,79 @@ def test_metadata_skips_unneeded_transforms() -> None:
     assert meta.restricted_rows is None and not meta.needs_full_mass
     meta = SamplingMetadata.build(make_seqs(SamplingParams(min_p=0.1)), CPU, VOCAB, {})
     assert meta.top_k is None and meta.min_p is not None
+
+
+def test_plain_greedy_batch_builds_no_tensors() -> None:
+    greedy = SamplingParams(temperature=0.0)
+    meta = SamplingMetadata.build(make_seqs(*[greedy] * 4), CPU, VOCAB, {}, eos_token_ids=[2])
+    assert meta == SamplingMetadata(num_rows=4, vocab_size=VOCAB)
+    # NOTE: a min_tokens a row has already reached needs nothing either.
+    reached = make_seqs(SamplingParams(temperature=0.0, min_tokens=1), greedy)
+    reached[0].append_token(7)
+    assert SamplingMetadata.build(reached, CPU, VOCAB, {}, [2]) == SamplingMetadata(2, VOCAB)
+    pending = SamplingMetadata.build(make_seqs(greedy, reached[0].params), CPU, VOCAB, {}, [2])
+    assert pending.banned is not None and pending.banned[0].tolist() == [1]
+    for other in (
+        SamplingParams(temperature=0.0, logprobs=1),
+        SamplingParams(temperature=0.0, repetition_penalty=1.1),
+        SamplingParams(temperature=0.0, presence_penalty=0.1),
+        SamplingParams(temperature=0.0, frequency_penalty=0.1),
+        SamplingParams(),
+    ):
+        seqs = make_seqs(greedy, other)
+        seqs[1].append_token(5)
+        assert SamplingMetadata.build(seqs, CPU, VOCAB, {}) != SamplingMetadata(2, VOCAB), other
+
+
+def test_top_p_alone_checks_candidate_widths() -> None:
+    """Only top-p can widen the candidates (a wait for the device on CUDA); top-k and min-p
+    settle every row at the first width."""
+    logits = torch.randn(3, VOCAB)
+    rows = torch.arange(3)
+    weights = (logits.topk(50).values - logits.amax(-1, keepdim=True)).exp()
+    for params, can_be_short in [
+        (SamplingParams(top_k=50, min_p=0.1), False),
+        (SamplingParams(top_p=0.9), True),
+    ]:
+        meta = SamplingMetadata.build(make_seqs(*[params] * 3), CPU, VOCAB, {})
+        _, is_short = _keep_prefix(weights, meta, rows, None)
+        assert (is_short is not None) == can_be_short
+        groups = list(_nucleus_groups(logits, meta))
+        assert sorted(torch.cat([g[0] for g in groups]).tolist()) == [0, 1, 2]
+
+
+def test_host_copies_are_the_tensors_on_cpu() -> None:
+    values = torch.arange(5)
+    assert to_device(values, CPU) is values
+    assert to_host([values])[0] is values
+
+
+@pytest.mark.gpu
+def test_sampler_never_waits_for_the_gpu() -> None:
+    cuda = torch.device("cuda")
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=1.2),
+        SamplingParams(top_k=20, min_p=0.05, seed=1, presence_penalty=0.5),
+        SamplingParams(min_p=0.1, frequency_penalty=0.3, min_tokens=4, stop_token_ids=[9]),
+    ]
+    seqs = make_seqs(*params)
+    logits = torch.randn(len(seqs), VOCAB, device=cuda)
+    cpu_meta = SamplingMetadata.build(seqs, CPU, VOCAB, {}, [2])
+    expected = Sampler()(logits.cpu(), cpu_meta).to_host()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for subset in (seqs[:1], seqs[:2], seqs):
+            meta = SamplingMetadata.build(subset, cuda, VOCAB, {}, [2])
+            out = Sampler()(logits[: len(subset)], meta)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    token_ids, logprobs = out.to_host()
+    assert token_ids[:2] == expected[0][:2]
+    assert logprobs is not None and expected[1] is not None
+    assert logprobs[1] is not None and expected[1][1] is not None
+    assert logprobs[1].top_token_ids == expected[1][1].top_token_ids
 
 
 FILTERS = [
@@ -307,22 +383,22 @@ def test_logprobs_are_raw_and_sorted() -> None:
     logits = torch.randn(len(params), VOCAB)
     logits[0, 2] = 8.0  # NOTE: a prompt token: the penalty would move its logprob a lot
     meta = SamplingMetadata.build(make_seqs(*params), CPU, VOCAB, {})
-    out = Sampler()(logits, meta)
-    assert out.logprobs is not None and out.logprobs[0] is not None
-    assert out.logprobs[0].top_token_ids[0] == 2
+    assert meta.logprob_rows_cpu == [0, 2, 3] and meta.num_logprobs == [5, 0, 20]
+    token_ids, logprobs = Sampler()(logits, meta).to_host()
+    assert logprobs is not None and logprobs[0] is not None
+    assert logprobs[0].top_token_ids[0] == 2
     raw = torch.log_softmax(logits.double(), dim=-1)
-    assert out.logprobs[1] is None
+    assert logprobs[1] is None
     for row, p in enumerate(params):
-        lp = out.logprobs[row]
+        lp = logprobs[row]
         if p.logprobs is None:
             continue
         assert lp is not None
-        assert lp.logprob == pytest.approx(raw[row, out.token_ids[row]].item(), abs=1e-4)
+        assert lp.logprob == pytest.approx(raw[row, token_ids[row]].item(), abs=1e-4)
         top_vals, top_ids = raw[row].topk(p.logprobs)
         assert lp.top_token_ids == top_ids.tolist()
         assert lp.top_logprobs == pytest.approx(top_vals.tolist(), abs=1e-4)
         assert lp.top_logprobs == sorted(lp.top_logprobs, reverse=True)
-    no_logprobs = make_seqs(SamplingParams())
-    assert (
-        Sampler()(logits[:1], SamplingMetadata.build(no_logprobs, CPU, VOCAB, {})).logprobs is None
-    )
+    no_logprobs = SamplingMetadata.build(make_seqs(SamplingParams()), CPU, VOCAB, {})
+    out = Sampler()(logits[:1], no_logprobs)
+    assert out.chosen_logprobs is None and out.to_host()[1] is None

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from vbatch.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from vbatch.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepUpdate
 from vbatch.engine.sequence import Sequence, SequenceStatus
 from vbatch.protocol import FinishReason, TokenLogprobs
 from vbatch.sampling_params import SamplingParams
@@ -53,6 +53,9 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
         assert len(seq.block_table) * config.block_size >= seq.num_computed_tokens + num_new
         assert is_sampling == (seq.num_computed_tokens + num_new == seq.num_tokens)
     bm = sched.block_manager
+    assert out.block_tables is bm.tables
+    for seq, row in zip(out.seqs, out.block_rows, strict=True):
+        assert bm.tables[row, : len(seq.block_table)].tolist() == seq.block_table
     ref_counts = [0] * bm.num_blocks
     for seq in sched.running:
         for block_id in seq.block_table:
@@ -63,10 +66,15 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
 
 
 def step(sched: Scheduler, token_fn=fake_token) -> tuple[SchedulerOutput, list[Sequence]]:
+    """One scheduled and applied step; returns it and the seqs that got a token."""
     out = sched.schedule()
     check_step(sched, out)
     tokens = [token_fn(out.seqs[i]) for i in out.sampling_indices]
-    return out, sched.update(out, tokens)
+    update = sched.update(out, tokens)
+    assert update.token_ids == tokens and len(update.seqs) == len(tokens)
+    assert {s.seq_id for s in update.finished} <= {s.seq_id for s in update.seqs}
+    assert all(s.is_finished for s in update.finished)
+    return out, update.seqs
 
 
 def run_to_end(sched: Scheduler, token_fn=fake_token, max_steps: int = 10_000) -> int:
@@ -254,8 +262,9 @@ def test_update_returns_seqs_with_tokens_and_logprobs() -> None:
     out = sched.schedule()
     assert out.num_new_tokens == [2, 2] and out.sampling_indices == [0]
     logprob = TokenLogprobs(logprob=-0.5, top_token_ids=[11], top_logprobs=[-0.5])
-    assert sched.update(out, [11], [logprob]) == [a]
-    assert a.take_new_tokens() == ([11], [logprob]) and a.finish_reason == FinishReason.LENGTH
+    update = sched.update(out, [11], [logprob])
+    assert update == StepUpdate([a], [11], [logprob], finished=[a], started=[a])
+    assert a.output_token_ids == [11] and a.finish_reason == FinishReason.LENGTH
     assert b.num_computed_tokens == 2 and b.num_output_tokens == 0
     with pytest.raises(AssertionError):
         sched.update(sched.schedule(), [1, 2])
@@ -269,14 +278,14 @@ def test_abort_waiting_and_running_samples() -> None:
     step(sched)
     assert sched.running == [running, pair[0]] and list(sched.waiting) == [pair[1], other]
 
-    aborted = sched.abort(["pair", "pair", "missing"])
-    assert aborted == pair
+    sched.abort(pair)
     assert all(s.finish_reason == FinishReason.ABORT and s.block_table == [] for s in pair)
     assert sched.running == [running] and list(sched.waiting) == [other]
     out, _ = step(sched)
     assert out.seqs == [running, other]
 
-    assert sched.abort(["run"]) == [running]
+    sched.abort([running, pair[0]])
+    assert pair[0].finish_reason == FinishReason.ABORT
     run_to_end(sched)
     assert running.finish_reason == FinishReason.ABORT and other.num_output_tokens == 2
 
@@ -286,8 +295,10 @@ def test_abort_between_schedule_and_update_drops_its_token() -> None:
     a = add(sched, "a", [3, 4], max_tokens=5)
     b = add(sched, "b", [5, 6], max_tokens=5)
     out = sched.schedule()
-    sched.abort(["a"])
-    assert sched.update(out, [11, 12]) == [b]
+    sched.abort([a])
+    logprobs = [TokenLogprobs(-1.0, [], []), TokenLogprobs(-2.0, [], [])]
+    update = sched.update(out, [11, 12], logprobs)
+    assert update == StepUpdate([b], [12], logprobs[1:], finished=[], started=[b])
     assert b.output_token_ids == [12] and a.output_token_ids == []
 
 
@@ -343,7 +354,7 @@ def test_empty_schedule_and_stats() -> None:
     sched = make_scheduler()
     out = sched.schedule()
     assert out.is_empty and out.num_batched_tokens == 0 and out.sampling_indices == []
-    assert sched.update(out, []) == []
+    assert sched.update(out, []) == StepUpdate([], [], None, [], [])
     add(sched, "a", [3, 4, 5], max_tokens=1)
     assert sched.has_unfinished() and sched.stats().num_waiting == 1
     run_to_end(sched)

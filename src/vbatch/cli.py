@@ -121,6 +121,25 @@ def run(
     num_threads: Annotated[
         int | None, typer.Option(help="CPU threads for the engine.", rich_help_panel=ENGINE)
     ] = None,
+    quantization: Annotated[
+        str | None,
+        typer.Option(
+            help="int8: int8 weights and activations in the decoder's linears (CPU).",
+            rich_help_panel=ENGINE,
+        ),
+    ] = None,
+    enforce_eager: Annotated[
+        bool,
+        typer.Option(
+            "--enforce-eager",
+            help="On CUDA, run decode eagerly instead of replaying CUDA graphs.",
+            rich_help_panel=ENGINE,
+        ),
+    ] = False,
+    max_graph_batch_size: Annotated[
+        int | None,
+        typer.Option(help="Largest decode batch captured as a CUDA graph.", rich_help_panel=ENGINE),
+    ] = None,
     max_tokens: Annotated[
         int, typer.Option(help="Most generated tokens per row.", rich_help_panel=SAMPLING)
     ] = 256,
@@ -202,6 +221,9 @@ def run(
         kv_cache_memory_gb=kv_cache_memory,
         attention_backend=attention_backend,
         num_threads=num_threads,
+        quantization=quantization,
+        enforce_eager=enforce_eager or None,
+        max_graph_batch_size=max_graph_batch_size,
     )
     sampling = {
         "max_tokens": max_tokens,

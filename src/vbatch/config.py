@@ -10,6 +10,7 @@ from vbatch.errors import ConfigError
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "native")
+QUANTIZATION_METHODS = ("int8",)
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,8 @@ class EngineConfig:
     """Everything the engine core needs to start. `model` is a resolved path (HF dir or GGUF).
 
     Invariants after validate(): limits are positive; `max_num_batched_tokens >= block_size`.
+    On CUDA, decode steps of up to min(max_num_seqs, max_graph_batch_size) sequences replay
+    captured CUDA graphs unless `enforce_eager`; other devices always run eagerly.
     """
 
     model: str | None = None
@@ -31,8 +34,11 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    quantization: str | None = None
     num_threads: int | None = None
     seed: int = 0
+    enforce_eager: bool = False
+    max_graph_batch_size: int = 256
     startup_timeout_s: float = 600.0
 
     def validate(self) -> EngineConfig:
@@ -45,7 +51,12 @@ class EngineConfig:
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                 f"got {self.attention_backend!r}"
             )
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_graph_batch_size",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.block_size:
@@ -56,6 +67,13 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ConfigError(f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError(
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
+                f"got {self.quantization!r}"
+            )
+        if self.quantization is not None and self.device == "cuda":
+            raise ConfigError(f"{self.quantization} quantization runs on CPU only")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         return self

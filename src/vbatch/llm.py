@@ -24,9 +24,9 @@ from vbatch.config import EngineConfig
 from vbatch.errors import VbatchError
 from vbatch.protocol import (
     AddRequest,
+    EngineOutputs,
     Ready,
     SchedulerStats,
-    TokenDelta,
     pack_token_ids,
 )
 from vbatch.sampling_params import SamplingParams
@@ -67,7 +67,7 @@ class LLM:
 
     Invariants: at most `max_in_flight` requests are in the core at once; one stream runs at a
     time (a second concurrent stream raises); request ids sent to the core are unique per LLM,
-    so late deltas of aborted requests are recognised and dropped.
+    so late outputs of aborted requests are recognised and dropped.
     """
 
     def __init__(
@@ -178,8 +178,8 @@ class LLM:
                         break
                     continue
                 is_filling = not is_exhausted and len(live) < self.max_in_flight
-                deltas = self._client.get_outputs(timeout=0.0 if is_filling else None)
-                self._collect(deltas, live, ready)
+                steps = self._client.get_outputs(timeout=0.0 if is_filling else None)
+                self._collect(steps, live, ready)
             if callbacks is not None:
                 callbacks.close()
         finally:
@@ -253,22 +253,40 @@ class LLM:
 
     def _collect(
         self,
-        deltas: list[TokenDelta],
+        steps: list[EngineOutputs],
         live: dict[str, RequestState],
         ready: list[tuple[int, RequestOutput]],
     ) -> None:
-        """Apply token deltas; finished requests move to `ready`, stop-string hits are aborted."""
+        """Apply the core's outputs; finished requests move to `ready`, stop-string hits are
+        aborted."""
         aborts = []
-        for delta in deltas:
-            entry = live.get(delta.request_id)
-            if entry is None:
-                continue
-            entry.apply(delta)
-            if entry.is_done:
-                del live[delta.request_id]
+        done: list[str] = []
+        for step in steps:
+            for rid, num_cached in step.num_cached_tokens.items():
+                entry = live.get(rid)
+                if entry is not None:
+                    entry.num_cached_tokens = max(entry.num_cached_tokens, num_cached)
+            logprobs = step.logprobs or itertools.repeat(None)
+            for rid, index, token_id, token_logprobs in zip(
+                step.request_ids, step.indices, step.token_ids, logprobs
+            ):
+                entry = live.get(rid)
+                if entry is not None and entry.add_token(index, token_id, token_logprobs):
+                    done.append(rid)
+            for finish in step.finished:
+                entry = live.get(finish.request_id)
+                if entry is not None:
+                    entry.finish(finish)
+                    done.append(finish.request_id)
+            for rid in done:
+                entry = live.get(rid)
+                if entry is None or not entry.is_done:
+                    continue
+                del live[rid]
                 if entry.num_core_live > 0:
-                    aborts.append(delta.request_id)
+                    aborts.append(rid)
                 ready.append((entry.position, entry.to_output()))
+            done.clear()
         if aborts:
             self._client.abort(aborts)
 

@@ -64,14 +64,12 @@ class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
     top_logprobs: list[float]
 
 
-class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """New tokens for one sample (`index`) of one request since the last step."""
+class SampleFinish(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Sample `index` of a request ended; it gets no token after this."""
 
     request_id: str
-    new_token_ids: list[int]
+    finish_reason: FinishReason
     index: int = 0
-    new_logprobs: list[TokenLogprobs] | None = None
-    finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     num_cached_tokens: int = 0
     error: str | None = None
@@ -117,9 +115,26 @@ class StartupProgress(_Msg, tag=12):
 
 
 class EngineOutputs(_Msg, tag=13):
-    outputs: list[TokenDelta]
+    """One or more core steps' results, columnar: entry j says sample `indices[j]` of request
+    `request_ids[j]` sampled `token_ids[j]`, with `logprobs[j]` when any entry asked for them.
+
+    Entries keep step order; `finished` samples ended after their last entry here.
+    `num_cached_tokens` maps a request to its prompt-cache hit when a sample of it got its first
+    token here (a finish carries its own).
+    """
+
+    request_ids: list[str] = msgspec.field(default_factory=list)
+    indices: list[int] = msgspec.field(default_factory=list)
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] | None = None
+    finished: list[SampleFinish] = msgspec.field(default_factory=list)
+    num_cached_tokens: dict[str, int] = msgspec.field(default_factory=dict)
     stats: SchedulerStats | None = None
     timestamp: float = 0.0
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.request_ids or self.finished)
 
 
 class UtilityResult(_Msg, tag=14):

@@ -33,7 +33,6 @@ from vbatch.protocol import (
     Shutdown,
     StartupFailed,
     StartupProgress,
-    TokenDelta,
     Utility,
     UtilityResult,
     client_decoder,
@@ -50,7 +49,7 @@ _MAIN_GUARD_HINT = (
 
 
 class EngineCoreClient:
-    """The user-side end of the engine core: submit requests, read token deltas, shut down.
+    """The user-side end of the engine core: submit requests, read step outputs, shut down.
 
     Invariants: only the socket thread touches zmq sockets and spawns/joins the core; the user's
     thread talks to it through `_send_q` plus a wake pipe and reads `_result_q`; once `_dead` is
@@ -98,8 +97,8 @@ class EngineCoreClient:
             self._send_q.put(Abort(list(request_ids)))
             self._wake()
 
-    def get_outputs(self, timeout: float | None = None) -> list[TokenDelta]:
-        """Token deltas of one or more engine steps; [] on timeout; raises if the core died."""
+    def get_outputs(self, timeout: float | None = None) -> list[EngineOutputs]:
+        """Outputs of one or more engine steps, in order; [] on timeout; raises if the core died."""
         self._check_alive()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -244,8 +243,8 @@ class EngineCoreClient:
         self._fail(EngineDeadError("the engine has been shut down"))
 
     def _receive(self, sock: zmq.Socket, core_error: list[EngineError]) -> None:
-        """Drain every waiting message; token deltas of many steps go out as one list."""
-        batch: list[TokenDelta] = []
+        """Drain every waiting message; the outputs of many steps go out as one list."""
+        batch: list[EngineOutputs] = []
         while True:
             try:
                 frame = sock.recv(zmq.NOBLOCK, copy=False)
@@ -255,7 +254,8 @@ class EngineCoreClient:
             if isinstance(msg, EngineOutputs):
                 if msg.stats is not None:
                     self.latest_stats = msg.stats
-                batch.extend(msg.outputs)
+                if not msg.is_empty:
+                    batch.append(msg)
             elif isinstance(msg, UtilityResult):
                 future = self._calls.pop(msg.call_id, None)
                 if future is not None and msg.error is not None:

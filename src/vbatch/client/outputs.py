@@ -1,4 +1,4 @@
-"""Result types of the Python API and the per-request state that assembles them from deltas."""
+"""Result types of the Python API and the per-request state that assembles them from outputs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vbatch.client.detokenizer import IncrementalDetokenizer
-from vbatch.protocol import FinishReason, TokenDelta, TokenLogprobs
+from vbatch.protocol import FinishReason, SampleFinish, TokenLogprobs
 from vbatch.sampling_params import SamplingParams
 
 
@@ -50,7 +50,7 @@ class RequestOutput:
 
 @dataclass
 class RequestState:
-    """A submitted request being assembled from token deltas.
+    """A submitted request being assembled from the core's tokens and finishes.
 
     Invariants: `reasons[i]` is set once sample i finished here (core finish or stop string);
     `num_core_live` counts samples the core still runs, so a request done here with
@@ -73,28 +73,36 @@ class RequestState:
     def is_done(self) -> bool:
         return all(r is not None for r in self.reasons)
 
-    def apply(self, delta: TokenDelta) -> None:
-        i = delta.index
-        if delta.finish_reason is not None:
-            self.num_core_live -= 1
-        if delta.finish_reason == FinishReason.ERROR:
-            self.error = delta.error or "the engine rejected the request"
+    def add_token(self, index: int, token_id: int, logprobs: TokenLogprobs | None) -> bool:
+        """Sample `index` got `token_id` from the core; True if that completed a stop string."""
+        if self.reasons[index] is not None:
+            return False
+        if self.first_token_time is None:
+            self.first_token_time = time.time()
+        if logprobs is not None and self.logprobs[index] is not None:
+            self.logprobs[index].append(logprobs)
+        stop = self.detoks[index].update((token_id,))
+        if stop is None:
+            return False
+        self.reasons[index] = ("stop", stop)
+        return True
+
+    def finish(self, finish: SampleFinish) -> None:
+        """The core ended sample `finish.index` (or rejected the whole request)."""
+        i = finish.index
+        self.num_core_live -= 1
+        if finish.finish_reason == FinishReason.ERROR:
+            self.error = finish.error or "the engine rejected the request"
             self.reasons = [("error", None)] * len(self.reasons)
             return
+        self.num_cached_tokens = max(self.num_cached_tokens, finish.num_cached_tokens)
         if self.reasons[i] is not None:
             return
-        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
-        if delta.new_token_ids and self.first_token_time is None:
-            self.first_token_time = time.time()
-        if delta.new_logprobs is not None and self.logprobs[i] is not None:
-            self.logprobs[i].extend(delta.new_logprobs)
-        stop = self.detoks[i].update(delta.new_token_ids)
-        if stop is None and delta.finish_reason is not None:
-            stop = self.detoks[i].finalize()
+        stop = self.detoks[i].finalize()
         if stop is not None:
             self.reasons[i] = ("stop", stop)
-        elif delta.finish_reason is not None:
-            self.reasons[i] = (str(delta.finish_reason), delta.stop_reason)
+        else:
+            self.reasons[i] = (str(finish.finish_reason), finish.stop_reason)
 
     def to_output(self) -> RequestOutput:
         outputs = []

@@ -6,6 +6,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 
+import numpy as np
+
 from vbatch.engine.sequence import Sequence
 
 HashFn = Callable[[int, tuple[int, ...]], int]
@@ -25,7 +27,8 @@ class BlockManager:
     Invariants: every block is in exactly one of {in use (ref > 0), cached-free (ref == 0, hashed,
     in the LRU), free (ref == 0, unhashed, in the free list)}; a hashed block holds the K/V of
     exactly the tokens of its key, after exactly the prefix its parent hash names, and is never
-    written again while hashed. Prefix counters count tokens.
+    written again while hashed. Prefix counters count tokens. A seq holding blocks owns row
+    `seq.block_row` of `tables`, which holds its block table and then zeros; free rows are zero.
     """
 
     def __init__(
@@ -50,6 +53,10 @@ class BlockManager:
         self.seq_block_hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its leading blocks
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
+        # NOTE: the runner gathers a step's block tables from these rows with one numpy call
+        # instead of converting every seq's list each step; both grow by doubling.
+        self.tables = np.zeros((64, 16), dtype=np.int32)
+        self._free_rows = list(range(63, -1, -1))
 
     @property
     def num_free_blocks(self) -> int:
@@ -94,13 +101,19 @@ class BlockManager:
         self, seq: Sequence, num_new_tokens: int, cached_blocks: SequenceOf[int] = ()
     ) -> None:
         """Admit `seq`: share `cached_blocks` (from match_prefix), then add blocks for the rest."""
-        assert not seq.block_table and seq.num_computed_tokens == 0
+        assert not seq.block_table and seq.num_computed_tokens == 0 and seq.block_row < 0
+        if not self._free_rows:
+            num_rows = len(self.tables)
+            self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
+            self._free_rows = list(range(2 * num_rows - 1, num_rows - 1, -1))
+        seq.block_row = self._free_rows.pop()
         ref_counts = self.ref_counts
         for block_id in cached_blocks:
             if ref_counts[block_id] == 0:
                 del self.cached_free_block_ids[block_id]
             ref_counts[block_id] += 1
         seq.block_table.extend(cached_blocks)
+        self._mirror(seq, 0)
         num_cached_tokens = len(cached_blocks) * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens = num_cached_tokens
         if self.enable_prefix_caching:
@@ -119,8 +132,11 @@ class BlockManager:
             return True
         if num_needed > len(self.free_block_ids) + len(self.cached_free_block_ids):
             return False
+        block_table = seq.block_table
+        start = len(block_table)
         for _ in range(num_needed):
-            seq.block_table.append(self._take_free_block())
+            block_table.append(self._take_free_block())
+        self._mirror(seq, start)
         return True
 
     def free(self, seq: Sequence) -> None:
@@ -135,6 +151,11 @@ class BlockManager:
                     self.free_block_ids.append(block_id)
                 else:
                     self.cached_free_block_ids[block_id] = None
+        if seq.block_row >= 0:
+            # NOTE: zeroed so that a gathered row is 0-padded past its seq's last block.
+            self.tables[seq.block_row, : len(seq.block_table)] = 0
+            self._free_rows.append(seq.block_row)
+            seq.block_row = -1
         seq.block_table.clear()
         self.seq_block_hashes.pop(seq.seq_id, None)
 
@@ -158,6 +179,19 @@ class BlockManager:
                 return
             # NOTE: an equal block cached by another seq leaves ours unhashed; the chain goes on.
             hashes.append(block_hash)
+
+    def _mirror(self, seq: Sequence, start: int) -> None:
+        """Copy seq.block_table[start:] into its row of `tables`."""
+        block_table = seq.block_table
+        if len(block_table) > self.tables.shape[1]:
+            width = self.tables.shape[1]
+            while width < len(block_table):
+                width *= 2
+            grown = np.zeros((len(self.tables), width), dtype=np.int32)
+            grown[:, : self.tables.shape[1]] = self.tables
+            self.tables = grown
+        if start < len(block_table):
+            self.tables[seq.block_row, start : len(block_table)] = block_table[start:]
 
     def _take_free_block(self) -> int:
         if self.free_block_ids:

@@ -1,4 +1,4 @@
-"""EngineCore: the in-process engine; add requests, step, and collect token deltas."""
+"""EngineCore: the in-process engine; add requests, step, and collect each step's outputs."""
 
 from __future__ import annotations
 
@@ -8,16 +8,17 @@ from collections.abc import Callable
 
 from vbatch.config import EngineConfig
 from vbatch.engine.model_runner import ModelRunner
-from vbatch.engine.scheduler import Scheduler, SchedulerConfig
+from vbatch.engine.scheduler import Scheduler, SchedulerConfig, StepUpdate
 from vbatch.engine.sequence import Sequence
 from vbatch.models.config import ModelConfig
 from vbatch.models.loader import resolve_model
 from vbatch.protocol import (
     AddRequest,
+    EngineOutputs,
     FinishReason,
     Ready,
+    SampleFinish,
     SchedulerStats,
-    TokenDelta,
     unpack_token_ids,
 )
 
@@ -67,7 +68,8 @@ class EngineCore:
         self._step_time = 0.0
         self._forward_time = 0.0
 
-    def add_request(self, req: AddRequest) -> list[TokenDelta]:
+    def add_request(self, req: AddRequest) -> list[SampleFinish]:
+        """Queue a request; a rejected one comes back as an ERROR finish."""
         prompt_token_ids = unpack_token_ids(req.prompt_token_ids)
         params = req.sampling_params
         if req.request_id in self.requests:
@@ -84,58 +86,52 @@ class EngineCore:
             self.scheduler.add(seq)
         return []
 
-    def abort(self, request_ids: list[str]) -> list[TokenDelta]:
+    def abort(self, request_ids: list[str]) -> list[SampleFinish]:
+        """ABORT every unfinished sample of these requests; unknown ids are skipped."""
         live = [rid for rid in dict.fromkeys(request_ids) if rid in self.requests]
-        self.scheduler.abort(live)
-        deltas = []
-        for rid in live:
-            seqs = self.requests.pop(rid)
-            self.runner.release(seqs)
-            for seq in seqs:
-                new_ids, logprobs = seq.take_new_tokens()
-                deltas.append(
-                    TokenDelta(
-                        rid,
-                        new_ids,
-                        index=seq.index,
-                        new_logprobs=logprobs,
-                        finish_reason=FinishReason.ABORT,
-                        num_cached_tokens=seq.num_cached_tokens,
-                    )
-                )
-        return deltas
+        seqs = [seq for rid in live for seq in self.requests.pop(rid)]
+        unfinished = [seq for seq in seqs if not seq.is_finished]
+        self.scheduler.abort(unfinished)
+        self.runner.release(seqs)
+        return [_finish(seq) for seq in unfinished]
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def step(self) -> list[TokenDelta]:
+    def step(self) -> EngineOutputs:
+        """Schedule, run and apply one step; an empty EngineOutputs when nothing could run."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
+            return EngineOutputs()
         forward_start = time.perf_counter()
         token_ids, logprobs = self.runner.execute(out)
         self._forward_time += time.perf_counter() - forward_start
-        touched = self.scheduler.update(out, token_ids, logprobs)
-        deltas = [self._delta(seq) for seq in touched]
+        update = self.scheduler.update(out, token_ids, logprobs)
+        outputs = self._outputs(update)
         self._step_time += time.perf_counter() - start
-        return deltas
+        return outputs
 
-    def _delta(self, seq: Sequence) -> TokenDelta:
-        new_ids, logprobs = seq.take_new_tokens()
-        if seq.is_finished:
-            samples = self.requests.get(seq.request_id, [])
-            if samples and all(s.is_finished for s in samples):
-                del self.requests[seq.request_id]
-            self.runner.release([seq])
-        return TokenDelta(
-            seq.request_id,
-            new_ids,
-            index=seq.index,
-            new_logprobs=logprobs,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            num_cached_tokens=seq.num_cached_tokens,
+    def _outputs(self, update: StepUpdate) -> EngineOutputs:
+        seqs = update.seqs
+        num_cached_tokens: dict[str, int] = {}
+        for seq in update.started:
+            rid = seq.request_id
+            num_cached_tokens[rid] = max(num_cached_tokens.get(rid, 0), seq.num_cached_tokens)
+        finished = update.finished
+        if finished:
+            self.runner.release(finished)
+            for seq in finished:
+                samples = self.requests.get(seq.request_id, ())
+                if all(s.is_finished for s in samples):
+                    self.requests.pop(seq.request_id, None)
+        return EngineOutputs(
+            request_ids=[seq.request_id for seq in seqs],
+            indices=[seq.index for seq in seqs],
+            token_ids=update.token_ids,
+            logprobs=update.logprobs,
+            finished=[_finish(seq) for seq in finished],
+            num_cached_tokens=num_cached_tokens,
         )
 
     def stats(self) -> SchedulerStats:
@@ -148,5 +144,16 @@ class EngineCore:
         self.abort(list(self.requests))
 
 
-def _error(request_id: str, message: str) -> TokenDelta:
-    return TokenDelta(request_id, [], finish_reason=FinishReason.ERROR, error=message)
+def _finish(seq: Sequence) -> SampleFinish:
+    assert seq.finish_reason is not None
+    return SampleFinish(
+        seq.request_id,
+        seq.finish_reason,
+        index=seq.index,
+        stop_reason=seq.stop_reason,
+        num_cached_tokens=seq.num_cached_tokens,
+    )
+
+
+def _error(request_id: str, message: str) -> SampleFinish:
+    return SampleFinish(request_id, FinishReason.ERROR, error=message)

@@ -23,11 +23,11 @@ from vbatch.protocol import (
     ClientMessage,
     EngineError,
     EngineOutputs,
+    SampleFinish,
     SchedulerStats,
     Shutdown,
     StartupFailed,
     StartupProgress,
-    TokenDelta,
     Utility,
     UtilityResult,
     core_decoder,
@@ -103,36 +103,42 @@ def _serve(config: EngineConfig, in_q: queue.Queue, out_q: queue.Queue) -> int:
 
 
 def _busy_loop(core: Any, in_q: queue.Queue, out_q: queue.Queue) -> None:
-    """Drain inputs (aborts land before the next step's outputs), step, push compact deltas.
+    """Drain inputs (aborts land before the next step's outputs), step, push compact outputs.
 
     Blocks on the input queue only while the engine has no unfinished request.
     """
     busy_time = 0.0
     last_stats = 0.0
     while True:
-        deltas: list[TokenDelta] = []
+        finished: list[SampleFinish] = []
         for msg in _drain(in_q, block=not core.has_unfinished()):
             if isinstance(msg, AddRequest):
-                deltas.extend(core.add_request(msg))
+                finished += core.add_request(msg)
             elif isinstance(msg, Abort):
-                deltas.extend(core.abort(msg.request_ids))
+                finished += core.abort(msg.request_ids)
             elif isinstance(msg, Utility):
                 out_q.put(_utility(core, msg, busy_time))
             elif isinstance(msg, Shutdown):
-                if deltas:
-                    out_q.put(EngineOutputs(deltas, timestamp=time.time()))
+                if finished:
+                    out_q.put(EngineOutputs(finished=finished, timestamp=time.time()))
                 return
         if core.has_unfinished():
             start = time.perf_counter()
-            deltas.extend(core.step())
+            outputs = core.step()
             busy_time += time.perf_counter() - start
-        stats = None
+        else:
+            outputs = EngineOutputs()
+        if finished:
+            # NOTE: these samples were not scheduled (they had ended), so no entry of this step
+            # belongs to them and their finishes may follow the step's tokens.
+            outputs.finished = finished + outputs.finished
         now = time.monotonic()
         if now - last_stats >= STATS_INTERVAL_S:
-            stats = _stats(core, busy_time)
+            outputs.stats = _stats(core, busy_time)
             last_stats = now
-        if deltas or stats is not None:
-            out_q.put(EngineOutputs(deltas, stats, time.time()))
+        if not outputs.is_empty or outputs.stats is not None:
+            outputs.timestamp = time.time()
+            out_q.put(outputs)
 
 
 def _drain(in_q: queue.Queue, block: bool) -> list[ClientMessage]:

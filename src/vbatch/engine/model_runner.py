@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,6 +11,8 @@ import psutil
 import torch
 
 from vbatch.config import EngineConfig
+from vbatch.engine.cuda_graphs import DecodeGraphRunner
+from vbatch.engine.input_batch import build_host_batch
 from vbatch.engine.sampler import Sampler, SamplingMetadata, free_generators
 from vbatch.engine.scheduler import SchedulerOutput
 from vbatch.engine.sequence import Sequence
@@ -61,8 +62,9 @@ class ModelRunner:
     """Owns the model weights and KV cache tensors of one engine core.
 
     Invariant: `kv_caches[layer]` is a (k_cache, v_cache) pair, each
-    [num_kv_blocks, block_size, num_kv_heads, head_dim]; block ids handed out by the
-    BlockManager index their first dimension.
+    [num_kv_blocks + 1, block_size, num_kv_heads, head_dim]; block ids handed out by the
+    BlockManager index their first dimension, and the last block (`pad_block`), which it never
+    hands out, takes the writes of decode-graph padding rows.
     """
 
     def __init__(
@@ -83,11 +85,19 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
         progress("loading model")
-        self.model = load_model(resolved, self.device, self.dtype, self.attn_backend, model_config)
+        self.model = load_model(
+            resolved,
+            self.device,
+            self.dtype,
+            self.attn_backend,
+            model_config,
+            config.quantization,
+        )
         progress("sizing KV cache")
         self.num_kv_blocks = self._num_kv_blocks()
+        self.pad_block = self.num_kv_blocks
         shape = (
-            self.num_kv_blocks,
+            self.num_kv_blocks + 1,
             self.block_size,
             model_config.num_key_value_heads,
             model_config.head_dim,
@@ -109,6 +119,27 @@ class ModelRunner:
         self._inputs_copied = torch.cuda.Event() if self.device.type == "cuda" else None
         # [max rows sampled so far, vocab_size] float32 CPU logits, reused by every step
         self._logits = torch.empty(0, model_config.vocab_size)
+        self.graph_runner: DecodeGraphRunner | None = None
+        # NOTE: the torch backend's decode gathers max_seq_len positions a row, which a graph
+        # fixes at the model's whole length; the native op reads only each row's context.
+        if (
+            self.device.type == "cuda"
+            and not config.enforce_eager
+            and self.attn_backend.name == "native"
+        ):
+            progress("capturing CUDA graphs")
+            max_position = model_config.max_position_embeddings
+            max_model_len = min(config.max_model_len or max_position, max_position)
+            self.graph_runner = DecodeGraphRunner(
+                self.model,
+                self.kv_caches,
+                model_config.vocab_size,
+                max_batch_size=min(config.max_num_seqs, config.max_graph_batch_size),
+                max_num_blocks_per_seq=-(-max_model_len // self.block_size),
+                pad_block=self.pad_block,
+                use_graphs=True,
+            )
+            self.graph_runner.capture()
 
     @property
     def block_bytes(self) -> int:
@@ -158,63 +189,23 @@ class ModelRunner:
             # NOTE: the previous step's non-blocking copies may still read the pinned buffers
             # (a step that samples nothing ends without a sync); this waits for those copies only.
             self._inputs_copied.synchronize()
-        seqs, num_new = out.seqs, out.num_new_tokens
-        num_seqs = len(seqs)
-        bs = self.block_size
-        starts = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
-        query_lens = np.array(num_new, dtype=np.int64)
-        seq_lens = starts + query_lens
-        max_query_len = max(num_new)
-        if max_query_len == 1:
-            input_ids = np.array([s.token_ids[c] for s, c in zip(seqs, starts.tolist())])
-            positions = starts
-            seq_index = np.arange(num_seqs)
-            num_tokens = num_seqs
-        else:
-            input_ids = np.fromiter(
-                itertools.chain.from_iterable(
-                    s.token_ids[c : c + n] for s, c, n in zip(seqs, starts.tolist(), num_new)
-                ),
-                np.int64,
-            )
-            num_tokens = len(input_ids)
-            seq_index = np.repeat(np.arange(num_seqs), query_lens)
-            offsets = np.arange(num_tokens) - np.repeat(
-                np.cumsum(query_lens) - query_lens, query_lens
-            )
-            positions = starts[seq_index] + offsets
-        num_blocks = np.array([len(s.block_table) for s in seqs])
-        # [num_seqs, max_num_blocks_per_seq], 0-padded: row-major mask order = concatenation order
-        block_tables = np.zeros((num_seqs, int(num_blocks.max())), dtype=np.int32)
-        block_tables[np.arange(block_tables.shape[1]) < num_blocks[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(s.block_table for s in seqs),
-            np.int32,
-            int(num_blocks.sum()),
-        )
-        slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + (
-            positions % bs
-        )
-        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        sample_rows = np.flatnonzero(out.sampling_mask)
+        host = build_host_batch(out, self.block_size)
         meta = AttentionMetadata(
-            slot_mapping=self._to_device("slot_mapping", slot_mapping),
-            query_start_loc=self._to_device("query_start_loc", query_start_loc),
-            seq_lens=self._to_device("seq_lens", seq_lens.astype(np.int32)),
-            block_tables=self._to_device("block_tables", block_tables),
-            query_lens_cpu=num_new,
-            seq_lens_cpu=seq_lens.tolist(),
-            max_query_len=max_query_len,
-            max_seq_len=int(seq_lens.max()),
+            slot_mapping=self._to_device("slot_mapping", host.slot_mapping),
+            query_start_loc=self._to_device("query_start_loc", host.query_start_loc),
+            seq_lens=self._to_device("seq_lens", host.seq_lens),
+            block_tables=self._to_device("block_tables", host.block_tables),
+            query_lens_cpu=out.num_new_tokens,
+            seq_lens_cpu=host.seq_lens_cpu,
+            max_query_len=host.max_query_len,
+            max_seq_len=host.max_seq_len,
         )
         inputs = StepInputs(
-            input_ids=self._to_device("input_ids", input_ids),
-            positions=self._to_device("positions", positions),
+            input_ids=self._to_device("input_ids", host.input_ids),
+            positions=self._to_device("positions", host.positions),
             meta=meta,
-            logits_rows=self._to_device(
-                "logits_rows", query_start_loc[1:][sample_rows].astype(np.int64) - 1
-            ),
-            sample_rows=sample_rows.tolist(),
+            logits_rows=self._to_device("logits_rows", host.logits_rows),
+            sample_rows=host.sample_rows,
         )
         if self._inputs_copied is not None:
             self._inputs_copied.record()
@@ -231,6 +222,11 @@ class ModelRunner:
         # lists would otherwise wait for the forward to finish.
         sampling_seqs = [out.seqs[i] for i in inputs.sample_rows]
         sampling = self.sampling_metadata(sampling_seqs)
+        if self.graph_runner is not None and self.graph_runner.can_run(inputs.meta):
+            logits = self.graph_runner.run(
+                inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows
+            )
+            return self.sample(logits, sampling)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         logits = self.model.compute_logits(
             hidden.index_select(0, inputs.logits_rows), out=self._logits_buffer(len(sampling_seqs))
@@ -257,8 +253,7 @@ class ModelRunner:
         self, logits: torch.Tensor, sampling: SamplingMetadata
     ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """One token per row of logits [num_rows, vocab_size]; the step's one host sync."""
-        result = self.sampler(logits, sampling)
-        return result.token_ids.tolist(), result.logprobs
+        return self.sampler(logits, sampling).to_host()
 
     def release(self, seqs: list[Sequence]) -> None:
         free_generators(self.generators, (seq.seq_id for seq in seqs))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Collection, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -36,16 +36,18 @@ class Penalties:
 class SamplingMetadata:
     """One step's sampling inputs, one row per sampling sequence, on the logits' device.
 
-    Invariants: an optional field is None exactly when no row needs it, so the sampler skips that
-    transform; greedy rows (temperature < MIN_TEMPERATURE) get temperature 1 and top_k 1 and draw
-    nothing from their generator; `uniforms` holds one draw per row, a seeded row's from its own
-    generator.
+    Invariants: an optional field is None (a list field empty) exactly when no row needs it, so
+    the sampler skips that transform; greedy rows (temperature < MIN_TEMPERATURE) get temperature
+    1 and top_k 1 and draw nothing from their generator; `uniforms` holds one draw per row, a
+    seeded row's from its own generator. Every tensor was built on the host and sent without
+    waiting, so building never waits for the device.
     """
 
     num_rows: int
     vocab_size: int
-    num_logprobs: list[int | None]
-    logprob_rows: torch.Tensor | None = None  # [m] rows that asked for logprobs
+    logprob_rows_cpu: list[int] = field(default_factory=list)  # rows that asked for logprobs
+    num_logprobs: list[int] = field(default_factory=list)  # top logprobs per logprob row
+    logprob_rows: torch.Tensor | None = None  # [m] int64, logprob_rows_cpu on device
     penalties: Penalties | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) by min_tokens
     is_all_greedy: bool = True
@@ -76,13 +78,27 @@ class SamplingMetadata:
         """
         n = len(seqs)
         assert n > 0
-        num_logprobs = [seq.params.logprobs for seq in seqs]
-        logprob_rows = [i for i, k in enumerate(num_logprobs) if k is not None]
+        # NOTE: one pass settles the common batch (greedy, nothing else): a few hundred ns a seq.
+        for seq in seqs:
+            p = seq.params
+            if (
+                p.temperature >= MIN_TEMPERATURE
+                or p.logprobs is not None
+                or p.repetition_penalty != 1.0
+                or p.presence_penalty != 0.0
+                or p.frequency_penalty != 0.0
+                or (p.min_tokens > 0 and seq.num_output_tokens < p.min_tokens)
+            ):
+                break
+        else:
+            return cls(num_rows=n, vocab_size=vocab_size)
+        logprob_rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
         meta = cls(
             num_rows=n,
             vocab_size=vocab_size,
-            num_logprobs=num_logprobs,
-            logprob_rows=torch.tensor(logprob_rows, device=device) if logprob_rows else None,
+            logprob_rows_cpu=logprob_rows,
+            num_logprobs=[k for seq in seqs if (k := seq.params.logprobs) is not None],
+            logprob_rows=to_device(torch.tensor(logprob_rows), device) if logprob_rows else None,
             penalties=_build_penalties(seqs, device, vocab_size),
             banned=_build_banned(seqs, device, eos_token_ids),
         )
@@ -108,13 +124,13 @@ class SamplingMetadata:
         temperature, top_k, top_p, min_p = (list(values) for values in zip(*row_params))
 
         def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).view(n, 1).to(device)
+            return to_device(torch.tensor(values, dtype=dtype).view(n, 1), device)
 
         def indices(flags: list[bool]) -> torch.Tensor:
-            return torch.tensor([i for i, flag in enumerate(flags) if flag], device=device)
+            return to_device(torch.tensor([i for i, flag in enumerate(flags) if flag]), device)
 
         meta.temperature = column(temperature, torch.float32)
-        meta.uniforms = uniforms.to(device)
+        meta.uniforms = to_device(uniforms, device)
         if max(min_p) > 0.0:
             meta.min_p = column(min_p, torch.float32)
         restricted = [k < vocab_size or q < 1.0 for k, q in zip(top_k, top_p, strict=True)]
@@ -133,6 +149,26 @@ class SamplingMetadata:
             meta.top_p = column(top_p, torch.float32)
             meta.needs_full_mass = any(no_top_k)
         return meta
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device`; to a GPU through pinned memory, queued without waiting for the copy."""
+    if device.type == "cpu":
+        return host
+    # NOTE: torch's pinned-memory cache keeps the block until the queued copy has read it.
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of `tensors` (all on one device); from a GPU with a single wait for them all."""
+    if tensors[0].device.type == "cpu":
+        return tensors
+    hosts = [
+        torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+        for t in tensors
+    ]
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return hosts
 
 
 def free_generators(generators: dict[int, torch.Generator], seq_ids: Iterable[int]) -> None:
@@ -174,7 +210,9 @@ def _build_penalties(
         ]
     )[keys // vocab_size]  # [m, 3]
     subtract = row_values[:, 1] * counts + row_values[:, 2] * (counts > 0)
-    return Penalties(keys.to(device), row_values[:, 0].to(device), subtract.to(device))
+    return Penalties(
+        to_device(keys, device), to_device(row_values[:, 0], device), to_device(subtract, device)
+    )
 
 
 def _build_banned(
@@ -190,13 +228,32 @@ def _build_banned(
             token_ids.extend(ids)
     if not rows:
         return None
-    return torch.tensor(rows, device=device), torch.tensor(token_ids, device=device)
+    return to_device(torch.tensor(rows), device), to_device(torch.tensor(token_ids), device)
 
 
 @dataclass
 class SamplerOutput:
+    """One step's samples, still on the logits' device; `to_host` is the step's one wait."""
+
     token_ids: torch.Tensor  # [n] int64
-    logprobs: list[TokenLogprobs | None] | None  # None when no row asked for logprobs
+    # NOTE: the next three are None when no row asked for logprobs; m = len(logprob_rows_cpu)
+    chosen_logprobs: torch.Tensor | None  # [m] float32, of each logprob row's sampled token
+    top_logprobs: torch.Tensor | None  # [m, max(num_logprobs)] float32, descending
+    top_token_ids: torch.Tensor | None  # [m, max(num_logprobs)] int64
+    logprob_rows_cpu: list[int]
+    num_logprobs: list[int]
+
+    def to_host(self) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        """The sampled token ids and per-row logprobs (None: no row asked), as Python values."""
+        if self.chosen_logprobs is None:
+            return to_host([self.token_ids])[0].tolist(), None
+        assert self.top_logprobs is not None and self.top_token_ids is not None
+        tensors = [self.token_ids, self.chosen_logprobs, self.top_logprobs, self.top_token_ids]
+        token_ids, chosen, top_vals, top_ids = (t.tolist() for t in to_host(tensors))
+        logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
+        for j, (row, k) in enumerate(zip(self.logprob_rows_cpu, self.num_logprobs, strict=True)):
+            logprobs[row] = TokenLogprobs(chosen[j], top_ids[j][:k], top_vals[j][:k])
+        return token_ids, logprobs
 
 
 class Sampler:
@@ -205,6 +262,7 @@ class Sampler:
     Order: penalties and min_tokens bans, then greedy argmax, or temperature, top-k, top-p (over
     the top-k renormalised mass), min-p, and an inverse-CDF draw over kept tokens in id order.
     Logprobs are of the raw model output, before any of these transforms (as vLLM V1 does).
+    A call never waits for the device, except top-p's check of its candidate widths.
     """
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
@@ -216,10 +274,14 @@ class Sampler:
             )
         logits = _apply_penalties(logits, meta)
         token_ids = logits.argmax(dim=-1) if meta.is_all_greedy else _sample(logits, meta)
-        logprobs = None
+        out = SamplerOutput(token_ids, None, None, None, meta.logprob_rows_cpu, meta.num_logprobs)
         if raw_logprobs is not None:
-            logprobs = _token_logprobs(raw_logprobs, token_ids, meta)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+            assert meta.logprob_rows is not None
+            chosen_ids = token_ids.index_select(0, meta.logprob_rows).unsqueeze(1)
+            out.chosen_logprobs = raw_logprobs.gather(1, chosen_ids).squeeze(1)
+            # [m, max_num], descending
+            out.top_logprobs, out.top_token_ids = raw_logprobs.topk(max(meta.num_logprobs), dim=-1)
+        return out
 
 
 def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -297,11 +359,16 @@ def _nucleus_groups(
         # [rows, width], descending; p / p_max
         weights = ((vals - vals[:, :1]) / meta.temperature[rows]).exp_()
         keep, is_short = _keep_prefix(weights, meta, rows, full_mass)
+        weights.masked_fill_(~keep, 0.0)
+        ids.masked_fill_(~keep, vocab_size)
+        if is_short is None:
+            yield rows, weights, ids
+            return
+        # NOTE: the one wait for the device inside a sampler call, and only with top-p.
         num_short = int(is_short.sum())
         if num_short < len(rows):
             done = ~is_short
-            weights.masked_fill_(~keep, 0.0)
-            yield rows[done], weights[done], ids.masked_fill_(~keep, vocab_size)[done]
+            yield rows[done], weights[done], ids[done]
         if num_short == 0:
             return
         rows = rows[is_short]
@@ -315,17 +382,18 @@ def _keep_prefix(
     meta: SamplingMetadata,
     rows: torch.Tensor,
     full_mass: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Which descending candidates survive top-k, top-p and min-p; which rows are short.
 
     `weights` are exp((logit - max) / temperature) of the candidates of `rows`; a row is short
-    when its top-p nucleus may extend past its candidates.
+    when its top-p nucleus may extend past its candidates. None: no row can be (no top-p, or
+    the candidates are the whole vocab).
     """
     assert meta.top_k is not None
     width = weights.shape[1]
     top_k = meta.top_k[rows]
     keep = torch.arange(width, device=weights.device) < top_k  # [rows, width]
-    is_short = torch.zeros(len(rows), dtype=torch.bool, device=weights.device)
+    is_short = None
     if meta.top_p is not None:
         top_p = meta.top_p[rows]
         cdf = (weights * keep).cumsum(dim=-1)
@@ -337,7 +405,8 @@ def _keep_prefix(
             is_short = ((cdf[:, -1:] < top_p * mass) & (top_k > width)).squeeze(1)
     if meta.min_p is not None:
         keep &= weights >= meta.min_p[rows]
-        is_short &= keep[:, -1]
+        if is_short is not None:
+            is_short &= keep[:, -1]
     return keep, is_short
 
 
@@ -365,19 +434,3 @@ def _search(cdf: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     # NOTE: rounding can put a target at or past the total; the last column that raises the
     # cdf is the first one equal to the total.
     return torch.minimum(index, (cdf < cdf[:, -1:]).sum(dim=-1, keepdim=True))
-
-
-def _token_logprobs(
-    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, meta: SamplingMetadata
-) -> list[TokenLogprobs | None]:
-    assert meta.logprob_rows is not None
-    chosen = raw_logprobs.gather(1, token_ids[meta.logprob_rows].unsqueeze(1)).squeeze(1).tolist()
-    max_num = max(k for k in meta.num_logprobs if k is not None)
-    top_vals, top_ids = raw_logprobs.topk(max_num, dim=-1)  # [m, max_num], descending
-    top_vals_list, top_ids_list = top_vals.tolist(), top_ids.tolist()
-    out: list[TokenLogprobs | None] = [None] * meta.num_rows
-    for j, row in enumerate(meta.logprob_rows.tolist()):
-        k = meta.num_logprobs[row]
-        assert k is not None
-        out[row] = TokenLogprobs(chosen[j], top_ids_list[j][:k], top_vals_list[j][:k])
-    return out

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from vbatch.engine.block_manager import BlockManager
 from vbatch.engine.sequence import Sequence, SequenceStatus
@@ -29,13 +30,17 @@ class SchedulerOutput:
     """One step's batch: `seqs[i]` computes `num_new_tokens[i]` tokens from its num_computed_tokens.
 
     `sampling_mask[i]` says whether seq i samples this step (the step reaches its last token); it is
-    fixed at construction, so it stays right after update() has moved the seqs on.
+    fixed at construction, so it stays right after update() has moved the seqs on. When
+    `block_tables` is set, seq i's block table is row `block_rows[i]` of it (the BlockManager's
+    rows); an output built by hand leaves it None and the runner reads the seqs' lists.
     """
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
     preempted: list[Sequence] = field(default_factory=list)
     sampling_mask: list[bool] = field(default_factory=list)
+    block_tables: np.ndarray | None = None  # [num_rows, max_num_blocks] int32
+    block_rows: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.sampling_mask:
@@ -57,6 +62,19 @@ class SchedulerOutput:
         return not self.seqs
 
 
+@dataclass
+class StepUpdate:
+    """What update() applied: `seqs[j]` got token `token_ids[j]` (and `logprobs[j]`), in batch
+    order; `finished` ended this step; `started` computed prompt tokens and sampled, so their
+    first token (or first after a recompute) is in this step."""
+
+    seqs: list[Sequence]
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None
+    finished: list[Sequence]
+    started: list[Sequence]
+
+
 class Scheduler:
     """FCFS continuous batching on one BlockManager, with chunked prefill and recompute preemption.
 
@@ -73,7 +91,6 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._seqs_by_request: dict[str, list[Sequence]] = {}
         self._prompt_owners: dict[str, Sequence] = {}  # request_id -> the sample prefilling it
         self.num_preemptions = 0
         self.num_steps = 0
@@ -113,8 +130,14 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         assert seq.status == SequenceStatus.WAITING and not seq.block_table
+        params = seq.params
+        seq.max_num_tokens = min(
+            seq.num_prompt_tokens + params.max_tokens, self.config.max_model_len
+        )
+        seq.finish_token_ids = frozenset(params.stop_token_ids).union(
+            () if params.ignore_eos else self.eos_token_ids
+        )
         self.waiting.append(seq)
-        self._seqs_by_request.setdefault(seq.request_id, []).append(seq)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -145,78 +168,86 @@ class Scheduler:
         if seqs:
             self.num_steps += 1
             self.num_scheduled_tokens += self.config.max_num_batched_tokens - budget
-        return SchedulerOutput(seqs, num_new_tokens, preempted, sampling_mask)
+        return SchedulerOutput(
+            seqs,
+            num_new_tokens,
+            preempted,
+            sampling_mask,
+            self.block_manager.tables,
+            [seq.block_row for seq in seqs],
+        )
 
     def update(
         self,
         out: SchedulerOutput,
-        sampled_token_ids: SequenceOf[int],
-        logprobs: SequenceOf[TokenLogprobs | None] | None = None,
-    ) -> list[Sequence]:
-        """Apply one step: `sampled_token_ids` align with out's sampling seqs, in batch order.
-
-        Returns the seqs that got a token this step (finished ones included).
-        """
-        block_manager = self.block_manager
+        sampled_token_ids: list[int],
+        logprobs: list[TokenLogprobs | None] | None = None,
+    ) -> StepUpdate:
+        """Apply one step: `sampled_token_ids` align with out's sampling seqs, in batch order."""
         block_size = self.config.block_size
-        max_model_len = self.config.max_model_len
-        eos_token_ids = self.eos_token_ids
         is_caching = self.config.enable_prefix_caching
-        outputs: list[Sequence] = []
+        prompt_owners = self._prompt_owners
+        seqs: list[Sequence] = []
         finished: list[Sequence] = []
+        started: list[Sequence] = []
+        dropped: list[int] = []
         j = 0
         for seq, num_new, is_sampling in zip(
             out.seqs, out.num_new_tokens, out.sampling_mask, strict=True
         ):
             if seq.finish_reason is not None:
                 # NOTE: aborted after schedule(); its sampled token (if any) is dropped.
-                j += is_sampling
+                if is_sampling:
+                    dropped.append(j)
+                    j += 1
                 continue
             old = seq.num_computed_tokens
             seq.num_computed_tokens = new = old + num_new
+            if is_caching and new // block_size > old // block_size:
+                self.block_manager.cache_full_blocks(seq)
             num_prompt_tokens = seq.num_prompt_tokens
             if old < num_prompt_tokens:
                 self.num_prompt_tokens += min(new, num_prompt_tokens) - old
-            if is_caching and new // block_size > old // block_size:
-                block_manager.cache_full_blocks(seq)
-            if not is_sampling:
+                if not is_sampling:
+                    continue
+                started.append(seq)
+            elif not is_sampling:
                 continue
+            if prompt_owners and prompt_owners.get(seq.request_id) is seq:
+                del prompt_owners[seq.request_id]
             token_id = sampled_token_ids[j]
-            seq.append_token(token_id, logprobs[j] if logprobs is not None else None)
             j += 1
-            outputs.append(seq)
-            params = seq.params
-            if params.n > 1:
-                self._release_prompt_owner(seq)
-            num_tokens = len(seq.token_ids)
+            token_ids = seq.token_ids
+            token_ids.append(token_id)
+            seqs.append(seq)
             # NOTE: most tokens finish nothing; the full rules run only when one may apply.
             if (
-                token_id in eos_token_ids
-                or token_id in params.stop_token_ids
-                or num_tokens - num_prompt_tokens >= params.max_tokens
-                or num_tokens >= max_model_len
+                token_id in seq.finish_token_ids or len(token_ids) >= seq.max_num_tokens
             ) and self._check_finish(seq, token_id):
                 finished.append(seq)
         assert j == len(sampled_token_ids), "one sampled token per sampling seq"
-        self.num_generation_tokens += j
+        self.num_generation_tokens += j - len(dropped)
+        if dropped:
+            is_dropped = set(dropped)
+            kept = [k for k in range(j) if k not in is_dropped]
+            sampled_token_ids = [sampled_token_ids[k] for k in kept]
+            if logprobs is not None:
+                logprobs = [logprobs[k] for k in kept]
         if finished:
             for seq in finished:
                 self._forget(seq)
             self.running = [seq for seq in self.running if seq.finish_reason is None]
-        return outputs
+        return StepUpdate(seqs, sampled_token_ids, logprobs, finished, started)
 
-    def abort(self, request_ids: Iterable[str]) -> list[Sequence]:
-        """Finish all samples of these requests with ABORT, waiting or running; skip unknown ids."""
-        aborted: list[Sequence] = []
-        for request_id in dict.fromkeys(request_ids):
-            aborted.extend(self._seqs_by_request.get(request_id, ()))
+    def abort(self, seqs: Iterable[Sequence]) -> None:
+        """Finish these seqs with ABORT, waiting or running; finished ones are left alone."""
+        aborted = [seq for seq in seqs if seq.finish_reason is None]
         for seq in aborted:
             self._finish(seq, FinishReason.ABORT)
             self._forget(seq)
         if aborted:
             self.waiting = deque(seq for seq in self.waiting if seq.finish_reason is None)
             self.running = [seq for seq in self.running if seq.finish_reason is None]
-        return aborted
 
     def stats(self) -> SchedulerStats:
         """Gauges now plus counters since start (step_time_s is the caller's to fill)."""
@@ -332,7 +363,3 @@ class Scheduler:
         """Drop a finished seq's blocks and bookkeeping."""
         self.block_manager.free(seq)
         self._release_prompt_owner(seq)
-        siblings = self._seqs_by_request[seq.request_id]
-        siblings.remove(seq)
-        if not siblings:
-            del self._seqs_by_request[seq.request_id]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 
-from vbatch.protocol import FinishReason, TokenLogprobs
+from vbatch.protocol import FinishReason
 from vbatch.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
@@ -23,14 +23,17 @@ class Sequence:
     Invariants: `num_cached_tokens <= num_computed_tokens <= num_tokens`; the first
     `num_computed_tokens` tokens have their K/V in the blocks of `block_table`, in order; a
     sequence samples in a step exactly when that step brings `num_computed_tokens` to `num_tokens`.
+    `max_num_tokens` and `finish_token_ids` (set by the scheduler on add) bound the cheap test for
+    whether a new token may finish it.
     """
 
     __slots__ = (
+        "block_row",
         "block_table",
         "finish_reason",
+        "finish_token_ids",
         "index",
-        "last_emitted",
-        "new_logprobs",
+        "max_num_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_prompt_tokens",
@@ -57,12 +60,13 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
+        self.block_row = -1  # its row of the BlockManager's tables while it holds blocks
         self.status = SequenceStatus.WAITING
         self.params = params
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
-        self.last_emitted = self.num_prompt_tokens
-        self.new_logprobs: list[TokenLogprobs] = []
+        self.max_num_tokens = self.num_prompt_tokens + params.max_tokens
+        self.finish_token_ids: frozenset[int] = frozenset(params.stop_token_ids)
 
     def __repr__(self) -> str:
         return (
@@ -91,15 +95,5 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
+    def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
-        if logprobs is not None:
-            self.new_logprobs.append(logprobs)
-
-    def take_new_tokens(self) -> tuple[list[int], list[TokenLogprobs] | None]:
-        """Output tokens not yet sent to the client, and their logprobs."""
-        new = self.token_ids[self.last_emitted :]
-        self.last_emitted = len(self.token_ids)
-        logprobs = self.new_logprobs or None
-        self.new_logprobs = []
-        return new, logprobs

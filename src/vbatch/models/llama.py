@@ -9,10 +9,11 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from vbatch.errors import ModelLoadError
+from vbatch.errors import ConfigError, ModelLoadError
 from vbatch.layers.attention import AttentionBackend, AttentionMetadata
 from vbatch.layers.native import has_fused_ops
 from vbatch.layers.norm import RMSNorm
+from vbatch.layers.quantization import has_int8_kernels, quantize_linears
 from vbatch.layers.rotary import RotaryBatch, RotaryEmbedding
 from vbatch.models.config import ModelConfig
 from vbatch.models.loader import ResolvedModel
@@ -165,11 +166,15 @@ def load_model(
     dtype: torch.dtype,
     attn_backend: AttentionBackend,
     config: ModelConfig | None = None,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Build the model from an HF directory, reading safetensors straight onto `device`.
 
     The fused native ops come with the native attention backend, where they serve `device`.
+    `quantization="int8"` swaps the decoder layers' linears (not the LM head) for int8 ones.
     """
+    if quantization is not None:
+        check_quantization(quantization, device, dtype)
     hf_dir = model.hf_dir if isinstance(model, ResolvedModel) else Path(model)
     config = config or ModelConfig.from_hf_dir(hf_dir)
     use_native_ops = attn_backend.name == "native" and has_fused_ops(device)
@@ -206,7 +211,20 @@ def load_model(
     missing = [name for name, param in params.items() if num_loaded[name] != param.numel()]
     if missing:
         raise ModelLoadError(f"model in {hf_dir} lacks weights for {', '.join(missing[:5])}")
+    if quantization is not None:
+        quantize_linears(llm.layers)
     return llm.eval()
+
+
+def check_quantization(quantization: str, device: torch.device, dtype: torch.dtype) -> None:
+    if quantization != "int8":
+        raise ConfigError(f"unknown quantization {quantization!r}")
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ConfigError(
+            f"int8 quantization needs device cpu and dtype float32, got {device}, {dtype}"
+        )
+    if not has_int8_kernels():
+        raise ConfigError("int8 quantization needs torch's x86 int8 kernels (fbgemm or oneDNN)")
 
 
 def _param_target(hf_name: str, config: ModelConfig) -> tuple[str, int] | None:

@@ -1,0 +1,71 @@
+"""Tests for build_host_batch: the one-token fast path and the BlockManager rows agree with the
+general path on the seqs' own lists."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from vbatch.engine import input_batch
+from vbatch.engine.block_manager import BlockManager
+from vbatch.engine.input_batch import HostBatch, build_host_batch
+from vbatch.engine.scheduler import SchedulerOutput
+from vbatch.engine.sequence import Sequence
+from vbatch.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+
+
+def one_token_batch() -> tuple[SchedulerOutput, BlockManager]:
+    """Decodes at several context lengths plus a prompt chunk of one token that does not sample."""
+    bm = BlockManager(num_blocks=64, block_size=BLOCK_SIZE, enable_prefix_caching=False)
+    seqs = []
+    for length in (5, 9, 4, 13):
+        seq = Sequence("r", list(range(10 + length, 10 + 2 * length)), SamplingParams())
+        bm.allocate(seq, length)
+        seq.num_computed_tokens = length - 1
+        seqs.append(seq)
+    chunk = Sequence("c", list(range(50, 58)), SamplingParams())
+    bm.allocate(chunk, 3)
+    chunk.num_computed_tokens = 2
+    seqs.append(chunk)
+    out = SchedulerOutput(seqs, [1] * len(seqs))
+    return out, bm
+
+
+def assert_same(a: HostBatch, b: HostBatch) -> None:
+    for field in dataclasses.fields(HostBatch):
+        x, y = getattr(a, field.name), getattr(b, field.name)
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and x.tolist() == y.tolist(), field.name
+        else:
+            assert x == y, field.name
+
+
+def test_one_token_path_matches_the_general_path() -> None:
+    out, _ = one_token_batch()
+    fast = build_host_batch(out, BLOCK_SIZE)
+    assert_same(fast, input_batch._build_mixed(out, BLOCK_SIZE))
+    assert fast.sample_rows == [0, 1, 2, 3] and fast.logits_rows.tolist() == [0, 1, 2, 3]
+    assert fast.positions.tolist() == [4, 8, 3, 12, 2]
+    assert fast.input_ids.tolist() == [19, 27, 17, 35, 52]
+    table = out.seqs[3].block_table
+    assert fast.slot_mapping[3] == table[3] * BLOCK_SIZE
+    assert fast.block_tables[0].tolist() == [*out.seqs[0].block_table, 0, 0]
+
+
+def test_block_manager_rows_match_the_seqs_lists() -> None:
+    out, bm = one_token_batch()
+    rows = dataclasses.replace(
+        out, block_tables=bm.tables, block_rows=[s.block_row for s in out.seqs]
+    )
+    assert_same(build_host_batch(rows, BLOCK_SIZE), build_host_batch(out, BLOCK_SIZE))
+    prompts = [Sequence("p", list(range(3, 3 + n)), SamplingParams()) for n in (8, 6)]
+    for seq in prompts:
+        bm.allocate(seq, seq.num_tokens)
+    prefill = SchedulerOutput(prompts, [8, 6])
+    with_rows = dataclasses.replace(
+        prefill, block_tables=bm.tables, block_rows=[s.block_row for s in prompts]
+    )
+    assert_same(build_host_batch(with_rows, BLOCK_SIZE), build_host_batch(prefill, BLOCK_SIZE))
