@@ -72,6 +72,7 @@ def run_in_process(model: Path, batch: int, max_tokens: int, backend: str) -> di
     runner = core.runner
     runner.model.forward = timed(runner.model.forward, forward)
     runner.model.compute_logits = timed(runner.model.compute_logits, forward)
+    runner.model.greedy_token_ids = timed(runner.model.greedy_token_ids, forward)
     runner.sampler = timed(runner.sampler, forward)
     core.add_request(AddRequest("warmup", pack_token_ids([1, 2, 3]), SamplingParams(max_tokens=2)))
     while core.has_unfinished():

@@ -50,6 +50,7 @@ class StepTimers:
             if isinstance(module, torch.nn.Linear):
                 module.forward = self.timed("gemm", module.forward)
         runner.model.compute_logits = self.timed("gemm", runner.model.compute_logits)
+        runner.model.greedy_token_ids = self.timed("gemm", runner.model.greedy_token_ids)
         backend = runner.attn_backend
         backend.forward = self.timed("attention", backend.forward)
         runner.sampling_metadata = self.timed("sampling", runner.sampling_metadata)

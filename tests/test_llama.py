@@ -21,7 +21,7 @@ from transformers import (
 from vbatch.layers import native
 from vbatch.layers.attention import TorchAttentionBackend
 from vbatch.models.config import ModelConfig
-from vbatch.models.llama import LlamaForCausalLM, load_model
+from vbatch.models.llama import LM_HEAD_CHUNK, LlamaForCausalLM, load_model
 
 TOLERANCE = 1e-4
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
@@ -236,3 +236,21 @@ def test_bfloat16_tracks_float32(
     expected = reference_logits(reference, ids)
     similarity = F.cosine_similarity(logits, expected, dim=-1)
     assert similarity.min() > 0.99, similarity.min()
+
+
+def test_greedy_token_ids_match_argmax_of_logits(tiny_model_dir: Path) -> None:
+    """The chunked argmax agrees with the full logits, and a tie across chunks picks the first."""
+    model = load_model(tiny_model_dir, torch.device("cpu"), torch.float32, TorchAttentionBackend())
+    weight = model.embed_tokens.weight
+    assert weight.shape[0] > 3 * LM_HEAD_CHUNK
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, weight.shape[1], generator=gen)
+    with torch.inference_mode():
+        weight[LM_HEAD_CHUNK + 7] = weight[7]
+        weight[3 * LM_HEAD_CHUNK + 7] = weight[7]
+        hidden[0] = 10 * weight[7]
+        expected = model.compute_logits(hidden).argmax(dim=-1)
+        got = model.greedy_token_ids(hidden)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, expected)
+    assert got[0] == 7

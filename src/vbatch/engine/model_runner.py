@@ -228,6 +228,9 @@ class ModelRunner:
             )
             return self.sample(logits, sampling)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if sampling.is_plain_greedy:
+            token_ids = self.model.greedy_token_ids(hidden.index_select(0, inputs.logits_rows))
+            return token_ids.tolist(), None
         logits = self.model.compute_logits(
             hidden.index_select(0, inputs.logits_rows), out=self._logits_buffer(len(sampling_seqs))
         )

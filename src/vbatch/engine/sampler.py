@@ -61,6 +61,16 @@ class SamplingMetadata:
     num_candidates: int = 0  # width of the first top-k candidate set
     needs_full_mass: bool = False  # a top-p row without top-k: its mass spans the whole vocab
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Every row takes the raw argmax: greedy, no penalties, bans or logprobs."""
+        return (
+            self.is_all_greedy
+            and self.penalties is None
+            and self.banned is None
+            and self.logprob_rows is None
+        )
+
     @classmethod
     def build(
         cls,

@@ -20,6 +20,13 @@ from vbatch.models.loader import ResolvedModel
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 LM_HEAD_CHUNK = 3072
+# NOTE: up to this many rows, GEMMs run as W @ x^T (see LlamaMLP._forward_transposed); from
+# 1024 rows on the usual x @ W^T is as fast or faster.
+MAX_TRANSPOSED_ROWS = 512
+
+
+def _is_cpu_float32_linear(layer: nn.Module, x: torch.Tensor) -> bool:
+    return type(layer) is nn.Linear and x.device.type == "cpu" and x.dtype == torch.float32
 
 
 class LlamaAttention(nn.Module):
@@ -60,8 +67,19 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= MAX_TRANSPOSED_ROWS and _is_cpu_float32_linear(self.gate_up_proj, x):
+            return self._forward_transposed(x)
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def _forward_transposed(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: for few rows MKL runs W @ x^T 1.3-1.4x faster than x @ W^T (measured at 16-128
+        # rows, even after the final copy); gate and up are then contiguous row blocks.
+        size = self.intermediate_size
+        # [2 * intermediate_size, num_tokens]
+        gate_up = torch.mm(self.gate_up_proj.weight, x.t())
+        act = F.silu(gate_up[:size]).mul_(gate_up[size:])
+        return torch.mm(self.down_proj.weight, act).t().contiguous()
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -158,6 +176,29 @@ class LlamaForCausalLM(nn.Module):
             end = min(start + LM_HEAD_CHUNK, vocab_size)
             torch.mm(hidden, weight[start:end].t(), out=logits[:, start:end])
         return logits
+
+    def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden_size] -> [n] int64 argmax token ids, the first on ties, as
+        compute_logits(hidden).argmax(-1); on CPU without materialising the [n, vocab] logits."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        vocab_size = weight.shape[0]
+        if hidden.device.type != "cpu" or hidden.dtype != torch.float32:
+            return F.linear(hidden, weight).argmax(dim=-1)
+        # NOTE: a [n, vocab] float32 tensor (50 MB at n = 256) evicts every cache each step;
+        # one chunk's scores stay in cache and are reduced before the next chunk is computed.
+        num_rows = hidden.shape[0]
+        scores = hidden.new_empty(num_rows, LM_HEAD_CHUNK)
+        best_value = hidden.new_full((num_rows,), float("-inf"))
+        best_index = torch.zeros(num_rows, dtype=torch.int64)
+        for start in range(0, vocab_size, LM_HEAD_CHUNK):
+            end = min(start + LM_HEAD_CHUNK, vocab_size)
+            chunk = scores[:, : end - start]
+            torch.mm(hidden, weight[start:end].t(), out=chunk)
+            value, index = chunk.max(dim=1)
+            is_better = value > best_value
+            best_value = torch.where(is_better, value, best_value)
+            best_index = torch.where(is_better, index + start, best_index)
+        return best_index
 
 
 def load_model(
