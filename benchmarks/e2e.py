@@ -7,7 +7,7 @@ and prints vbatch/HF and bound/achieved wall time, where the bound is the sum ov
 tighter one: prompt tokens without the LM head, at the 512-row prefill GEMM rate).
 
 python -m benchmarks.e2e [--num-prompts 128] [--max-tokens 128] [--threads 2]
-    [--hf-batch-sizes 32,64] [--skip-hf] [--show-progress]
+    [--hf-batch-sizes 32,64] [--repeats 1] [--skip-hf] [--show-progress] [--quantization int8]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,8 @@ def run_cli(in_path: Path, out_path: Path, args: argparse.Namespace) -> dict[str
         "--max-tokens", str(args.max_tokens), "--temperature", "0",
         "--num-threads", str(args.threads), "--overwrite",
     ]  # fmt: skip
+    if args.quantization:
+        cmd += ["--quantization", args.quantization]
     if not args.show_progress:
         cmd.append("--quiet")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
@@ -52,44 +55,7 @@ def run_cli(in_path: Path, out_path: Path, args: argparse.Namespace) -> dict[str
     return {"wall_s": wall, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--num-prompts", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--hf-batch-sizes", default="32,64")
-    parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--show-progress", action="store_true")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-
-    body_rate, head_rate = model_gemm_rate(64, repeats=5)
-    prefill_rate, _ = model_gemm_rate(512, repeats=5)
-    body_flops, head_flops = flops_per_token()
-    gemm_gflops = (body_flops + head_flops) / (body_flops / body_rate + head_flops / head_rate)
-    with tempfile.TemporaryDirectory() as tmp:
-        in_path = write_jsonl(Path(tmp) / "workload.jsonl", args.num_prompts)
-        ours = run_cli(in_path, Path(tmp) / "out.jsonl", args)
-    num_tokens = ours["prompt_tokens"] + ours["output_tokens"]
-    bound_s = num_tokens * (body_flops + head_flops) / (gemm_gflops * 1e9)
-    # NOTE: tighter: prompt tokens skip the LM head and run as 512-row GEMMs, outputs at batch 64.
-    tight_s = (
-        ours["prompt_tokens"] * body_flops / prefill_rate
-        + ours["output_tokens"] * (body_flops / body_rate + head_flops / head_rate)
-    ) / 1e9
-    ours_tok_s = ours["output_tokens"] / ours["wall_s"]
-    print(
-        f"workload: {args.num_prompts} chat prompts, max_tokens={args.max_tokens}, greedy, "
-        f"threads={args.threads}; GEMM rate {gemm_gflops:.0f} GFLOP/s at decode shapes"
-    )
-    print(
-        f"vbatch run: {ours['wall_s']:.1f} s, {ours['prompt_tokens']} prompt + "
-        f"{ours['output_tokens']} output tokens, {ours_tok_s:.1f} output tok/s; "
-        f"GEMM bound {bound_s:.1f} s, wall/bound = {ours['wall_s'] / bound_s:.2f} "
-        f"(tighter bound {tight_s:.1f} s, wall/tighter = {ours['wall_s'] / tight_s:.2f})"
-    )
-    if args.skip_hf:
-        return
+def hf_prompts(num_prompts: int) -> tuple[str, list[list[int]]]:
     from transformers import AutoTokenizer
 
     from vbatch.models.loader import resolve_model
@@ -97,18 +63,79 @@ def main() -> None:
     resolved = resolve_model(None)
     tokenizer = AutoTokenizer.from_pretrained(resolved.hf_dir)
     prompts = []
-    for messages in make_messages(args.num_prompts):
+    for messages in make_messages(num_prompts):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         prompts.append(list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids))
-    best = 0.0
-    for batch_size in (int(x) for x in args.hf_batch_sizes.split(",")):
-        hf = run_hf(str(resolved.hf_dir), prompts, args.max_tokens, batch_size)
-        best = max(best, hf["output_tok_s"])
-        print(
-            f"HF generate (batch {batch_size}): {hf['output_tok_s']:.1f} output tok/s, "
-            f"{hf['wall_s']:.1f} s"
-        )
-    print(f"vbatch/HF (best batch) = {ours_tok_s / best:.2f}x")
+    return str(resolved.hf_dir), prompts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--hf-batch-sizes", default="32,64")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds; medians")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--show-progress", action="store_true")
+    parser.add_argument("--quantization", default=None, help="e.g. int8 (the bound stays fp32)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    body_rate, head_rate = model_gemm_rate(64, repeats=5)
+    prefill_rate, _ = model_gemm_rate(512, repeats=5)
+    body_flops, head_flops = flops_per_token()
+    gemm_gflops = (body_flops + head_flops) / (body_flops / body_rate + head_flops / head_rate)
+    print(
+        f"workload: {args.num_prompts} chat prompts, max_tokens={args.max_tokens}, greedy, "
+        f"threads={args.threads}; GEMM rate {gemm_gflops:.0f} GFLOP/s at decode shapes"
+    )
+    batch_sizes = [] if args.skip_hf else [int(x) for x in args.hf_batch_sizes.split(",")]
+    hf_dir, prompts = hf_prompts(args.num_prompts) if batch_sizes else ("", [])
+    walls: list[float] = []
+    hf_rates: dict[int, list[float]] = {b: [] for b in batch_sizes}
+    ours: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        in_path = write_jsonl(Path(tmp) / "workload.jsonl", args.num_prompts)
+        for round_index in range(args.repeats):
+            ours = run_cli(in_path, Path(tmp) / "out.jsonl", args)
+            walls.append(ours["wall_s"])
+            print(
+                f"[round {round_index + 1}] vbatch run: {ours['wall_s']:.1f} s, "
+                f"{ours['output_tokens'] / ours['wall_s']:.1f} output tok/s",
+                flush=True,
+            )
+            for batch_size in batch_sizes:
+                hf = run_hf(hf_dir, prompts, args.max_tokens, batch_size)
+                hf_rates[batch_size].append(hf["output_tok_s"])
+                print(
+                    f"[round {round_index + 1}] HF generate (batch {batch_size}): "
+                    f"{hf['output_tok_s']:.1f} output tok/s, {hf['wall_s']:.1f} s",
+                    flush=True,
+                )
+    wall = statistics.median(walls)
+    num_tokens = ours["prompt_tokens"] + ours["output_tokens"]
+    bound_s = num_tokens * (body_flops + head_flops) / (gemm_gflops * 1e9)
+    # NOTE: tighter: prompt tokens skip the LM head and run as 512-row GEMMs, outputs at batch 64.
+    tight_s = (
+        ours["prompt_tokens"] * body_flops / prefill_rate
+        + ours["output_tokens"] * (body_flops / body_rate + head_flops / head_rate)
+    ) / 1e9
+    ours_tok_s = ours["output_tokens"] / wall
+    print(
+        f"vbatch run (median of {args.repeats}): {wall:.1f} s, {ours['prompt_tokens']} prompt + "
+        f"{ours['output_tokens']} output tokens, {ours_tok_s:.1f} output tok/s; "
+        f"GEMM bound {bound_s:.1f} s, wall/bound = {wall / bound_s:.2f} "
+        f"(tighter bound {tight_s:.1f} s, wall/tighter = {wall / tight_s:.2f})"
+    )
+    if not batch_sizes:
+        return
+    best_batch = max(batch_sizes, key=lambda b: statistics.median(hf_rates[b]))
+    best = statistics.median(hf_rates[best_batch])
+    print(
+        f"HF generate best batch {best_batch}: median {best:.1f} output tok/s; "
+        f"vbatch/HF = {ours_tok_s / best:.2f}x"
+    )
 
 
 if __name__ == "__main__":

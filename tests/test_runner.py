@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from vbatch.errors import InputError, JobStateError, ModelLoadError
+from vbatch.errors import ConfigError, InputError, JobStateError, ModelLoadError
 from vbatch.job.rows import ColumnOptions
 from vbatch.job.runner import JobSpec, RunOptions, job_dir_for, job_status, resume_job, start_job
 
@@ -206,6 +206,11 @@ def test_refusals_before_any_work(
         with pytest.raises(ModelLoadError, match=str(bad_model)):
             start_job(bad, QUIET)
         assert not job_dir_for(bad.output_path).exists()
+    bad = spec(tmp_path, good_input, "bad-engine.jsonl", tiny_model_dir)
+    bad.engine_args["quantization"] = "int4"
+    with pytest.raises(ConfigError, match="quantization must be one of"):
+        start_job(bad, QUIET)
+    assert not job_dir_for(bad.output_path).exists()
 
 
 def test_existing_job_refusal_resume_checks_retry_errors_and_force(

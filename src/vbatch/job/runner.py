@@ -11,6 +11,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from vbatch.config import EngineConfig
 from vbatch.errors import InputError, JobStateError
 from vbatch.job.finalize import finish_completion, tmp_output_path
 from vbatch.job.journal import JOURNAL_NAME, JobState, Journal, read_journal
@@ -145,6 +146,7 @@ def start_job(
     if clashes:
         raise InputError(f"--keep-columns {', '.join(clashes)} would overwrite output fields")
     defaults = SamplingParams.from_dict(spec.sampling)
+    EngineConfig.from_dict({**spec.engine_args, "model": spec.model})
     reader = InputReader(spec.input_path, spec.input_format, spec.columns)
     scan = scan_input(
         reader, RowParser(spec.columns, defaults), collect_keys=spec.columns.keep_all_columns
