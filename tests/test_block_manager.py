@@ -247,9 +247,14 @@ def test_table_rows_grow_and_are_reused_zeroed() -> None:
         admit(bm, seq)
     assert bm.tables.shape[0] >= 70 and bm.tables.shape[1] >= len(seqs[-1].block_table) > 16
     check_invariants(bm, seqs)
+    version = bm.tables_version
     for seq in seqs[::2]:
         bm.free(seq)
+    assert bm.tables_version > version
     check_invariants(bm, seqs[1::2])
+    version = bm.tables_version
+    assert bm.append_slots(seqs[1], 0) and bm.tables_version == version
     short = make_seq([5, 6, 7])
     admit(bm, short)
+    assert bm.tables_version > version
     check_invariants(bm, [*seqs[1::2], short])

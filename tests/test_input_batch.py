@@ -9,7 +9,7 @@ import numpy as np
 
 from vbatch.engine import input_batch
 from vbatch.engine.block_manager import BlockManager
-from vbatch.engine.input_batch import HostBatch, build_host_batch
+from vbatch.engine.input_batch import GatheredBlockTables, HostBatch, build_host_batch
 from vbatch.engine.scheduler import SchedulerOutput
 from vbatch.engine.sequence import Sequence
 from vbatch.sampling_params import SamplingParams
@@ -69,3 +69,27 @@ def test_block_manager_rows_match_the_seqs_lists() -> None:
         prefill, block_tables=bm.tables, block_rows=[s.block_row for s in prompts]
     )
     assert_same(build_host_batch(with_rows, BLOCK_SIZE), build_host_batch(prefill, BLOCK_SIZE))
+
+
+def test_decode_steps_reuse_the_gathered_tables_until_the_rows_change() -> None:
+    out, bm = one_token_batch()
+
+    def with_rows(seqs: list[Sequence]) -> SchedulerOutput:
+        return SchedulerOutput(
+            seqs,
+            [1] * len(seqs),
+            block_tables=bm.tables,
+            block_rows=[s.block_row for s in seqs],
+            block_tables_version=bm.tables_version,
+        )
+
+    gathered = GatheredBlockTables()
+    first = build_host_batch(with_rows(out.seqs), BLOCK_SIZE, gathered).block_tables
+    assert build_host_batch(with_rows(out.seqs), BLOCK_SIZE, gathered).block_tables is first
+    reordered = build_host_batch(with_rows(out.seqs[::-1]), BLOCK_SIZE, gathered)
+    assert reordered.block_tables.tolist() == first.tolist()[::-1]
+    grown = out.seqs[2]
+    assert bm.append_slots(grown, 2) and len(grown.block_table) == 2
+    after = build_host_batch(with_rows(out.seqs), BLOCK_SIZE, gathered)
+    assert after.block_tables[2, :2].tolist() == grown.block_table
+    assert_same(after, build_host_batch(SchedulerOutput(out.seqs, [1] * 5), BLOCK_SIZE))

@@ -302,6 +302,83 @@ def test_abort_between_schedule_and_update_drops_its_token() -> None:
     assert b.output_token_ids == [12] and a.output_token_ids == []
 
 
+def test_abort_between_schedule_and_update_of_a_decode_step_drops_its_token() -> None:
+    sched = make_scheduler()
+    a = add(sched, "a", [3, 4], max_tokens=5)
+    b = add(sched, "b", [5, 6], max_tokens=2)
+    c = add(sched, "c", [7, 8], max_tokens=5)
+    step(sched)
+    out = sched.schedule()
+    assert out.num_new_tokens == [1, 1, 1]
+    sched.abort([a])
+    update = sched.update(out, [11, 12, 13])
+    assert update.seqs == [b, c] and update.token_ids == [12, 13] and update.finished == [b]
+    assert a.num_computed_tokens == 2 and len(a.output_token_ids) == 1
+    assert c.num_computed_tokens == 3 and c.output_token_ids[-1] == 13
+    assert sched.running == [c] and sched.stats().num_generation_tokens == 5
+
+
+def test_one_token_prompt_samples_its_first_token_in_a_decode_shaped_step() -> None:
+    sched = make_scheduler()
+    seq = add(sched, "a", [5], max_tokens=3)
+    out = sched.schedule()
+    update = sched.update(out, [9])
+    assert update.started == [seq] and seq.num_computed_tokens == 1 and seq.token_ids == [5, 9]
+    stats = sched.stats()
+    assert (stats.num_prompt_tokens, stats.num_generation_tokens) == (1, 1)
+
+
+def test_decode_steps_grow_tables_at_block_boundaries_and_preempt_when_full() -> None:
+    sched = make_scheduler(num_kv_blocks=5, max_num_batched_tokens=64)
+    old = add(sched, "old", [3, 4, 5], max_tokens=12)
+    new = add(sched, "new", [6, 7, 8], max_tokens=12)
+    step(sched)
+    for _ in range(5):
+        out, _ = step(sched)
+        assert out.num_new_tokens == [1, 1]
+    assert len(old.block_table) == len(new.block_table) == 2
+    while not out.preempted:
+        out, _ = step(sched)
+    assert out.preempted == [new] and out.seqs == [old] and new.block_table == []
+    run_to_end(sched)
+    assert len(old.output_token_ids) == len(new.output_token_ids) == 12
+
+
+def test_blocks_filled_by_decode_steps_are_cached() -> None:
+    sched = make_scheduler()
+    first = add(sched, "a", [3, 4, 5], max_tokens=6)
+    run_to_end(sched)
+    second = add(sched, "b", first.token_ids)
+    step(sched)
+    assert second.num_cached_tokens == 8
+    assert second.block_table[:2] == sched.block_manager.match_prefix(first)
+
+
+def test_abort_before_a_decode_step_gives_the_aborted_seq_no_block() -> None:
+    sched = make_scheduler()
+    a = add(sched, "a", [3, 4, 5], max_tokens=8)
+    b = add(sched, "b", [6, 7, 8], max_tokens=8)
+    step(sched)
+    step(sched)
+    assert a.num_computed_tokens == 4 and len(a.block_table) == 1
+    sched.abort([a])
+    out, _ = step(sched)
+    assert out.seqs == [b] and a.block_table == [] and len(b.block_table) == 2
+
+
+def test_a_hand_built_decode_step_leaves_a_prefilling_seq_chunked() -> None:
+    sched = make_scheduler(max_num_batched_tokens=8)
+    a = add(sched, "a", [3, 4], max_tokens=8)
+    b = add(sched, "b", list(range(10, 30)), max_tokens=8)
+    step(sched)
+    step(sched)
+    num_computed = b.num_computed_tokens
+    sched.update(SchedulerOutput([a], [1]), [fake_token(a)])
+    out, _ = step(sched)
+    assert out.seqs == [a, b] and out.num_new_tokens == [1, 7]
+    assert b.num_computed_tokens == num_computed + 7
+
+
 def test_check_prompt() -> None:
     sched = make_scheduler(max_model_len=20, num_kv_blocks=4, block_size=4)
     params = SamplingParams(max_tokens=1)

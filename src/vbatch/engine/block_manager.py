@@ -28,7 +28,8 @@ class BlockManager:
     in the LRU), free (ref == 0, unhashed, in the free list)}; a hashed block holds the K/V of
     exactly the tokens of its key, after exactly the prefix its parent hash names, and is never
     written again while hashed. Prefix counters count tokens. A seq holding blocks owns row
-    `seq.block_row` of `tables`, which holds its block table and then zeros; free rows are zero.
+    `seq.block_row` of `tables`, which holds its block table and then zeros; free rows are zero;
+    `tables_version` changes whenever `tables` does.
     """
 
     def __init__(
@@ -56,6 +57,7 @@ class BlockManager:
         # NOTE: the runner gathers a step's block tables from these rows with one numpy call
         # instead of converting every seq's list each step; both grow by doubling.
         self.tables = np.zeros((64, 16), dtype=np.int32)
+        self.tables_version = 0  # bumped by every write to `tables`
         self._free_rows = list(range(63, -1, -1))
 
     @property
@@ -154,6 +156,7 @@ class BlockManager:
         if seq.block_row >= 0:
             # NOTE: zeroed so that a gathered row is 0-padded past its seq's last block.
             self.tables[seq.block_row, : len(seq.block_table)] = 0
+            self.tables_version += 1
             self._free_rows.append(seq.block_row)
             seq.block_row = -1
         seq.block_table.clear()
@@ -192,6 +195,7 @@ class BlockManager:
             self.tables = grown
         if start < len(block_table):
             self.tables[seq.block_row, start : len(block_table)] = block_table[start:]
+            self.tables_version += 1
 
     def _take_free_block(self) -> int:
         if self.free_block_ids:

@@ -12,39 +12,102 @@ from vbatch.engine.scheduler import SchedulerOutput
 
 @dataclass
 class HostBatch:
-    """The arrays a step's AttentionMetadata and model inputs are made of, in batch order.
+    """The arrays a step's AttentionMetadata and model inputs are made of, in batch order, packed
+    into two buffers so that a step moves them with one copy per dtype.
 
-    Invariants: sequence i owns token rows `query_start_loc[i]:query_start_loc[i+1]`;
-    `logits_rows[k]` is the last token row of sequence `sample_rows[k]`; block tables are padded
-    with 0 past each sequence's last block.
+    Invariants: `int64s` is input_ids | positions | slot_mapping (num_tokens each) | logits_rows;
+    `int32s` is seq_lens (num_seqs) | query_start_loc (num_seqs + 1); sequence i owns token rows
+    `query_start_loc[i]:query_start_loc[i+1]`; `logits_rows[k]` is the last token row of sequence
+    `sample_rows[k]`; block tables are padded with 0 past each sequence's last block.
     """
 
-    input_ids: np.ndarray  # [num_tokens] int64
-    positions: np.ndarray  # [num_tokens] int64
-    slot_mapping: np.ndarray  # [num_tokens] int64
-    query_start_loc: np.ndarray  # [num_seqs + 1] int32
-    seq_lens: np.ndarray  # [num_seqs] int32
+    int64s: np.ndarray  # [3 * num_tokens + num_sampling_seqs] int64
+    int32s: np.ndarray  # [2 * num_seqs + 1] int32
     block_tables: np.ndarray  # [num_seqs, max_num_blocks] int32
-    logits_rows: np.ndarray  # [num_sampling_seqs] int64
+    num_tokens: int
     sample_rows: list[int]
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
 
+    @property
+    def input_ids(self) -> np.ndarray:
+        return self.int64s[: self.num_tokens]
 
-def build_host_batch(out: SchedulerOutput, block_size: int) -> HostBatch:
-    """The host arrays of `out`, read from its seqs before update() moves them on."""
+    @property
+    def positions(self) -> np.ndarray:
+        return self.int64s[self.num_tokens : 2 * self.num_tokens]
+
+    @property
+    def slot_mapping(self) -> np.ndarray:
+        return self.int64s[2 * self.num_tokens : 3 * self.num_tokens]
+
+    @property
+    def logits_rows(self) -> np.ndarray:
+        return self.int64s[3 * self.num_tokens :]
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        return self.int32s[: len(self.seq_lens_cpu)]
+
+    @property
+    def query_start_loc(self) -> np.ndarray:
+        return self.int32s[len(self.seq_lens_cpu) :]
+
+
+@dataclass
+class GatheredBlockTables:
+    """The block tables one step gathered from a BlockManager's rows, kept for the next step.
+
+    Invariant: `block_tables` is `source[rows, :block_tables.shape[1]]` as of tables version
+    `version`; `source` is None until the first gather.
+    """
+
+    source: np.ndarray | None = None
+    version: int = -1
+    rows: list[int] | None = None
+    block_tables: np.ndarray | None = None  # [num_seqs, max_num_blocks] int32
+
+    def get(self, out: SchedulerOutput, max_num_blocks: int) -> np.ndarray | None:
+        """The gather `out` needs, if it is the one kept."""
+        block_tables = self.block_tables
+        if (
+            out.block_tables is self.source
+            and out.block_tables_version == self.version
+            and block_tables is not None
+            and block_tables.shape[1] == max_num_blocks
+            and out.block_rows == self.rows
+        ):
+            return block_tables
+        return None
+
+    def keep(self, out: SchedulerOutput, block_tables: np.ndarray) -> None:
+        self.source = out.block_tables
+        self.version = out.block_tables_version
+        self.rows = out.block_rows
+        self.block_tables = block_tables
+
+
+def build_host_batch(
+    out: SchedulerOutput, block_size: int, gathered: GatheredBlockTables | None = None
+) -> HostBatch:
+    """The host arrays of `out`, read from its seqs before update() moves them on; `gathered`
+    carries a decode step's block tables to the next step, which reuses them while unchanged."""
     if max(out.num_new_tokens) == 1:
-        return _build_single_token(out, block_size)
+        return _build_single_token(out, block_size, gathered or GatheredBlockTables())
     return _build_mixed(out, block_size)
 
 
-def _build_single_token(out: SchedulerOutput, block_size: int) -> HostBatch:
+def _build_single_token(
+    out: SchedulerOutput, block_size: int, gathered: GatheredBlockTables
+) -> HostBatch:
     # NOTE: one token per seq (the decode steady state). After a CPU forward pass has swept the
     # caches a numpy call costs ~15 µs, far more than a Python pass over 256 seqs, so this path
-    # builds plain lists, packs them with two array constructions and gathers the block tables.
+    # builds plain lists and makes them arrays with two conversions. Block tables change in one
+    # decode step of block_size, so the last step's gather is reused; a new gather takes the
+    # BlockManager rows in the int64 conversion, as an array index gathers faster than a list.
     seqs = out.seqs
-    num_seqs = len(seqs)
+    n = len(seqs)
     positions = [seq.num_computed_tokens for seq in seqs]
     input_ids = [seq.token_ids[p] for seq, p in zip(seqs, positions)]
     tables = [seq.block_table for seq in seqs]
@@ -53,19 +116,27 @@ def _build_single_token(out: SchedulerOutput, block_size: int) -> HostBatch:
     ]
     seq_lens = [p + 1 for p in positions]
     mask = out.sampling_mask
-    sample_rows = list(range(num_seqs)) if all(mask) else [i for i, s in enumerate(mask) if s]
+    sample_rows = list(range(n)) if all(mask) else [i for i, s in enumerate(mask) if s]
     max_num_blocks = max(map(len, tables))
-    int64s = np.array(input_ids + positions + slots + sample_rows, dtype=np.int64)
-    int32s = np.array(seq_lens + list(range(num_seqs + 1)), dtype=np.int32)
-    n = num_seqs
+    num_int64s = 3 * n + len(sample_rows)
+    block_tables = gathered.get(out, max_num_blocks)
+    if block_tables is not None:
+        int64s = np.array(input_ids + positions + slots + sample_rows, dtype=np.int64)
+    elif out.block_tables is None:
+        int64s = np.array(input_ids + positions + slots + sample_rows, dtype=np.int64)
+        block_tables = _block_tables_from_seqs(out, max_num_blocks)
+    else:
+        packed = np.array(
+            input_ids + positions + slots + sample_rows + out.block_rows, dtype=np.int64
+        )
+        int64s = packed[:num_int64s]
+        block_tables = out.block_tables[packed[num_int64s:], :max_num_blocks]
+        gathered.keep(out, block_tables)
     return HostBatch(
-        input_ids=int64s[:n],
-        positions=int64s[n : 2 * n],
-        slot_mapping=int64s[2 * n : 3 * n],
-        query_start_loc=int32s[n : 2 * n + 1],
-        seq_lens=int32s[:n],
-        block_tables=_block_tables(out, max_num_blocks),
-        logits_rows=int64s[3 * n :],
+        int64s=int64s,
+        int32s=np.array(seq_lens + list(range(n + 1)), dtype=np.int32),
+        block_tables=block_tables,
+        num_tokens=n,
         sample_rows=sample_rows,
         seq_lens_cpu=seq_lens,
         max_query_len=1,
@@ -89,21 +160,25 @@ def _build_mixed(out: SchedulerOutput, block_size: int) -> HostBatch:
     seq_index = np.repeat(np.arange(num_seqs), query_lens)
     offsets = np.arange(num_tokens) - np.repeat(np.cumsum(query_lens) - query_lens, query_lens)
     positions = starts[seq_index] + offsets
-    block_tables = _block_tables(out, max(len(s.block_table) for s in seqs))
+    max_num_blocks = max(len(s.block_table) for s in seqs)
+    if out.block_tables is None:
+        block_tables = _block_tables_from_seqs(out, max_num_blocks)
+    else:
+        block_tables = out.block_tables[out.block_rows, :max_num_blocks]
     blocks = block_tables[seq_index, positions // block_size].astype(np.int64)
     slot_mapping = blocks * block_size + positions % block_size
-    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
+    int32s = np.zeros(2 * num_seqs + 1, dtype=np.int32)
+    int32s[:num_seqs] = seq_lens
+    query_start_loc = int32s[num_seqs:]
     np.cumsum(query_lens, out=query_start_loc[1:])
     sample_rows = np.flatnonzero(out.sampling_mask)
+    logits_rows = query_start_loc[1:][sample_rows].astype(np.int64) - 1
     seq_lens_cpu = seq_lens.tolist()
     return HostBatch(
-        input_ids=input_ids,
-        positions=positions,
-        slot_mapping=slot_mapping,
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens.astype(np.int32),
+        int64s=np.concatenate([input_ids, positions, slot_mapping, logits_rows]),
+        int32s=int32s,
         block_tables=block_tables,
-        logits_rows=query_start_loc[1:][sample_rows].astype(np.int64) - 1,
+        num_tokens=num_tokens,
         sample_rows=sample_rows.tolist(),
         seq_lens_cpu=seq_lens_cpu,
         max_query_len=max(num_new),
@@ -111,10 +186,8 @@ def _build_mixed(out: SchedulerOutput, block_size: int) -> HostBatch:
     )
 
 
-def _block_tables(out: SchedulerOutput, max_num_blocks: int) -> np.ndarray:
-    """[num_seqs, max_num_blocks] int32, 0-padded; from the BlockManager's rows when given."""
-    if out.block_tables is not None:
-        return out.block_tables[out.block_rows, :max_num_blocks]
+def _block_tables_from_seqs(out: SchedulerOutput, max_num_blocks: int) -> np.ndarray:
+    """[num_seqs, max_num_blocks] int32, 0-padded, from the seqs' lists (a hand-built output)."""
     block_tables = np.zeros((len(out.seqs), max_num_blocks), dtype=np.int32)
     for row, seq in zip(block_tables, out.seqs):
         row[: len(seq.block_table)] = seq.block_table

@@ -12,7 +12,7 @@ import torch
 
 from vbatch.config import EngineConfig
 from vbatch.engine.cuda_graphs import DecodeGraphRunner
-from vbatch.engine.input_batch import build_host_batch
+from vbatch.engine.input_batch import GatheredBlockTables, build_host_batch
 from vbatch.engine.sampler import Sampler, SamplingMetadata, free_generators
 from vbatch.engine.scheduler import SchedulerOutput
 from vbatch.engine.sequence import Sequence
@@ -116,6 +116,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
         self._staging: dict[str, torch.Tensor] = {}
+        self._gathered = GatheredBlockTables()
         self._inputs_copied = torch.cuda.Event() if self.device.type == "cuda" else None
         # [max rows sampled so far, vocab_size] float32 CPU logits, reused by every step
         self._logits = torch.empty(0, model_config.vocab_size)
@@ -183,44 +184,71 @@ class ModelRunner:
         host.copy_(tensor)
         return host.to(self.device, non_blocking=True)
 
+    def _split_to_device(
+        self, name: str, array: np.ndarray, sizes: list[int]
+    ) -> list[torch.Tensor]:
+        """Consecutive pieces of `array` on the runner's device; on CUDA with one copy."""
+        if self.device.type != "cpu":
+            return list(self._to_device(name, array).split(sizes))
+        # NOTE: on CPU a view per piece costs less than a torch split, which dispatches an op.
+        pieces = []
+        start = 0
+        for size in sizes:
+            pieces.append(torch.from_numpy(array[start : start + size]))
+            start += size
+        return pieces
+
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """Flat input ids, positions, attention metadata and logits rows for one step."""
         if self._inputs_copied is not None:
             # NOTE: the previous step's non-blocking copies may still read the pinned buffers
             # (a step that samples nothing ends without a sync); this waits for those copies only.
             self._inputs_copied.synchronize()
-        host = build_host_batch(out, self.block_size)
+        host = build_host_batch(out, self.block_size, self._gathered)
+        n, num_seqs = host.num_tokens, len(out.seqs)
+        input_ids, positions, slot_mapping, logits_rows = self._split_to_device(
+            "int64s", host.int64s, [n, n, n, len(host.sample_rows)]
+        )
+        seq_lens, query_start_loc = self._split_to_device(
+            "int32s", host.int32s, [num_seqs, num_seqs + 1]
+        )
         meta = AttentionMetadata(
-            slot_mapping=self._to_device("slot_mapping", host.slot_mapping),
-            query_start_loc=self._to_device("query_start_loc", host.query_start_loc),
-            seq_lens=self._to_device("seq_lens", host.seq_lens),
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
             block_tables=self._to_device("block_tables", host.block_tables),
             query_lens_cpu=out.num_new_tokens,
             seq_lens_cpu=host.seq_lens_cpu,
             max_query_len=host.max_query_len,
             max_seq_len=host.max_seq_len,
         )
-        inputs = StepInputs(
-            input_ids=self._to_device("input_ids", host.input_ids),
-            positions=self._to_device("positions", host.positions),
-            meta=meta,
-            logits_rows=self._to_device("logits_rows", host.logits_rows),
-            sample_rows=host.sample_rows,
-        )
+        inputs = StepInputs(input_ids, positions, meta, logits_rows, host.sample_rows)
         if self._inputs_copied is not None:
             self._inputs_copied.record()
         return inputs
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """Run one step; returns the sampled token per sampling seq, in batch order."""
+        # NOTE: the bare guard; torch.inference_mode()'s Python context manager costs ~45 µs a
+        # step once a forward pass has evicted its code from the caches, the guard ~15.
+        guard = torch._C._InferenceMode(True)
+        try:
+            return self._execute(out)
+        finally:
+            del guard
+
+    def _execute(self, out: SchedulerOutput) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         inputs = self.prepare(out)
         if not inputs.sample_rows:
             self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             return [], None
         # NOTE: built before the forward is queued: on CUDA its host-to-device copies of Python
         # lists would otherwise wait for the forward to finish.
-        sampling_seqs = [out.seqs[i] for i in inputs.sample_rows]
+        sample_rows = inputs.sample_rows
+        if len(sample_rows) == len(out.seqs):
+            sampling_seqs = out.seqs
+        else:
+            sampling_seqs = [out.seqs[i] for i in sample_rows]
         sampling = self.sampling_metadata(sampling_seqs)
         if self.graph_runner is not None and self.graph_runner.can_run(inputs.meta):
             logits = self.graph_runner.run(
@@ -228,12 +256,12 @@ class ModelRunner:
             )
             return self.sample(logits, sampling)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if len(sample_rows) != hidden.shape[0]:
+            # NOTE: when every row samples, logits_rows is 0..n-1 and the gather is a copy.
+            hidden = hidden.index_select(0, inputs.logits_rows)
         if sampling.is_plain_greedy:
-            token_ids = self.model.greedy_token_ids(hidden.index_select(0, inputs.logits_rows))
-            return token_ids.tolist(), None
-        logits = self.model.compute_logits(
-            hidden.index_select(0, inputs.logits_rows), out=self._logits_buffer(len(sampling_seqs))
-        )
+            return self.model.greedy_token_ids(hidden).tolist(), None
+        logits = self.model.compute_logits(hidden, out=self._logits_buffer(len(sampling_seqs)))
         return self.sample(logits, sampling)
 
     def _logits_buffer(self, num_rows: int) -> torch.Tensor | None:

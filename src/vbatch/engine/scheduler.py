@@ -32,7 +32,8 @@ class SchedulerOutput:
     `sampling_mask[i]` says whether seq i samples this step (the step reaches its last token); it is
     fixed at construction, so it stays right after update() has moved the seqs on. When
     `block_tables` is set, seq i's block table is row `block_rows[i]` of it (the BlockManager's
-    rows); an output built by hand leaves it None and the runner reads the seqs' lists.
+    rows, unchanged while `block_tables_version` is); an output built by hand leaves it None and
+    the runner reads the seqs' lists.
     """
 
     seqs: list[Sequence]
@@ -41,6 +42,7 @@ class SchedulerOutput:
     sampling_mask: list[bool] = field(default_factory=list)
     block_tables: np.ndarray | None = None  # [num_rows, max_num_blocks] int32
     block_rows: list[int] = field(default_factory=list)
+    block_tables_version: int = -1  # the BlockManager's tables_version when this was built
 
     def __post_init__(self) -> None:
         if not self.sampling_mask:
@@ -92,6 +94,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._prompt_owners: dict[str, Sequence] = {}  # request_id -> the sample prefilling it
+        # NOTE: set by a decode-only update() that every running seq took part in: each then has
+        # one uncomputed token, and these (in running order) need a new block for it.
+        self._decode_crossing: list[Sequence] | None = None
         self.num_preemptions = 0
         self.num_steps = 0
         self.num_scheduled_tokens = 0
@@ -145,24 +150,15 @@ class Scheduler:
         num_new_tokens: list[int] = []
         sampling_mask: list[bool] = []
         preempted: list[Sequence] = []
-        block_size = self.config.block_size
         running = self.running
-        i = 0
-        while i < len(running) and budget > 0:
-            seq = running[i]
-            num_computed = seq.num_computed_tokens
-            num_uncomputed = len(seq.token_ids) - num_computed
-            num_new = num_uncomputed if num_uncomputed < budget else budget
-            # NOTE: inlines append_slots' "already fits" test; this loop runs per seq per step.
-            if num_computed + num_new > len(seq.block_table) * block_size and not (
-                self._reserve_slots(seq, num_new, preempted)
-            ):
-                break
-            seqs.append(seq)
-            num_new_tokens.append(num_new)
-            sampling_mask.append(num_new == num_uncomputed)
-            budget -= num_new
-            i += 1
+        # NOTE: admission spends budget on every seq it adds, so len(running) <= budget here.
+        if self._reserve_decode_slots():
+            seqs = running.copy()
+            num_new_tokens = [1] * len(seqs)
+            sampling_mask = [True] * len(seqs)
+            budget -= len(seqs)
+        else:
+            budget = self._schedule_running(budget, seqs, num_new_tokens, sampling_mask, preempted)
         if not preempted:
             budget = self._admit_waiting(budget, seqs, num_new_tokens, sampling_mask)
         if seqs:
@@ -175,6 +171,7 @@ class Scheduler:
             sampling_mask,
             self.block_manager.tables,
             [seq.block_row for seq in seqs],
+            self.block_manager.tables_version,
         )
 
     def update(
@@ -184,13 +181,98 @@ class Scheduler:
         logprobs: list[TokenLogprobs | None] | None = None,
     ) -> StepUpdate:
         """Apply one step: `sampled_token_ids` align with out's sampling seqs, in batch order."""
+        finished: list[Sequence] = []
+        started: list[Sequence] = []
+        dropped: list[int] = []  # indices into sampled_token_ids of seqs aborted after schedule()
+        crossing: list[Sequence] = []
+        is_decode_only = len(sampled_token_ids) == len(out.seqs) == out.num_batched_tokens
+        if is_decode_only:
+            seqs = self._apply_decodes(
+                out.seqs, sampled_token_ids, finished, started, dropped, crossing
+            )
+        else:
+            seqs = self._apply_mixed(out, sampled_token_ids, finished, started, dropped)
+        self.num_generation_tokens += len(seqs)
+        if dropped:
+            is_dropped = set(dropped)
+            kept = [k for k in range(len(sampled_token_ids)) if k not in is_dropped]
+            sampled_token_ids = [sampled_token_ids[k] for k in kept]
+            if logprobs is not None:
+                logprobs = [logprobs[k] for k in kept]
+        if finished:
+            for seq in finished:
+                self._forget(seq)
+            self.running = [seq for seq in self.running if seq.finish_reason is None]
+            crossing = [seq for seq in crossing if seq.finish_reason is None]
+        # NOTE: out.seqs are running seqs, so with none aborted, equal counts mean every running
+        # seq took part.
+        is_every_seq_decoding = (
+            is_decode_only and not dropped and len(self.running) == len(seqs) - len(finished)
+        )
+        self._decode_crossing = crossing if is_every_seq_decoding else None
+        return StepUpdate(seqs, sampled_token_ids, logprobs, finished, started)
+
+    def _apply_decodes(
+        self,
+        seqs: list[Sequence],
+        sampled_token_ids: list[int],
+        finished: list[Sequence],
+        started: list[Sequence],
+        dropped: list[int],
+        crossing: list[Sequence],
+    ) -> list[Sequence]:
+        """update() for a step in which every seq computed one token and sampled; returns the
+        seqs that took their token and adds to `crossing` those whose next token opens a block."""
+        # NOTE: the decode steady state, so the per-seq work is cut to what one token can change.
+        block_size = self.config.block_size
+        is_caching = self.config.enable_prefix_caching
+        prompt_owners = self._prompt_owners
+        is_any_aborted = False
+        for seq, token_id in zip(seqs, sampled_token_ids):
+            if seq.finish_reason is not None:
+                is_any_aborted = True
+                continue
+            token_ids = seq.token_ids
+            seq.num_computed_tokens = num_computed = len(token_ids)
+            if num_computed <= seq.num_prompt_tokens:
+                self.num_prompt_tokens += 1
+                started.append(seq)
+            if num_computed % block_size == 0:
+                crossing.append(seq)
+                if is_caching:
+                    self.block_manager.cache_full_blocks(seq)
+            if prompt_owners and prompt_owners.get(seq.request_id) is seq:
+                del prompt_owners[seq.request_id]
+            token_ids.append(token_id)
+            if (
+                token_id in seq.finish_token_ids or len(token_ids) >= seq.max_num_tokens
+            ) and self._check_finish(seq, token_id):
+                finished.append(seq)
+        if not is_any_aborted:
+            return seqs
+        # NOTE: aborted after schedule() (finished ones this step have a token); theirs is dropped.
+        is_finished_now = {id(seq) for seq in finished}
+        kept: list[Sequence] = []
+        for k, seq in enumerate(seqs):
+            if seq.finish_reason is None or id(seq) in is_finished_now:
+                kept.append(seq)
+            else:
+                dropped.append(k)
+        return kept
+
+    def _apply_mixed(
+        self,
+        out: SchedulerOutput,
+        sampled_token_ids: list[int],
+        finished: list[Sequence],
+        started: list[Sequence],
+        dropped: list[int],
+    ) -> list[Sequence]:
+        """update() for any step; returns the seqs that took a sampled token."""
         block_size = self.config.block_size
         is_caching = self.config.enable_prefix_caching
         prompt_owners = self._prompt_owners
         seqs: list[Sequence] = []
-        finished: list[Sequence] = []
-        started: list[Sequence] = []
-        dropped: list[int] = []
         j = 0
         for seq, num_new, is_sampling in zip(
             out.seqs, out.num_new_tokens, out.sampling_mask, strict=True
@@ -226,22 +308,12 @@ class Scheduler:
             ) and self._check_finish(seq, token_id):
                 finished.append(seq)
         assert j == len(sampled_token_ids), "one sampled token per sampling seq"
-        self.num_generation_tokens += j - len(dropped)
-        if dropped:
-            is_dropped = set(dropped)
-            kept = [k for k in range(j) if k not in is_dropped]
-            sampled_token_ids = [sampled_token_ids[k] for k in kept]
-            if logprobs is not None:
-                logprobs = [logprobs[k] for k in kept]
-        if finished:
-            for seq in finished:
-                self._forget(seq)
-            self.running = [seq for seq in self.running if seq.finish_reason is None]
-        return StepUpdate(seqs, sampled_token_ids, logprobs, finished, started)
+        return seqs
 
     def abort(self, seqs: Iterable[Sequence]) -> None:
         """Finish these seqs with ABORT, waiting or running; finished ones are left alone."""
         aborted = [seq for seq in seqs if seq.finish_reason is None]
+        self._decode_crossing = None
         for seq in aborted:
             self._finish(seq, FinishReason.ABORT)
             self._forget(seq)
@@ -264,6 +336,52 @@ class Scheduler:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
         )
+
+    def _reserve_decode_slots(self) -> bool:
+        """If every running seq has exactly one uncomputed token, give each room for it; False
+        (having grown only tables that the general pass would grow too) otherwise."""
+        # NOTE: the decode steady state; only one step in block_size crosses a block boundary.
+        crossing = self._decode_crossing
+        self._decode_crossing = None
+        if crossing is None:
+            block_size = self.config.block_size
+            crossing = []
+            for seq in self.running:
+                num_computed = seq.num_computed_tokens
+                if len(seq.token_ids) - num_computed != 1:
+                    return False
+                if num_computed >= len(seq.block_table) * block_size:
+                    crossing.append(seq)
+        append_slots = self.block_manager.append_slots
+        return all(append_slots(seq, 1) for seq in crossing)
+
+    def _schedule_running(
+        self,
+        budget: int,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        sampling_mask: list[bool],
+        preempted: list[Sequence],
+    ) -> int:
+        block_size = self.config.block_size
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            num_computed = seq.num_computed_tokens
+            num_uncomputed = len(seq.token_ids) - num_computed
+            num_new = num_uncomputed if num_uncomputed < budget else budget
+            # NOTE: inlines append_slots' "already fits" test; this loop runs per seq per step.
+            if num_computed + num_new > len(seq.block_table) * block_size and not (
+                self._reserve_slots(seq, num_new, preempted)
+            ):
+                break
+            seqs.append(seq)
+            num_new_tokens.append(num_new)
+            sampling_mask.append(num_new == num_uncomputed)
+            budget -= num_new
+            i += 1
+        return budget
 
     def _reserve_slots(self, seq: Sequence, num_new: int, preempted: list[Sequence]) -> bool:
         """Give `seq` room for num_new tokens, preempting the newest running seqs as needed.
