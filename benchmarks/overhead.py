@@ -5,7 +5,7 @@ In-process: wraps the model forward, logits and sampler of an EngineCore and tim
 each step. Through the subprocess: LLM.generate on the same workload, compared with the
 in-process wall time, and the core's own busy time from SchedulerStats.
 
-    python benchmarks/overhead.py [--batches 1 64 256] [--max-tokens 64] [--model DIR]
+    python -m benchmarks.overhead [--batches 1 64 256] [--max-tokens 64] [--model DIR]
         [--attention-backend torch|native]
 """
 

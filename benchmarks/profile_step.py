@@ -22,6 +22,7 @@ import torch
 from benchmarks.gemm_bound import flops_per_token, model_gemm_rate
 from vbatch.config import EngineConfig
 from vbatch.engine.core import EngineCore
+from vbatch.models.llama import LlamaMLP
 from vbatch.protocol import AddRequest, pack_token_ids
 from vbatch.sampling_params import SamplingParams
 
@@ -49,6 +50,9 @@ class StepTimers:
         for module in runner.model.modules():
             if isinstance(module, torch.nn.Linear):
                 module.forward = self.timed("gemm", module.forward)
+            elif isinstance(module, LlamaMLP):
+                # NOTE: its two GEMMs as W @ x^T bypass Linear.forward; SiLU-and-mul rides along.
+                module._forward_transposed = self.timed("gemm", module._forward_transposed)
         runner.model.compute_logits = self.timed("gemm", runner.model.compute_logits)
         runner.model.greedy_token_ids = self.timed("gemm", runner.model.greedy_token_ids)
         backend = runner.attn_backend
