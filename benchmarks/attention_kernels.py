@@ -1,6 +1,7 @@
 """Decode-step attention time: native paged-attention ops vs the torch gather + SDPA backend.
 
-Run: python benchmarks/attention_kernels.py [--threads 2] [--num-seqs 64] [--context 300]
+Run: python -m benchmarks.attention_kernels [--threads 2] [--num-seqs 64] [--context 300]
+    [--kv-cache-dtype float32|bfloat16|float16]
 """
 
 from __future__ import annotations
@@ -18,9 +19,15 @@ from vbatch.layers.attention import AttentionMetadata, TorchAttentionBackend
 
 
 def make_decode_step(
-    num_seqs: int, context: int, heads: tuple[int, int, int], block_size: int, num_layers: int
+    num_seqs: int,
+    context: int,
+    heads: tuple[int, int, int],
+    block_size: int,
+    num_layers: int,
+    cache_dtype: torch.dtype = torch.float32,
 ) -> tuple[list[tuple[torch.Tensor, ...]], AttentionMetadata]:
-    """Per-layer (q, k, v, k_cache, v_cache) and one decode batch over shuffled blocks."""
+    """Per-layer (q, k, v, k_cache, v_cache) and one decode batch over shuffled blocks; q, k, v
+    are float32, the caches `cache_dtype`."""
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(0)
     seq_lens = torch.randint(context - 20, context + 21, (num_seqs,), generator=gen)
@@ -45,8 +52,8 @@ def make_decode_step(
             torch.randn(num_seqs, num_heads, head_dim, generator=gen),
             torch.randn(num_seqs, num_kv_heads, head_dim, generator=gen),
             torch.randn(num_seqs, num_kv_heads, head_dim, generator=gen),
-            torch.randn(cache_shape, generator=gen),
-            torch.randn(cache_shape, generator=gen),
+            torch.randn(cache_shape, generator=gen).to(cache_dtype),
+            torch.randn(cache_shape, generator=gen).to(cache_dtype),
         )
         for _ in range(num_layers)
     ]
@@ -77,13 +84,19 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--num-layers", type=int, default=30)
     parser.add_argument("--num-steps", type=int, default=10)
+    parser.add_argument(
+        "--kv-cache-dtype", choices=("float32", "bfloat16", "float16"), default="float32"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not native.is_available():
         raise SystemExit("native kernels are unavailable; see the logged notice")
 
     heads, scale = (9, 3, 64), 64**-0.5  # SmolLM2-135M
-    layers, meta = make_decode_step(args.num_seqs, args.context, heads, 16, args.num_layers)
+    cache_dtype = getattr(torch, args.kv_cache_dtype)
+    layers, meta = make_decode_step(
+        args.num_seqs, args.context, heads, 16, args.num_layers, cache_dtype
+    )
     native_backend, torch_backend = native.NativeAttentionBackend(), TorchAttentionBackend()
     torch.testing.assert_close(
         native_backend.forward(*layers[0], meta, scale),
@@ -94,7 +107,7 @@ def main() -> None:
     gather_ms = time_step(torch_backend.forward, layers, meta, scale, args.num_steps)
     print(
         f"decode step: {args.num_seqs} seqs x ~{args.context} tokens, H=9 KVH=3 D=64, "
-        f"{args.num_layers} layers, {args.threads} threads"
+        f"{args.num_layers} layers, {args.threads} threads, {args.kv_cache_dtype} cache"
     )
     print(f"native       {native_ms:8.2f} ms/step")
     print(f"torch gather {gather_ms:8.2f} ms/step")

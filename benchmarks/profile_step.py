@@ -5,7 +5,7 @@ prefill (the KV cache content does not change the cost), then times core.step() 
 every nn.Linear, the LM head, the attention backend and the sampler.
 
 python -m benchmarks.profile_step [--batch 64] [--context 300] [--steps 10] [--threads 2]
-    [--backends torch,native] [--greedy]
+    [--backends torch,native] [--greedy] [--kv-cache-dtype auto|float32|bfloat16|float16]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from benchmarks.gemm_bound import flops_per_token, model_gemm_rate
-from vbatch.config import EngineConfig
+from vbatch.config import KV_CACHE_DTYPES, EngineConfig
 from vbatch.engine.core import EngineCore
 from vbatch.models.llama import LlamaMLP
 from vbatch.protocol import AddRequest, pack_token_ids
@@ -94,6 +94,7 @@ def profile_backend(args: argparse.Namespace, backend: str) -> dict[str, float]:
         attention_backend=backend,
         enable_prefix_caching=False,
         num_threads=args.threads,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     core = EngineCore(config)
     if args.greedy:
@@ -135,6 +136,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--backends", default="torch,native")
     parser.add_argument("--greedy", action="store_true")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     body_rate, head_rate = model_gemm_rate(args.batch, repeats=5)
@@ -142,7 +144,8 @@ def main() -> None:
     gemm_ms = args.batch * (body_flops / body_rate + head_flops / head_rate) / 1e6
     print(
         f"decode step, batch {args.batch}, context ~{args.context}, threads {args.threads}, "
-        f"{'greedy' if args.greedy else 'top-k 50 / top-p 0.9'}; measured GEMM rate "
+        f"{'greedy' if args.greedy else 'top-k 50 / top-p 0.9'}, {args.kv_cache_dtype} KV cache; "
+        f"measured GEMM rate "
         f"{body_rate:.0f} GFLOP/s (layers), {head_rate:.0f} (LM head) -> "
         f"GEMM-only step {gemm_ms:.1f} ms"
     )

@@ -109,6 +109,34 @@ def test_decode_only_batch_equals_one_by_one(make_attention_metadata: Callable) 
         torch.testing.assert_close(batched[i : i + 1], out, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_16bit_cache_widens_to_q_dtype(
+    cache_dtype: torch.dtype, make_attention_metadata: Callable
+) -> None:
+    """A narrower cache gives what a float32 cache holding the same rounded values gives."""
+    torch.manual_seed(5)
+    block_size, num_blocks, num_kv_heads, head_dim = 4, 32, 2, 16
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(cache_shape), torch.randn(cache_shape)
+    # decodes (batched path) and prefill chunks (SDPA over the gathered context) together
+    query_lens, seq_lens = [1, 6, 1, 3], [9, 6, 4, 11]
+    block_tables = [[3, 9, 14], [0, 30], [21], [5, 6, 7]]
+    q = torch.randn(sum(query_lens), 6, head_dim)
+    k = torch.randn(sum(query_lens), num_kv_heads, head_dim)
+    v = torch.randn(sum(query_lens), num_kv_heads, head_dim)
+    meta = make_attention_metadata(query_lens, seq_lens, block_tables, block_size)
+    narrow_k, narrow_v = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    wide_k, wide_v = narrow_k.float(), narrow_v.float()
+    backend = TorchAttentionBackend()
+    out = backend.forward(q, k, v, narrow_k, narrow_v, meta, 0.25)
+    expected = backend.forward(
+        q, k.to(cache_dtype).float(), v.to(cache_dtype).float(), wide_k, wide_v, meta, 0.25
+    )
+    assert out.dtype == torch.float32 and narrow_k.dtype == cache_dtype
+    assert torch.equal(narrow_k.float(), wide_k) and torch.equal(narrow_v.float(), wide_v)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
+
+
 def test_get_attention_backend(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -19,6 +19,7 @@ def test_defaults_validate_and_capture_graphs() -> None:
         ({"max_graph_batch_size": 0}, "max_graph_batch_size must be positive"),
         ({"max_num_seqs": 0}, "max_num_seqs must be positive"),
         ({"device": "tpu"}, "device must be one of"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be one of"),
         ({"block_size": 32, "max_num_batched_tokens": 16}, "at least block_size"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ],
@@ -26,6 +27,11 @@ def test_defaults_validate_and_capture_graphs() -> None:
 def test_invalid_settings_raise_config_error(values: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_dict(values)
+
+
+def test_kv_cache_dtype_defaults_to_the_model_dtype() -> None:
+    assert EngineConfig().validate().kv_cache_dtype == "auto"
+    assert EngineConfig.from_dict({"kv_cache_dtype": "bfloat16"}).kv_cache_dtype == "bfloat16"
 
 
 def test_from_dict_rejects_unknown_settings() -> None:

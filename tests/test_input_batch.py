@@ -9,8 +9,13 @@ import numpy as np
 
 from vbatch.engine import input_batch
 from vbatch.engine.block_manager import BlockManager
-from vbatch.engine.input_batch import GatheredBlockTables, HostBatch, build_host_batch
-from vbatch.engine.scheduler import SchedulerOutput
+from vbatch.engine.input_batch import (
+    DecodeBatch,
+    GatheredBlockTables,
+    HostBatch,
+    build_host_batch,
+)
+from vbatch.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from vbatch.engine.sequence import Sequence
 from vbatch.sampling_params import SamplingParams
 
@@ -93,3 +98,46 @@ def test_decode_steps_reuse_the_gathered_tables_until_the_rows_change() -> None:
     after = build_host_batch(with_rows(out.seqs), BLOCK_SIZE, gathered)
     assert after.block_tables[2, :2].tolist() == grown.block_table
     assert_same(after, build_host_batch(SchedulerOutput(out.seqs, [1] * 5), BLOCK_SIZE))
+
+
+def test_an_advanced_decode_batch_equals_a_fresh_build() -> None:
+    """Through block crossings, finishes, an admission, an abort and preemptions (14 blocks)."""
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=6,
+            max_num_batched_tokens=32,
+            max_model_len=128,
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=14,
+            enable_prefix_caching=False,
+        ),
+        eos_token_ids=[],
+    )
+    for i, (prompt_len, max_tokens) in enumerate([(3, 9), (6, 14), (5, 20), (2, 7), (7, 12)]):
+        sched.add(
+            Sequence(
+                str(i),
+                list(range(20 + i, 20 + i + prompt_len)),
+                SamplingParams(max_tokens=max_tokens),
+            )
+        )
+    gathered, decode = GatheredBlockTables(), DecodeBatch()
+    previous: HostBatch | None = None
+    num_advanced = 0
+    for num_steps in range(200):
+        if num_steps == 6:
+            sched.add(Sequence("late", [7, 8, 9, 10, 11], SamplingParams(max_tokens=10)))
+        if num_steps == 12:
+            sched.abort([sched.running[1]])
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        host = build_host_batch(out, BLOCK_SIZE, gathered, decode)
+        num_advanced += host is previous
+        assert_same(host, build_host_batch(dataclasses.replace(out, block_tables=None), BLOCK_SIZE))
+        previous = host
+        tokens = [30 + (num_steps * 5 + i) % 50 for i in out.sampling_indices]
+        decode.record(out.step_id, tokens)
+        sched.update(out, tokens)
+    assert not sched.has_unfinished() and sched.num_preemptions > 0
+    assert num_advanced >= 5

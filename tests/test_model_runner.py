@@ -19,9 +19,9 @@ from vbatch.sampling_params import SamplingParams
 BLOCK_SIZE = 4
 
 
-def make_runner(model_dir: Path, device: str = "cpu") -> ModelRunner:
+def make_runner(model_dir: Path, device: str = "cpu", **overrides: object) -> ModelRunner:
     config = EngineConfig(
-        model=str(model_dir), device=device, block_size=BLOCK_SIZE, num_kv_blocks=64
+        model=str(model_dir), device=device, block_size=BLOCK_SIZE, num_kv_blocks=64, **overrides
     ).validate()
     resolved = resolve_model(config.model)
     return ModelRunner(config, resolved, ModelConfig.from_hf_dir(resolved.hf_dir))
@@ -83,6 +83,60 @@ def test_execute_decode_batch_samples_each_seq(tiny_model_dir: Path) -> None:
         seq.append_token(token_id)
     decoded, _ = runner.execute(SchedulerOutput(seqs, [1, 1, 1]))
     assert len(decoded) == 3 and len(set(decoded)) == 1
+
+
+def step_logits(runner: ModelRunner, out: SchedulerOutput) -> torch.Tensor:
+    """[num_sampling_seqs, vocab_size] float32 logits of one forward over `out`."""
+    inputs = runner.prepare(out)
+    with torch.inference_mode():
+        hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
+        return runner.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16"])
+def test_16bit_kv_cache_stays_close_to_float32(
+    tiny_model_dir: Path, backend: str, kv_cache_dtype: str
+) -> None:
+    exact = make_runner(tiny_model_dir, attention_backend=backend)
+    narrow = make_runner(tiny_model_dir, attention_backend=backend, kv_cache_dtype=kv_cache_dtype)
+    assert exact.kv_caches[0][0].dtype == torch.float32
+    assert narrow.dtype == torch.float32
+    assert narrow.kv_caches[0][0].dtype == narrow.kv_caches[-1][1].dtype == narrow.kv_cache_dtype
+    assert narrow.kv_cache_dtype == getattr(torch, kv_cache_dtype)
+    assert 2 * narrow.block_bytes == exact.block_bytes
+    # a prefill chunk longer than the native op takes (SDPA) and a short one, then decodes
+    prompts = [list(range(40, 52)), [7, 8, 9, 10, 11]]
+    seqs = {
+        name: [
+            make_seq(list(p), 0, [3 * i, 3 * i + 1, 3 * i + 2, 3 * i + 3])
+            for i, p in enumerate(prompts)
+        ]
+        for name in ("exact", "narrow")
+    }
+    num_new = [len(p) for p in prompts]
+    tolerance = 5e-3 if kv_cache_dtype == "bfloat16" else 1e-3
+    for _ in range(4):
+        logits = step_logits(exact, SchedulerOutput(seqs["exact"], num_new))
+        narrow_logits = step_logits(narrow, SchedulerOutput(seqs["narrow"], num_new))
+        scale = logits.abs().max().item()
+        assert (narrow_logits - logits).abs().max().item() < tolerance * scale
+        for name in seqs:
+            for seq, token_id, n in zip(
+                seqs[name], logits.argmax(-1).tolist(), num_new, strict=True
+            ):
+                seq.num_computed_tokens += n
+                seq.append_token(token_id)
+        num_new = [1, 1]
+    token_ids, _ = narrow.execute(SchedulerOutput(seqs["narrow"], num_new))
+    assert len(token_ids) == 2
+
+
+def test_kv_cache_dtype_other_than_model_dtype_needs_float32_model(tiny_model_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="needs a float32 model on CPU"):
+        make_runner(tiny_model_dir, dtype="bfloat16", kv_cache_dtype="float16")
+    runner = make_runner(tiny_model_dir, dtype="bfloat16", kv_cache_dtype="bfloat16")
+    assert runner.kv_caches[0][0].dtype == torch.bfloat16
 
 
 @pytest.mark.gpu

@@ -189,6 +189,65 @@ def test_half_precision_caches(ops: None, dtype: torch.dtype) -> None:
     assert (out.double() - ref).abs().max().item() < 2e-2
 
 
+def narrow_caches(batch: tuple, cache_dtype: torch.dtype) -> tuple:
+    """`batch` (float32) with its caches stored in `cache_dtype`."""
+    q, k, v, k_cache, v_cache, meta = batch
+    return q, k, v, k_cache.to(cache_dtype), v_cache.to(cache_dtype), meta
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [SMOLLM2_HEADS, MHA_HEADS])
+@pytest.mark.parametrize("seed", range(3))
+def test_16bit_cache_under_float32_q(
+    ops: None, cache_dtype: torch.dtype, heads: tuple[int, int, int], seed: int
+) -> None:
+    """float32 math over the rounded cache values, close to an all-float32 cache."""
+    rng = torch.Generator().manual_seed(200 + seed)
+    num_seqs = int(torch.randint(1, 10, (1,), generator=rng))
+    seq_lens = torch.randint(1, 70, (num_seqs,), generator=rng).tolist()
+    specs = [*MIXED, *((n, int(torch.randint(1, n + 1, (1,), generator=rng))) for n in seq_lens)]
+    block_size = [16, 5, 32][seed]
+    batch = make_batch(specs, heads, block_size, seed=seed)
+    out, ref = run_native_and_reference(narrow_caches(batch, cache_dtype))
+    assert out.dtype == torch.float32
+    assert (out.double() - ref).abs().max().item() < 1e-5
+    _, exact = run_native_and_reference(batch)
+    tolerance = 3e-2 if cache_dtype == torch.bfloat16 else 4e-3
+    assert (out.double() - exact.double()).abs().max().item() < tolerance
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_16bit_cache_agrees_with_torch_backend(ops: None, cache_dtype: torch.dtype) -> None:
+    q, k, v, k_cache, v_cache, meta = narrow_caches(make_batch(MIXED, SMOLLM2_HEADS), cache_dtype)
+    torch_k_cache, torch_v_cache = k_cache.clone(), v_cache.clone()
+    out = native.NativeAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    expected = TorchAttentionBackend().forward(q, k, v, torch_k_cache, torch_v_cache, meta, 0.125)
+    assert torch.equal(k_cache, torch_k_cache) and torch.equal(v_cache, torch_v_cache)
+    assert out.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_reshape_and_cache_rounds_into_16bit_cache(ops: None, cache_dtype: torch.dtype) -> None:
+    _, k, v, k_cache, v_cache, meta = narrow_caches(
+        make_batch([(20, 4), (9, 9)], SMOLLM2_HEADS), cache_dtype
+    )
+    # NOTE: values halfway between two bfloat16s check round-to-nearest-even against torch.
+    k[0, 0, :4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3.0e-3])
+    slot_mapping = meta.slot_mapping.clone()
+    slot_mapping[1] = -1
+    before = k_cache.clone()
+    torch.ops.vbatch.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+    flat_k, flat_v = k_cache.view(-1, 3, 64), v_cache.view(-1, 3, 64)
+    written = slot_mapping[slot_mapping >= 0]
+    assert torch.equal(flat_k[written], k[slot_mapping >= 0].to(cache_dtype))
+    assert torch.equal(flat_v[written], v[slot_mapping >= 0].to(cache_dtype))
+    assert torch.equal(flat_k[meta.slot_mapping[1]], before.view(-1, 3, 64)[meta.slot_mapping[1]])
+    round_trip = flat_k[written].float()
+    tolerance = 2**-8 if cache_dtype == torch.bfloat16 else 2**-11
+    assert torch.allclose(round_trip, k[slot_mapping >= 0], rtol=tolerance, atol=1e-4)
+
+
 def test_same_result_for_any_thread_count(ops: None) -> None:
     q, _, _, k_cache, v_cache, meta = make_batch(MIXED, SMOLLM2_HEADS)
     args = (q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125)
@@ -221,14 +280,29 @@ def test_rejects_bad_inputs(ops: None) -> None:
         torch.ops.vbatch.paged_attention(
             q.double(), k_cache, v_cache, *lens, meta.block_tables, 1.0
         )
+    # NOTE: only float32 activations may go with a narrower cache, and K and V share one dtype.
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        torch.ops.vbatch.paged_attention(
+            q.half(), k_cache.bfloat16(), v_cache.bfloat16(), *lens, meta.block_tables, 1.0
+        )
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        torch.ops.vbatch.paged_attention(
+            q, k_cache.bfloat16(), v_cache.half(), *lens, meta.block_tables, 1.0
+        )
+    k = q[:, :3].half()
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        torch.ops.vbatch.reshape_and_cache(
+            k, k, k_cache.bfloat16(), v_cache.bfloat16(), meta.slot_mapping
+        )
     bad_tables = meta.block_tables.clone()
     bad_tables[0, 0] = k_cache.shape[0]
     with pytest.raises(RuntimeError, match="out of range"):
         torch.ops.vbatch.paged_attention(q, k_cache, v_cache, *lens, bad_tables, 1.0)
 
 
-def test_opcheck(ops: None) -> None:
-    q, k, v, k_cache, v_cache, meta = make_batch(MIXED, SMOLLM2_HEADS)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_opcheck(ops: None, cache_dtype: torch.dtype) -> None:
+    q, k, v, k_cache, v_cache, meta = narrow_caches(make_batch(MIXED, SMOLLM2_HEADS), cache_dtype)
     torch.library.opcheck(
         torch.ops.vbatch.reshape_and_cache.default, (k, v, k_cache, v_cache, meta.slot_mapping)
     )

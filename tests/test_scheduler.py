@@ -443,3 +443,29 @@ def test_empty_schedule_and_stats() -> None:
 def test_module_is_torch_free() -> None:
     code = "import sys, vbatch.engine.scheduler; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_decode_step_continues_the_last_only_with_the_same_seqs_each_one_token_on() -> None:
+    sched = make_scheduler(max_num_seqs=4)
+    a = add(sched, "a", [5, 6, 7], max_tokens=4)
+    b = add(sched, "b", [8, 9], max_tokens=20)
+    prefill, _ = step(sched)
+    first, _ = step(sched)
+    assert prefill.continues_step == -1 and first.continues_step == -1
+    second, _ = step(sched)
+    assert second.continues_step == first.step_id and second.seqs == [a, b]
+    third, _ = step(sched)
+    assert third.continues_step == second.step_id
+    assert a.is_finished  # its 4th token came in `third`, so `b` decodes alone next
+    alone, _ = step(sched)
+    assert alone.continues_step == -1 and alone.seqs == [b]
+    continued, _ = step(sched)
+    assert continued.continues_step == alone.step_id
+    c = add(sched, "c", [3, 4])
+    admitted, _ = step(sched)
+    assert admitted.continues_step == -1 and admitted.seqs == [b, c]
+    decode, _ = step(sched)
+    assert decode.continues_step == -1 and decode.num_batched_tokens == 2
+    sched.abort([c])
+    after_abort, _ = step(sched)
+    assert after_abort.continues_step == -1 and after_abort.seqs == [b]

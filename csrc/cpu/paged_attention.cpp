@@ -3,7 +3,9 @@
 // Attention parallelises over tokens: each token reads its context's K/V rows straight from the
 // paged cache through the block table once, every KV head of a row together (a block is one
 // contiguous run of memory), serving all query heads (GQA groups share a KV head), with an
-// online (flash-decoding style) softmax kept in float32 one cache block at a time.
+// online (flash-decoding style) softmax kept in float32 one cache block at a time. A float32
+// model may keep a bfloat16 or float16 cache: rows widen to float32 a block at a time, which
+// halves the bytes each decode step streams from memory.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -21,14 +23,33 @@ namespace vbatch {
 namespace {
 
 // Returns `n` cache values as float32: the values themselves for float caches, else a copy.
-template <typename scalar_t>
-inline const float* as_float(const scalar_t* values, int64_t n, float* buf) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
+template <typename cache_t>
+inline const float* as_float(const cache_t* values, int64_t n, float* buf) {
+  if constexpr (std::is_same_v<cache_t, float>) {
     return values;
   } else {
-    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(values[i]);
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i));
+      if constexpr (std::is_same_v<cache_t, c10::Half>) {
+        _mm512_storeu_ps(buf + i, _mm512_cvtph_ps(bits));
+      } else {
+        // NOTE: a bfloat16 is the top half of a float32, so widening is a 16-bit shift.
+        const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16);
+        _mm512_storeu_ps(buf + i, _mm512_castsi512_ps(wide));
+      }
+    }
+#endif
+    for (; i < n; ++i) buf[i] = static_cast<float>(values[i]);
     return buf;
   }
+}
+
+// Rounds `n` float32 values to the cache dtype (nearest even, as torch's .to() does).
+template <typename cache_t>
+inline void store_as(const float* values, int64_t n, cache_t* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<cache_t>(values[i]);
 }
 
 // Asks for one cache row (all KV heads) early: blocks are scattered, so the hardware
@@ -39,7 +60,8 @@ inline void prefetch_row(const scalar_t* row, int64_t row_size) {
   for (int64_t d = 0; d < row_size; d += kLine) __builtin_prefetch(row + d);
 }
 
-template <typename scalar_t>
+// scalar_t is q's and out's dtype; cache_t is the cache's: the same, or 16-bit under float32.
+template <typename scalar_t, typename cache_t>
 void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const std::vector<int64_t>& token_seq,
                           const int32_t* query_start_loc, const int32_t* seq_lens,
@@ -52,8 +74,8 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t row_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * row_stride;
   const scalar_t* q_data = q.const_data_ptr<scalar_t>();
-  const scalar_t* k_data = k_cache.const_data_ptr<scalar_t>();
-  const scalar_t* v_data = v_cache.const_data_ptr<scalar_t>();
+  const cache_t* k_data = k_cache.const_data_ptr<cache_t>();
+  const cache_t* v_data = v_cache.const_data_ptr<cache_t>();
   scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
   const int num_threads = at::get_num_threads();
 
@@ -86,8 +108,8 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
         const int64_t num_rows = std::min(block_size, context_len - start);
         // NOTE: a block holds all KV heads of its rows contiguously, so reading every head of
         // a row at once streams the block front to back.
-        const scalar_t* k_block = k_data + block_table[start / block_size] * block_stride;
-        const scalar_t* v_block = v_data + block_table[start / block_size] * block_stride;
+        const cache_t* k_block = k_data + block_table[start / block_size] * block_stride;
+        const cache_t* v_block = v_data + block_table[start / block_size] * block_stride;
         const bool has_next = start + block_size < context_len;
         const int64_t next = has_next ? block_table[start / block_size + 1] * block_stride : 0;
 
@@ -146,7 +168,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& query_start_loc,
                                const at::Tensor& seq_lens, const at::Tensor& block_tables,
                                double scale) {
-  check_paged_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables);
+  check_paged_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                             /*can_cache_be_16bit=*/true);
   const int64_t num_tokens = q.size(0), num_seqs = seq_lens.size(0);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
   const int64_t max_num_blocks = block_tables.size(1);
@@ -171,39 +194,68 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
   }
 
   at::Tensor out = at::empty(q.sizes(), q.options());
-  VBATCH_DISPATCH_KV_TYPES(q.scalar_type(), "paged_attention_cpu", [&] {
-    paged_attention_impl<scalar_t>(q, k_cache, v_cache, token_seq, starts, lens, tables,
-                                   max_num_blocks, static_cast<float>(scale), out);
+  const bool is_widened = q.scalar_type() != k_cache.scalar_type();
+  VBATCH_DISPATCH_KV_TYPES(k_cache.scalar_type(), "paged_attention_cpu", [&] {
+    using cache_t = scalar_t;
+    if (is_widened) {
+      paged_attention_impl<float, cache_t>(q, k_cache, v_cache, token_seq, starts, lens, tables,
+                                           max_num_blocks, static_cast<float>(scale), out);
+    } else {
+      paged_attention_impl<cache_t, cache_t>(q, k_cache, v_cache, token_seq, starts, lens,
+                                             tables, max_num_blocks, static_cast<float>(scale),
+                                             out);
+    }
   });
   return out;
+}
+
+// Writes k, v [T, KVH, D] (scalar_t) into the caches' slots (cache_t); a negative slot is skipped.
+template <typename scalar_t, typename cache_t>
+void copy_to_cache(const at::Tensor& k, const at::Tensor& v, cache_t* k_cache_data,
+                   cache_t* v_cache_data, const int64_t* slots) {
+  const int64_t num_tokens = k.size(0), num_kv_heads = k.size(1), head_dim = k.size(2);
+  const scalar_t* k_data = k.const_data_ptr<scalar_t>();
+  const scalar_t* v_data = v.const_data_ptr<scalar_t>();
+  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slots[t] < 0) continue;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int64_t dst = (slots[t] * num_kv_heads + h) * head_dim;
+        const scalar_t* k_row = k_data + t * k.stride(0) + h * k.stride(1);
+        const scalar_t* v_row = v_data + t * v.stride(0) + h * v.stride(1);
+        if constexpr (std::is_same_v<scalar_t, cache_t>) {
+          std::copy_n(k_row, head_dim, k_cache_data + dst);
+          std::copy_n(v_row, head_dim, v_cache_data + dst);
+        } else {
+          store_as(k_row, head_dim, k_cache_data + dst);
+          store_as(v_row, head_dim, v_cache_data + dst);
+        }
+      }
+    }
+  });
 }
 
 // NOTE: a negative slot marks a padding token and is skipped.
 void reshape_and_cache_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                            at::Tensor& v_cache, const at::Tensor& slot_mapping) {
-  check_reshape_and_cache_args(k, v, k_cache, v_cache, slot_mapping);
-  const int64_t num_tokens = k.size(0), num_kv_heads = k.size(1), head_dim = k.size(2);
+  check_reshape_and_cache_args(k, v, k_cache, v_cache, slot_mapping, /*can_cache_be_16bit=*/true);
+  const int64_t num_tokens = k.size(0);
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
   for (int64_t t = 0; t < num_tokens; ++t) {
     TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " is out of range");
   }
 
-  VBATCH_DISPATCH_KV_TYPES(k.scalar_type(), "reshape_and_cache_cpu", [&] {
-    const scalar_t* k_data = k.const_data_ptr<scalar_t>();
-    const scalar_t* v_data = v.const_data_ptr<scalar_t>();
-    scalar_t* k_cache_data = k_cache.mutable_data_ptr<scalar_t>();
-    scalar_t* v_cache_data = v_cache.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        if (slots[t] < 0) continue;
-        for (int64_t h = 0; h < num_kv_heads; ++h) {
-          const int64_t dst = (slots[t] * num_kv_heads + h) * head_dim;
-          std::copy_n(k_data + t * k.stride(0) + h * k.stride(1), head_dim, k_cache_data + dst);
-          std::copy_n(v_data + t * v.stride(0) + h * v.stride(1), head_dim, v_cache_data + dst);
-        }
-      }
-    });
+  const bool is_narrowed = k.scalar_type() != k_cache.scalar_type();
+  VBATCH_DISPATCH_KV_TYPES(k_cache.scalar_type(), "reshape_and_cache_cpu", [&] {
+    using cache_t = scalar_t;
+    cache_t* k_cache_data = k_cache.mutable_data_ptr<cache_t>();
+    cache_t* v_cache_data = v_cache.mutable_data_ptr<cache_t>();
+    if (is_narrowed) {
+      copy_to_cache<float, cache_t>(k, v, k_cache_data, v_cache_data, slots);
+    } else {
+      copy_to_cache<cache_t, cache_t>(k, v, k_cache_data, v_cache_data, slots);
+    }
   });
 }
 

@@ -9,6 +9,7 @@ from vbatch.errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = DTYPES
 ATTENTION_BACKENDS = ("auto", "torch", "native")
 QUANTIZATION_METHODS = ("int8",)
 
@@ -20,11 +21,14 @@ class EngineConfig:
     Invariants after validate(): limits are positive; `max_num_batched_tokens >= block_size`.
     On CUDA, decode steps of up to min(max_num_seqs, max_graph_batch_size) sequences replay
     captured CUDA graphs unless `enforce_eager`; other devices always run eagerly.
+    `kv_cache_dtype` "auto" stores K/V in the model dtype; a 16-bit one under a float32 model
+    (CPU only) halves the cache's bytes at a small cost in accuracy.
     """
 
     model: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -46,6 +50,11 @@ class EngineConfig:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "

@@ -88,14 +88,104 @@ class GatheredBlockTables:
         self.block_tables = block_tables
 
 
+class DecodeBatch:
+    """A decode step's HostBatch, kept and advanced in place by the steps that continue it.
+
+    Invariants: when `host` is set it is the batch of output `step_id`, in which every seq
+    computes one token and samples; seq i was at position `start_positions[i] + num_steps` and
+    `rows_by_offset[r]` holds the rows whose start position is r modulo block_size;
+    `next_token_ids` is what that step sampled once the runner has recorded it, else None.
+    """
+
+    def __init__(self) -> None:
+        self.host: HostBatch | None = None
+        self.step_id = -1
+        self.next_token_ids: list[int] | None = None
+        self.start_positions: list[int] = []
+        self.rows_by_offset: list[list[int]] = []
+        self.num_steps = 0
+        self.block_rows: np.ndarray | None = None  # [num_seqs] intp, gathered on first need
+
+    def start(self, out: SchedulerOutput, host: HostBatch, block_size: int) -> None:
+        """Keep `host`, the batch just built for `out`, if a later step can advance it."""
+        self.next_token_ids = None
+        if host.max_query_len != 1 or len(host.sample_rows) != host.num_tokens:
+            self.host = None
+            self.step_id = -1
+            return
+        self.host = host
+        self.step_id = out.step_id
+        self.start_positions = host.positions.tolist()
+        self.rows_by_offset = [[] for _ in range(block_size)]
+        for row, position in enumerate(self.start_positions):
+            self.rows_by_offset[position % block_size].append(row)
+        self.num_steps = 0
+        self.block_rows = None
+
+    def record(self, step_id: int, token_ids: list[int]) -> None:
+        """Note the tokens step `step_id` sampled; they are the next step's input ids."""
+        if step_id == self.step_id:
+            self.next_token_ids = token_ids
+
+    def advance(
+        self, out: SchedulerOutput, block_size: int, gathered: GatheredBlockTables
+    ) -> HostBatch | None:
+        """The kept batch moved on to `out`, if `out` continues it; else None."""
+        host = self.host
+        token_ids = self.next_token_ids
+        if host is None or token_ids is None or out.continues_step != self.step_id:
+            return None
+        # NOTE: a handful of in-place numpy calls instead of a pass over every seq; positions
+        # and slots (adjacent in int64s) step on by one, except the slots of rows whose next
+        # token opens a block, which are looked up in the seqs' block tables.
+        assert out.block_tables is not None
+        self.step_id = out.step_id
+        self.next_token_ids = None
+        self.num_steps += 1
+        n = host.num_tokens
+        int64s = host.int64s
+        int64s[:n] = token_ids
+        int64s[n : 3 * n] += 1
+        host.int32s[:n] += 1
+        host.max_seq_len += 1
+        seqs = out.seqs
+        starts = self.start_positions
+        for row in self.rows_by_offset[-self.num_steps % block_size]:
+            position = starts[row] + self.num_steps
+            int64s[2 * n + row] = seqs[row].block_table[position // block_size] * block_size
+        max_num_blocks = -(-host.max_seq_len // block_size)
+        block_tables = gathered.get(out, max_num_blocks)
+        if block_tables is None:
+            if self.block_rows is None:
+                self.block_rows = np.array(out.block_rows, dtype=np.intp)
+            block_tables = out.block_tables[self.block_rows, :max_num_blocks]
+            gathered.keep(out, block_tables)
+        host.block_tables = block_tables
+        host.seq_lens_cpu = host.seq_lens.tolist()
+        return host
+
+
 def build_host_batch(
-    out: SchedulerOutput, block_size: int, gathered: GatheredBlockTables | None = None
+    out: SchedulerOutput,
+    block_size: int,
+    gathered: GatheredBlockTables | None = None,
+    decode: DecodeBatch | None = None,
 ) -> HostBatch:
     """The host arrays of `out`, read from its seqs before update() moves them on; `gathered`
-    carries a decode step's block tables to the next step, which reuses them while unchanged."""
+    carries a decode step's block tables to the next step, which reuses them while unchanged;
+    `decode` keeps a decode step's batch, which a step continuing it advances in place."""
+    gathered = gathered or GatheredBlockTables()
+    if decode is not None:
+        host = decode.advance(out, block_size, gathered)
+        if host is not None:
+            return host
     if max(out.num_new_tokens) == 1:
-        return _build_single_token(out, block_size, gathered or GatheredBlockTables())
-    return _build_mixed(out, block_size)
+        host = _build_single_token(out, block_size, gathered)
+    else:
+        host = _build_mixed(out, block_size)
+    if decode is not None:
+        decode.start(out, host, block_size)
+    return host
 
 
 def _build_single_token(

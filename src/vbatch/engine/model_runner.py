@@ -12,7 +12,7 @@ import torch
 
 from vbatch.config import EngineConfig
 from vbatch.engine.cuda_graphs import DecodeGraphRunner
-from vbatch.engine.input_batch import GatheredBlockTables, build_host_batch
+from vbatch.engine.input_batch import DecodeBatch, GatheredBlockTables, build_host_batch
 from vbatch.engine.sampler import Sampler, SamplingMetadata, free_generators
 from vbatch.engine.scheduler import SchedulerOutput
 from vbatch.engine.sequence import Sequence
@@ -62,9 +62,9 @@ class ModelRunner:
     """Owns the model weights and KV cache tensors of one engine core.
 
     Invariant: `kv_caches[layer]` is a (k_cache, v_cache) pair, each
-    [num_kv_blocks + 1, block_size, num_kv_heads, head_dim]; block ids handed out by the
-    BlockManager index their first dimension, and the last block (`pad_block`), which it never
-    hands out, takes the writes of decode-graph padding rows.
+    [num_kv_blocks + 1, block_size, num_kv_heads, head_dim] of kv_cache_dtype; block ids handed
+    out by the BlockManager index their first dimension, and the last block (`pad_block`), which
+    it never hands out, takes the writes of decode-graph padding rows.
     """
 
     def __init__(
@@ -79,6 +79,17 @@ class ModelRunner:
         self.model_config = model_config
         self.device = select_device(config.device)
         self.dtype = select_dtype(config.dtype, self.device)
+        self.kv_cache_dtype = (
+            self.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
+        )
+        # NOTE: only the CPU kernels widen a 16-bit cache under float32 activations.
+        if self.kv_cache_dtype != self.dtype and (
+            self.device.type != "cpu" or self.dtype != torch.float32
+        ):
+            raise ConfigError(
+                f"kv_cache_dtype {config.kv_cache_dtype} differs from the model dtype "
+                f"{str(self.dtype).removeprefix('torch.')}, which needs a float32 model on CPU"
+            )
         self.block_size = config.block_size
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -107,8 +118,8 @@ class ModelRunner:
         alloc = torch.zeros if self.attn_backend.name == "torch" else torch.empty
         self.kv_caches = [
             (
-                alloc(shape, dtype=self.dtype, device=self.device),
-                alloc(shape, dtype=self.dtype, device=self.device),
+                alloc(shape, dtype=self.kv_cache_dtype, device=self.device),
+                alloc(shape, dtype=self.kv_cache_dtype, device=self.device),
             )
             for _ in range(model_config.num_hidden_layers)
         ]
@@ -117,6 +128,10 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}
         self._staging: dict[str, torch.Tensor] = {}
         self._gathered = GatheredBlockTables()
+        self._decode = DecodeBatch()
+        # NOTE: on CPU, a host array advanced in place keeps the tensor views made of it.
+        self._cpu_views: dict[str, tuple[np.ndarray, list[int], list[torch.Tensor]]] = {}
+        self._greedy_sampling: tuple[int, SamplingMetadata] | None = None  # (step_id, its meta)
         self._inputs_copied = torch.cuda.Event() if self.device.type == "cuda" else None
         # [max rows sampled so far, vocab_size] float32 CPU logits, reused by every step
         self._logits = torch.empty(0, model_config.vocab_size)
@@ -145,7 +160,7 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         mc = self.model_config
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = self.kv_cache_dtype.itemsize
         return (
             2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * elem
         )
@@ -173,9 +188,9 @@ class ModelRunner:
 
     def _to_device(self, name: str, array: np.ndarray) -> torch.Tensor:
         """`array` on the runner's device; on CUDA through a reused pinned buffer, no sync."""
-        tensor = torch.from_numpy(array)
         if self.device.type == "cpu":
-            return tensor
+            return self._cpu_pieces(name, array, [len(array)])[0]
+        tensor = torch.from_numpy(array)
         staging = self._staging.get(name)
         if staging is None or staging.numel() < tensor.numel() or staging.dtype != tensor.dtype:
             staging = torch.empty(max(tensor.numel(), 1024), dtype=tensor.dtype, pin_memory=True)
@@ -190,12 +205,20 @@ class ModelRunner:
         """Consecutive pieces of `array` on the runner's device; on CUDA with one copy."""
         if self.device.type != "cpu":
             return list(self._to_device(name, array).split(sizes))
+        return self._cpu_pieces(name, array, sizes)
+
+    def _cpu_pieces(self, name: str, array: np.ndarray, sizes: list[int]) -> list[torch.Tensor]:
+        """CPU tensor views of consecutive pieces of `array`, reused while it is the same array."""
+        kept = self._cpu_views.get(name)
+        if kept is not None and kept[0] is array and kept[1] == sizes:
+            return kept[2]
         # NOTE: on CPU a view per piece costs less than a torch split, which dispatches an op.
         pieces = []
         start = 0
         for size in sizes:
             pieces.append(torch.from_numpy(array[start : start + size]))
             start += size
+        self._cpu_views[name] = (array, sizes, pieces)
         return pieces
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
@@ -204,7 +227,7 @@ class ModelRunner:
             # NOTE: the previous step's non-blocking copies may still read the pinned buffers
             # (a step that samples nothing ends without a sync); this waits for those copies only.
             self._inputs_copied.synchronize()
-        host = build_host_batch(out, self.block_size, self._gathered)
+        host = build_host_batch(out, self.block_size, self._gathered, self._decode)
         n, num_seqs = host.num_tokens, len(out.seqs)
         input_ids, positions, slot_mapping, logits_rows = self._split_to_device(
             "int64s", host.int64s, [n, n, n, len(host.sample_rows)]
@@ -233,9 +256,11 @@ class ModelRunner:
         # step once a forward pass has evicted its code from the caches, the guard ~15.
         guard = torch._C._InferenceMode(True)
         try:
-            return self._execute(out)
+            token_ids, logprobs = self._execute(out)
         finally:
             del guard
+        self._decode.record(out.step_id, token_ids)
+        return token_ids, logprobs
 
     def _execute(self, out: SchedulerOutput) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         inputs = self.prepare(out)
@@ -249,7 +274,7 @@ class ModelRunner:
             sampling_seqs = out.seqs
         else:
             sampling_seqs = [out.seqs[i] for i in sample_rows]
-        sampling = self.sampling_metadata(sampling_seqs)
+        sampling = self._step_sampling(out, sampling_seqs)
         if self.graph_runner is not None and self.graph_runner.can_run(inputs.meta):
             logits = self.graph_runner.run(
                 inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows
@@ -263,6 +288,17 @@ class ModelRunner:
             return self.model.greedy_token_ids(hidden).tolist(), None
         logits = self.model.compute_logits(hidden, out=self._logits_buffer(len(sampling_seqs)))
         return self.sample(logits, sampling)
+
+    def _step_sampling(self, out: SchedulerOutput, seqs: list[Sequence]) -> SamplingMetadata:
+        """The sampling metadata of `seqs`, out's sampling seqs; a plain-greedy one is reused by
+        the steps that continue its step, as nothing they change can make a seq sample otherwise."""
+        kept = self._greedy_sampling
+        if kept is not None and out.continues_step == kept[0]:
+            sampling = kept[1]
+        else:
+            sampling = self.sampling_metadata(seqs)
+        self._greedy_sampling = (out.step_id, sampling) if sampling.is_plain_greedy else None
+        return sampling
 
     def _logits_buffer(self, num_rows: int) -> torch.Tensor | None:
         if self.device.type != "cpu":

@@ -3,6 +3,7 @@ applies sampled tokens and finish rules (torch-free)."""
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -13,6 +14,8 @@ from vbatch.engine.block_manager import BlockManager
 from vbatch.engine.sequence import Sequence, SequenceStatus
 from vbatch.protocol import FinishReason, SchedulerStats, TokenLogprobs
 from vbatch.sampling_params import SamplingParams
+
+_step_ids = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,10 @@ class SchedulerOutput:
     fixed at construction, so it stays right after update() has moved the seqs on. When
     `block_tables` is set, seq i's block table is row `block_rows[i]` of it (the BlockManager's
     rows, unchanged while `block_tables_version` is); an output built by hand leaves it None and
-    the runner reads the seqs' lists.
+    the runner reads the seqs' lists. `step_id` is unique to this output; `continues_step`, when
+    not -1, is the step_id of the previous output, whose seqs these are, in the same order, each
+    having computed its one token there and taken exactly the token it sampled (a decode-only
+    step following one), so a runner may advance that step's batch instead of building a new one.
     """
 
     seqs: list[Sequence]
@@ -43,6 +49,8 @@ class SchedulerOutput:
     block_tables: np.ndarray | None = None  # [num_rows, max_num_blocks] int32
     block_rows: list[int] = field(default_factory=list)
     block_tables_version: int = -1  # the BlockManager's tables_version when this was built
+    continues_step: int = -1
+    step_id: int = field(default_factory=lambda: next(_step_ids))
 
     def __post_init__(self) -> None:
         if not self.sampling_mask:
@@ -97,6 +105,9 @@ class Scheduler:
         # NOTE: set by a decode-only update() that every running seq took part in: each then has
         # one uncomputed token, and these (in running order) need a new block for it.
         self._decode_crossing: list[Sequence] | None = None
+        # NOTE: the step_id of the last output if the next decode-only step continues it (a
+        # decode-only update() that every running seq took part in and none finished), else -1.
+        self._continuable_step = -1
         self.num_preemptions = 0
         self.num_steps = 0
         self.num_scheduled_tokens = 0
@@ -151,6 +162,8 @@ class Scheduler:
         sampling_mask: list[bool] = []
         preempted: list[Sequence] = []
         running = self.running
+        continues_step = self._continuable_step
+        self._continuable_step = -1
         # NOTE: admission spends budget on every seq it adds, so len(running) <= budget here.
         if self._reserve_decode_slots():
             seqs = running.copy()
@@ -158,9 +171,13 @@ class Scheduler:
             sampling_mask = [True] * len(seqs)
             budget -= len(seqs)
         else:
+            continues_step = -1
             budget = self._schedule_running(budget, seqs, num_new_tokens, sampling_mask, preempted)
+        num_scheduled_running = len(seqs)
         if not preempted:
             budget = self._admit_waiting(budget, seqs, num_new_tokens, sampling_mask)
+        if len(seqs) != num_scheduled_running:
+            continues_step = -1
         if seqs:
             self.num_steps += 1
             self.num_scheduled_tokens += self.config.max_num_batched_tokens - budget
@@ -172,6 +189,7 @@ class Scheduler:
             self.block_manager.tables,
             [seq.block_row for seq in seqs],
             self.block_manager.tables_version,
+            continues_step,
         )
 
     def update(
@@ -210,6 +228,7 @@ class Scheduler:
             is_decode_only and not dropped and len(self.running) == len(seqs) - len(finished)
         )
         self._decode_crossing = crossing if is_every_seq_decoding else None
+        self._continuable_step = out.step_id if is_every_seq_decoding and not finished else -1
         return StepUpdate(seqs, sampled_token_ids, logprobs, finished, started)
 
     def _apply_decodes(
@@ -314,6 +333,7 @@ class Scheduler:
         """Finish these seqs with ABORT, waiting or running; finished ones are left alone."""
         aborted = [seq for seq in seqs if seq.finish_reason is None]
         self._decode_crossing = None
+        self._continuable_step = -1
         for seq in aborted:
             self._finish(seq, FinishReason.ABORT)
             self._forget(seq)

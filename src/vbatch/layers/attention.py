@@ -44,7 +44,9 @@ class AttentionBackend(abc.ABC):
 
     Shapes: q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim];
     k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]. Returns
-    [num_tokens, num_heads, head_dim]. num_heads is a multiple of num_kv_heads (GQA).
+    [num_tokens, num_heads, head_dim] in q's dtype. num_heads is a multiple of num_kv_heads
+    (GQA). The caches may hold a narrower dtype than q (a 16-bit cache under a float32 model):
+    K/V round to it on write and widen back to q's dtype on read.
     """
 
     name: str = "abstract"
@@ -71,8 +73,8 @@ def write_kv_cache(
 ) -> None:
     num_kv_heads, head_dim = k_cache.shape[2:]
     # [num_blocks * block_size, num_kv_heads, head_dim]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 @dataclass
@@ -141,8 +143,8 @@ def attend_long_chunks(
         num_blocks = -(-seq_len // block_size)
         block_table = plan.meta.block_tables[seq_index, :num_blocks].long()
         # [1, num_kv_heads, seq_len, head_dim]
-        seq_k = k_cache.index_select(0, block_table).flatten(0, 1)[:seq_len]
-        seq_v = v_cache.index_select(0, block_table).flatten(0, 1)[:seq_len]
+        seq_k = k_cache.index_select(0, block_table).flatten(0, 1)[:seq_len].to(q.dtype)
+        seq_v = v_cache.index_select(0, block_table).flatten(0, 1)[:seq_len].to(q.dtype)
         seq_k, seq_v = seq_k.transpose(0, 1)[None], seq_v.transpose(0, 1)[None]
         seq_q = q[start : start + query_len].transpose(0, 1)[None]
         mask = None
@@ -226,6 +228,7 @@ def _paged_decode(
     # [num_seqs, num_kv_heads, max_len, head_dim]
     keys = k_cache.index_select(0, block_ids).view(num_seqs, max_len, *k_cache.shape[2:])
     values = v_cache.index_select(0, block_ids).view(num_seqs, max_len, *v_cache.shape[2:])
+    keys, values = keys.to(q.dtype), values.to(q.dtype)
     key_pos = torch.arange(max_len, device=q.device)
     # [num_seqs, 1, 1, max_len]
     mask = (key_pos[None, :] < seq_lens[:, None]).view(num_seqs, 1, 1, max_len)
