@@ -210,18 +210,17 @@ def _build_single_token(
     max_num_blocks = max(map(len, tables))
     num_int64s = 3 * n + len(sample_rows)
     block_tables = gathered.get(out, max_num_blocks)
-    if block_tables is not None:
-        int64s = np.array(input_ids + positions + slots + sample_rows, dtype=np.int64)
-    elif out.block_tables is None:
-        int64s = np.array(input_ids + positions + slots + sample_rows, dtype=np.int64)
-        block_tables = _block_tables_from_seqs(out, max_num_blocks)
-    else:
+    if block_tables is None and out.block_tables is not None:
         packed = np.array(
             input_ids + positions + slots + sample_rows + out.block_rows, dtype=np.int64
         )
         int64s = packed[:num_int64s]
         block_tables = out.block_tables[packed[num_int64s:], :max_num_blocks]
         gathered.keep(out, block_tables)
+    else:
+        int64s = np.array(input_ids + positions + slots + sample_rows, dtype=np.int64)
+        if block_tables is None:
+            block_tables = _block_tables_from_seqs(out, max_num_blocks)
     return HostBatch(
         int64s=int64s,
         int32s=np.array(seq_lens + list(range(n + 1)), dtype=np.int32),
