@@ -21,7 +21,13 @@ from transformers import (
 from vbatch.layers import native
 from vbatch.layers.attention import TorchAttentionBackend
 from vbatch.models.config import ModelConfig
-from vbatch.models.llama import LM_HEAD_CHUNK, LlamaForCausalLM, load_model
+from vbatch.models.llama import (
+    LM_HEAD_CHUNK,
+    MAX_TRANSPOSED_ROWS,
+    LlamaForCausalLM,
+    LlamaMLP,
+    load_model,
+)
 
 TOLERANCE = 1e-4
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
@@ -254,3 +260,19 @@ def test_greedy_token_ids_match_argmax_of_logits(tiny_model_dir: Path) -> None:
     assert got.dtype == torch.int64
     assert torch.equal(got, expected)
     assert got[0] == 7
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 8, 13, 64, 119, MAX_TRANSPOSED_ROWS])
+def test_transposed_mlp_matches_the_plain_one(num_tokens: int) -> None:
+    """W @ x^T with rows padded to a multiple of 8 gives x @ W^T's result for any row count."""
+    raw = LlamaConfig(**SHAPE, num_attention_heads=4).to_dict()
+    config = ModelConfig.from_dict({**raw, "architectures": ["LlamaForCausalLM"]})
+    torch.manual_seed(0)
+    mlp = LlamaMLP(config)
+    x = torch.randn(num_tokens, config.hidden_size)
+    with torch.inference_mode():
+        gate, up = mlp.gate_up_proj(x).split(config.intermediate_size, dim=-1)
+        expected = mlp.down_proj(F.silu(gate) * up)
+        got = mlp(x)
+    assert got.shape == expected.shape and got.is_contiguous()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

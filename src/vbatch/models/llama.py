@@ -23,6 +23,7 @@ LM_HEAD_CHUNK = 3072
 # NOTE: up to this many rows, GEMMs run as W @ x^T (see LlamaMLP._forward_transposed); from
 # 1024 rows on the usual x @ W^T is as fast or faster.
 MAX_TRANSPOSED_ROWS = 512
+TRANSPOSED_ROW_MULTIPLE = 8
 
 
 def _is_cpu_float32_linear(layer: nn.Module, x: torch.Tensor) -> bool:
@@ -74,12 +75,17 @@ class LlamaMLP(nn.Module):
 
     def _forward_transposed(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: for few rows MKL runs W @ x^T 1.3-1.4x faster than x @ W^T (measured at 16-128
-        # rows, even after the final copy); gate and up are then contiguous row blocks.
+        # rows, even after the final copy); gate and up are then contiguous row blocks. With a
+        # token count that is not a multiple of 8 it runs 10-25% slower, so zero rows pad it.
+        num_tokens = x.shape[0]
+        pad = -num_tokens % TRANSPOSED_ROW_MULTIPLE
+        if pad:
+            x = F.pad(x, (0, 0, 0, pad))
         size = self.intermediate_size
-        # [2 * intermediate_size, num_tokens]
+        # [2 * intermediate_size, padded num_tokens]
         gate_up = torch.mm(self.gate_up_proj.weight, x.t())
         act = F.silu(gate_up[:size]).mul_(gate_up[size:])
-        return torch.mm(self.down_proj.weight, act).t().contiguous()
+        return torch.mm(self.down_proj.weight, act)[:, :num_tokens].t().contiguous()
 
 
 class LlamaDecoderLayer(nn.Module):
