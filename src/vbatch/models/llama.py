@@ -134,7 +134,13 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.use_native_ops = use_native_ops
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # NOTE: an explicit weight skips the random init, whose normal_() on the meta device
+        # imports torch._dynamo: about 1 s of engine start-up.
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, attn_backend, use_native_ops)
             for _ in range(config.num_hidden_layers)
