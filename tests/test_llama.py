@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import random
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -276,3 +278,20 @@ def test_transposed_mlp_matches_the_plain_one(num_tokens: int) -> None:
         got = mlp(x)
     assert got.shape == expected.shape and got.is_contiguous()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_loading_does_not_import_dynamo(tiny_model_dir: Path) -> None:
+    """Start-up stays lean: building the model on the meta device runs no random init, whose
+    meta-device path imports torch._dynamo (about a second)."""
+    code = (
+        "import sys, torch\n"
+        "from vbatch.layers.attention import TorchAttentionBackend\n"
+        "from vbatch.models.llama import load_model\n"
+        f"load_model({str(tiny_model_dir)!r}, torch.device('cpu'), torch.float32,"
+        " TorchAttentionBackend())\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert result.stdout.strip() == "False"
