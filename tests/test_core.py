@@ -151,3 +151,35 @@ def test_abort_mid_step_drops_its_token(smollm2, prompts) -> None:
     out = core.step()
     assert out.request_ids == ["keep"] and len(out.token_ids) == 1 and out.finished == []
     assert core.scheduler.running and all(s.request_id == "keep" for s in core.scheduler.running)
+
+
+def test_output_columns_follow_the_seqs_through_finishes_aborts_and_admissions(
+    tiny_model_dir,
+) -> None:
+    """Every token reaches the (request, sample) that generated it, also on continued decode
+    steps, which reuse the previous step's id columns."""
+    core = EngineCore(EngineConfig(model=str(tiny_model_dir), max_num_seqs=8, block_size=4))
+    seqs = {}
+    received: dict[tuple[str, int], list[int]] = {}
+
+    def add(rid: str, max_tokens: int, n: int = 1) -> None:
+        params = SamplingParams(temperature=1.0, n=n, max_tokens=max_tokens, ignore_eos=True)
+        assert core.add_request(AddRequest(rid, pack_token_ids([3, 4, 5, 6, 7]), params)) == []
+        seqs.update({(rid, seq.index): seq for seq in core.requests[rid]})
+
+    for i, max_tokens in enumerate([6, 9, 13, 20]):
+        add(f"r{i}", max_tokens, n=2 if i == 1 else 1)
+    num_steps = 0
+    while core.has_unfinished():
+        out = core.step()
+        num_steps += 1
+        for rid, index, token_id in zip(out.request_ids, out.indices, out.token_ids, strict=True):
+            received.setdefault((rid, index), []).append(token_id)
+        if num_steps == 4:
+            core.abort(["r2"])
+        if num_steps == 8:
+            add("late", 7)
+    assert set(received) == set(seqs)
+    for key, seq in seqs.items():
+        assert received[key] == seq.token_ids[seq.num_prompt_tokens :], key
+    assert len(received[("r2", 0)]) < 13

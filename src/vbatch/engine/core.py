@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from vbatch.config import EngineConfig
 from vbatch.engine.model_runner import ModelRunner
-from vbatch.engine.scheduler import Scheduler, SchedulerConfig, StepUpdate
+from vbatch.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepUpdate
 from vbatch.engine.sequence import Sequence
 from vbatch.models.config import ModelConfig
 from vbatch.models.loader import resolve_model
@@ -67,6 +67,8 @@ class EngineCore:
         )
         self._step_time = 0.0
         self._forward_time = 0.0
+        # NOTE: the last output's (step_id, request_ids, indices) when it covered all its seqs.
+        self._columns: tuple[int, list[str], list[int]] = (-1, [], [])
 
     def add_request(self, req: AddRequest) -> list[SampleFinish]:
         """Queue a request; a rejected one comes back as an ERROR finish."""
@@ -108,12 +110,18 @@ class EngineCore:
         token_ids, logprobs = self.runner.execute(out)
         self._forward_time += time.perf_counter() - forward_start
         update = self.scheduler.update(out, token_ids, logprobs)
-        outputs = self._outputs(update)
+        outputs = self._outputs(out, update)
         self._step_time += time.perf_counter() - start
         return outputs
 
-    def _outputs(self, update: StepUpdate) -> EngineOutputs:
+    def _outputs(self, out: SchedulerOutput, update: StepUpdate) -> EngineOutputs:
         seqs = update.seqs
+        last_step, request_ids, indices = self._columns
+        if out.continues_step == -1 or out.continues_step != last_step or seqs is not out.seqs:
+            request_ids = [seq.request_id for seq in seqs]
+            indices = [seq.index for seq in seqs]
+        # NOTE: a step that continues this one has the same seqs in the same order.
+        self._columns = (out.step_id, request_ids, indices) if seqs is out.seqs else (-1, [], [])
         num_cached_tokens: dict[str, int] = {}
         for seq in update.started:
             rid = seq.request_id
@@ -126,8 +134,8 @@ class EngineCore:
                 if all(s.is_finished for s in samples):
                     self.requests.pop(seq.request_id, None)
         return EngineOutputs(
-            request_ids=[seq.request_id for seq in seqs],
-            indices=[seq.index for seq in seqs],
+            request_ids=request_ids,
+            indices=indices,
             token_ids=update.token_ids,
             logprobs=update.logprobs,
             finished=[_finish(seq) for seq in finished],

@@ -108,6 +108,8 @@ class Scheduler:
         # NOTE: the step_id of the last output if the next decode-only step continues it (a
         # decode-only update() that every running seq took part in and none finished), else -1.
         self._continuable_step = -1
+        # NOTE: the last output's (step_id, block_rows); a step continuing it has the same rows.
+        self._last_block_rows: tuple[int, list[int]] = (-1, [])
         self.num_preemptions = 0
         self.num_steps = 0
         self.num_scheduled_tokens = 0
@@ -181,16 +183,21 @@ class Scheduler:
         if seqs:
             self.num_steps += 1
             self.num_scheduled_tokens += self.config.max_num_batched_tokens - budget
-        return SchedulerOutput(
+        last_step, block_rows = self._last_block_rows
+        if continues_step == -1 or continues_step != last_step:
+            block_rows = [seq.block_row for seq in seqs]
+        out = SchedulerOutput(
             seqs,
             num_new_tokens,
             preempted,
             sampling_mask,
             self.block_manager.tables,
-            [seq.block_row for seq in seqs],
+            block_rows,
             self.block_manager.tables_version,
             continues_step,
         )
+        self._last_block_rows = (out.step_id, block_rows)
+        return out
 
     def update(
         self,
