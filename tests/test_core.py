@@ -6,6 +6,7 @@ import pytest
 
 from vbatch.config import EngineConfig
 from vbatch.engine.core import EngineCore
+from vbatch.layers import native
 from vbatch.protocol import AddRequest, EngineOutputs, FinishReason, SampleFinish, pack_token_ids
 from vbatch.sampling_params import SamplingParams
 
@@ -33,11 +34,16 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
         {"max_num_batched_tokens": 16},
         {"num_kv_blocks": 24},
         {"enable_prefix_caching": False},
+        {"greedy_screen": False},
     ],
-    ids=["batched", "chunked-prefill-16", "preemption", "no-prefix-cache"],
+    ids=["batched", "chunked-prefill-16", "preemption", "no-prefix-cache", "no-greedy-screen"],
 )
 def test_greedy_matches_hf(smollm2, prompts, assert_greedy_matches_hf, overrides) -> None:
     core = EngineCore(EngineConfig(model=str(smollm2.hf_dir), **overrides))
+    screen = core.runner.model.greedy_screen
+    assert (screen is None) == (
+        overrides.get("greedy_screen") is False or not native.is_available()
+    )
     got = run(core, prompts, GREEDY)
     assert_greedy_matches_hf(prompts, got)
     stats = core.stats()

@@ -148,6 +148,15 @@ def run(
         int | None,
         typer.Option(help="Largest decode batch captured as a CUDA graph.", rich_help_panel=ENGINE),
     ] = None,
+    no_greedy_screen: Annotated[
+        bool,
+        typer.Option(
+            "--no-greedy-screen",
+            help="On CPU, score the whole vocabulary in fp32 for greedy tokens instead of "
+            "screening it in int8 first (the tokens are the same; the screen is faster).",
+            rich_help_panel=ENGINE,
+        ),
+    ] = False,
     max_tokens: Annotated[
         int, typer.Option(help="Most generated tokens per row.", rich_help_panel=SAMPLING)
     ] = 256,
@@ -233,6 +242,7 @@ def run(
         quantization=quantization,
         enforce_eager=enforce_eager or None,
         max_graph_batch_size=max_graph_batch_size,
+        greedy_screen=False if no_greedy_screen else None,
     )
     sampling = {
         "max_tokens": max_tokens,

@@ -22,7 +22,10 @@ class EngineConfig:
     On CUDA, decode steps of up to min(max_num_seqs, max_graph_batch_size) sequences replay
     captured CUDA graphs unless `enforce_eager`; other devices always run eagerly.
     `kv_cache_dtype` "auto" stores K/V in the model dtype; a 16-bit one under a float32 model
-    (CPU only) halves the cache's bytes at a small cost in accuracy.
+    (CPU only) halves the cache's bytes at a small cost in accuracy. `greedy_screen` finds
+    plain-greedy tokens on CPU through an int8 screen of the LM head with fp32 rescoring of the
+    few candidates it cannot rule out (the same tokens as the fp32 head); False scores the whole
+    vocabulary in fp32.
     """
 
     model: str | None = None
@@ -42,6 +45,7 @@ class EngineConfig:
     num_threads: int | None = None
     seed: int = 0
     enforce_eager: bool = False
+    greedy_screen: bool = True
     max_graph_batch_size: int = 256
     startup_timeout_s: float = 600.0
 

@@ -18,6 +18,7 @@ from vbatch.engine.scheduler import SchedulerOutput
 from vbatch.engine.sequence import Sequence
 from vbatch.errors import ConfigError
 from vbatch.layers.attention import AttentionMetadata, get_attention_backend
+from vbatch.layers.greedy_screen import can_use_greedy_screen
 from vbatch.models.config import ModelConfig
 from vbatch.models.llama import load_model
 from vbatch.models.loader import ResolvedModel
@@ -104,6 +105,8 @@ class ModelRunner:
             model_config,
             config.quantization,
         )
+        if config.greedy_screen and can_use_greedy_screen(self.device, self.dtype):
+            self.model.enable_greedy_screen()
         progress("sizing KV cache")
         self.num_kv_blocks = self._num_kv_blocks()
         self.pad_block = self.num_kv_blocks

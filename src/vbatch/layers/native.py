@@ -48,6 +48,7 @@ def _sources(csrc_dir: Path, with_cuda: bool) -> list[Path]:
         csrc_dir / "torch_bindings.cpp",
         csrc_dir / "cpu" / "paged_attention.cpp",
         csrc_dir / "cpu" / "fused_ops.cpp",
+        csrc_dir / "cpu" / "greedy_screen.cpp",
     ]
     if with_cuda:
         sources.append(csrc_dir / "cuda" / "paged_attention.cu")
@@ -144,6 +145,21 @@ def _register_fakes() -> None:
         positions: torch.Tensor, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> None:
         return None
+
+    @torch.library.register_fake("vbatch::int8_greedy_screen")
+    def _int8_greedy_screen_fake(
+        q_hidden: torch.Tensor,
+        q_weight: torch.Tensor,
+        row_params: torch.Tensor,
+        weight_scales: torch.Tensor,
+        residual_norms: torch.Tensor,
+        weight_norms: torch.Tensor,
+        chunk_size: int,
+        max_candidates: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        num_rows = q_hidden.shape[0] // 2
+        candidates = q_hidden.new_empty(num_rows, max_candidates, dtype=torch.int64)
+        return candidates, q_hidden.new_empty(num_rows, dtype=torch.int64)
 
 
 def try_build_and_load(csrc_dir: Path, root: Path, with_cuda: bool) -> bool:

@@ -11,6 +11,7 @@ from torch import nn
 
 from vbatch.errors import ConfigError, ModelLoadError
 from vbatch.layers.attention import AttentionBackend, AttentionMetadata
+from vbatch.layers.greedy_screen import Int8GreedyScreen
 from vbatch.layers.native import has_fused_ops
 from vbatch.layers.norm import RMSNorm
 from vbatch.layers.quantization import has_int8_kernels, quantize_linears
@@ -157,6 +158,7 @@ class LlamaForCausalLM(nn.Module):
             config.rope_theta,
             config.rope_scaling,
         )
+        self.greedy_screen: Int8GreedyScreen | None = None
 
     def forward(
         self,
@@ -189,13 +191,24 @@ class LlamaForCausalLM(nn.Module):
             torch.mm(hidden, weight[start:end].t(), out=logits[:, start:end])
         return logits
 
+    def enable_greedy_screen(self) -> None:
+        """Find greedy tokens through the int8 screen (see layers/greedy_screen.py)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.greedy_screen = Int8GreedyScreen(weight)
+
     def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n] int64 argmax token ids, the first on ties, as
         compute_logits(hidden).argmax(-1); on CPU without materialising the [n, vocab] logits."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        vocab_size = weight.shape[0]
         if hidden.device.type != "cpu" or hidden.dtype != torch.float32:
             return F.linear(hidden, weight).argmax(dim=-1)
+        if self.greedy_screen is not None:
+            return self.greedy_screen.argmax(hidden, self._greedy_token_ids_fp32)
+        return self._greedy_token_ids_fp32(hidden)
+
+    def _greedy_token_ids_fp32(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        vocab_size = weight.shape[0]
         # NOTE: a [n, vocab] float32 tensor (50 MB at n = 256) evicts every cache each step;
         # one chunk's scores stay in cache and are reduced before the next chunk is computed.
         num_rows = hidden.shape[0]

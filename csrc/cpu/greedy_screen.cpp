@@ -1,0 +1,157 @@
+// CPU kernel of the int8 greedy screen: which vocab entries could hold a row's fp32 argmax.
+//
+// Per vocab chunk, one int8 GEMM (at::_int_mm, VNNI) gives both quantization levels of every
+// hidden row against the int8 LM head; one pass over that int32 tile turns it into an
+// approximate logit a and a rigorous error bound eps per entry. A row keeps a running lower
+// bound L on its best logit (the largest a - eps seen) and collects, in vocab order, the entries
+// with a + eps >= L: any entry left out is below some other entry for certain. The caller scores
+// the few candidates in fp32.
+#include <ATen/Parallel.h>
+#include <ATen/ops/_int_mm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace vbatch {
+namespace {
+
+constexpr int64_t kOverflow = -1;
+
+struct RowState {
+  float lower_bound = -std::numeric_limits<float>::infinity();
+  int64_t count = 0;  // kOverflow once more candidates than fit survived a compaction
+};
+
+// Drop the candidates that the row's current lower bound rules out, keeping vocab order.
+int64_t compact(int64_t* ids, float* upper, int64_t count, float lower_bound) {
+  int64_t kept = 0;
+  for (int64_t k = 0; k < count; ++k) {
+    if (upper[k] >= lower_bound) {
+      ids[kept] = ids[k];
+      upper[kept] = upper[k];
+      ++kept;
+    }
+  }
+  return kept;
+}
+
+void screen_chunk_row(const int32_t* dot_hi, const int32_t* dot_lo, float scale_hi,
+                      float scale_lo, float hidden_coef, float residual_coef,
+                      const float* weight_scales, const float* residual_norms,
+                      const float* weight_norms, int64_t chunk_start, int64_t chunk_len,
+                      int64_t max_candidates, RowState& state, int64_t* ids, float* upper,
+                      float* chunk_upper) {
+  if (state.count == kOverflow) {
+    return;
+  }
+  // NOTE: eps = hidden_coef * |r_v| + residual_coef * |W_v|; see greedy_screen.py.
+  float best = state.lower_bound;
+#pragma omp simd reduction(max : best)
+  for (int64_t j = 0; j < chunk_len; ++j) {
+    const float approx = weight_scales[j] * (scale_hi * static_cast<float>(dot_hi[j]) +
+                                             scale_lo * static_cast<float>(dot_lo[j]));
+    const float eps = hidden_coef * residual_norms[j] + residual_coef * weight_norms[j];
+    chunk_upper[j] = approx + eps;
+    best = std::max(best, approx - eps);
+  }
+  state.lower_bound = best;
+  for (int64_t j = 0; j < chunk_len; ++j) {
+    if (chunk_upper[j] < best) {
+      continue;
+    }
+    if (state.count == max_candidates) {
+      state.count = compact(ids, upper, state.count, best);
+      if (state.count == max_candidates) {
+        state.count = kOverflow;
+        return;
+      }
+    }
+    ids[state.count] = chunk_start + j;
+    upper[state.count] = chunk_upper[j];
+    ++state.count;
+  }
+}
+
+// q_hidden [2 * num_rows, hidden] int8: rows 0..n-1 the first level, n..2n-1 the second.
+// row_params [num_rows, 4] float32: scale_hi, scale_lo, hidden_coef, residual_coef.
+// Returns candidates [num_rows, max_candidates] int64 (-1 padded, vocab order) and per-row
+// counts (int64; -1 when a row had too many candidates and must be scored in full).
+std::tuple<at::Tensor, at::Tensor> int8_greedy_screen_cpu(
+    const at::Tensor& q_hidden, const at::Tensor& q_weight, const at::Tensor& row_params,
+    const at::Tensor& weight_scales, const at::Tensor& residual_norms,
+    const at::Tensor& weight_norms, int64_t chunk_size, int64_t max_candidates) {
+  TORCH_CHECK(q_hidden.dim() == 2 && q_hidden.scalar_type() == at::kChar &&
+                  q_hidden.size(0) % 2 == 0,
+              "int8_greedy_screen: q_hidden must be [2 * num_rows, hidden] int8");
+  TORCH_CHECK(q_weight.dim() == 2 && q_weight.scalar_type() == at::kChar &&
+                  q_weight.size(1) == q_hidden.size(1) && q_weight.is_contiguous(),
+              "int8_greedy_screen: q_weight must be a contiguous [vocab, hidden] int8");
+  const int64_t num_rows = q_hidden.size(0) / 2, vocab = q_weight.size(0);
+  TORCH_CHECK(row_params.dim() == 2 && row_params.size(0) == num_rows &&
+                  row_params.size(1) == 4 && row_params.scalar_type() == at::kFloat &&
+                  row_params.is_contiguous(),
+              "int8_greedy_screen: row_params must be a contiguous [num_rows, 4] float32");
+  for (const at::Tensor* t : {&weight_scales, &residual_norms, &weight_norms}) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == vocab && t->scalar_type() == at::kFloat &&
+                    t->is_contiguous(),
+                "int8_greedy_screen: per-vocab tensors must be contiguous [vocab] float32");
+  }
+  TORCH_CHECK(chunk_size > 0 && max_candidates > 0,
+              "int8_greedy_screen: chunk_size and max_candidates must be positive");
+  const at::Tensor q_hidden_c = q_hidden.contiguous();
+  at::Tensor candidates = at::full({num_rows, max_candidates}, -1, q_hidden.options().dtype(at::kLong));
+  std::vector<float> upper(num_rows * max_candidates);
+  std::vector<RowState> states(num_rows);
+  const float* params = row_params.const_data_ptr<float>();
+  const float* scales = weight_scales.const_data_ptr<float>();
+  const float* residuals = residual_norms.const_data_ptr<float>();
+  const float* norms = weight_norms.const_data_ptr<float>();
+  int64_t* ids = candidates.mutable_data_ptr<int64_t>();
+  for (int64_t start = 0; start < vocab; start += chunk_size) {
+    const int64_t len = std::min(chunk_size, vocab - start);
+    // [2 * num_rows, len] int32
+    const at::Tensor dots = at::_int_mm(q_hidden_c, q_weight.narrow(0, start, len).t());
+    const int32_t* dot_data = dots.const_data_ptr<int32_t>();
+    at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> chunk_upper(len);
+      for (int64_t r = begin; r < end; ++r) {
+        const float* p = params + 4 * r;
+        screen_chunk_row(dot_data + r * len, dot_data + (num_rows + r) * len, p[0], p[1], p[2],
+                         p[3], scales + start, residuals + start, norms + start, start, len,
+                         max_candidates, states[r], ids + r * max_candidates,
+                         upper.data() + r * max_candidates, chunk_upper.data());
+      }
+    });
+  }
+  at::Tensor counts = at::empty({num_rows}, q_hidden.options().dtype(at::kLong));
+  int64_t* count_data = counts.mutable_data_ptr<int64_t>();
+  for (int64_t r = 0; r < num_rows; ++r) {
+    RowState& state = states[r];
+    int64_t* row_ids = ids + r * max_candidates;
+    if (state.count != kOverflow) {
+      state.count = compact(row_ids, upper.data() + r * max_candidates, state.count,
+                            state.lower_bound);
+    }
+    std::fill(row_ids + std::max<int64_t>(state.count, 0), row_ids + max_candidates, -1);
+    count_data[r] = state.count;
+  }
+  return {candidates, counts};
+}
+
+}  // namespace
+}  // namespace vbatch
+
+TORCH_LIBRARY_FRAGMENT(vbatch, m) {
+  m.def(
+      "int8_greedy_screen(Tensor q_hidden, Tensor q_weight, Tensor row_params, "
+      "Tensor weight_scales, Tensor residual_norms, Tensor weight_norms, int chunk_size, "
+      "int max_candidates) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(vbatch, CPU, m) { m.impl("int8_greedy_screen", &vbatch::int8_greedy_screen_cpu); }

@@ -1,0 +1,140 @@
+"""Greedy decoding's LM head through an int8 screen: the fp32 argmax, at int8 GEMM speed.
+
+An int8 GEMM over the whole vocabulary gives every logit to within a rigorous error bound; the
+few entries whose bound reaches the row's best lower bound are scored again in fp32 and the
+best one wins. Any entry the screen drops is below another entry for certain, so the result is
+the fp32 argmax (up to fp32 rounding between near-equal logits, as between any two GEMMs).
+
+The bound, for a hidden row h and a vocab row w (w = s_w q_w + r_w, h = s1 q1 + s2 q2 + e, the
+int8 parts with per-row scales, h in two int8 levels so that its residual e is tiny):
+
+    h.w = s_w (s1 q1.q_w + s2 q2.q_w) + (h - e).r_w + e.w
+    |h.w - approx| <= (|h| + |e|) |r_w| + |e| |w|          (Cauchy-Schwarz, 2-norms)
+
+plus fp32 rounding, (d + 16) u |h| |w| for hidden size d and unit roundoff u, so that the
+candidates also cover what an fp32 GEMM could round to the top.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from vbatch.layers import native
+from vbatch.layers.quantization import has_int8_kernels
+
+SCREEN_CHUNK = 4096  # vocab rows per int8 GEMM: its int32 tile stays in cache
+MAX_CANDIDATES = 64  # per row; a row with more is scored in full fp32
+UNIT_ROUNDOFF = 2.0**-24
+BOUND_SLACK = 1.0 + 1e-5  # covers rounding in the kernel's own bound arithmetic
+NORM_SLACK = 1.0 + 1e-3  # covers float32 rounding in the weight norms (d u ~ 3e-5 at d = 576)
+INT8_MAX = 127
+
+
+def _round_up(x: torch.Tensor) -> torch.Tensor:
+    """float64 -> float32, never below the float64 value."""
+    down = x.float()
+    return torch.where(down.double() < x, torch.nextafter(down, torch.tensor(float("inf"))), down)
+
+
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row of float64 `x`: (float32 scales, float64 integer values, exact
+    float64 residual x - scale * values)."""
+    scales = (x.abs().amax(dim=1) / INT8_MAX).float().clamp_min(torch.finfo(torch.float32).tiny)
+    values = torch.round(x / scales.double()[:, None]).clamp_(-INT8_MAX, INT8_MAX)
+    return scales, values, x - scales.double()[:, None] * values
+
+
+def can_use_greedy_screen(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the screen runs here: a float32 model on CPU, the native op, torch's int8 GEMM."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and native.is_available()
+        and hasattr(torch.ops.vbatch, "int8_greedy_screen")
+        and has_int8_kernels()
+    )
+
+
+class Int8GreedyScreen:
+    """The int8 copy of an LM head weight [vocab, hidden] and the per-row norms its bound needs.
+
+    Invariants: weight[v] = weight_scales[v] * q_weight[v] + r_v with residual_norms[v] >= |r_v|
+    and weight_norms[v] >= |weight[v]| (2-norms, rounded up); `weight` is the fp32 head itself.
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        assert weight.dtype == torch.float32 and weight.device.type == "cpu"
+        self.weight = weight
+        # NOTE: float32 here (float64 would take ~0.6 s at start-up for a 49152-row head): the
+        # residual w - s q is then off by at most 2u|w| and each norm by a relative d u, which
+        # NORM_SLACK and the extra 2u|w| cover.
+        w = weight.detach()
+        scales = (w.abs().amax(dim=1) / INT8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+        values = torch.round(w / scales[:, None]).clamp_(-INT8_MAX, INT8_MAX)
+        weight_norms = w.norm(dim=1) * NORM_SLACK
+        residual_norms = (w - scales[:, None] * values).norm(dim=1) * NORM_SLACK
+        self.q_weight = values.to(torch.int8).contiguous()
+        self.weight_scales = scales.contiguous()
+        self.residual_norms = (residual_norms + 2 * UNIT_ROUNDOFF * weight_norms).contiguous()
+        self.weight_norms = weight_norms.contiguous()
+
+    def screen(
+        self, hidden: torch.Tensor, max_candidates: int = MAX_CANDIDATES
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For [n, hidden] float32 rows: candidates [n, max_candidates] int64 (-1 padded, in
+        vocab order) that hold every entry able to be the row's fp32 argmax, and per-row counts,
+        -1 where the screen cannot settle the row (too many candidates, non-finite values)."""
+        hidden_size = hidden.shape[1]
+        h = hidden.double()
+        norms = h.norm(dim=1)
+        scale_hi, q_hi, residual = _quantize_rows(h)
+        scale_lo, q_lo, residual = _quantize_rows(residual)
+        residual_norms = residual.norm(dim=1)
+        rounding = (hidden_size + 16) * UNIT_ROUNDOFF
+        row_params = torch.stack(
+            [
+                scale_hi,
+                scale_lo,
+                _round_up((norms + residual_norms) * BOUND_SLACK),
+                _round_up((residual_norms + rounding * norms) * BOUND_SLACK),
+            ],
+            dim=1,
+        )
+        candidates, counts = torch.ops.vbatch.int8_greedy_screen(
+            torch.cat([q_hi, q_lo]).to(torch.int8),
+            self.q_weight,
+            row_params,
+            self.weight_scales,
+            self.residual_norms,
+            self.weight_norms,
+            SCREEN_CHUNK,
+            max_candidates,
+        )
+        return candidates, counts.masked_fill_(~torch.isfinite(norms), -1)
+
+    def argmax(
+        self,
+        hidden: torch.Tensor,
+        fallback: Callable[[torch.Tensor], torch.Tensor],
+        max_candidates: int = MAX_CANDIDATES,
+    ) -> torch.Tensor:
+        """[n, hidden] float32 -> [n] int64 argmax ids, the lowest on ties; rows the screen cannot
+        settle go through `fallback`, which takes and returns the same."""
+        num_rows = hidden.shape[0]
+        candidates, counts = self.screen(hidden, max_candidates)
+        rows, slots = (candidates >= 0).nonzero(as_tuple=True)
+        vocab_ids = candidates[rows, slots]
+        # [num_candidates] fp32 logits
+        scores = (hidden[rows] * self.weight[vocab_ids]).sum(dim=1)
+        best = hidden.new_full((num_rows,), float("-inf"))
+        best.scatter_reduce_(0, rows, scores, "amax")
+        is_best = scores == best[rows]
+        token_ids = torch.full((num_rows,), self.weight.shape[0], dtype=torch.int64)
+        token_ids.scatter_reduce_(0, rows[is_best], vocab_ids[is_best], "amin")
+        is_unsettled = counts < 0
+        if bool(is_unsettled.any()):
+            unsettled = is_unsettled.nonzero().squeeze(1)
+            token_ids[unsettled] = fallback(hidden.index_select(0, unsettled))
+        return token_ids

@@ -1,0 +1,145 @@
+"""The int8 greedy screen: it gives the fp32 argmax on real and adversarial rows."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from vbatch.layers import native
+from vbatch.layers.greedy_screen import SCREEN_CHUNK, Int8GreedyScreen, can_use_greedy_screen
+from vbatch.models.loader import ResolvedModel
+
+
+@pytest.fixture(scope="module")
+def ops() -> None:
+    if not can_use_greedy_screen(torch.device("cpu"), torch.float32):
+        pytest.skip("needs the native kernels and torch's int8 GEMM")
+
+
+def fp32_argmax(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    def argmax(hidden: torch.Tensor) -> torch.Tensor:
+        return (hidden @ weight.t()).argmax(dim=1)
+
+    return argmax
+
+
+def random_head(vocab: int, hidden: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(vocab, hidden, generator=gen) * 0.05
+
+
+@pytest.fixture(scope="module")
+def smollm2_rows(smollm2: ResolvedModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """SmolLM2's tied LM head and the final hidden states of a few real prompts and outputs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2.hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2.hf_dir, torch_dtype=torch.float32)
+    texts = [
+        "The capital of France is Paris. The capital of Italy is",
+        "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+        "Once upon a time, in a small village by the sea, there lived",
+        "1, 1, 2, 3, 5, 8, 13, 21, 34,",
+    ]
+    rows = []
+    with torch.inference_mode():
+        for text in texts:
+            ids = tokenizer(text, return_tensors="pt").input_ids
+            out = model.generate(ids, max_new_tokens=24, do_sample=False)
+            states = model(out, output_hidden_states=True).hidden_states[-1]
+            rows.append(states[0])
+    return model.get_output_embeddings().weight.detach().clone(), torch.cat(rows)
+
+
+def test_matches_fp32_argmax_on_smollm2(ops: None, smollm2_rows: tuple) -> None:
+    weight, hidden = smollm2_rows
+    screen = Int8GreedyScreen(weight)
+    candidates, counts = screen.screen(hidden)
+    assert (counts >= 1).all()
+    assert counts.float().median() <= 8, "the screen should leave only a few candidates"
+    expected = (hidden.double() @ weight.double().t()).argmax(dim=1)
+    assert (candidates == expected[:, None]).any(dim=1).all()
+    assert torch.equal(screen.argmax(hidden, fp32_argmax(weight)), (hidden @ weight.t()).argmax(1))
+
+
+def test_exact_tie_across_chunks_picks_the_lowest_id(ops: None) -> None:
+    weight = random_head(3 * SCREEN_CHUNK + 5, 64)
+    weight[SCREEN_CHUNK + 7] = weight[7]
+    weight[3 * SCREEN_CHUNK + 2] = weight[7]
+    hidden = torch.randn(5, 64)
+    hidden[0] = 10 * weight[7]
+    got = Int8GreedyScreen(weight).argmax(hidden, fp32_argmax(weight))
+    assert got[0] == 7
+    assert torch.equal(got, (hidden @ weight.t()).argmax(1))
+
+
+def test_gap_far_below_the_int8_error_is_resolved(ops: None) -> None:
+    """Two entries 1e-3 apart (int8 error here is ~0.1): the larger one wins, wherever it sits."""
+    weight = random_head(2 * SCREEN_CHUNK, 256, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(6, 256, generator=gen)
+    hidden[:, 3] = 40.0  # an outlier channel, as real hidden states have
+    pairs = [(5, SCREEN_CHUNK + 9), (SCREEN_CHUNK + 20, 30), (100, 101)]
+    for row, (low, high) in enumerate(pairs):
+        h = hidden[row]
+        weight[low] = 3 * h / h.norm() ** 2 * 10
+        weight[high] = weight[low] + 1e-3 * h / h.norm() ** 2
+    exact = hidden.double() @ weight.double().t()
+    for row, (_, high) in enumerate(pairs):
+        assert exact[row].argmax() == high
+    got = Int8GreedyScreen(weight).argmax(hidden, fp32_argmax(weight))
+    assert torch.equal(got, (hidden @ weight.t()).argmax(1))
+    assert [got[row].item() for row in range(len(pairs))] == [high for _, high in pairs]
+
+
+def test_unsettled_rows_go_through_the_fallback(ops: None) -> None:
+    weight = random_head(SCREEN_CHUNK + 100, 64, seed=3)
+    hidden = torch.randn(7, 64)
+    hidden[2, 5] = float("nan")
+    screen = Int8GreedyScreen(weight)
+    reference = fp32_argmax(weight)
+    fallback_rows: list[int] = []
+
+    def fallback(rows: torch.Tensor) -> torch.Tensor:
+        fallback_rows.append(rows.shape[0])
+        return reference(rows)
+
+    got = screen.argmax(hidden, fallback)
+    assert fallback_rows == [1]
+    settled = [r for r in range(7) if r != 2]
+    assert torch.equal(got[settled], reference(hidden[settled]))
+    fallback_rows.clear()
+    weight[:10] = weight[10]  # 11 equal entries: more candidates than a row may keep
+    screen = Int8GreedyScreen(weight)
+    tied = torch.stack([10 * weight[10], hidden[0], 5 * weight[10]])
+    got = screen.argmax(tied, fallback, max_candidates=4)
+    assert fallback_rows == [2]
+    assert got.tolist() == [0, reference(hidden[:1]).item(), 0]
+
+
+def test_opcheck(ops: None) -> None:
+    weight = random_head(SCREEN_CHUNK + 300, 64)
+    screen = Int8GreedyScreen(weight)
+    q_hidden = torch.randint(-127, 128, (6, 64), dtype=torch.int8)
+    row_params = torch.tensor([[0.01, 1e-4, 3.0, 0.01]] * 3)
+    torch.library.opcheck(
+        torch.ops.vbatch.int8_greedy_screen.default,
+        (
+            q_hidden,
+            screen.q_weight,
+            row_params,
+            screen.weight_scales,
+            screen.residual_norms,
+            screen.weight_norms,
+            1024,
+            16,
+        ),
+    )
+
+
+def test_unavailable_without_float32_cpu() -> None:
+    assert not can_use_greedy_screen(torch.device("cpu"), torch.bfloat16)
+    assert not can_use_greedy_screen(torch.device("meta"), torch.float32)
+    assert native.find_csrc_dir() is not None
