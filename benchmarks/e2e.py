@@ -8,6 +8,7 @@ tighter one: prompt tokens without the LM head, at the 512-row prefill GEMM rate
 
 python -m benchmarks.e2e [--num-prompts 128] [--max-tokens 128] [--threads 2]
     [--hf-batch-sizes 32,64] [--repeats 1] [--skip-hf] [--show-progress] [--quantization int8]
+    [--no-greedy-screen]
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def run_cli(in_path: Path, out_path: Path, args: argparse.Namespace) -> dict[str
     ]  # fmt: skip
     if args.quantization:
         cmd += ["--quantization", args.quantization]
+    if args.no_greedy_screen:
+        cmd.append("--no-greedy-screen")
     if not args.show_progress:
         cmd.append("--quiet")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
@@ -79,6 +82,7 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--show-progress", action="store_true")
     parser.add_argument("--quantization", default=None, help="e.g. int8 (the bound stays fp32)")
+    parser.add_argument("--no-greedy-screen", action="store_true", help="fp32 LM head for greedy")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
