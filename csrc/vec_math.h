@@ -91,4 +91,126 @@ inline void add_weighted_rows(float* acc, const float* p, const float* rows, int
   }
 }
 
+// A vector of float32 lanes: one zmm (16 lanes) under AVX-512, one ymm (8) under AVX2 with FMA,
+// else an array of 8 that `omp simd` vectorises. The tiled prefill kernel keeps one query token
+// per lane.
+#if defined(__AVX512F__)
+constexpr int64_t kNumLanes = 16;
+using Lanes = __m512;
+
+inline Lanes lanes_zero() { return _mm512_setzero_ps(); }
+inline Lanes lanes_set1(float x) { return _mm512_set1_ps(x); }
+inline Lanes lanes_load(const float* p) { return _mm512_loadu_ps(p); }
+inline void lanes_store(float* p, Lanes x) { _mm512_storeu_ps(p, x); }
+inline Lanes lanes_add(Lanes a, Lanes b) { return _mm512_add_ps(a, b); }
+inline Lanes lanes_sub(Lanes a, Lanes b) { return _mm512_sub_ps(a, b); }
+inline Lanes lanes_mul(Lanes a, Lanes b) { return _mm512_mul_ps(a, b); }
+inline Lanes lanes_max(Lanes a, Lanes b) { return _mm512_max_ps(a, b); }
+inline Lanes lanes_fmadd(Lanes a, Lanes b, Lanes c) { return _mm512_fmadd_ps(a, b, c); }
+
+// x with its first `n` lanes (0 <= n <= kNumLanes) set to `value`.
+inline Lanes lanes_fill_first(Lanes x, int64_t n, float value) {
+  const __mmask16 mask = n >= kNumLanes ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+  return _mm512_mask_mov_ps(x, mask, _mm512_set1_ps(value));
+}
+
+// fast_exp on every lane, with the same reduction and polynomial.
+inline Lanes lanes_exp(Lanes x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kNumLanes = 8;
+using Lanes = __m256;
+
+inline Lanes lanes_zero() { return _mm256_setzero_ps(); }
+inline Lanes lanes_set1(float x) { return _mm256_set1_ps(x); }
+inline Lanes lanes_load(const float* p) { return _mm256_loadu_ps(p); }
+inline void lanes_store(float* p, Lanes x) { _mm256_storeu_ps(p, x); }
+inline Lanes lanes_add(Lanes a, Lanes b) { return _mm256_add_ps(a, b); }
+inline Lanes lanes_sub(Lanes a, Lanes b) { return _mm256_sub_ps(a, b); }
+inline Lanes lanes_mul(Lanes a, Lanes b) { return _mm256_mul_ps(a, b); }
+inline Lanes lanes_max(Lanes a, Lanes b) { return _mm256_max_ps(a, b); }
+inline Lanes lanes_fmadd(Lanes a, Lanes b, Lanes c) { return _mm256_fmadd_ps(a, b, c); }
+
+inline Lanes lanes_fill_first(Lanes x, int64_t n, float value) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n)), lane);
+  return _mm256_blendv_ps(x, _mm256_set1_ps(value), _mm256_castsi256_ps(mask));
+}
+
+inline Lanes lanes_exp(Lanes x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(
+      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#else
+constexpr int64_t kNumLanes = 8;
+
+struct Lanes {
+  float v[kNumLanes];
+};
+
+template <typename F>
+inline Lanes lanes_map(F f) {
+  Lanes out;
+#pragma omp simd
+  for (int64_t i = 0; i < kNumLanes; ++i) out.v[i] = f(i);
+  return out;
+}
+
+inline Lanes lanes_zero() { return lanes_map([](int64_t) { return 0.0f; }); }
+inline Lanes lanes_set1(float x) { return lanes_map([x](int64_t) { return x; }); }
+inline Lanes lanes_load(const float* p) { return lanes_map([p](int64_t i) { return p[i]; }); }
+inline void lanes_store(float* p, const Lanes& x) { std::memcpy(p, x.v, sizeof(x.v)); }
+inline Lanes lanes_add(const Lanes& a, const Lanes& b) {
+  return lanes_map([&](int64_t i) { return a.v[i] + b.v[i]; });
+}
+inline Lanes lanes_sub(const Lanes& a, const Lanes& b) {
+  return lanes_map([&](int64_t i) { return a.v[i] - b.v[i]; });
+}
+inline Lanes lanes_mul(const Lanes& a, const Lanes& b) {
+  return lanes_map([&](int64_t i) { return a.v[i] * b.v[i]; });
+}
+inline Lanes lanes_max(const Lanes& a, const Lanes& b) {
+  return lanes_map([&](int64_t i) { return a.v[i] > b.v[i] ? a.v[i] : b.v[i]; });
+}
+inline Lanes lanes_fmadd(const Lanes& a, const Lanes& b, const Lanes& c) {
+  return lanes_map([&](int64_t i) { return a.v[i] * b.v[i] + c.v[i]; });
+}
+inline Lanes lanes_fill_first(const Lanes& x, int64_t n, float value) {
+  return lanes_map([&](int64_t i) { return i < n ? value : x.v[i]; });
+}
+inline Lanes lanes_exp(const Lanes& x) {
+  return lanes_map([&](int64_t i) { return fast_exp(x.v[i]); });
+}
+#endif
+
 }  // namespace vbatch

@@ -139,7 +139,7 @@ def test_matches_reference(ops: None, heads: tuple[int, int, int], specs: list) 
 
 
 def test_op_alone_handles_long_prefill_chunks(ops: None) -> None:
-    """The backend sends chunks over MAX_NATIVE_QUERY_LEN to SDPA; the op must still be exact."""
+    """Chunks over MAX_NATIVE_QUERY_LEN take the op's tiled kernel, the rest go token by token."""
     q, k, v, k_cache, v_cache, meta = make_batch(MIXED, SMOLLM2_HEADS)
     assert max(meta.query_lens_cpu) > native.MAX_NATIVE_QUERY_LEN
     write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -148,6 +148,72 @@ def test_op_alone_handles_long_prefill_chunks(ops: None) -> None:
     )
     ref = reference_attention(q, k_cache, v_cache, meta, 0.125)
     assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+# (seq_len, query_len): chunks from position 0 and behind cached prefixes shorter and longer
+# than the chunk, lengths on and off multiples of 16, both sides of the per-token limit (8).
+TILED_SPECS = [
+    (300, 300),
+    (316, 300),
+    (57, 9),
+    (8, 8),
+    (200, 37),
+    (16, 16),
+    (48, 32),
+    (1, 1),
+    (140, 129),
+    (33, 17),
+    (90, 1),
+]
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("heads", "block_size"),
+    [(SMOLLM2_HEADS, 16), ((4, 4, 16), 32), ((8, 2, 128), 5), ((6, 3, 40), 8), ((2, 1, 64), 1)],
+    ids=["gqa-d64-bs16", "mha-d16-bs32", "gqa-d128-bs5", "gqa-d40-bs8", "gqa-d64-bs1"],
+)
+def test_tiled_prefill_matches_reference(
+    ops: None, cache_dtype: torch.dtype, heads: tuple[int, int, int], block_size: int
+) -> None:
+    batch = narrow_caches(make_batch(TILED_SPECS, heads, block_size, seed=7), cache_dtype)
+    out, ref = run_native_and_reference(batch, scale=heads[2] ** -0.5)
+    assert out.dtype == torch.float32
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+def test_tiled_prefill_reads_no_slot_past_the_context(ops: None) -> None:
+    """NaN in every cache slot outside the contexts (block padding, spare blocks) stays unread."""
+    specs = [(37, 37), (61, 45), (130, 98)]
+    q, k, v, k_cache, v_cache, meta = make_batch(specs, SMOLLM2_HEADS)
+    is_used = torch.zeros(k_cache.shape[0] * k_cache.shape[1], dtype=torch.bool)
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        pos = torch.arange(seq_len)
+        is_used[meta.block_tables[i, pos // 16].long() * 16 + pos % 16] = True
+    k_cache.view(-1, 3, 64)[~is_used] = float("nan")
+    v_cache.view(-1, 3, 64)[~is_used] = float("nan")
+    out = native.NativeAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    assert (out.double() - reference_attention(q, k_cache, v_cache, meta, 0.125)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_mixed_step_with_long_chunks_agrees_with_torch_backend(ops: None, seed: int) -> None:
+    """Decodes, short chunks and long chunks in one step, as the scheduler builds them."""
+    rng = torch.Generator().manual_seed(300 + seed)
+    specs = []
+    for _ in range(10):
+        query_len = int(torch.randint(1, 5, (1,), generator=rng))  # decode or short chunk
+        specs.append((query_len + int(torch.randint(0, 300, (1,), generator=rng)), query_len))
+    for _ in range(4):
+        query_len = int(torch.randint(9, 400, (1,), generator=rng))
+        specs.append((query_len + [0, 16, 48, 500][len(specs) % 4], query_len))
+    order = torch.randperm(len(specs), generator=rng).tolist()
+    q, k, v, k_cache, v_cache, meta = make_batch([specs[i] for i in order], SMOLLM2_HEADS)
+    torch_k_cache, torch_v_cache = k_cache.clone(), v_cache.clone()
+    out = native.NativeAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    expected = TorchAttentionBackend().forward(q, k, v, torch_k_cache, torch_v_cache, meta, 0.125)
+    assert torch.equal(k_cache, torch_k_cache) and torch.equal(v_cache, torch_v_cache)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -249,7 +315,7 @@ def test_reshape_and_cache_rounds_into_16bit_cache(ops: None, cache_dtype: torch
 
 
 def test_same_result_for_any_thread_count(ops: None) -> None:
-    q, _, _, k_cache, v_cache, meta = make_batch(MIXED, SMOLLM2_HEADS)
+    q, _, _, k_cache, v_cache, meta = make_batch([*MIXED, *TILED_SPECS], SMOLLM2_HEADS)
     args = (q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125)
     num_threads = torch.get_num_threads()
     try:
@@ -302,7 +368,8 @@ def test_rejects_bad_inputs(ops: None) -> None:
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_opcheck(ops: None, cache_dtype: torch.dtype) -> None:
-    q, k, v, k_cache, v_cache, meta = narrow_caches(make_batch(MIXED, SMOLLM2_HEADS), cache_dtype)
+    specs = [*MIXED, (150, 100)]  # one chunk takes the tiled kernel over several tiles
+    q, k, v, k_cache, v_cache, meta = narrow_caches(make_batch(specs, SMOLLM2_HEADS), cache_dtype)
     torch.library.opcheck(
         torch.ops.vbatch.reshape_and_cache.default, (k, v, k_cache, v_cache, meta.slot_mapping)
     )

@@ -1,11 +1,13 @@
 // CPU kernels for vbatch::paged_attention and vbatch::reshape_and_cache (OpenMP, float32 math).
 //
-// Attention parallelises over tokens: each token reads its context's K/V rows straight from the
-// paged cache through the block table once, every KV head of a row together (a block is one
-// contiguous run of memory), serving all query heads (GQA groups share a KV head), with an
-// online (flash-decoding style) softmax kept in float32 one cache block at a time. A float32
-// model may keep a bfloat16 or float16 cache: rows widen to float32 a block at a time, which
-// halves the bytes each decode step streams from memory.
+// Attention reads K/V straight from the paged cache through the block table, with an online
+// (flash style) softmax kept in float32. Decode rows and short chunks go token by token: each
+// token reads its context once, every KV head of a row together, serving all query heads (GQA
+// groups share a KV head). Long prefill chunks go by tiles of kNumLanes query tokens (16 under
+// AVX-512), one token per SIMD lane, so each key the tile loads serves every token of the tile
+// and the GQA group's heads, and keys past the tile's last position are skipped (causal). A
+// float32 model may keep a bfloat16 or float16 cache: rows widen to float32 a block at a time,
+// which halves the bytes each decode step streams from memory.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -22,26 +24,36 @@
 namespace vbatch {
 namespace {
 
-// Returns `n` cache values as float32: the values themselves for float caches, else a copy.
+// Writes `n` cache values to `dst` as float32.
 template <typename cache_t>
-inline const float* as_float(const cache_t* values, int64_t n, float* buf) {
+inline void widen(const cache_t* values, int64_t n, float* dst) {
   if constexpr (std::is_same_v<cache_t, float>) {
-    return values;
+    std::copy_n(values, n, dst);
   } else {
     int64_t i = 0;
 #if defined(__AVX512F__)
     for (; i + 16 <= n; i += 16) {
       const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i));
       if constexpr (std::is_same_v<cache_t, c10::Half>) {
-        _mm512_storeu_ps(buf + i, _mm512_cvtph_ps(bits));
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(bits));
       } else {
         // NOTE: a bfloat16 is the top half of a float32, so widening is a 16-bit shift.
         const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16);
-        _mm512_storeu_ps(buf + i, _mm512_castsi512_ps(wide));
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(wide));
       }
     }
 #endif
-    for (; i < n; ++i) buf[i] = static_cast<float>(values[i]);
+    for (; i < n; ++i) dst[i] = static_cast<float>(values[i]);
+  }
+}
+
+// Returns `n` cache values as float32: the values themselves for float caches, else a copy.
+template <typename cache_t>
+inline const float* as_float(const cache_t* values, int64_t n, float* buf) {
+  if constexpr (std::is_same_v<cache_t, float>) {
+    return values;
+  } else {
+    widen(values, n, buf);
     return buf;
   }
 }
@@ -60,14 +72,18 @@ inline void prefetch_row(const scalar_t* row, int64_t row_size) {
   for (int64_t d = 0; d < row_size; d += kLine) __builtin_prefetch(row + d);
 }
 
+// Attends the query rows `tokens` one at a time; token_seq maps every row to its sequence.
 // scalar_t is q's and out's dtype; cache_t is the cache's: the same, or 16-bit under float32.
 template <typename scalar_t, typename cache_t>
-void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
-                          const at::Tensor& v_cache, const std::vector<int64_t>& token_seq,
-                          const int32_t* query_start_loc, const int32_t* seq_lens,
-                          const int32_t* block_tables, int64_t max_num_blocks, float scale,
-                          at::Tensor& out) {
-  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+void per_token_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const std::vector<int64_t>& tokens,
+                              const std::vector<int64_t>& token_seq,
+                              const int32_t* query_start_loc, const int32_t* seq_lens,
+                              const int32_t* block_tables, int64_t max_num_blocks, float scale,
+                              at::Tensor& out) {
+  const int64_t num_tokens = static_cast<int64_t>(tokens.size());
+  if (num_tokens == 0) return;
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t q_token_stride = q.stride(0), q_head_stride = q.stride(1);
@@ -87,7 +103,8 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
 
     // NOTE: dynamic scheduling because causal prefill items grow with their position.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t token = 0; token < num_tokens; ++token) {
+    for (int64_t i = 0; i < num_tokens; ++i) {
+      const int64_t token = tokens[i];
       const int64_t seq = token_seq[token];
       const int64_t query_len = query_start_loc[seq + 1] - query_start_loc[seq];
       const int64_t context_len =
@@ -164,6 +181,182 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
   }
 }
 
+// Sequences with more query rows than this (long prefill chunks) attend by tiles.
+constexpr int64_t kMaxPerTokenQueryLen = 8;
+
+// One work item of the tiled kernel: up to kNumLanes consecutive query rows of one sequence,
+// against one KV head (so for every query head of its GQA group).
+struct Tile {
+  int64_t seq;
+  int64_t first_row;  // q row of lane 0
+  int64_t num_rows;   // valid lanes, 1..kNumLanes
+  int64_t kv_head;
+  int64_t context_len;  // keys the tile's last row sees
+};
+
+// Online-softmax step of one query head's tile over kNumLanes keys, all in registers.
+// q_t: [head_dim, kNumLanes] (scaled), o_t: [head_dim, kNumLanes] unnormalised output; k_rows
+// and v_rows: kNumLanes rows of head_dim floats, `stride` apart. The first `num_masked[j]`
+// lanes may not see key j.
+// running_max and running_sum: kNumLanes floats each, carried from step to step.
+inline void tile_step(const float* q_t, float* o_t, float* running_max, float* running_sum,
+                      const float* k_rows, const float* v_rows, int64_t stride,
+                      int64_t head_dim, const int64_t* num_masked) {
+  Lanes s[kNumLanes];
+#pragma GCC unroll 16
+  for (int64_t j = 0; j < kNumLanes; ++j) s[j] = lanes_zero();
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const Lanes q_d = lanes_load(q_t + d * kNumLanes);
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < kNumLanes; ++j) {
+      s[j] = lanes_fmadd(lanes_set1(k_rows[j * stride + d]), q_d, s[j]);
+    }
+  }
+  if (num_masked != nullptr) {
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < kNumLanes; ++j) {
+      s[j] = lanes_fill_first(s[j], num_masked[j], -std::numeric_limits<float>::infinity());
+    }
+  }
+  Lanes block_max = s[0];
+#pragma GCC unroll 16
+  for (int64_t j = 1; j < kNumLanes; ++j) block_max = lanes_max(block_max, s[j]);
+  const Lanes old_max = lanes_load(running_max);
+  const Lanes new_max = lanes_max(old_max, block_max);
+  const Lanes correction = lanes_exp(lanes_sub(old_max, new_max));
+  lanes_store(running_max, new_max);
+  Lanes block_sum = lanes_zero();
+#pragma GCC unroll 16
+  for (int64_t j = 0; j < kNumLanes; ++j) {
+    s[j] = lanes_exp(lanes_sub(s[j], new_max));
+    block_sum = lanes_add(block_sum, s[j]);
+  }
+  lanes_store(running_sum, lanes_fmadd(lanes_load(running_sum), correction, block_sum));
+  for (int64_t d = 0; d < head_dim; ++d) {
+    Lanes o = lanes_mul(lanes_load(o_t + d * kNumLanes), correction);
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < kNumLanes; ++j) {
+      o = lanes_fmadd(lanes_set1(v_rows[j * stride + d]), s[j], o);
+    }
+    lanes_store(o_t + d * kNumLanes, o);
+  }
+}
+
+// Attends every tile: per tile, each kNumLanes-key step of its context loads K/V once for the
+// tile's tokens and the group's heads. Keys come straight from a float32 cache when a step's
+// keys share a block, else they are copied (widened, zero-padded) into a scratch block.
+template <typename scalar_t, typename cache_t>
+void tiled_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const std::vector<Tile>& tiles,
+                          const int32_t* block_tables, int64_t max_num_blocks, float scale,
+                          at::Tensor& out) {
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  if (num_tiles == 0) return;
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t q_token_stride = q.stride(0), q_head_stride = q.stride(1);
+  const int64_t row_stride = num_kv_heads * head_dim;
+  const int64_t block_stride = block_size * row_stride;
+  const bool is_direct = std::is_same_v<cache_t, float> && block_size % kNumLanes == 0;
+  const scalar_t* q_data = q.const_data_ptr<scalar_t>();
+  const cache_t* k_data = k_cache.const_data_ptr<cache_t>();
+  const cache_t* v_data = v_cache.const_data_ptr<cache_t>();
+  scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
+  const int num_threads = at::get_num_threads();
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    // [group, head_dim, kNumLanes] each
+    std::vector<float> q_t(group * head_dim * kNumLanes), o_t(group * head_dim * kNumLanes);
+    // [kNumLanes, head_dim] each
+    std::vector<float> k_buf(kNumLanes * head_dim), v_buf(kNumLanes * head_dim);
+    // [group, kNumLanes] each
+    std::vector<float> running_max(group * kNumLanes), running_sum(group * kNumLanes);
+    int64_t num_masked[kNumLanes];
+
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_tiles; ++i) {
+      const Tile& tile = tiles[i];
+      const int32_t* block_table = block_tables + tile.seq * max_num_blocks;
+      // NOTE: lane l holds the query at position first_pos + l; padding lanes stay zero.
+      const int64_t first_pos = tile.context_len - tile.num_rows;
+      std::fill(q_t.begin(), q_t.end(), 0.0f);
+      std::fill(o_t.begin(), o_t.end(), 0.0f);
+      std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
+      std::fill(running_sum.begin(), running_sum.end(), 0.0f);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = tile.kv_head * group + g;
+        float* q_head = q_t.data() + g * head_dim * kNumLanes;
+        for (int64_t l = 0; l < tile.num_rows; ++l) {
+          const scalar_t* q_row =
+              q_data + (tile.first_row + l) * q_token_stride + h * q_head_stride;
+          for (int64_t d = 0; d < head_dim; ++d) {
+            q_head[d * kNumLanes + l] = static_cast<float>(q_row[d]) * scale;
+          }
+        }
+      }
+
+      for (int64_t start = 0; start < tile.context_len; start += kNumLanes) {
+        const int64_t num_keys = std::min(kNumLanes, tile.context_len - start);
+        const float* k_rows;
+        const float* v_rows;
+        int64_t stride;
+        if (is_direct && num_keys == kNumLanes) {
+          const int64_t offset = block_table[start / block_size] * block_stride +
+                                 (start % block_size) * row_stride + tile.kv_head * head_dim;
+          k_rows = reinterpret_cast<const float*>(k_data + offset);
+          v_rows = reinterpret_cast<const float*>(v_data + offset);
+          stride = row_stride;
+        } else {
+          for (int64_t j = 0; j < kNumLanes; ++j) {
+            float* k_dst = k_buf.data() + j * head_dim;
+            float* v_dst = v_buf.data() + j * head_dim;
+            if (j < num_keys) {
+              const int64_t pos = start + j;
+              const int64_t offset = block_table[pos / block_size] * block_stride +
+                                     (pos % block_size) * row_stride + tile.kv_head * head_dim;
+              widen(k_data + offset, head_dim, k_dst);
+              widen(v_data + offset, head_dim, v_dst);
+            } else {
+              std::fill_n(k_dst, head_dim, 0.0f);
+              std::fill_n(v_dst, head_dim, 0.0f);
+            }
+          }
+          k_rows = k_buf.data();
+          v_rows = v_buf.data();
+          stride = head_dim;
+        }
+        // NOTE: only steps reaching past the tile's first position need the causal mask.
+        const bool is_masked = start + kNumLanes - 1 > first_pos;
+        if (is_masked) {
+          for (int64_t j = 0; j < kNumLanes; ++j) {
+            num_masked[j] = std::clamp<int64_t>(start + j - first_pos, 0, kNumLanes);
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          tile_step(q_t.data() + g * head_dim * kNumLanes, o_t.data() + g * head_dim * kNumLanes,
+                    running_max.data() + g * kNumLanes, running_sum.data() + g * kNumLanes,
+                    k_rows, v_rows, stride, head_dim, is_masked ? num_masked : nullptr);
+        }
+      }
+
+      for (int64_t g = 0; g < group; ++g) {
+        const float* sums = running_sum.data() + g * kNumLanes;
+        const float* o_head = o_t.data() + g * head_dim * kNumLanes;
+        const int64_t h = tile.kv_head * group + g;
+        for (int64_t l = 0; l < tile.num_rows; ++l) {
+          const float inv_sum = 1.0f / sums[l];
+          scalar_t* out_row = out_data + ((tile.first_row + l) * num_heads + h) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) {
+            out_row[d] = static_cast<scalar_t>(o_head[d * kNumLanes + l] * inv_sum);
+          }
+        }
+      }
+    }
+  }
+}
+
 at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& query_start_loc,
                                const at::Tensor& seq_lens, const at::Tensor& block_tables,
@@ -179,7 +372,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
 
   TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == num_tokens,
               "query_start_loc must run from 0 to num_tokens");
-  std::vector<int64_t> token_seq(num_tokens);
+  std::vector<int64_t> token_seq(num_tokens), tokens;
+  std::vector<Tile> tiles;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t query_len = starts[seq + 1] - starts[seq];
     TORCH_CHECK(query_len >= 0 && query_len <= lens[seq],
@@ -191,19 +385,38 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
       TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " is out of range");
     }
     std::fill(token_seq.begin() + starts[seq], token_seq.begin() + starts[seq + 1], seq);
+    if (query_len <= kMaxPerTokenQueryLen) {
+      for (int64_t token = starts[seq]; token < starts[seq + 1]; ++token) tokens.push_back(token);
+      continue;
+    }
+    for (int64_t first = 0; first < query_len; first += kNumLanes) {
+      const int64_t num_rows = std::min(kNumLanes, query_len - first);
+      const int64_t context_len = lens[seq] - query_len + first + num_rows;
+      for (int64_t kv_head = 0; kv_head < k_cache.size(2); ++kv_head) {
+        tiles.push_back({seq, starts[seq] + first, num_rows, kv_head, context_len});
+      }
+    }
   }
+  // NOTE: the longest contexts first, so the dynamic schedule ends on short items.
+  std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) {
+    return a.context_len > b.context_len;
+  });
 
   at::Tensor out = at::empty(q.sizes(), q.options());
   const bool is_widened = q.scalar_type() != k_cache.scalar_type();
   VBATCH_DISPATCH_KV_TYPES(k_cache.scalar_type(), "paged_attention_cpu", [&] {
     using cache_t = scalar_t;
+    const float scale_f = static_cast<float>(scale);
     if (is_widened) {
-      paged_attention_impl<float, cache_t>(q, k_cache, v_cache, token_seq, starts, lens, tables,
-                                           max_num_blocks, static_cast<float>(scale), out);
+      tiled_attention_impl<float, cache_t>(q, k_cache, v_cache, tiles, tables, max_num_blocks,
+                                           scale_f, out);
+      per_token_attention_impl<float, cache_t>(q, k_cache, v_cache, tokens, token_seq, starts,
+                                               lens, tables, max_num_blocks, scale_f, out);
     } else {
-      paged_attention_impl<cache_t, cache_t>(q, k_cache, v_cache, token_seq, starts, lens,
-                                             tables, max_num_blocks, static_cast<float>(scale),
-                                             out);
+      tiled_attention_impl<cache_t, cache_t>(q, k_cache, v_cache, tiles, tables, max_num_blocks,
+                                             scale_f, out);
+      per_token_attention_impl<cache_t, cache_t>(q, k_cache, v_cache, tokens, token_seq, starts,
+                                                 lens, tables, max_num_blocks, scale_f, out);
     }
   });
   return out;

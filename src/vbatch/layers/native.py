@@ -25,8 +25,9 @@ EXTENSION_NAME = "vbatch_native"
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
 CUDA_FLAGS = ("-O3",)
 BUILD_LOCK_TIMEOUT_S = 600.0
-# NOTE: longer prefill chunks go to SDPA: its tiled kernel beat our per-token one on 4x256-token
-# prefills (3.9 vs 4.2 ms a layer at 2 threads, 7.3 vs 8.5 at 1) and is flash attention on CUDA.
+# NOTE: on CUDA, longer prefill chunks go to SDPA (flash attention there). On CPU the op takes
+# every row and runs long chunks through its own tiled kernel: 3.3x gather + SDPA at 2 threads
+# (`python -m benchmarks.attention_kernels --case prefill`).
 MAX_NATIVE_QUERY_LEN = 8
 
 
@@ -198,8 +199,9 @@ class NativeAttentionBackend(AttentionBackend):
     """Paged attention through the vbatch:: custom ops (C++/OpenMP on CPU, CUDA on GPU).
 
     Invariant: constructed only when is_available(); the ops read K/V straight from the cache
-    through the block tables, with no gathered copy of the context. Prefill chunks longer than
-    MAX_NATIVE_QUERY_LEN run through SDPA over their gathered context instead.
+    through the block tables, with no gathered copy of the context. On CPU one op call serves
+    the whole batch; on CUDA, prefill chunks longer than MAX_NATIVE_QUERY_LEN run through SDPA
+    over their gathered context instead.
     """
 
     name = "native"
@@ -219,7 +221,7 @@ class NativeAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         torch.ops.vbatch.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.max_query_len <= MAX_NATIVE_QUERY_LEN:
+        if meta.max_query_len <= MAX_NATIVE_QUERY_LEN or q.device.type == "cpu":
             # [num_tokens, num_heads, head_dim]
             return torch.ops.vbatch.paged_attention(
                 q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale
