@@ -12,7 +12,12 @@ import torch
 
 from vbatch.config import EngineConfig
 from vbatch.engine.cuda_graphs import DecodeGraphRunner
-from vbatch.engine.input_batch import DecodeBatch, GatheredBlockTables, build_host_batch
+from vbatch.engine.input_batch import (
+    DecodeBatch,
+    GatheredBlockTables,
+    HostBatch,
+    build_host_batch,
+)
 from vbatch.engine.sampler import Sampler, SamplingMetadata, free_generators
 from vbatch.engine.scheduler import SchedulerOutput
 from vbatch.engine.sequence import Sequence
@@ -136,6 +141,9 @@ class ModelRunner:
         self._cpu_views: dict[str, tuple[np.ndarray, list[int], list[torch.Tensor]]] = {}
         self._greedy_sampling: tuple[int, SamplingMetadata] | None = None  # (step_id, its meta)
         self._inputs_copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        # NOTE: on CPU a step's tensors are views of its HostBatch's buffers, so a batch advanced
+        # in place keeps them valid; only its metadata's block tables and scalars move on.
+        self._kept_inputs: tuple[HostBatch, StepInputs] | None = None
         # [max rows sampled so far, vocab_size] float32 CPU logits, reused by every step
         self._logits = torch.empty(0, model_config.vocab_size)
         self.graph_runner: DecodeGraphRunner | None = None
@@ -231,6 +239,13 @@ class ModelRunner:
             # (a step that samples nothing ends without a sync); this waits for those copies only.
             self._inputs_copied.synchronize()
         host = build_host_batch(out, self.block_size, self._gathered, self._decode)
+        kept = self._kept_inputs
+        if kept is not None and kept[0] is host:
+            inputs = kept[1]
+            inputs.meta.block_tables = self._to_device("block_tables", host.block_tables)
+            inputs.meta.seq_lens_cpu = host.seq_lens_cpu
+            inputs.meta.max_seq_len = host.max_seq_len
+            return inputs
         n, num_seqs = host.num_tokens, len(out.seqs)
         input_ids, positions, slot_mapping, logits_rows = self._split_to_device(
             "int64s", host.int64s, [n, n, n, len(host.sample_rows)]
@@ -251,6 +266,7 @@ class ModelRunner:
         inputs = StepInputs(input_ids, positions, meta, logits_rows, host.sample_rows)
         if self._inputs_copied is not None:
             self._inputs_copied.record()
+        self._kept_inputs = (host, inputs) if self.device.type == "cpu" else None
         return inputs
 
     def execute(self, out: SchedulerOutput) -> tuple[list[int], list[TokenLogprobs | None] | None]:
