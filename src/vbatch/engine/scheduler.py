@@ -152,8 +152,10 @@ class Scheduler:
         seq.max_num_tokens = min(
             seq.num_prompt_tokens + params.max_tokens, self.config.max_model_len
         )
-        seq.finish_token_ids = frozenset(params.stop_token_ids).union(
-            () if params.ignore_eos else self.eos_token_ids
+        eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids
+        # NOTE: seqs without stop ids share one set, which then stays in cache for update().
+        seq.finish_token_ids = (
+            eos_token_ids.union(params.stop_token_ids) if params.stop_token_ids else eos_token_ids
         )
         self.waiting.append(seq)
 
