@@ -5,6 +5,7 @@ chunks behind a cached prefix (the native tiled kernel against per-chunk gather 
 
 Run: python -m benchmarks.attention_kernels [--case decode|prefill] [--threads 2]
     [--num-seqs 64] [--context 300] [--kv-cache-dtype float32|bfloat16|float16]
+    [--block-order shuffled|in-order]
     [--num-chunks 12] [--min-chunk 20] [--max-chunk 400] [--cached-prefix 16]
 """
 
@@ -35,15 +36,18 @@ def make_decode_step(
     block_size: int,
     num_layers: int,
     cache_dtype: torch.dtype = torch.float32,
+    is_shuffled: bool = True,
 ) -> tuple[list[tuple[torch.Tensor, ...]], AttentionMetadata]:
-    """Per-layer (q, k, v, k_cache, v_cache) and one decode batch over shuffled blocks; q, k, v
-    are float32, the caches `cache_dtype`."""
+    """Per-layer (q, k, v, k_cache, v_cache) and one decode batch over shuffled blocks, or over
+    blocks in order (as prompts allocate them at prefill); q, k, v are float32, the caches
+    `cache_dtype`."""
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(0)
     seq_lens = torch.randint(context - 20, context + 21, (num_seqs,), generator=gen)
     max_num_blocks = math.ceil(int(seq_lens.max()) / block_size)
     num_blocks = num_seqs * max_num_blocks
-    block_tables = torch.randperm(num_blocks, generator=gen).view(num_seqs, max_num_blocks)
+    order = torch.randperm(num_blocks, generator=gen) if is_shuffled else torch.arange(num_blocks)
+    block_tables = order.view(num_seqs, max_num_blocks)
     last = seq_lens - 1
     slot_mapping = block_tables[torch.arange(num_seqs), last // block_size] * block_size
     meta = AttentionMetadata(
@@ -133,7 +137,13 @@ def time_step(
 def run_decode(args: argparse.Namespace, cache_dtype: torch.dtype) -> None:
     heads, scale = (9, 3, 64), 64**-0.5  # SmolLM2-135M
     layers, meta = make_decode_step(
-        args.num_seqs, args.context, heads, 16, args.num_layers, cache_dtype
+        args.num_seqs,
+        args.context,
+        heads,
+        16,
+        args.num_layers,
+        cache_dtype,
+        is_shuffled=args.block_order == "shuffled",
     )
     native_backend, torch_backend = native.NativeAttentionBackend(), TorchAttentionBackend()
     torch.testing.assert_close(
@@ -145,7 +155,8 @@ def run_decode(args: argparse.Namespace, cache_dtype: torch.dtype) -> None:
     gather_ms = time_step(torch_backend.forward, layers, meta, scale, args.num_steps)
     print(
         f"decode step: {args.num_seqs} seqs x ~{args.context} tokens, H=9 KVH=3 D=64, "
-        f"{args.num_layers} layers, {args.threads} threads, {args.kv_cache_dtype} cache"
+        f"{args.num_layers} layers, {args.threads} threads, {args.kv_cache_dtype} cache, "
+        f"{args.block_order} blocks"
     )
     print(f"native       {native_ms:8.2f} ms/step")
     print(f"torch gather {gather_ms:8.2f} ms/step")
@@ -215,6 +226,7 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=30)
     parser.add_argument("--num-steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3, help="alternating A/B rounds (prefill)")
+    parser.add_argument("--block-order", choices=("shuffled", "in-order"), default="shuffled")
     parser.add_argument(
         "--kv-cache-dtype", choices=("float32", "bfloat16", "float16"), default="float32"
     )

@@ -185,15 +185,45 @@ def test_tiled_prefill_matches_reference(
 def test_tiled_prefill_reads_no_slot_past_the_context(ops: None) -> None:
     """NaN in every cache slot outside the contexts (block padding, spare blocks) stays unread."""
     specs = [(37, 37), (61, 45), (130, 98)]
-    q, k, v, k_cache, v_cache, meta = make_batch(specs, SMOLLM2_HEADS)
-    is_used = torch.zeros(k_cache.shape[0] * k_cache.shape[1], dtype=torch.bool)
-    for i, seq_len in enumerate(meta.seq_lens_cpu):
-        pos = torch.arange(seq_len)
-        is_used[meta.block_tables[i, pos // 16].long() * 16 + pos % 16] = True
-    k_cache.view(-1, 3, 64)[~is_used] = float("nan")
-    v_cache.view(-1, 3, 64)[~is_used] = float("nan")
+    batch = make_batch(specs, SMOLLM2_HEADS)
+    fill_unused_slots_with_nan(batch)
+    q, k, v, k_cache, v_cache, meta = batch
     out = native.NativeAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, 0.125)
     assert (out.double() - reference_attention(q, k_cache, v_cache, meta, 0.125)).abs().max() < 1e-5
+
+
+def fill_unused_slots_with_nan(batch: tuple) -> None:
+    """Writes NaN to every cache slot outside the contexts (block padding, spare blocks)."""
+    _, _, _, k_cache, v_cache, meta = batch
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    is_used = torch.zeros(k_cache.shape[0] * block_size, dtype=torch.bool)
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        pos = torch.arange(seq_len)
+        slots = meta.block_tables[i, pos // block_size].long() * block_size + pos % block_size
+        is_used[slots] = True
+    k_cache.view(-1, num_kv_heads, head_dim)[~is_used] = float("nan")
+    v_cache.view(-1, num_kv_heads, head_dim)[~is_used] = float("nan")
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "block_size"),
+    [(SMOLLM2_HEADS, 16), ((8, 2, 128), 5), ((6, 3, 40), 1), ((4, 1, 192), 16)],
+    ids=["gqa-d64-bs16", "gqa-d128-bs5", "gqa-d40-bs1", "d192-per-token-bs16"],
+)
+def test_long_decode_contexts_match_reference(
+    ops: None, cache_dtype: torch.dtype, heads: tuple[int, int, int], block_size: int
+) -> None:
+    """Decode contexts across several of the kernel's 64-step chunks (1024 rows at block size 16,
+    64 at block size 1), reading no slot past the context; head_dim 192 takes the per-token path."""
+    specs = [(1024, 1), (1025, 1), (2100, 1), (1100, 3), (65, 1), (64, 1), (200, 2), (7, 1)]
+    batch = narrow_caches(make_batch(specs, heads, block_size, seed=11), cache_dtype)
+    fill_unused_slots_with_nan(batch)
+    q, k, v, k_cache, v_cache, meta = batch
+    scale = heads[2] ** -0.5
+    out = native.NativeAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, scale)
+    ref = reference_attention(q, k_cache, v_cache, meta, scale)
+    assert (out.double() - ref).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -2,12 +2,14 @@
 //
 // Attention reads K/V straight from the paged cache through the block table, with an online
 // (flash style) softmax kept in float32. Decode rows and short chunks go token by token: each
-// token reads its context once, every KV head of a row together, serving all query heads (GQA
-// groups share a KV head). Long prefill chunks go by tiles of kNumLanes query tokens (16 under
-// AVX-512), one token per SIMD lane, so each key the tile loads serves every token of the tile
-// and the GQA group's heads, and keys past the tile's last position are skipped (causal). A
-// float32 model may keep a bfloat16 or float16 cache: rows widen to float32 a block at a time,
-// which halves the bytes each decode step streams from memory.
+// token reads its context once, serving all query heads (GQA groups share a KV head). Under
+// AVX-512 a token reads each chunk of its context (up to 1024 rows) as two sequential streams:
+// all K rows (scores into a per-thread buffer), one softmax update, then all V rows. Long
+// prefill chunks go by tiles of kNumLanes query tokens (16 under AVX-512), one token per SIMD
+// lane, so each key the tile loads serves every token of the tile and the GQA group's heads, and
+// keys past the tile's last position are skipped (causal). A float32 model may keep a bfloat16
+// or float16 cache: rows widen to float32 a block at a time, which halves the bytes each decode
+// step streams from memory.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -16,6 +18,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../paged_attention.h"
@@ -179,6 +182,314 @@ void per_token_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
       }
     }
   }
+}
+
+#if defined(__AVX512F__)
+// Rows per step of the two-phase decode kernel: one zmm holds a head's scores for a step.
+constexpr int64_t kStepRows = 16;
+// Steps per chunk: a chunk's scores, [num_heads, kMaxChunkSteps * kStepRows] floats, stay in L2.
+constexpr int64_t kMaxChunkSteps = 64;
+
+// Lane j of the result is the sum of v[j]'s lanes: 16 horizontal sums for the shuffles of ~3.
+inline __m512 transpose_sum16(const __m512* v) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i) {
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512 a = pairs[2 * i], b = pairs[2 * i + 1];
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 2; ++i) {
+    const __m512 a = quads[2 * i], b = quads[2 * i + 1];
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Prefetches the cache lines of the next step, a few per row of the current one.
+// NOTE: one burst of hundreds of prefetches fills the load queue and stalls the compute that is
+// meant to hide them (measured: slower than no prefetch at all); spread out, they keep memory
+// busy while the step computes.
+class LinePrefetcher {
+ public:
+  void aim(const void* start, int64_t num_bytes, int64_t num_calls) {
+    next_ = static_cast<const char*>(start);
+    end_ = next_ + num_bytes;
+    bytes_per_call_ = ((num_bytes + 63) / 64 + num_calls - 1) / num_calls * 64;
+  }
+  void advance() {
+    const char* stop = next_ + std::min<int64_t>(bytes_per_call_, end_ - next_);
+    for (; next_ < stop; next_ += 64) __builtin_prefetch(next_);
+  }
+
+ private:
+  const char* next_ = nullptr;
+  const char* end_ = nullptr;
+  int64_t bytes_per_call_ = 0;
+};
+
+// Scores of NH query heads (sharing one KV head) against one step's K rows.
+// q: [NH, NC * 16] scaled, zero past head_dim; k_rows: num_rows rows `stride` apart; masks: the
+// valid lanes of each 16-float chunk of a row. scores: NH vectors of 16, `scores_stride` apart;
+// lanes past num_rows are -inf.
+template <int NC, int NH>
+inline void step_scores(const float* q, const float* k_rows, int64_t stride, int64_t num_rows,
+                        const __mmask16* masks, float* scores, int64_t scores_stride,
+                        LinePrefetcher& prefetcher) {
+  __m512 partial[NH][kStepRows];  // per head and row: 16 partial sums of the dot product
+  for (int64_t j = 0; j < kStepRows; ++j) {
+    __m512 sum[NH];
+    for (int h = 0; h < NH; ++h) sum[h] = _mm512_setzero_ps();
+    if (j < num_rows) {
+      prefetcher.advance();
+      for (int c = 0; c < NC; ++c) {
+        const __m512 k = _mm512_maskz_loadu_ps(masks[c], k_rows + j * stride + c * 16);
+        for (int h = 0; h < NH; ++h) {
+          sum[h] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (h * NC + c) * 16), k, sum[h]);
+        }
+      }
+    }
+    for (int h = 0; h < NH; ++h) partial[h][j] = sum[h];
+  }
+  const __mmask16 row_mask = static_cast<__mmask16>((1u << num_rows) - 1);
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int h = 0; h < NH; ++h) {
+    _mm512_storeu_ps(scores + h * scores_stride,
+                     _mm512_mask_mov_ps(minus_inf, row_mask, transpose_sum16(partial[h])));
+  }
+}
+
+// acc[h] = acc[h] * correction[h] + sum_j probs[h][j] * v_row[j] for NH heads sharing one KV
+// head; acc: [NH, NC * 16]; probs: NH vectors `probs_stride` apart; a null correction means 1.
+template <int NC, int NH>
+inline void step_values(float* acc, const float* correction, const float* probs,
+                        int64_t probs_stride, const float* v_rows, int64_t stride,
+                        int64_t num_rows, const __mmask16* masks, LinePrefetcher& prefetcher) {
+  __m512 sum[NH][NC];
+  for (int h = 0; h < NH; ++h) {
+    const __m512 scale = _mm512_set1_ps(correction != nullptr ? correction[h] : 1.0f);
+    for (int c = 0; c < NC; ++c) {
+      sum[h][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (h * NC + c) * 16), scale);
+    }
+  }
+  for (int64_t j = 0; j < num_rows; ++j) {
+    prefetcher.advance();
+    __m512 p[NH];
+    for (int h = 0; h < NH; ++h) p[h] = _mm512_set1_ps(probs[h * probs_stride + j]);
+    for (int c = 0; c < NC; ++c) {
+      const __m512 v = _mm512_maskz_loadu_ps(masks[c], v_rows + j * stride + c * 16);
+      for (int h = 0; h < NH; ++h) sum[h][c] = _mm512_fmadd_ps(p[h], v, sum[h][c]);
+    }
+  }
+  for (int h = 0; h < NH; ++h) {
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + (h * NC + c) * 16, sum[h][c]);
+  }
+}
+
+// Calls fn(std::integral_constant<int, num_heads>) for num_heads in 1..4.
+template <typename F>
+inline void with_num_heads(int num_heads, F&& fn) {
+  switch (num_heads) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    default: fn(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// The decode kernel under AVX-512 for head_dim <= NC * 16. Per token and chunk of up to
+// kMaxChunkSteps steps (a step: up to kStepRows rows of one block): every K row of the chunk,
+// one softmax update per head, then every V row; each phase is one stream, prefetched a step
+// ahead. Invariant: between chunks, acc holds sum_j exp(s_j - running_max) v_j over the rows
+// done and running_sum the sum of those weights.
+template <int NC, typename scalar_t, typename cache_t>
+void two_phase_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const std::vector<int64_t>& tokens,
+                              const std::vector<int64_t>& token_seq,
+                              const int32_t* query_start_loc, const int32_t* seq_lens,
+                              const int32_t* block_tables, int64_t max_num_blocks, float scale,
+                              at::Tensor& out) {
+  const int64_t num_tokens = static_cast<int64_t>(tokens.size());
+  if (num_tokens == 0) return;
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t q_token_stride = q.stride(0), q_head_stride = q.stride(1);
+  const int64_t row_stride = num_kv_heads * head_dim;
+  const int64_t block_stride = block_size * row_stride;
+  constexpr int64_t kPadded = NC * 16;
+  constexpr int64_t kScoresStride = kMaxChunkSteps * kStepRows;
+  // NOTE: step_values keeps [heads, chunks] accumulators in registers; 16 of 32 at most.
+  constexpr int64_t kMaxHeadsPerCall = std::min(4, 16 / NC);
+  const int64_t num_calls_per_row =
+      num_kv_heads * ((group + kMaxHeadsPerCall - 1) / kMaxHeadsPerCall);
+  const scalar_t* q_data = q.const_data_ptr<scalar_t>();
+  const cache_t* k_data = k_cache.const_data_ptr<cache_t>();
+  const cache_t* v_data = v_cache.const_data_ptr<cache_t>();
+  scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
+  __mmask16 masks[NC];
+  for (int c = 0; c < NC; ++c) {
+    masks[c] = static_cast<__mmask16>((1u << std::clamp<int64_t>(head_dim - c * 16, 0, 16)) - 1);
+  }
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const int num_threads = at::get_num_threads();
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> q_buf(num_heads * kPadded, 0.0f), acc(num_heads * kPadded);
+    std::vector<float> scores(num_heads * kScoresStride), kv_buf(kStepRows * row_stride);
+    std::vector<float> running_max(num_heads), running_sum(num_heads), correction(num_heads);
+    int64_t step_offset[kMaxChunkSteps], step_rows[kMaxChunkSteps];
+    LinePrefetcher prefetcher;
+
+    // NOTE: dynamic scheduling because contexts differ in length.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_tokens; ++i) {
+      const int64_t token = tokens[i];
+      const int64_t seq = token_seq[token];
+      const int64_t query_len = query_start_loc[seq + 1] - query_start_loc[seq];
+      const int64_t context_len =
+          seq_lens[seq] - query_len + (token - query_start_loc[seq]) + 1;
+      const int32_t* block_table = block_tables + seq * max_num_blocks;
+      // The step at `pos`: the cache offset of its first row; its rows, all in one block.
+      auto step_at = [&](int64_t pos, int64_t* num_rows) {
+        const int64_t row = pos % block_size;
+        *num_rows = std::min({kStepRows, block_size - row, context_len - pos});
+        return block_table[pos / block_size] * block_stride + row * row_stride;
+      };
+      // Spreads the prefetch of `num_rows` rows at `start` over the rows of a step of `over`.
+      auto aim = [&](const cache_t* start, int64_t num_rows, int64_t over) {
+        prefetcher.aim(start, num_rows * row_stride * static_cast<int64_t>(sizeof(cache_t)),
+                       over * num_calls_per_row);
+      };
+      // Calls fn(first head, its KV head, NH) for every batch of heads sharing a KV head.
+      auto for_head_batches = [&](auto&& fn) {
+        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+          for (int64_t g = 0; g < group; g += kMaxHeadsPerCall) {
+            const int nh = static_cast<int>(std::min(kMaxHeadsPerCall, group - g));
+            with_num_heads(nh, [&](auto heads) { fn(kv_head * group + g, kv_head, heads); });
+          }
+        }
+      };
+
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const scalar_t* q_row = q_data + token * q_token_stride + h * q_head_stride;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          q_buf[h * kPadded + d] = static_cast<float>(q_row[d]) * scale;
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
+      std::fill(running_sum.begin(), running_sum.end(), 0.0f);
+
+      for (int64_t chunk_start = 0; chunk_start < context_len;) {
+        int64_t num_steps = 0, chunk_end = chunk_start;
+        for (; chunk_end < context_len && num_steps < kMaxChunkSteps; ++num_steps) {
+          step_offset[num_steps] = step_at(chunk_end, &step_rows[num_steps]);
+          chunk_end += step_rows[num_steps];
+        }
+
+        for (int64_t t = 0; t < num_steps; ++t) {
+          const int64_t num_rows = step_rows[t];
+          if (t + 1 < num_steps) {
+            aim(k_data + step_offset[t + 1], step_rows[t + 1], num_rows);
+          } else {
+            aim(v_data + step_offset[0], step_rows[0], num_rows);
+          }
+          const float* k_rows =
+              as_float(k_data + step_offset[t], num_rows * row_stride, kv_buf.data());
+          for_head_batches([&](int64_t h, int64_t kv_head, auto heads) {
+            step_scores<NC, decltype(heads)::value>(
+                q_buf.data() + h * kPadded, k_rows + kv_head * head_dim, row_stride, num_rows,
+                masks, scores.data() + h * kScoresStride + t * kStepRows, kScoresStride,
+                prefetcher);
+          });
+        }
+
+        for (int64_t h = 0; h < num_heads; ++h) {
+          float* s = scores.data() + h * kScoresStride;
+          __m512 chunk_max = minus_inf;
+          for (int64_t t = 0; t < num_steps; ++t) {
+            chunk_max = _mm512_max_ps(chunk_max, _mm512_loadu_ps(s + t * kStepRows));
+          }
+          const float new_max = std::max(running_max[h], _mm512_reduce_max_ps(chunk_max));
+          correction[h] = fast_exp(running_max[h] - new_max);
+          __m512 chunk_sum = _mm512_setzero_ps();
+          for (int64_t t = 0; t < num_steps; ++t) {
+            const __m512 x = _mm512_loadu_ps(s + t * kStepRows);
+            const __mmask16 is_row = _mm512_cmp_ps_mask(x, minus_inf, _CMP_NEQ_OQ);
+            const __m512 p =
+                _mm512_maskz_mov_ps(is_row, lanes_exp(_mm512_sub_ps(x, _mm512_set1_ps(new_max))));
+            chunk_sum = _mm512_add_ps(chunk_sum, p);
+            _mm512_storeu_ps(s + t * kStepRows, p);
+          }
+          running_sum[h] = running_sum[h] * correction[h] + _mm512_reduce_add_ps(chunk_sum);
+          running_max[h] = new_max;
+        }
+
+        for (int64_t t = 0; t < num_steps; ++t) {
+          const int64_t num_rows = step_rows[t];
+          if (t + 1 < num_steps) {
+            aim(v_data + step_offset[t + 1], step_rows[t + 1], num_rows);
+          } else if (chunk_end < context_len) {
+            int64_t next_rows = 0;
+            const int64_t next_offset = step_at(chunk_end, &next_rows);
+            aim(k_data + next_offset, next_rows, num_rows);
+          } else {
+            aim(v_data, 0, num_rows);
+          }
+          const float* v_rows =
+              as_float(v_data + step_offset[t], num_rows * row_stride, kv_buf.data());
+          for_head_batches([&](int64_t h, int64_t kv_head, auto heads) {
+            step_values<NC, decltype(heads)::value>(
+                acc.data() + h * kPadded, t == 0 ? correction.data() + h : nullptr,
+                scores.data() + h * kScoresStride + t * kStepRows, kScoresStride,
+                v_rows + kv_head * head_dim, row_stride, num_rows, masks, prefetcher);
+          });
+        }
+        chunk_start = chunk_end;
+      }
+
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const float inv_sum = 1.0f / running_sum[h];
+        scalar_t* out_row = out_data + (token * num_heads + h) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          out_row[d] = static_cast<scalar_t>(acc[h * kPadded + d] * inv_sum);
+        }
+      }
+    }
+  }
+}
+#endif
+
+// Attends the rows `tokens` one at a time: by two_phase_attention_impl where it applies
+// (AVX-512, head_dim <= 128), else by per_token_attention_impl.
+template <typename scalar_t, typename cache_t>
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const std::vector<int64_t>& tokens, const std::vector<int64_t>& token_seq,
+                      const int32_t* query_start_loc, const int32_t* seq_lens,
+                      const int32_t* block_tables, int64_t max_num_blocks, float scale,
+                      at::Tensor& out) {
+#if defined(__AVX512F__)
+  const int64_t head_dim = q.size(2);
+  auto two_phase = [&](auto num_chunks) {
+    two_phase_attention_impl<decltype(num_chunks)::value, scalar_t, cache_t>(
+        q, k_cache, v_cache, tokens, token_seq, query_start_loc, seq_lens, block_tables,
+        max_num_blocks, scale, out);
+  };
+  if (head_dim <= 16) return two_phase(std::integral_constant<int, 1>{});
+  if (head_dim <= 32) return two_phase(std::integral_constant<int, 2>{});
+  if (head_dim <= 64) return two_phase(std::integral_constant<int, 4>{});
+  if (head_dim <= 128) return two_phase(std::integral_constant<int, 8>{});
+#endif
+  per_token_attention_impl<scalar_t, cache_t>(q, k_cache, v_cache, tokens, token_seq,
+                                              query_start_loc, seq_lens, block_tables,
+                                              max_num_blocks, scale, out);
 }
 
 // Sequences with more query rows than this (long prefill chunks) attend by tiles.
@@ -410,13 +721,13 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
     if (is_widened) {
       tiled_attention_impl<float, cache_t>(q, k_cache, v_cache, tiles, tables, max_num_blocks,
                                            scale_f, out);
-      per_token_attention_impl<float, cache_t>(q, k_cache, v_cache, tokens, token_seq, starts,
-                                               lens, tables, max_num_blocks, scale_f, out);
+      decode_attention<float, cache_t>(q, k_cache, v_cache, tokens, token_seq, starts, lens,
+                                       tables, max_num_blocks, scale_f, out);
     } else {
       tiled_attention_impl<cache_t, cache_t>(q, k_cache, v_cache, tiles, tables, max_num_blocks,
                                              scale_f, out);
-      per_token_attention_impl<cache_t, cache_t>(q, k_cache, v_cache, tokens, token_seq, starts,
-                                                 lens, tables, max_num_blocks, scale_f, out);
+      decode_attention<cache_t, cache_t>(q, k_cache, v_cache, tokens, token_seq, starts, lens,
+                                         tables, max_num_blocks, scale_f, out);
     }
   });
   return out;
