@@ -39,11 +39,12 @@ def _round_up(x: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row of float64 `x`: (float32 scales, float64 integer values, exact
-    float64 residual x - scale * values)."""
+    """Symmetric int8 per row of `x`: (float32 scales, then the integer values and the residual
+    x - scale * values, both in x's dtype: exact for float64 rows)."""
     scales = (x.abs().amax(dim=1) / INT8_MAX).float().clamp_min(torch.finfo(torch.float32).tiny)
-    values = torch.round(x / scales.double()[:, None]).clamp_(-INT8_MAX, INT8_MAX)
-    return scales, values, x - scales.double()[:, None] * values
+    row_scales = scales.to(x.dtype)[:, None]
+    values = torch.round(x / row_scales).clamp_(-INT8_MAX, INT8_MAX)
+    return scales, values, x - row_scales * values
 
 
 def can_use_greedy_screen(device: torch.device, dtype: torch.dtype) -> bool:
@@ -52,7 +53,6 @@ def can_use_greedy_screen(device: torch.device, dtype: torch.dtype) -> bool:
         device.type == "cpu"
         and dtype == torch.float32
         and native.is_available()
-        and hasattr(torch.ops.vbatch, "int8_greedy_screen")
         and has_int8_kernels()
     )
 
@@ -71,10 +71,9 @@ class Int8GreedyScreen:
         # residual w - s q is then off by at most 2u|w| and each norm by a relative d u, which
         # NORM_SLACK and the extra 2u|w| cover.
         w = weight.detach()
-        scales = (w.abs().amax(dim=1) / INT8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-        values = torch.round(w / scales[:, None]).clamp_(-INT8_MAX, INT8_MAX)
+        scales, values, residual = _quantize_rows(w)
         weight_norms = w.norm(dim=1) * NORM_SLACK
-        residual_norms = (w - scales[:, None] * values).norm(dim=1) * NORM_SLACK
+        residual_norms = residual.norm(dim=1) * NORM_SLACK
         self.q_weight = values.to(torch.int8).contiguous()
         self.weight_scales = scales.contiguous()
         self.residual_norms = (residual_norms + 2 * UNIT_ROUNDOFF * weight_norms).contiguous()

@@ -176,10 +176,15 @@ class LlamaForCausalLM(nn.Module):
         assert residual is not None, "a model has at least one layer"
         return self.norm.add_and_norm(hidden, residual)[0]
 
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[vocab_size, hidden_size]: the LM head's, or the embedding's when they are tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[n, hidden_size] → [n, vocab_size] float32 logits; on CPU written into `out` if given
         (a reused buffer: a fresh one this large is mmap'd and page-faulted in every step)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.lm_head_weight
         vocab_size = weight.shape[0]
         if hidden.device.type != "cpu" or hidden.dtype != torch.float32:
             return F.linear(hidden, weight).float()
@@ -193,13 +198,12 @@ class LlamaForCausalLM(nn.Module):
 
     def enable_greedy_screen(self) -> None:
         """Find greedy tokens through the int8 screen (see layers/greedy_screen.py)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.greedy_screen = Int8GreedyScreen(weight)
+        self.greedy_screen = Int8GreedyScreen(self.lm_head_weight)
 
     def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n] int64 argmax token ids, the first on ties, as
         compute_logits(hidden).argmax(-1); on CPU without materialising the [n, vocab] logits."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.lm_head_weight
         if hidden.device.type != "cpu" or hidden.dtype != torch.float32:
             return F.linear(hidden, weight).argmax(dim=-1)
         if self.greedy_screen is not None:
@@ -207,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         return self._greedy_token_ids_fp32(hidden)
 
     def _greedy_token_ids_fp32(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.lm_head_weight
         vocab_size = weight.shape[0]
         # NOTE: a [n, vocab] float32 tensor (50 MB at n = 256) evicts every cache each step;
         # one chunk's scores stay in cache and are reduced before the next chunk is computed.
