@@ -13,7 +13,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -105,7 +104,8 @@ std::tuple<at::Tensor, at::Tensor> int8_greedy_screen_cpu(
   TORCH_CHECK(chunk_size > 0 && max_candidates > 0,
               "int8_greedy_screen: chunk_size and max_candidates must be positive");
   const at::Tensor q_hidden_c = q_hidden.contiguous();
-  at::Tensor candidates = at::full({num_rows, max_candidates}, -1, q_hidden.options().dtype(at::kLong));
+  at::Tensor candidates =
+      at::full({num_rows, max_candidates}, -1, q_hidden.options().dtype(at::kLong));
   std::vector<float> upper(num_rows * max_candidates);
   std::vector<RowState> states(num_rows);
   const float* params = row_params.const_data_ptr<float>();
@@ -154,4 +154,6 @@ TORCH_LIBRARY_FRAGMENT(vbatch, m) {
       "int max_candidates) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(vbatch, CPU, m) { m.impl("int8_greedy_screen", &vbatch::int8_greedy_screen_cpu); }
+TORCH_LIBRARY_IMPL(vbatch, CPU, m) {
+  m.impl("int8_greedy_screen", &vbatch::int8_greedy_screen_cpu);
+}

@@ -75,6 +75,22 @@ inline void prefetch_row(const scalar_t* row, int64_t row_size) {
   for (int64_t d = 0; d < row_size; d += kLine) __builtin_prefetch(row + d);
 }
 
+// The sizes and strides every attention kernel reads off q [num_tokens, num_heads, head_dim]
+// and a cache [num_blocks, block_size, num_kv_heads, head_dim]: `group` query heads share a KV
+// head, and a cache row holds every KV head of one position.
+struct AttentionShape {
+  int64_t num_heads, head_dim, block_size, num_kv_heads, group;
+  int64_t q_token_stride, q_head_stride, row_stride, block_stride;
+};
+
+inline AttentionShape attention_shape(const at::Tensor& q, const at::Tensor& k_cache) {
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t row_stride = num_kv_heads * head_dim;
+  return {num_heads,   head_dim,    block_size, num_kv_heads, num_heads / num_kv_heads,
+          q.stride(0), q.stride(1), row_stride, block_size * row_stride};
+}
+
 // Attends the query rows `tokens` one at a time; token_seq maps every row to its sequence.
 // scalar_t is q's and out's dtype; cache_t is the cache's: the same, or 16-bit under float32.
 template <typename scalar_t, typename cache_t>
@@ -86,12 +102,8 @@ void per_token_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
                               at::Tensor& out) {
   const int64_t num_tokens = static_cast<int64_t>(tokens.size());
   if (num_tokens == 0) return;
-  const int64_t num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t q_token_stride = q.stride(0), q_head_stride = q.stride(1);
-  const int64_t row_stride = num_kv_heads * head_dim;
-  const int64_t block_stride = block_size * row_stride;
+  const auto [num_heads, head_dim, block_size, num_kv_heads, group, q_token_stride,
+              q_head_stride, row_stride, block_stride] = attention_shape(q, k_cache);
   const scalar_t* q_data = q.const_data_ptr<scalar_t>();
   const cache_t* k_data = k_cache.const_data_ptr<cache_t>();
   const cache_t* v_data = v_cache.const_data_ptr<cache_t>();
@@ -316,12 +328,8 @@ void two_phase_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
                               at::Tensor& out) {
   const int64_t num_tokens = static_cast<int64_t>(tokens.size());
   if (num_tokens == 0) return;
-  const int64_t num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t q_token_stride = q.stride(0), q_head_stride = q.stride(1);
-  const int64_t row_stride = num_kv_heads * head_dim;
-  const int64_t block_stride = block_size * row_stride;
+  const auto [num_heads, head_dim, block_size, num_kv_heads, group, q_token_stride,
+              q_head_stride, row_stride, block_stride] = attention_shape(q, k_cache);
   constexpr int64_t kPadded = NC * 16;
   constexpr int64_t kScoresStride = kMaxChunkSteps * kStepRows;
   // NOTE: step_values keeps [heads, chunks] accumulators in registers; 16 of 32 at most.
@@ -563,12 +571,8 @@ void tiled_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
                           at::Tensor& out) {
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   if (num_tiles == 0) return;
-  const int64_t num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t q_token_stride = q.stride(0), q_head_stride = q.stride(1);
-  const int64_t row_stride = num_kv_heads * head_dim;
-  const int64_t block_stride = block_size * row_stride;
+  const auto [num_heads, head_dim, block_size, num_kv_heads, group, q_token_stride,
+              q_head_stride, row_stride, block_stride] = attention_shape(q, k_cache);
   const bool is_direct = std::is_same_v<cache_t, float> && block_size % kNumLanes == 0;
   const scalar_t* q_data = q.const_data_ptr<scalar_t>();
   const cache_t* k_data = k_cache.const_data_ptr<cache_t>();
