@@ -137,8 +137,8 @@ class ModelRunner:
         self._staging: dict[str, torch.Tensor] = {}
         self._gathered = GatheredBlockTables()
         self._decode = DecodeBatch()
-        # NOTE: on CPU, a host array advanced in place keeps the tensor views made of it.
-        self._cpu_views: dict[str, tuple[np.ndarray, list[int], list[torch.Tensor]]] = {}
+        # NOTE: on CPU, the view of a gathered block table, which steps often share.
+        self._cpu_views: dict[str, tuple[np.ndarray, torch.Tensor]] = {}
         self._greedy_sampling: tuple[int, SamplingMetadata] | None = None  # (step_id, its meta)
         self._inputs_copied = torch.cuda.Event() if self.device.type == "cuda" else None
         # NOTE: on CPU a step's tensors are views of its HostBatch's buffers, so a batch advanced
@@ -198,9 +198,14 @@ class ModelRunner:
         return num_blocks
 
     def _to_device(self, name: str, array: np.ndarray) -> torch.Tensor:
-        """`array` on the runner's device; on CUDA through a reused pinned buffer, no sync."""
+        """`array` on the runner's device: on CPU a view, reused while it is the same array; on
+        CUDA through a reused pinned buffer, no sync."""
         if self.device.type == "cpu":
-            return self._cpu_pieces(name, array, [len(array)])[0]
+            kept = self._cpu_views.get(name)
+            if kept is None or kept[0] is not array:
+                kept = (array, torch.from_numpy(array))
+                self._cpu_views[name] = kept
+            return kept[1]
         tensor = torch.from_numpy(array)
         staging = self._staging.get(name)
         if staging is None or staging.numel() < tensor.numel() or staging.dtype != tensor.dtype:
@@ -216,20 +221,12 @@ class ModelRunner:
         """Consecutive pieces of `array` on the runner's device; on CUDA with one copy."""
         if self.device.type != "cpu":
             return list(self._to_device(name, array).split(sizes))
-        return self._cpu_pieces(name, array, sizes)
-
-    def _cpu_pieces(self, name: str, array: np.ndarray, sizes: list[int]) -> list[torch.Tensor]:
-        """CPU tensor views of consecutive pieces of `array`, reused while it is the same array."""
-        kept = self._cpu_views.get(name)
-        if kept is not None and kept[0] is array and kept[1] == sizes:
-            return kept[2]
         # NOTE: on CPU a view per piece costs less than a torch split, which dispatches an op.
         pieces = []
         start = 0
         for size in sizes:
             pieces.append(torch.from_numpy(array[start : start + size]))
             start += size
-        self._cpu_views[name] = (array, sizes, pieces)
         return pieces
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
