@@ -18,6 +18,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from vbatch.layers import native
@@ -56,7 +57,7 @@ def make_decode_step(
         seq_lens=seq_lens.to(torch.int32),
         block_tables=block_tables.to(torch.int32),
         query_lens_cpu=[1] * num_seqs,
-        seq_lens_cpu=seq_lens.tolist(),
+        seq_lens_cpu=seq_lens.numpy().astype(np.int32),
         max_query_len=1,
         max_seq_len=int(seq_lens.max()),
     )
@@ -101,7 +102,7 @@ def make_prefill_step(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=block_tables.to(torch.int32),
         query_lens_cpu=list(query_lens),
-        seq_lens_cpu=seq_lens,
+        seq_lens_cpu=np.array(seq_lens, dtype=np.int32),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
     )

@@ -61,6 +61,8 @@ def timed(fn: Callable[..., Any], acc: list[float]) -> Callable[..., Any]:
 
 
 def run_in_process(model: Path, batch: int, max_tokens: int, backend: str) -> dict[str, float]:
+    import torch
+
     from vbatch.config import EngineConfig
     from vbatch.engine.core import EngineCore
     from vbatch.protocol import AddRequest, pack_token_ids
@@ -79,14 +81,16 @@ def run_in_process(model: Path, batch: int, max_tokens: int, backend: str) -> di
         core.step()
     forward[0] = 0.0
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    for i, ids in enumerate(prompt_ids(batch)):
-        core.add_request(AddRequest(str(i), pack_token_ids(ids), params))
-    num_steps = 0
-    while core.has_unfinished():
-        core.step()
-        num_steps += 1
-    wall = time.perf_counter() - start
+    # NOTE: as in the engine-core process, whose busy loop runs in inference mode.
+    with torch.inference_mode():
+        start = time.perf_counter()
+        for i, ids in enumerate(prompt_ids(batch)):
+            core.add_request(AddRequest(str(i), pack_token_ids(ids), params))
+        num_steps = 0
+        while core.has_unfinished():
+            core.step()
+            num_steps += 1
+        wall = time.perf_counter() - start
     core.shutdown()
     return {"wall_s": wall, "forward_s": forward[0], "num_steps": num_steps}
 

@@ -56,6 +56,7 @@ def build_attention_metadata(
     device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
     """Metadata for a flat batch: seq i writes its last query_lens[i] of seq_lens[i] positions."""
+    import numpy as np
     import torch
 
     from vbatch.layers.attention import AttentionMetadata
@@ -76,7 +77,7 @@ def build_attention_metadata(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
         query_lens_cpu=list(query_lens),
-        seq_lens_cpu=list(seq_lens),
+        seq_lens_cpu=np.array(seq_lens, dtype=np.int32),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
     )

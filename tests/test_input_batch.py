@@ -6,10 +6,13 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
+import torch
 
 from vbatch.engine import input_batch
 from vbatch.engine.block_manager import BlockManager
 from vbatch.engine.input_batch import (
+    AdvanceArrays,
     DecodeBatch,
     GatheredBlockTables,
     HostBatch,
@@ -100,7 +103,29 @@ def test_decode_steps_reuse_the_gathered_tables_until_the_rows_change() -> None:
     assert_same(after, build_host_batch(SchedulerOutput(out.seqs, [1] * 5), BLOCK_SIZE))
 
 
-def test_an_advanced_decode_batch_equals_a_fresh_build() -> None:
+def advance_natively(host: HostBatch, token_ids: list[int]) -> None:
+    """DecodeBatch's array update through the native op, as the CPU model runner makes it."""
+    from vbatch.layers import native
+
+    if not native.is_available():
+        pytest.skip("native kernels could not be built here (see the logged notice)")
+    n = host.num_tokens
+    int64s, int32s = torch.from_numpy(host.int64s), torch.from_numpy(host.int32s)
+    torch.ops.vbatch.advance_decode(
+        int64s[:n],
+        int64s[n : 2 * n],
+        int64s[2 * n : 3 * n],
+        int32s[:n],
+        torch.tensor(token_ids),
+        torch.from_numpy(host.block_tables),
+        BLOCK_SIZE,
+    )
+
+
+@pytest.mark.parametrize("advance_arrays", [None, advance_natively], ids=["numpy", "native"])
+def test_an_advanced_decode_batch_equals_a_fresh_build(
+    advance_arrays: AdvanceArrays | None,
+) -> None:
     """Through block crossings, finishes, an admission, an abort and preemptions (14 blocks)."""
     sched = Scheduler(
         SchedulerConfig(
@@ -121,7 +146,7 @@ def test_an_advanced_decode_batch_equals_a_fresh_build() -> None:
                 SamplingParams(max_tokens=max_tokens),
             )
         )
-    gathered, decode = GatheredBlockTables(), DecodeBatch()
+    gathered, decode = GatheredBlockTables(), DecodeBatch(advance_arrays)
     previous: HostBatch | None = None
     num_advanced = 0
     for num_steps in range(200):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,7 +72,7 @@ def make_batch(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_tables=block_tables.to(device),
         query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens,
+        seq_lens_cpu=np.array(seq_lens, dtype=np.int32),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
     )
@@ -96,7 +97,7 @@ def reference_attention(
     out = torch.empty(q.shape, dtype=torch.float64)
     start = 0
     for i, (seq_len, query_len) in enumerate(
-        zip(meta.seq_lens_cpu, meta.query_lens_cpu, strict=True)
+        zip(meta.seq_lens_cpu.tolist(), meta.query_lens_cpu, strict=True)
     ):
         pos = torch.arange(seq_len)
         slots = block_tables[i, pos // block_size] * block_size + pos % block_size
@@ -197,7 +198,7 @@ def fill_unused_slots_with_nan(batch: tuple) -> None:
     _, _, _, k_cache, v_cache, meta = batch
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     is_used = torch.zeros(k_cache.shape[0] * block_size, dtype=torch.bool)
-    for i, seq_len in enumerate(meta.seq_lens_cpu):
+    for i, seq_len in enumerate(meta.seq_lens_cpu.tolist()):
         pos = torch.arange(seq_len)
         slots = meta.block_tables[i, pos // block_size].long() * block_size + pos % block_size
         is_used[slots] = True
@@ -466,6 +467,41 @@ def test_fused_ops_opcheck(ops: None) -> None:
         torch.ops.vbatch.rotary_embedding.default,
         (positions, torch.randn(7, 6, 16), tables.cos, tables.sin),
     )
+
+
+def advance_inputs() -> tuple[torch.Tensor, ...]:
+    """(input_ids, positions, slot_mapping, seq_lens, token_ids, block_tables) of 3 decode rows
+    at positions 14, 15 and 16 with block size 16: the second row's next token opens a block."""
+    positions = torch.tensor([14, 15, 16])
+    block_tables = torch.tensor([[5, 6, 0], [7, 8, 0], [9, 10, 11]], dtype=torch.int32)
+    slots = torch.tensor([5 * 16 + 14, 7 * 16 + 15, 10 * 16 + 0])
+    lens = (positions + 1).to(torch.int32)
+    return torch.tensor([3, 4, 5]), positions, slots, lens, torch.tensor([7, 8, 9]), block_tables
+
+
+def test_advance_decode_moves_each_row_on_by_one(ops: None) -> None:
+    input_ids, positions, slots, lens, token_ids, block_tables = advance_inputs()
+    torch.ops.vbatch.advance_decode(
+        input_ids, positions, slots, lens, token_ids, block_tables[:, :2], 16
+    )
+    assert input_ids.tolist() == [7, 8, 9]
+    assert positions.tolist() == [15, 16, 17]
+    assert slots.tolist() == [5 * 16 + 15, 8 * 16 + 0, 10 * 16 + 1]
+    assert lens.tolist() == [16, 17, 18]
+    torch.library.opcheck(
+        torch.ops.vbatch.advance_decode.default, (*advance_inputs()[:5], block_tables, 16)
+    )
+
+
+def test_advance_decode_past_the_block_table_changes_nothing(ops: None) -> None:
+    inputs = advance_inputs()
+    before = [t.clone() for t in inputs]
+    # NOTE: the first row's next position (15) fits one block of 16; the others' (16, 17) do not.
+    with pytest.raises(RuntimeError, match="past its block table"):
+        torch.ops.vbatch.advance_decode(*inputs[:5], inputs[5][:, :1], 16)
+    assert all(torch.equal(a, b) for a, b in zip(inputs, before, strict=True))
+    with pytest.raises(RuntimeError, match="wrong dtype"):
+        torch.ops.vbatch.advance_decode(*inputs[:4], inputs[4].int(), inputs[5], 16)
 
 
 def test_build_key_tracks_sources(tmp_path: Path) -> None:

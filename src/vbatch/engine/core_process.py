@@ -92,8 +92,12 @@ def _serve(config: EngineConfig, in_q: queue.Queue, out_q: queue.Queue) -> int:
         return 1
     info = core.info
     out_q.put(info)
+    import torch
+
     try:
-        _busy_loop(core, in_q, out_q)
+        # NOTE: one inference-mode guard for the whole loop, not one per step (~15 µs each).
+        with torch.inference_mode():
+            _busy_loop(core, in_q, out_q)
     except BaseException as e:
         out_q.put(EngineError(message=_describe(e), traceback=traceback.format_exc()))
         return 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -79,7 +80,7 @@ class DecodeGraphRunner:
             seq_lens=self.seq_lens[:batch_size],
             block_tables=self.block_tables[:batch_size],
             query_lens_cpu=[1] * batch_size,
-            seq_lens_cpu=[self.max_seq_len] * batch_size,
+            seq_lens_cpu=np.full(batch_size, self.max_seq_len, dtype=np.int32),
             max_query_len=1,
             max_seq_len=self.max_seq_len,
         )

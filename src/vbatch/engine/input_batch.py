@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -26,7 +28,6 @@ class HostBatch:
     block_tables: np.ndarray  # [num_seqs, max_num_blocks] int32
     num_tokens: int
     sample_rows: list[int]
-    seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
 
@@ -47,12 +48,16 @@ class HostBatch:
         return self.int64s[3 * self.num_tokens :]
 
     @property
+    def num_seqs(self) -> int:
+        return len(self.int32s) // 2
+
+    @property
     def seq_lens(self) -> np.ndarray:
-        return self.int32s[: len(self.seq_lens_cpu)]
+        return self.int32s[: self.num_seqs]
 
     @property
     def query_start_loc(self) -> np.ndarray:
-        return self.int32s[len(self.seq_lens_cpu) :]
+        return self.int32s[self.num_seqs :]
 
 
 @dataclass
@@ -88,23 +93,30 @@ class GatheredBlockTables:
         self.block_tables = block_tables
 
 
+AdvanceArrays = Callable[[HostBatch, Any], None]
+
+
 class DecodeBatch:
     """A decode step's HostBatch, kept and advanced in place by the steps that continue it.
 
     Invariants: when `host` is set it is the batch of output `step_id`, in which every seq
     computes one token and samples; seq i was at position `start_positions[i] + num_steps` and
     `rows_by_offset[r]` holds the rows whose start position is r modulo block_size;
-    `next_token_ids` is what that step sampled once the runner has recorded it, else None.
+    `next_token_ids` is what that step sampled once the runner has recorded it, else None:
+    a list of ints, or whatever `advance_arrays` takes. `advance_arrays`, when given, replaces
+    the numpy update of the host arrays (ids, positions, slots, context lengths) with one call;
+    it runs once the block tables of the new step are in place.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, advance_arrays: AdvanceArrays | None = None) -> None:
         self.host: HostBatch | None = None
         self.step_id = -1
-        self.next_token_ids: list[int] | None = None
+        self.next_token_ids: Any = None
         self.start_positions: list[int] = []
         self.rows_by_offset: list[list[int]] = []
         self.num_steps = 0
         self.block_rows: np.ndarray | None = None  # [num_seqs] intp, gathered on first need
+        self._advance_arrays = advance_arrays
 
     def start(self, out: SchedulerOutput, host: HostBatch, block_size: int) -> None:
         """Keep `host`, the batch just built for `out`, if a later step can advance it."""
@@ -122,7 +134,7 @@ class DecodeBatch:
         self.num_steps = 0
         self.block_rows = None
 
-    def record(self, step_id: int, token_ids: list[int]) -> None:
+    def record(self, step_id: int, token_ids: Any) -> None:
         """Note the tokens step `step_id` sampled; they are the next step's input ids."""
         if step_id == self.step_id:
             self.next_token_ids = token_ids
@@ -135,24 +147,11 @@ class DecodeBatch:
         token_ids = self.next_token_ids
         if host is None or token_ids is None or out.continues_step != self.step_id:
             return None
-        # NOTE: a handful of in-place numpy calls instead of a pass over every seq; positions
-        # and slots (adjacent in int64s) step on by one, except the slots of rows whose next
-        # token opens a block, which are looked up in the seqs' block tables.
         assert out.block_tables is not None
         self.step_id = out.step_id
         self.next_token_ids = None
         self.num_steps += 1
-        n = host.num_tokens
-        int64s = host.int64s
-        int64s[:n] = token_ids
-        int64s[n : 3 * n] += 1
-        host.int32s[:n] += 1
         host.max_seq_len += 1
-        seqs = out.seqs
-        starts = self.start_positions
-        for row in self.rows_by_offset[-self.num_steps % block_size]:
-            position = starts[row] + self.num_steps
-            int64s[2 * n + row] = seqs[row].block_table[position // block_size] * block_size
         max_num_blocks = -(-host.max_seq_len // block_size)
         block_tables = gathered.get(out, max_num_blocks)
         if block_tables is None:
@@ -161,8 +160,27 @@ class DecodeBatch:
             block_tables = out.block_tables[self.block_rows, :max_num_blocks]
             gathered.keep(out, block_tables)
         host.block_tables = block_tables
-        host.seq_lens_cpu = host.seq_lens.tolist()
+        if self._advance_arrays is not None:
+            self._advance_arrays(host, token_ids)
+        else:
+            self._advance_numpy(out, host, token_ids, block_size)
         return host
+
+    def _advance_numpy(
+        self, out: SchedulerOutput, host: HostBatch, token_ids: list[int], block_size: int
+    ) -> None:
+        # NOTE: positions and slots (adjacent in int64s) step on by one, except the slots of
+        # rows whose next token opens a block, which are looked up in the seqs' block tables.
+        n = host.num_tokens
+        int64s = host.int64s
+        int64s[:n] = token_ids
+        int64s[n : 3 * n] += 1
+        host.int32s[:n] += 1
+        seqs = out.seqs
+        starts = self.start_positions
+        for row in self.rows_by_offset[-self.num_steps % block_size]:
+            position = starts[row] + self.num_steps
+            int64s[2 * n + row] = seqs[row].block_table[position // block_size] * block_size
 
 
 def build_host_batch(
@@ -227,7 +245,6 @@ def _build_single_token(
         block_tables=block_tables,
         num_tokens=n,
         sample_rows=sample_rows,
-        seq_lens_cpu=seq_lens,
         max_query_len=1,
         max_seq_len=max(seq_lens),
     )
@@ -262,16 +279,14 @@ def _build_mixed(out: SchedulerOutput, block_size: int) -> HostBatch:
     np.cumsum(query_lens, out=query_start_loc[1:])
     sample_rows = np.flatnonzero(out.sampling_mask)
     logits_rows = query_start_loc[1:][sample_rows].astype(np.int64) - 1
-    seq_lens_cpu = seq_lens.tolist()
     return HostBatch(
         int64s=np.concatenate([input_ids, positions, slot_mapping, logits_rows]),
         int32s=int32s,
         block_tables=block_tables,
         num_tokens=num_tokens,
         sample_rows=sample_rows.tolist(),
-        seq_lens_cpu=seq_lens_cpu,
         max_query_len=max(num_new),
-        max_seq_len=max(seq_lens_cpu),
+        max_seq_len=int(seq_lens.max()),
     )
 
 

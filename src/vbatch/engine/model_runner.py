@@ -24,6 +24,7 @@ from vbatch.engine.sequence import Sequence
 from vbatch.errors import ConfigError
 from vbatch.layers.attention import AttentionMetadata, get_attention_backend
 from vbatch.layers.greedy_screen import can_use_greedy_screen
+from vbatch.layers.native import has_fused_ops
 from vbatch.models.config import ModelConfig
 from vbatch.models.llama import load_model
 from vbatch.models.loader import ResolvedModel
@@ -136,7 +137,8 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}
         self._staging: dict[str, torch.Tensor] = {}
         self._gathered = GatheredBlockTables()
-        self._decode = DecodeBatch()
+        self._is_advancing_natively = has_fused_ops(self.device)
+        self._decode = DecodeBatch(self._advance_native if self._is_advancing_natively else None)
         # NOTE: on CPU, the view of a gathered block table, which steps often share.
         self._cpu_views: dict[str, tuple[np.ndarray, torch.Tensor]] = {}
         self._greedy_sampling: tuple[int, SamplingMetadata] | None = None  # (step_id, its meta)
@@ -240,7 +242,6 @@ class ModelRunner:
         if kept is not None and kept[0] is host:
             inputs = kept[1]
             inputs.meta.block_tables = self._to_device("block_tables", host.block_tables)
-            inputs.meta.seq_lens_cpu = host.seq_lens_cpu
             inputs.meta.max_seq_len = host.max_seq_len
             return inputs
         n, num_seqs = host.num_tokens, len(out.seqs)
@@ -256,7 +257,7 @@ class ModelRunner:
             seq_lens=seq_lens,
             block_tables=self._to_device("block_tables", host.block_tables),
             query_lens_cpu=out.num_new_tokens,
-            seq_lens_cpu=host.seq_lens_cpu,
+            seq_lens_cpu=host.seq_lens,
             max_query_len=host.max_query_len,
             max_seq_len=host.max_seq_len,
         )
@@ -268,21 +269,29 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """Run one step; returns the sampled token per sampling seq, in batch order."""
-        # NOTE: the bare guard; torch.inference_mode()'s Python context manager costs ~45 µs a
-        # step once a forward pass has evicted its code from the caches, the guard ~15.
-        guard = torch._C._InferenceMode(True)
-        try:
-            token_ids, logprobs = self._execute(out)
-        finally:
-            del guard
-        self._decode.record(out.step_id, token_ids)
+        if torch.is_inference_mode_enabled():
+            token_ids, logprobs, sampled = self._execute(out)
+        else:
+            # NOTE: the bare guard; torch.inference_mode()'s Python context manager costs ~45 µs
+            # a step once a forward pass has evicted its code from the caches, the guard ~15.
+            # The engine-core process runs its whole loop in inference mode and needs neither.
+            guard = torch._C._InferenceMode(True)
+            try:
+                token_ids, logprobs, sampled = self._execute(out)
+            finally:
+                del guard
+        self._decode.record(out.step_id, sampled)
         return token_ids, logprobs
 
-    def _execute(self, out: SchedulerOutput) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+    def _execute(
+        self, out: SchedulerOutput
+    ) -> tuple[list[int], list[TokenLogprobs | None] | None, torch.Tensor | list[int]]:
+        """execute()'s tokens and logprobs, and the tokens again for the kept decode batch: the
+        sampled tensor when the native op advances that batch, which spares it a conversion."""
         inputs = self.prepare(out)
         if not inputs.sample_rows:
             self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-            return [], None
+            return [], None, []
         # NOTE: built before the forward is queued: on CUDA its host-to-device copies of Python
         # lists would otherwise wait for the forward to finish.
         sample_rows = inputs.sample_rows
@@ -301,9 +310,35 @@ class ModelRunner:
             # NOTE: when every row samples, logits_rows is 0..n-1 and the gather is a copy.
             hidden = hidden.index_select(0, inputs.logits_rows)
         if sampling.is_plain_greedy:
-            return self.model.greedy_token_ids(hidden).tolist(), None
+            sampled = self.model.greedy_token_ids(hidden)
+            token_ids = sampled.tolist()
+            return token_ids, None, sampled if self._is_advancing_natively else token_ids
         logits = self.model.compute_logits(hidden, out=self._logits_buffer(len(sampling_seqs)))
         return self.sample(logits, sampling)
+
+    def sample(
+        self, logits: torch.Tensor, sampling: SamplingMetadata
+    ) -> tuple[list[int], list[TokenLogprobs | None] | None, torch.Tensor | list[int]]:
+        """One token per row of logits [num_rows, vocab_size], as _execute() returns them; the
+        step's one host sync."""
+        sampled = self.sampler(logits, sampling)
+        token_ids, logprobs = sampled.to_host()
+        return token_ids, logprobs, sampled.token_ids if self._is_advancing_natively else token_ids
+
+    def _advance_native(self, host: HostBatch, token_ids: torch.Tensor) -> None:
+        """DecodeBatch's array update in one native call, on the kept step's tensor views."""
+        kept = self._kept_inputs
+        assert kept is not None and kept[0] is host, "the advanced batch is the kept one"
+        inputs = kept[1]
+        torch.ops.vbatch.advance_decode(
+            inputs.input_ids,
+            inputs.positions,
+            inputs.meta.slot_mapping,
+            inputs.meta.seq_lens,
+            token_ids,
+            self._to_device("block_tables", host.block_tables),
+            self.block_size,
+        )
 
     def _step_sampling(self, out: SchedulerOutput, seqs: list[Sequence]) -> SamplingMetadata:
         """The sampling metadata of `seqs`, out's sampling seqs; a plain-greedy one is reused by
@@ -331,12 +366,6 @@ class ModelRunner:
             self.generators,
             self.model_config.eos_token_ids,
         )
-
-    def sample(
-        self, logits: torch.Tensor, sampling: SamplingMetadata
-    ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
-        """One token per row of logits [num_rows, vocab_size]; the step's one host sync."""
-        return self.sampler(logits, sampling).to_host()
 
     def release(self, seqs: list[Sequence]) -> None:
         free_generators(self.generators, (seq.seq_id for seq in seqs))

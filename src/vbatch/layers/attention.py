@@ -7,6 +7,7 @@ import itertools
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -30,7 +31,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int32, on device
     block_tables: torch.Tensor  # [num_seqs, max_num_blocks_per_seq] int32, on device
     query_lens_cpu: list[int]
-    seq_lens_cpu: list[int]
+    seq_lens_cpu: np.ndarray  # [num_seqs] int32, seq_lens on the host
     max_query_len: int
     max_seq_len: int
 
@@ -83,7 +84,7 @@ class BatchPlan:
     batched together (`short_*`, in batch order); longer prefill chunks run one by one."""
 
     meta: AttentionMetadata
-    seq_lens_cpu: list[int]
+    seq_lens_cpu: np.ndarray  # a copy of meta's when planned
     long_chunks: list[tuple[int, int, int, int]]  # (seq index, first row, query_len, seq_len)
     short_rows: torch.Tensor | None = None  # [num_short_tokens] int64 query rows
     short_query_start_loc: torch.Tensor | None = None  # [num_short + 1] int32
@@ -101,17 +102,21 @@ class BatchPlanner:
 
     def plan(self, meta: AttentionMetadata) -> BatchPlan:
         plan = self._plan
-        if plan is not None and plan.meta is meta and plan.seq_lens_cpu == meta.seq_lens_cpu:
+        if (
+            plan is not None
+            and plan.meta is meta
+            and np.array_equal(plan.seq_lens_cpu, meta.seq_lens_cpu)
+        ):
             return plan
         shorts: list[tuple[int, int, int, int]] = []
         longs: list[tuple[int, int, int, int]] = []
         start = 0
-        lens = zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)
+        lens = zip(meta.query_lens_cpu, meta.seq_lens_cpu.tolist(), strict=True)
         for seq_index, (query_len, seq_len) in enumerate(lens):
             group = shorts if query_len <= self.max_short_query_len else longs
             group.append((seq_index, start, query_len, seq_len))
             start += query_len
-        plan = BatchPlan(meta, list(meta.seq_lens_cpu), longs)
+        plan = BatchPlan(meta, meta.seq_lens_cpu.copy(), longs)
         if shorts:
             device = meta.block_tables.device
             rows = [row for _, first, n, _ in shorts for row in range(first, first + n)]

@@ -1,4 +1,5 @@
-"""The native vbatch:: ops (paged attention, fused RMSNorm and rotary), built from csrc/ on use."""
+"""The native vbatch:: ops (paged attention, fused RMSNorm and rotary, the greedy screen, the
+decode-batch advance), built from csrc/ on use."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def _sources(csrc_dir: Path, with_cuda: bool) -> list[Path]:
         csrc_dir / "cpu" / "paged_attention.cpp",
         csrc_dir / "cpu" / "fused_ops.cpp",
         csrc_dir / "cpu" / "greedy_screen.cpp",
+        csrc_dir / "cpu" / "advance_decode.cpp",
     ]
     if with_cuda:
         sources.append(csrc_dir / "cuda" / "paged_attention.cu")
@@ -144,6 +146,18 @@ def _register_fakes() -> None:
     @torch.library.register_fake("vbatch::rotary_embedding")
     def _rotary_embedding_fake(
         positions: torch.Tensor, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        return None
+
+    @torch.library.register_fake("vbatch::advance_decode")
+    def _advance_decode_fake(
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        seq_lens: torch.Tensor,
+        token_ids: torch.Tensor,
+        block_tables: torch.Tensor,
+        block_size: int,
     ) -> None:
         return None
 
