@@ -6,7 +6,7 @@ each step. Through the subprocess: LLM.generate on the same workload, compared w
 in-process wall time, and the core's own busy time from SchedulerStats.
 
     python -m benchmarks.overhead [--batches 1 64 256] [--max-tokens 64] [--model DIR]
-        [--attention-backend torch|native]
+        [--attention-backend torch|native] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -60,7 +61,10 @@ def timed(fn: Callable[..., Any], acc: list[float]) -> Callable[..., Any]:
     return wrapper
 
 
-def run_in_process(model: Path, batch: int, max_tokens: int, backend: str) -> dict[str, float]:
+def run_in_process(
+    model: Path, batch: int, max_tokens: int, backend: str, rounds: int
+) -> list[dict[str, float]]:
+    """`rounds` timed runs of the workload on one EngineCore, after a warm-up request."""
     import torch
 
     from vbatch.config import EngineConfig
@@ -79,20 +83,23 @@ def run_in_process(model: Path, batch: int, max_tokens: int, backend: str) -> di
     core.add_request(AddRequest("warmup", pack_token_ids([1, 2, 3]), SamplingParams(max_tokens=2)))
     while core.has_unfinished():
         core.step()
-    forward[0] = 0.0
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    results = []
     # NOTE: as in the engine-core process, whose busy loop runs in inference mode.
     with torch.inference_mode():
-        start = time.perf_counter()
-        for i, ids in enumerate(prompt_ids(batch)):
-            core.add_request(AddRequest(str(i), pack_token_ids(ids), params))
-        num_steps = 0
-        while core.has_unfinished():
-            core.step()
-            num_steps += 1
-        wall = time.perf_counter() - start
+        for round_index in range(rounds):
+            forward[0] = 0.0
+            start = time.perf_counter()
+            for i, ids in enumerate(prompt_ids(batch)):
+                core.add_request(AddRequest(f"{round_index}-{i}", pack_token_ids(ids), params))
+            num_steps = 0
+            while core.has_unfinished():
+                core.step()
+                num_steps += 1
+            wall = time.perf_counter() - start
+            results.append({"wall_s": wall, "forward_s": forward[0], "num_steps": num_steps})
     core.shutdown()
-    return {"wall_s": wall, "forward_s": forward[0], "num_steps": num_steps}
+    return results
 
 
 def run_through_llm(model: Path, batch: int, max_tokens: int, backend: str) -> dict[str, float]:
@@ -124,6 +131,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--attention-backend", default="torch")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="timed in-process runs; the median one is shown"
+    )
     args = parser.parse_args()
     import torch
 
@@ -134,12 +144,16 @@ def main() -> None:
         header = (
             f"{'batch':>5} {'steps':>5} {'in-proc ms':>10} {'fwd ms':>8} {'µs/step':>8} "
             f"{'non-fwd':>7} | {'LLM ms':>8} {'core busy':>9} {'non-exec':>8} {'+µs/step':>8} "
-            f"{'LLM/in-proc':>11}"
+            f"{'LLM/in-proc':>11} | µs/step of each round"
         )
         print(header)
         for batch in args.batches:
-            inproc = run_in_process(model, batch, args.max_tokens, args.attention_backend)
-            api = run_through_llm(model, batch, args.max_tokens, args.attention_backend)
+            backend = args.attention_backend
+            runs = run_in_process(model, batch, args.max_tokens, backend, args.rounds)
+            per_step = [(r["wall_s"] - r["forward_s"]) / r["num_steps"] * 1e6 for r in runs]
+            # NOTE: the median round by non-forward time stands for the batch size.
+            inproc = runs[per_step.index(statistics.median_low(per_step))]
+            api = run_through_llm(model, batch, args.max_tokens, backend)
             steps = inproc["num_steps"]
             overhead_us = (inproc["wall_s"] - inproc["forward_s"]) / steps * 1e6
             extra_us = (api["wall_s"] - inproc["wall_s"]) / max(api["num_steps"], 1) * 1e6
@@ -149,7 +163,8 @@ def main() -> None:
                 f"{1 - inproc['forward_s'] / inproc['wall_s']:>7.1%} | "
                 f"{api['wall_s'] * 1e3:>8.1f} {api['core_busy_s'] * 1e3:>9.1f} "
                 f"{1 - api['core_execute_s'] / api['wall_s']:>8.1%} "
-                f"{extra_us:>8.0f} {api['wall_s'] / inproc['wall_s']:>11.2f}",
+                f"{extra_us:>8.0f} {api['wall_s'] / inproc['wall_s']:>11.2f} | "
+                + " ".join(f"{us:.0f}" for us in per_step),
                 flush=True,
             )
     finally:

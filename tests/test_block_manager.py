@@ -57,6 +57,31 @@ def compute_all(bm: BlockManager, seq: Sequence) -> None:
     bm.cache_full_blocks(seq)
 
 
+def test_append_blocks_grows_only_full_tables_in_one_write() -> None:
+    """Decode seqs each about to take one token: those whose blocks are full get one more."""
+    bm = BlockManager(num_blocks=7, block_size=4)
+    seqs = [make_seq(list(range(n))) for n in (4, 5, 8)]
+    for seq in seqs:
+        bm.allocate(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        seq.append_token(99)
+    assert [len(seq.block_table) for seq in seqs] == [1, 2, 2]
+    version = bm.tables_version
+    assert bm.append_blocks(seqs)
+    assert [len(seq.block_table) for seq in seqs] == [2, 2, 3]
+    assert bm.tables_version == version + 1 and bm.num_free_blocks == 0
+    check_invariants(bm, seqs)
+    # NOTE: the first seq's two blocks are full once it has computed 8 tokens; none is left.
+    first = seqs[0]
+    while first.num_tokens < 9:
+        first.append_token(7)
+    first.num_computed_tokens = 8
+    tables = [list(seq.block_table) for seq in seqs]
+    assert not bm.append_blocks(seqs)
+    assert [seq.block_table for seq in seqs] == tables and bm.tables_version == version + 1
+    check_invariants(bm, seqs)
+
+
 def test_allocate_append_free_and_usage() -> None:
     bm = BlockManager(num_blocks=8, block_size=4)
     seq = make_seq(list(range(10)))

@@ -469,3 +469,79 @@ def test_a_decode_step_continues_the_last_only_with_the_same_seqs_each_one_token
     sched.abort([c])
     after_abort, _ = step(sched)
     assert after_abort.continues_step == -1 and after_abort.seqs == [b]
+
+
+def snapshot(sched: Scheduler, seqs: list[Sequence]) -> list[object]:
+    """Everything a step leaves in the seqs and the scheduler's counters."""
+    state: list[object] = [sched.num_running, sched.num_waiting, sched.num_preemptions]
+    state += [sched.num_generation_tokens, sched.num_prompt_tokens, sched.block_manager.usage]
+    for seq in seqs:
+        state.append(
+            (
+                list(seq.token_ids),
+                seq.num_computed_tokens,
+                len(seq.block_table),
+                seq.status,
+                seq.finish_reason,
+                seq.stop_reason,
+            )
+        )
+    return state
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_continued_decode_steps_apply_like_the_general_path(enable_prefix_caching: bool) -> None:
+    """Two schedulers take the same tokens; one applies every step by the general path (its
+    outputs are marked as continuing nothing), the other applies continuing decode steps
+    through its DecodeRun. Tokens include EOS, stop ids (before and after min_tokens) and
+    repeats; requests end by length, stop and abort, and are admitted mid-run."""
+    rng = random.Random(5)
+    scheds = [
+        make_scheduler(
+            max_num_seqs=6, num_kv_blocks=40, enable_prefix_caching=enable_prefix_caching
+        )
+        for _ in range(2)
+    ]
+    seqs: list[list[Sequence]] = [[], []]
+    shared = [rng.randrange(10, 99) for _ in range(9)]
+
+    def add_both(request_id: str, prompt: list[int], **params: object) -> None:
+        for sched, own in zip(scheds, seqs, strict=True):
+            own.append(add(sched, request_id, prompt, **params))
+
+    for i in range(5):
+        prompt = shared[: 3 + 2 * i] + [rng.randrange(10, 99) for _ in range(i)]
+        add_both(str(i), prompt, max_tokens=20 + 9 * i, stop_token_ids=[77], min_tokens=i)
+    add_both("long", shared[:4], max_tokens=300, ignore_eos=True)
+    num_fast_steps = 0
+    for num_steps in range(400):
+        if num_steps in (11, 37):
+            add_both(f"late{num_steps}", shared[:5], max_tokens=30)
+        if not scheds[0].has_unfinished():
+            break
+        outs = [sched.schedule() for sched in scheds]
+        if num_steps == 60:
+            # NOTE: between schedule() and update(), as a client's abort can land.
+            for sched, own in zip(scheds, seqs, strict=True):
+                sched.abort([own[5]])
+        assert [len(out.seqs) for out in outs] == [len(outs[1].seqs)] * 2
+        num_fast_steps += outs[0].continues_step != -1
+        outs[1].continues_step = -1
+        draw = rng.random()
+        tokens = [
+            EOS if draw < 0.03 else 77 if draw < 0.06 else rng.randrange(10, 99)
+            for _ in outs[0].sampling_indices
+        ]
+        updates = [sched.update(out, list(tokens)) for sched, out in zip(scheds, outs, strict=True)]
+        assert [seq.seq_id for seq in updates[0].seqs] == [
+            seqs[0][seqs[1].index(seq)].seq_id for seq in updates[1].seqs
+        ]
+        assert updates[0].token_ids == updates[1].token_ids
+        assert len(updates[0].finished) == len(updates[1].finished)
+        assert snapshot(scheds[0], seqs[0]) == snapshot(scheds[1], seqs[1])
+    assert not scheds[0].has_unfinished() and num_fast_steps > 20
+    assert {seq.finish_reason for seq in seqs[0]} == {
+        FinishReason.STOP,
+        FinishReason.LENGTH,
+        FinishReason.ABORT,
+    }

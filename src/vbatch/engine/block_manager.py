@@ -141,6 +141,33 @@ class BlockManager:
         self._mirror(seq, start)
         return True
 
+    def append_blocks(self, seqs: list[Sequence]) -> bool:
+        """Room for one more token in each of `seqs`, with one write to `tables` for all of them;
+        False, changing nothing, if the pool has too few blocks for the seqs that need one."""
+        # NOTE: decode steps reach block boundaries together (all seqs at once when prompts are
+        # equally long); one numpy write instead of one per seq.
+        block_size = self.block_size
+        needy = [
+            seq
+            for seq in seqs
+            if len(seq.token_ids) - seq.num_uncomputed_tokens >= len(seq.block_table) * block_size
+        ]
+        if len(needy) > self.num_free_blocks:
+            return False
+        if not needy:
+            return True
+        self._ensure_width(max(len(seq.block_table) for seq in needy) + 1)
+        rows, columns, block_ids = [], [], []
+        for seq in needy:
+            block_id = self._take_free_block()
+            rows.append(seq.block_row)
+            columns.append(len(seq.block_table))
+            block_ids.append(block_id)
+            seq.block_table.append(block_id)
+        self.tables[rows, columns] = block_ids
+        self.tables_version += 1
+        return True
+
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks; hashed ones stay cached until evicted."""
         ref_counts = self.ref_counts
@@ -186,16 +213,20 @@ class BlockManager:
     def _mirror(self, seq: Sequence, start: int) -> None:
         """Copy seq.block_table[start:] into its row of `tables`."""
         block_table = seq.block_table
-        if len(block_table) > self.tables.shape[1]:
+        self._ensure_width(len(block_table))
+        if start < len(block_table):
+            self.tables[seq.block_row, start : len(block_table)] = block_table[start:]
+            self.tables_version += 1
+
+    def _ensure_width(self, num_blocks: int) -> None:
+        """Widen `tables` (by doubling) to hold block tables of num_blocks blocks."""
+        if num_blocks > self.tables.shape[1]:
             width = self.tables.shape[1]
-            while width < len(block_table):
+            while width < num_blocks:
                 width *= 2
             grown = np.zeros((len(self.tables), width), dtype=np.int32)
             grown[:, : self.tables.shape[1]] = self.tables
             self.tables = grown
-        if start < len(block_table):
-            self.tables[seq.block_row, start : len(block_table)] = block_table[start:]
-            self.tables_version += 1
 
     def _take_free_block(self) -> int:
         if self.free_block_ids:

@@ -85,6 +85,57 @@ class StepUpdate:
     started: list[Sequence]
 
 
+class DecodeRun:
+    """Decode steps that continue one another, and what lets update() apply one of them without
+    visiting every seq: a decode step changes a seq's token list only (see Sequence).
+
+    Invariants: `token_lists[i]` is `seqs[i].token_ids`, which held `start_lengths[i]` tokens
+    when the run started and has taken one more in each of its `num_steps` steps since; no seq
+    can reach its length limit before step `num_safe_steps`, nor finish on a token outside
+    `finish_ids`; `rows_by_offset[r]` holds the rows whose start length is r modulo block_size.
+    """
+
+    __slots__ = (
+        "finish_ids",
+        "num_safe_steps",
+        "num_steps",
+        "rows_by_offset",
+        "seqs",
+        "step_id",
+        "token_lists",
+    )
+
+    def __init__(self, seqs: list[Sequence], block_size: int) -> None:
+        self.seqs = seqs
+        self.step_id = -1
+        self.num_steps = 0
+        self.token_lists = [seq.token_ids for seq in seqs]
+        start_lengths = [len(token_ids) for token_ids in self.token_lists]
+        finish_sets = {id(seq.finish_token_ids): seq.finish_token_ids for seq in seqs}
+        self.finish_ids: frozenset[int] = frozenset().union(*finish_sets.values())
+        self.num_safe_steps = min(
+            seq.max_num_tokens - length for seq, length in zip(seqs, start_lengths, strict=True)
+        )
+        self.rows_by_offset: list[list[int]] = [[] for _ in range(block_size)]
+        for row, length in enumerate(start_lengths):
+            self.rows_by_offset[length % block_size].append(row)
+
+    def take(self, step_id: int, token_ids: list[int], block_size: int) -> list[Sequence] | None:
+        """Append a step's tokens, one per seq, if none of them can finish a seq; returns the
+        seqs whose next token opens a block, or None (nothing appended) if one might finish."""
+        step = self.num_steps + 1
+        if step >= self.num_safe_steps or not self.finish_ids.isdisjoint(token_ids):
+            return None
+        for token_ids_of_seq, token_id in zip(self.token_lists, token_ids):
+            token_ids_of_seq.append(token_id)
+        self.num_steps = step
+        self.step_id = step_id
+        # NOTE: seq i computed position start + step - 1; its new token opens a block when the
+        # step's length before the append, start + step - 1, is a multiple of block_size.
+        seqs = self.seqs
+        return [seqs[row] for row in self.rows_by_offset[(1 - step) % block_size]]
+
+
 class Scheduler:
     """FCFS continuous batching on one BlockManager, with chunked prefill and recompute preemption.
 
@@ -110,6 +161,8 @@ class Scheduler:
         self._continuable_step = -1
         # NOTE: the last output's (step_id, block_rows); a step continuing it has the same rows.
         self._last_block_rows: tuple[int, list[int]] = (-1, [])
+        # NOTE: set while updates apply continuing decode steps through it; step_id is the last.
+        self._run: DecodeRun | None = None
         self.num_preemptions = 0
         self.num_steps = 0
         self.num_scheduled_tokens = 0
@@ -208,6 +261,11 @@ class Scheduler:
         logprobs: list[TokenLogprobs | None] | None = None,
     ) -> StepUpdate:
         """Apply one step: `sampled_token_ids` align with out's sampling seqs, in batch order."""
+        if out.continues_step != -1:
+            update = self._apply_run(out, sampled_token_ids, logprobs)
+            if update is not None:
+                return update
+        self._run = None
         finished: list[Sequence] = []
         started: list[Sequence] = []
         dropped: list[int] = []  # indices into sampled_token_ids of seqs aborted after schedule()
@@ -240,6 +298,33 @@ class Scheduler:
         self._continuable_step = out.step_id if is_every_seq_decoding and not finished else -1
         return StepUpdate(seqs, sampled_token_ids, logprobs, finished, started)
 
+    def _apply_run(
+        self,
+        out: SchedulerOutput,
+        sampled_token_ids: list[int],
+        logprobs: list[TokenLogprobs | None] | None,
+    ) -> StepUpdate | None:
+        """update() for a decode step that continues the last one, through the DecodeRun; None
+        when the general path must apply it (a token may finish a seq, or a seq was aborted)."""
+        # NOTE: the decode steady state at its cheapest: one append per seq, no other per-seq
+        # work; started seqs and prompt owners cannot occur in a continuing step.
+        run = self._run
+        if run is None or run.step_id != out.continues_step:
+            seqs = out.seqs
+            if any(seq.finish_reason is not None for seq in seqs):
+                return None
+            run = self._run = DecodeRun(seqs, self.config.block_size)
+        crossing = run.take(out.step_id, sampled_token_ids, self.config.block_size)
+        if crossing is None:
+            return None
+        if self.config.enable_prefix_caching:
+            for seq in crossing:
+                self.block_manager.cache_full_blocks(seq)
+        self.num_generation_tokens += len(sampled_token_ids)
+        self._decode_crossing = crossing
+        self._continuable_step = out.step_id
+        return StepUpdate(out.seqs, sampled_token_ids, logprobs, [], [])
+
     def _apply_decodes(
         self,
         seqs: list[Sequence],
@@ -261,7 +346,10 @@ class Scheduler:
                 is_any_aborted = True
                 continue
             token_ids = seq.token_ids
-            seq.num_computed_tokens = num_computed = len(token_ids)
+            num_computed = len(token_ids)
+            # NOTE: the seq computed one token and takes one, so its num_computed_tokens (derived
+            # from num_uncomputed_tokens, 1 before and after) grows with this append alone.
+            token_ids.append(token_id)
             if num_computed <= seq.num_prompt_tokens:
                 self.num_prompt_tokens += 1
                 started.append(seq)
@@ -271,7 +359,6 @@ class Scheduler:
                     self.block_manager.cache_full_blocks(seq)
             if prompt_owners and prompt_owners.get(seq.request_id) is seq:
                 del prompt_owners[seq.request_id]
-            token_ids.append(token_id)
             if (
                 token_id in seq.finish_token_ids or len(token_ids) >= seq.max_num_tokens
             ) and self._check_finish(seq, token_id):
@@ -312,7 +399,8 @@ class Scheduler:
                     j += 1
                 continue
             old = seq.num_computed_tokens
-            seq.num_computed_tokens = new = old + num_new
+            new = old + num_new
+            seq.num_uncomputed_tokens -= num_new
             if is_caching and new // block_size > old // block_size:
                 self.block_manager.cache_full_blocks(seq)
             num_prompt_tokens = seq.num_prompt_tokens
@@ -327,8 +415,8 @@ class Scheduler:
                 del prompt_owners[seq.request_id]
             token_id = sampled_token_ids[j]
             j += 1
+            seq.append_token(token_id)
             token_ids = seq.token_ids
-            token_ids.append(token_id)
             seqs.append(seq)
             # NOTE: most tokens finish nothing; the full rules run only when one may apply.
             if (
@@ -341,6 +429,7 @@ class Scheduler:
     def abort(self, seqs: Iterable[Sequence]) -> None:
         """Finish these seqs with ABORT, waiting or running; finished ones are left alone."""
         aborted = [seq for seq in seqs if seq.finish_reason is None]
+        self._run = None
         self._decode_crossing = None
         self._continuable_step = -1
         for seq in aborted:
@@ -368,7 +457,7 @@ class Scheduler:
 
     def _reserve_decode_slots(self) -> bool:
         """If every running seq has exactly one uncomputed token, give each room for it; False
-        (having grown only tables that the general pass would grow too) otherwise."""
+        (growing no table) otherwise."""
         # NOTE: the decode steady state; only one step in block_size crosses a block boundary.
         crossing = self._decode_crossing
         self._decode_crossing = None
@@ -376,13 +465,11 @@ class Scheduler:
             block_size = self.config.block_size
             crossing = []
             for seq in self.running:
-                num_computed = seq.num_computed_tokens
-                if len(seq.token_ids) - num_computed != 1:
+                if seq.num_uncomputed_tokens != 1:
                     return False
-                if num_computed >= len(seq.block_table) * block_size:
+                if len(seq.token_ids) - 1 >= len(seq.block_table) * block_size:
                     crossing.append(seq)
-        append_slots = self.block_manager.append_slots
-        return all(append_slots(seq, 1) for seq in crossing)
+        return self.block_manager.append_blocks(crossing)
 
     def _schedule_running(
         self,
@@ -397,8 +484,8 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            num_computed = seq.num_computed_tokens
-            num_uncomputed = len(seq.token_ids) - num_computed
+            num_uncomputed = seq.num_uncomputed_tokens
+            num_computed = len(seq.token_ids) - num_uncomputed
             num_new = num_uncomputed if num_uncomputed < budget else budget
             # NOTE: inlines append_slots' "already fits" test; this loop runs per seq per step.
             if num_computed + num_new > len(seq.block_table) * block_size and not (

@@ -25,6 +25,10 @@ class Sequence:
     sequence samples in a step exactly when that step brings `num_computed_tokens` to `num_tokens`.
     `max_num_tokens` and `finish_token_ids` (set by the scheduler on add) bound the cheap test for
     whether a new token may finish it.
+
+    What is stored is `num_uncomputed_tokens`; `num_computed_tokens` is derived from it. So a
+    decode step, which computes one token and appends the one it sampled, changes nothing but
+    the token list. append_token() appends a token that is not computed yet.
     """
 
     __slots__ = (
@@ -35,8 +39,8 @@ class Sequence:
         "index",
         "max_num_tokens",
         "num_cached_tokens",
-        "num_computed_tokens",
         "num_prompt_tokens",
+        "num_uncomputed_tokens",
         "params",
         "request_id",
         "seq_id",
@@ -57,7 +61,7 @@ class Sequence:
         self.index = index
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.num_computed_tokens = 0
+        self.num_uncomputed_tokens = self.num_prompt_tokens
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
         self.block_row = -1  # its row of the BlockManager's tables while it holds blocks
@@ -74,6 +78,14 @@ class Sequence:
             f"computed={self.num_computed_tokens}, blocks={len(self.block_table)}, "
             f"{self.status.name})"
         )
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_uncomputed_tokens
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        self.num_uncomputed_tokens = len(self.token_ids) - value
 
     @property
     def num_tokens(self) -> int:
@@ -97,3 +109,4 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        self.num_uncomputed_tokens += 1
