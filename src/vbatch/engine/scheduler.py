@@ -159,8 +159,8 @@ class Scheduler:
         # NOTE: the step_id of the last output if the next decode-only step continues it (a
         # decode-only update() that every running seq took part in and none finished), else -1.
         self._continuable_step = -1
-        # NOTE: the last output's (step_id, block_rows); a step continuing it has the same rows.
-        self._last_block_rows: tuple[int, list[int]] = (-1, [])
+        # NOTE: a step continuing the last output has its seqs, token counts and block rows.
+        self._last_output: SchedulerOutput | None = None
         # NOTE: set while updates apply continuing decode steps through it; step_id is the last.
         self._run: DecodeRun | None = None
         self.num_preemptions = 0
@@ -221,8 +221,15 @@ class Scheduler:
         running = self.running
         continues_step = self._continuable_step
         self._continuable_step = -1
+        last = self._last_output
         # NOTE: admission spends budget on every seq it adds, so len(running) <= budget here.
         if self._reserve_decode_slots():
+            if (
+                last is not None
+                and continues_step == last.step_id
+                and (not self.waiting or len(running) >= self.config.max_num_seqs)
+            ):
+                return self._continue(last)
             seqs = running.copy()
             num_new_tokens = [1] * len(seqs)
             sampling_mask = [True] * len(seqs)
@@ -238,8 +245,9 @@ class Scheduler:
         if seqs:
             self.num_steps += 1
             self.num_scheduled_tokens += self.config.max_num_batched_tokens - budget
-        last_step, block_rows = self._last_block_rows
-        if continues_step == -1 or continues_step != last_step:
+        if continues_step != -1 and last is not None and continues_step == last.step_id:
+            block_rows = last.block_rows
+        else:
             block_rows = [seq.block_row for seq in seqs]
         out = SchedulerOutput(
             seqs,
@@ -251,7 +259,26 @@ class Scheduler:
             self.block_manager.tables_version,
             continues_step,
         )
-        self._last_block_rows = (out.step_id, block_rows)
+        self._last_output = out
+        return out
+
+    def _continue(self, last: SchedulerOutput) -> SchedulerOutput:
+        """The output continuing `last`: the same seqs, one token each, nothing to admit."""
+        # NOTE: its lists are last's; no output's lists are changed once it is returned.
+        num_seqs = len(last.seqs)
+        self.num_steps += 1
+        self.num_scheduled_tokens += num_seqs
+        out = SchedulerOutput(
+            last.seqs,
+            last.num_new_tokens,
+            [],
+            last.sampling_mask,
+            self.block_manager.tables,
+            last.block_rows,
+            self.block_manager.tables_version,
+            last.step_id,
+        )
+        self._last_output = out
         return out
 
     def update(
