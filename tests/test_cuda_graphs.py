@@ -11,8 +11,8 @@ import torch
 from vbatch.config import EngineConfig
 from vbatch.engine.cuda_graphs import DecodeGraphRunner, graph_batch_sizes
 from vbatch.engine.model_runner import ModelRunner, StepInputs
-from vbatch.engine.scheduler import SchedulerOutput
 from vbatch.engine.sequence import Sequence
+from vbatch.engine.steps import SchedulerOutput
 from vbatch.models.config import ModelConfig
 from vbatch.models.loader import resolve_model
 from vbatch.sampling_params import SamplingParams

@@ -18,8 +18,9 @@ from vbatch.engine.input_batch import (
     HostBatch,
     build_host_batch,
 )
-from vbatch.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from vbatch.engine.scheduler import Scheduler, SchedulerConfig
 from vbatch.engine.sequence import Sequence
+from vbatch.engine.steps import SchedulerOutput
 from vbatch.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4

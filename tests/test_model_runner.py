@@ -9,8 +9,8 @@ import torch
 
 from vbatch.config import EngineConfig
 from vbatch.engine.model_runner import ModelRunner, select_device, select_dtype
-from vbatch.engine.scheduler import SchedulerOutput
 from vbatch.engine.sequence import Sequence
+from vbatch.engine.steps import SchedulerOutput
 from vbatch.errors import ConfigError
 from vbatch.models.config import ModelConfig
 from vbatch.models.loader import resolve_model

@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from vbatch.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepUpdate
+from vbatch.engine.scheduler import Scheduler, SchedulerConfig
 from vbatch.engine.sequence import Sequence, SequenceStatus
+from vbatch.engine.steps import SchedulerOutput, StepUpdate
 from vbatch.protocol import FinishReason, TokenLogprobs
 from vbatch.sampling_params import SamplingParams
 

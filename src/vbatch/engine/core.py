@@ -8,8 +8,9 @@ from collections.abc import Callable
 
 from vbatch.config import EngineConfig
 from vbatch.engine.model_runner import ModelRunner
-from vbatch.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepUpdate
+from vbatch.engine.scheduler import Scheduler, SchedulerConfig
 from vbatch.engine.sequence import Sequence
+from vbatch.engine.steps import SchedulerOutput, StepUpdate
 from vbatch.models.config import ModelConfig
 from vbatch.models.loader import resolve_model
 from vbatch.protocol import (

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from vbatch.engine.scheduler import SchedulerOutput
+from vbatch.engine.steps import SchedulerOutput
 
 
 @dataclass

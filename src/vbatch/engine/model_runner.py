@@ -19,8 +19,8 @@ from vbatch.engine.input_batch import (
     build_host_batch,
 )
 from vbatch.engine.sampler import Sampler, SamplingMetadata, free_generators
-from vbatch.engine.scheduler import SchedulerOutput
 from vbatch.engine.sequence import Sequence
+from vbatch.engine.steps import SchedulerOutput
 from vbatch.errors import ConfigError
 from vbatch.layers.attention import AttentionMetadata, get_attention_backend
 from vbatch.layers.greedy_screen import can_use_greedy_screen
