@@ -12,6 +12,10 @@
 #include <ATen/ops/full.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <limits>
 #include <tuple>
@@ -60,20 +64,40 @@ void screen_chunk_row(const int32_t* dot_hi, const int32_t* dot_lo, float scale_
     best = std::max(best, approx - eps);
   }
   state.lower_bound = best;
-  for (int64_t j = 0; j < chunk_len; ++j) {
-    if (chunk_upper[j] < best) {
-      continue;
-    }
+  // Keeps entry j unless its upper bound is below `best` (a NaN one is kept); false once the
+  // row has overflowed.
+  const auto take = [&](int64_t j) {
     if (state.count == max_candidates) {
       state.count = compact(ids, upper, state.count, best);
       if (state.count == max_candidates) {
         state.count = kOverflow;
-        return;
+        return false;
       }
     }
     ids[state.count] = chunk_start + j;
     upper[state.count] = chunk_upper[j];
     ++state.count;
+    return true;
+  };
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  // NOTE: a handful of the chunk's entries survive, so 16 comparisons to one mask replace 16
+  // branches; the scalar scan cost as much as the int8 GEMM and moved by ~30% with code layout.
+  const __m512 best_lanes = _mm512_set1_ps(best);
+  for (; j + 16 <= chunk_len; j += 16) {
+    __mmask16 kept = _mm512_cmp_ps_mask(_mm512_loadu_ps(chunk_upper + j), best_lanes, _CMP_NLT_UQ);
+    while (kept != 0) {
+      if (!take(j + __builtin_ctz(kept))) {
+        return;
+      }
+      kept &= kept - 1;
+    }
+  }
+#endif
+  for (; j < chunk_len; ++j) {
+    if (!(chunk_upper[j] < best) && !take(j)) {
+      return;
+    }
   }
 }
 
