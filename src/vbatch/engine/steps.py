@@ -75,10 +75,10 @@ class DecodeRun:
     """Decode steps that continue one another, and what lets update() apply one of them without
     visiting every seq: a decode step changes a seq's token list only (see Sequence).
 
-    Invariants: `token_lists[i]` is `seqs[i].token_ids`, which held `start_lengths[i]` tokens
-    when the run started and has taken one more in each of its `num_steps` steps since; no seq
-    can reach its length limit before step `num_safe_steps`, nor finish on a token outside
-    `finish_ids`; `rows_by_offset[r]` holds the rows whose start length is r modulo block_size.
+    Invariants: `token_lists[i]` is `seqs[i].token_ids`, which has taken one token in each of
+    the run's `num_steps` steps; no seq can reach its length limit before step `num_safe_steps`,
+    nor finish on a token outside `finish_ids`; `rows_by_offset[r]` holds the rows whose token
+    count was r modulo block_size when the run started.
     """
 
     __slots__ = (
