@@ -7,7 +7,6 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from vbatch.layers import native
 from vbatch.layers.greedy_screen import SCREEN_CHUNK, Int8GreedyScreen, can_use_greedy_screen
 from vbatch.models.loader import ResolvedModel
 
@@ -142,4 +141,3 @@ def test_opcheck(ops: None) -> None:
 def test_unavailable_without_float32_cpu() -> None:
     assert not can_use_greedy_screen(torch.device("cpu"), torch.bfloat16)
     assert not can_use_greedy_screen(torch.device("meta"), torch.float32)
-    assert native.find_csrc_dir() is not None
