@@ -418,6 +418,38 @@ def test_samples_of_one_request_share_the_prompt_blocks() -> None:
     assert len({tuple(s.output_token_ids) for s in samples}) == 3
 
 
+def test_requests_sharing_a_prefix_compute_it_once() -> None:
+    """Admitted together, the first computes the shared blocks; the rest wait for its step,
+    then hit the cache, also when the shared part takes the first one two steps."""
+    sched = make_scheduler(max_num_batched_tokens=16)
+    shared = list(range(3, 23))  # 5 blocks of 4
+    seqs = [add(sched, str(i), [*shared, 50 + i, 60 + i], max_tokens=2) for i in range(3)]
+    other = add(sched, "other", [70, 71, 72, 73, 74], max_tokens=2)
+    out, _ = step(sched)
+    assert out.seqs == seqs[:1] and out.num_new_tokens == [16]
+    out, _ = step(sched)
+    # NOTE: 4 of the 5 shared blocks are cached; the fifth is still the first seq's to compute.
+    assert out.seqs == seqs[:1] and sched.num_waiting == 3
+    out, _ = step(sched)
+    assert out.seqs == [*seqs, other] and out.num_new_tokens == [1, 2, 2, 5]
+    assert [seq.num_cached_tokens for seq in seqs] == [0, 20, 20]
+    run_to_end(sched)
+    stats = sched.stats()
+    assert stats.prefix_cache_hits == 40 and stats.num_prompt_tokens == 22 + 2 * 2 + 5
+
+
+def test_an_aborted_prefix_owner_lets_the_queue_go_on() -> None:
+    sched = make_scheduler(max_num_batched_tokens=8)
+    shared = list(range(3, 23))
+    first = add(sched, "a", [*shared, 50], max_tokens=2)
+    second = add(sched, "b", [*shared, 51], max_tokens=2)
+    step(sched)
+    assert sched.num_running == 1 and sched.num_waiting == 1
+    sched.abort([first])
+    out, _ = step(sched)
+    assert out.seqs == [second] and second.num_cached_tokens == 8
+
+
 def test_prefix_caching_disabled_computes_every_token() -> None:
     sched = make_scheduler(enable_prefix_caching=False)
     for index in range(2):

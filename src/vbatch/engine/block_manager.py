@@ -93,6 +93,23 @@ class BlockManager:
             parent = block_hash
         return block_ids
 
+    def uncached_prompt_hashes(
+        self, seq: Sequence, cached_blocks: SequenceOf[int], limit: int | None = None
+    ) -> list[int]:
+        """The chained hashes of the full blocks match_prefix could return for `seq` after its
+        `cached_blocks` (at most `limit` of them): the keys those blocks will be cached under."""
+        bs = self.block_size
+        token_ids = seq.token_ids
+        parent = self.block_hashes[cached_blocks[-1]] if cached_blocks else ROOT_HASH
+        stop = (len(token_ids) - 1) // bs * bs
+        if limit is not None:
+            stop = min(stop, (len(cached_blocks) + limit) * bs)
+        hashes: list[int] = []
+        for start in range(len(cached_blocks) * bs, stop, bs):
+            parent = self.hash_fn(parent, tuple(token_ids[start : start + bs]))
+            hashes.append(parent)
+        return hashes
+
     def can_allocate(self, num_new_tokens: int, cached_blocks: SequenceOf[int] = ()) -> bool:
         """Whether a new seq reusing `cached_blocks` can get blocks for `num_new_tokens` more."""
         num_needed = -(-num_new_tokens // self.block_size)

@@ -40,7 +40,11 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._prompt_owners: dict[str, Sequence] = {}  # request_id -> the sample prefilling it
+        # NOTE: with prefix caching, the hash of each prompt block a running seq is computing and
+        # not yet caching -> that seq; a waiting seq whose next uncached block is one of them waits
+        # (and the queue behind it, FCFS) to reuse the block instead of computing it again.
+        self._prefilling: dict[int, Sequence] = {}
+        self._prefill_hashes: dict[int, list[int]] = {}  # seq_id -> its keys in _prefilling
         # NOTE: set by a decode-only update() that every running seq took part in: each then has
         # one uncomputed token, and these (in running order) need a new block for it.
         self._decode_crossing: list[Sequence] | None = None
@@ -222,7 +226,7 @@ class Scheduler:
         """update() for a decode step that continues the last one, through the DecodeRun; None
         when the general path must apply it (a token may finish a seq, or a seq was aborted)."""
         # NOTE: the decode steady state at its cheapest: one append per seq, no other per-seq
-        # work; started seqs and prompt owners cannot occur in a continuing step.
+        # work; started seqs and prefill claims cannot occur in a continuing step.
         run = self._run
         if run is None or run.step_id != out.continues_step:
             seqs = out.seqs
@@ -254,7 +258,6 @@ class Scheduler:
         # NOTE: the decode steady state, so the per-seq work is cut to what one token can change.
         block_size = self.config.block_size
         is_caching = self.config.enable_prefix_caching
-        prompt_owners = self._prompt_owners
         is_any_aborted = False
         for seq, token_id in zip(seqs, sampled_token_ids):
             if seq.finish_reason is not None:
@@ -268,12 +271,11 @@ class Scheduler:
             if num_computed <= seq.num_prompt_tokens:
                 self.num_prompt_tokens += 1
                 started.append(seq)
+                self._release_prefill(seq)
             if num_computed % block_size == 0:
                 crossing.append(seq)
                 if is_caching:
                     self.block_manager.cache_full_blocks(seq)
-            if prompt_owners and prompt_owners.get(seq.request_id) is seq:
-                del prompt_owners[seq.request_id]
             if (
                 token_id in seq.finish_token_ids or len(token_ids) >= seq.max_num_tokens
             ) and self._check_finish(seq, token_id):
@@ -301,7 +303,6 @@ class Scheduler:
         """update() for any step; returns the seqs that took a sampled token."""
         block_size = self.config.block_size
         is_caching = self.config.enable_prefix_caching
-        prompt_owners = self._prompt_owners
         seqs: list[Sequence] = []
         j = 0
         for seq, num_new, is_sampling in zip(
@@ -321,13 +322,13 @@ class Scheduler:
             num_prompt_tokens = seq.num_prompt_tokens
             if old < num_prompt_tokens:
                 self.num_prompt_tokens += min(new, num_prompt_tokens) - old
+                if new >= num_prompt_tokens:
+                    self._release_prefill(seq)
                 if not is_sampling:
                     continue
                 started.append(seq)
             elif not is_sampling:
                 continue
-            if prompt_owners and prompt_owners.get(seq.request_id) is seq:
-                del prompt_owners[seq.request_id]
             token_id = sampled_token_ids[j]
             j += 1
             seq.append_token(token_id)
@@ -440,9 +441,9 @@ class Scheduler:
         waiting = self.waiting
         while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = waiting[0]
-            if seq.params.n > 1 and self._is_waiting_for_sibling(seq):
-                break
             cached_blocks = block_manager.match_prefix(seq)
+            if self._prefilling and self._is_prefix_being_computed(seq, cached_blocks):
+                break
             num_uncomputed = seq.num_tokens - len(cached_blocks) * block_size
             num_new = num_uncomputed if num_uncomputed < budget else budget
             if not block_manager.can_allocate(num_new, cached_blocks):
@@ -451,27 +452,36 @@ class Scheduler:
             block_manager.allocate(seq, num_new, cached_blocks)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            if (
-                is_sharing_prompts
-                and seq.params.n > 1
-                and len(cached_blocks) < (seq.num_prompt_tokens - 1) // block_size
-            ):
-                self._prompt_owners.setdefault(seq.request_id, seq)
+            if is_sharing_prompts:
+                self._claim_prefill(seq, cached_blocks)
             seqs.append(seq)
             num_new_tokens.append(num_new)
             sampling_mask.append(num_new == num_uncomputed)
             budget -= num_new
         return budget
 
-    def _is_waiting_for_sibling(self, seq: Sequence) -> bool:
-        # NOTE: a sample whose sibling is still prefilling the shared prompt waits (and so does the
-        # queue behind it, FCFS) so that it reuses the sibling's cached blocks, not recomputes them.
-        owner = self._prompt_owners.get(seq.request_id)
+    def _is_prefix_being_computed(self, seq: Sequence, cached_blocks: list[int]) -> bool:
+        """Whether another running seq is computing the block after `seq`'s cached ones."""
+        # NOTE: so the samples of one request, and requests sharing a system prompt, compute
+        # it once: the first admitted computes it, the others wait a step and hit the cache.
+        next_hashes = self.block_manager.uncached_prompt_hashes(seq, cached_blocks, limit=1)
+        owner = self._prefilling.get(next_hashes[0]) if next_hashes else None
         return owner is not None and owner is not seq
 
-    def _release_prompt_owner(self, seq: Sequence) -> None:
-        if self._prompt_owners.get(seq.request_id) is seq:
-            del self._prompt_owners[seq.request_id]
+    def _claim_prefill(self, seq: Sequence, cached_blocks: list[int]) -> None:
+        claimed = [
+            block_hash
+            for block_hash in self.block_manager.uncached_prompt_hashes(seq, cached_blocks)
+            if self._prefilling.setdefault(block_hash, seq) is seq
+        ]
+        if claimed:
+            self._prefill_hashes[seq.seq_id] = claimed
+
+    def _release_prefill(self, seq: Sequence) -> None:
+        """Drop `seq`'s claims: its prompt is computed (so cached), or it left the running set."""
+        if self._prefill_hashes:
+            for block_hash in self._prefill_hashes.pop(seq.seq_id, ()):
+                del self._prefilling[block_hash]
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -479,7 +489,7 @@ class Scheduler:
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self._release_prompt_owner(seq)
+        self._release_prefill(seq)
         self.num_preemptions += 1
 
     def _check_finish(self, seq: Sequence, token_id: int) -> bool:
@@ -511,4 +521,4 @@ class Scheduler:
     def _forget(self, seq: Sequence) -> None:
         """Drop a finished seq's blocks and bookkeeping."""
         self.block_manager.free(seq)
-        self._release_prompt_owner(seq)
+        self._release_prefill(seq)
