@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from vbatch.config import EngineConfig
@@ -146,14 +148,13 @@ def test_abort_mid_step_drops_its_token(smollm2, prompts) -> None:
     for rid, ids in (("keep", prompts[0]), ("drop", prompts[1])):
         core.add_request(AddRequest(rid, pack_token_ids(ids), GREEDY))
     core.step()
-    execute = core.runner.execute
+    collect = core.runner.collect
 
-    def execute_then_abort(out):  # the client's abort lands while the forward runs
-        result = execute(out)
+    def abort_then_collect(sampled):  # the client's abort lands while the forward runs
         assert [f.request_id for f in core.abort(["drop"])] == ["drop"]
-        return result
+        return collect(sampled)
 
-    core.runner.execute = execute_then_abort
+    core.runner.collect = abort_then_collect
     out = core.step()
     assert out.request_ids == ["keep"] and len(out.token_ids) == 1 and out.finished == []
     assert core.scheduler.running and all(s.request_id == "keep" for s in core.scheduler.running)
@@ -189,3 +190,75 @@ def test_output_columns_follow_the_seqs_through_finishes_aborts_and_admissions(
     for key, seq in seqs.items():
         assert received[key] == seq.token_ids[seq.num_prompt_tokens :], key
     assert len(received[("r2", 0)]) < 13
+
+
+def run_with_events(
+    core: EngineCore, requests: list[tuple[str, list[int], SamplingParams]]
+) -> tuple[dict[tuple[str, int], list[int]], dict[tuple[str, int], FinishReason]]:
+    """Tokens and finish reasons per (request, sample), with an admission and an abort mid-run."""
+    tokens: dict[tuple[str, int], list[int]] = {}
+    reasons: dict[tuple[str, int], FinishReason] = {}
+    for rid, prompt, params in requests[:-1]:
+        assert core.add_request(AddRequest(rid, pack_token_ids(prompt), params)) == []
+    num_steps = 0
+    while core.has_unfinished():
+        out = core.step()
+        num_steps += 1
+        for rid, index, token_id in zip(out.request_ids, out.indices, out.token_ids, strict=True):
+            tokens.setdefault((rid, index), []).append(token_id)
+        finished = out.finished
+        if num_steps == 5:
+            rid, prompt, params = requests[-1]
+            assert core.add_request(AddRequest(rid, pack_token_ids(prompt), params)) == []
+        if num_steps == 9:
+            finished = finished + core.abort(["r1"])
+        reasons.update({(f.request_id, f.index): f.finish_reason for f in finished})
+    return tokens, reasons
+
+
+@pytest.mark.parametrize("device_feed", [False, True], ids=["native-advance", "device-feed"])
+def test_async_scheduling_gives_the_same_tokens(tiny_model_dir, device_feed: bool) -> None:
+    """Greedy and seeded samples, finishes by length and by stop id, n = 2, a late admission and
+    an abort: async scheduling launches continuing steps early and changes no token."""
+    from vbatch.engine.input_batch import DecodeBatch
+
+    requests = [
+        (f"r{i}", [3 + i, 4, 5, 6, 7 + i][: 2 + i % 4], params)
+        for i, params in enumerate(
+            [
+                SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+                SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=25, ignore_eos=True),
+                SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+                SamplingParams(temperature=0.7, seed=5, max_tokens=33, ignore_eos=True),
+            ]
+        )
+    ]
+    requests.append(("late", [9, 8, 7], SamplingParams(temperature=0.0, max_tokens=12)))
+    config = EngineConfig(model=str(tiny_model_dir), max_num_seqs=8, block_size=4, seed=1)
+    reference, reference_reasons = run_with_events(EngineCore(config), requests)
+    # NOTE: a stop id that request r3 produces a few tokens in, so it finishes by stop.
+    stop_id = reference[("r3", 0)][5]
+    requests[3] = (
+        "r3",
+        requests[3][1],
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id]),
+    )
+    reference, reference_reasons = run_with_events(EngineCore(config), requests)
+    core = EngineCore(dataclasses.replace(config, async_scheduling=True))
+    if device_feed:
+        # NOTE: the path a CUDA runner takes: the ids reach the next step by a tensor copy.
+        core.runner._decode = DecodeBatch(core.runner._advance_then_feed)
+    schedule_ahead = core.scheduler.schedule_ahead
+    num_ahead = []
+
+    def counting_schedule_ahead(out):
+        ahead = schedule_ahead(out)
+        num_ahead.append(ahead is not None)
+        return ahead
+
+    core.scheduler.schedule_ahead = counting_schedule_ahead
+    tokens, reasons = run_with_events(core, requests)
+    assert tokens == reference and reasons == reference_reasons
+    assert reasons[("r3", 0)] == FinishReason.STOP and reasons[("r1", 0)] == FinishReason.ABORT
+    assert sum(num_ahead) >= 10

@@ -578,3 +578,29 @@ def test_continued_decode_steps_apply_like_the_general_path(enable_prefix_cachin
         FinishReason.LENGTH,
         FinishReason.ABORT,
     }
+
+
+def test_schedule_ahead_continues_a_decode_step_before_its_update() -> None:
+    sched = make_scheduler(max_num_seqs=2)
+    a = add(sched, "a", list(range(3, 10)), max_tokens=20)
+    b = add(sched, "b", list(range(3, 6)), max_tokens=3)
+    step(sched)
+    out = sched.schedule()
+    ahead = sched.schedule_ahead(out)
+    assert ahead is not None and ahead.continues_step == out.step_id and ahead.seqs == [a, b]
+    # NOTE: room for the token `out` samples and the one `ahead` samples after it.
+    assert [len(s.block_table) * 4 >= s.num_tokens + 1 for s in (a, b)] == [True, True]
+    sched.update(out, [fake_token(a), fake_token(b)])
+    assert sched.schedule_ahead(ahead) is None, "b's next token is its last"
+    sched.update(ahead, [fake_token(a), fake_token(b)])
+    assert b.is_finished and a.num_output_tokens == 3
+    add(sched, "c", [5, 6, 7], max_tokens=4)
+    out = sched.schedule()
+    assert sched.schedule_ahead(out) is None, "c waits to be admitted, or has just been"
+
+
+def test_schedule_ahead_leaves_penalised_sampling_alone() -> None:
+    sched = make_scheduler()
+    add(sched, "a", list(range(3, 10)), max_tokens=20, presence_penalty=0.5)
+    step(sched)
+    assert sched.schedule_ahead(sched.schedule()) is None

@@ -25,7 +25,8 @@ class EngineConfig:
     (CPU only) halves the cache's bytes at a small cost in accuracy. `greedy_screen` finds
     plain-greedy tokens on CPU through an int8 screen of the LM head with fp32 rescoring of the
     few candidates it cannot rule out (the same tokens as the fp32 head); False scores the whole
-    vocabulary in fp32.
+    vocabulary in fp32. `async_scheduling` launches a decode step that continues the last one
+    before the last one's tokens reach the host (overlap on a GPU; nothing to gain on CPU).
     """
 
     model: str | None = None
@@ -46,6 +47,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     greedy_screen: bool = True
+    async_scheduling: bool = False
     max_graph_batch_size: int = 256
     startup_timeout_s: float = 600.0
 

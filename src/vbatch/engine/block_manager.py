@@ -158,16 +158,18 @@ class BlockManager:
         self._mirror(seq, start)
         return True
 
-    def append_blocks(self, seqs: list[Sequence]) -> bool:
-        """Room for one more token in each of `seqs`, with one write to `tables` for all of them;
-        False, changing nothing, if the pool has too few blocks for the seqs that need one."""
+    def append_blocks(self, seqs: list[Sequence], lookahead: int = 0) -> bool:
+        """Room for one more token in each of `seqs` (beyond `lookahead` tokens each has yet to
+        take), with one write to `tables` for all of them; False, changing nothing, if the pool
+        has too few blocks for the seqs that need one."""
         # NOTE: decode steps reach block boundaries together (all seqs at once when prompts are
         # equally long); one numpy write instead of one per seq.
         block_size = self.block_size
         needy = [
             seq
             for seq in seqs
-            if len(seq.token_ids) - seq.num_uncomputed_tokens >= len(seq.block_table) * block_size
+            if len(seq.token_ids) - seq.num_uncomputed_tokens + lookahead
+            >= len(seq.block_table) * block_size
         ]
         if len(needy) > self.num_free_blocks:
             return False

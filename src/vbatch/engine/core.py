@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from vbatch.config import EngineConfig
 from vbatch.engine.model_runner import ModelRunner
+from vbatch.engine.sampler import SamplerOutput
 from vbatch.engine.scheduler import Scheduler, SchedulerConfig
 from vbatch.engine.sequence import Sequence
 from vbatch.engine.steps import SchedulerOutput, StepUpdate
@@ -68,6 +69,9 @@ class EngineCore:
         )
         self._step_time = 0.0
         self._forward_time = 0.0
+        # NOTE: with async scheduling, the launched step that continues the one step() applied
+        # last, with its samples still on the device.
+        self._ahead: tuple[SchedulerOutput, SamplerOutput | None] | None = None
         # NOTE: the last output's (step_id, request_ids, indices) when it covered all its seqs.
         self._columns: tuple[int, list[str], list[int]] = (-1, [], [])
 
@@ -99,21 +103,41 @@ class EngineCore:
         return [_finish(seq) for seq in unfinished]
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self._ahead is not None
 
     def step(self) -> EngineOutputs:
-        """Schedule, run and apply one step; an empty EngineOutputs when nothing could run."""
+        """Schedule, run and apply one step; an empty EngineOutputs when nothing could run.
+
+        With `async_scheduling`, a decode step that continues this one is launched before this
+        one's tokens reach the host, so the device computes it while they are applied; the
+        next call applies it. A seq that finishes meanwhile has its token of that step dropped.
+        """
         start = time.perf_counter()
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            return EngineOutputs()
-        forward_start = time.perf_counter()
-        token_ids, logprobs = self.runner.execute(out)
-        self._forward_time += time.perf_counter() - forward_start
+        if self._ahead is not None:
+            out, sampled = self._ahead
+            self._ahead = None
+        else:
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                return EngineOutputs()
+            sampled = self._launch(out)
+        if self.config.async_scheduling:
+            ahead = self.scheduler.schedule_ahead(out)
+            if ahead is not None:
+                self._ahead = (ahead, self._launch(ahead))
+        collect_start = time.perf_counter()
+        token_ids, logprobs = self.runner.collect(sampled)
+        self._forward_time += time.perf_counter() - collect_start
         update = self.scheduler.update(out, token_ids, logprobs)
         outputs = self._outputs(out, update)
         self._step_time += time.perf_counter() - start
         return outputs
+
+    def _launch(self, out: SchedulerOutput) -> SamplerOutput | None:
+        launch_start = time.perf_counter()
+        sampled = self.runner.launch(out)
+        self._forward_time += time.perf_counter() - launch_start
+        return sampled
 
     def _outputs(self, out: SchedulerOutput, update: StepUpdate) -> EngineOutputs:
         seqs = update.seqs
@@ -151,6 +175,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.abort(list(self.requests))
+        self._ahead = None
 
 
 def _finish(seq: Sequence) -> SampleFinish:

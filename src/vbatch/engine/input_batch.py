@@ -96,29 +96,38 @@ class GatheredBlockTables:
 AdvanceArrays = Callable[[HostBatch, Any], None]
 
 
+def advance_host_arrays(host: HostBatch, block_size: int, token_ids: Any = None) -> None:
+    """Move a decode batch's host arrays on by one token per row: positions and context lengths
+    + 1, every slot read from `host.block_tables`, and the input ids when `token_ids` is given
+    (a list or a CPU array of [num_seqs] ints)."""
+    n = host.num_tokens
+    int64s = host.int64s
+    if token_ids is not None:
+        int64s[:n] = token_ids
+    positions = int64s[n : 2 * n]
+    positions += 1
+    host.int32s[:n] += 1
+    blocks = host.block_tables[np.arange(n), positions // block_size]
+    int64s[2 * n : 3 * n] = blocks * block_size + positions % block_size
+
+
 class DecodeBatch:
     """A decode step's HostBatch, kept and advanced in place by the steps that continue it.
 
     Invariants: when `host` is set it is the batch of output `step_id`, in which every seq
-    computes one token and samples; seq i was at position `start_positions[i] + num_steps` and
-    `rows_by_offset[r]` holds the rows whose start position is r modulo block_size;
-    `next_token_ids` is what that step sampled once the runner has recorded it, else None:
-    a list of ints, or whatever `advance_arrays` takes. `advance_arrays`, when given, replaces
-    the numpy update of the host arrays (ids, positions, slots, context lengths) with one call;
-    it runs once the block tables of the new step are in place.
+    computes one token and samples; `next_token_ids` is what that step sampled once the runner
+    has recorded it, else None. `advance_arrays(host, next_token_ids)` moves the host arrays on
+    (advance_host_arrays when not given) once the block tables of the new step are in place.
     """
 
     def __init__(self, advance_arrays: AdvanceArrays | None = None) -> None:
         self.host: HostBatch | None = None
         self.step_id = -1
         self.next_token_ids: Any = None
-        self.start_positions: list[int] = []
-        self.rows_by_offset: list[list[int]] = []
-        self.num_steps = 0
         self.block_rows: np.ndarray | None = None  # [num_seqs] intp, gathered on first need
         self._advance_arrays = advance_arrays
 
-    def start(self, out: SchedulerOutput, host: HostBatch, block_size: int) -> None:
+    def start(self, out: SchedulerOutput, host: HostBatch) -> None:
         """Keep `host`, the batch just built for `out`, if a later step can advance it."""
         self.next_token_ids = None
         if host.max_query_len != 1 or len(host.sample_rows) != host.num_tokens:
@@ -127,11 +136,6 @@ class DecodeBatch:
             return
         self.host = host
         self.step_id = out.step_id
-        self.start_positions = host.positions.tolist()
-        self.rows_by_offset = [[] for _ in range(block_size)]
-        for row, position in enumerate(self.start_positions):
-            self.rows_by_offset[position % block_size].append(row)
-        self.num_steps = 0
         self.block_rows = None
 
     def record(self, step_id: int, token_ids: Any) -> None:
@@ -150,7 +154,6 @@ class DecodeBatch:
         assert out.block_tables is not None
         self.step_id = out.step_id
         self.next_token_ids = None
-        self.num_steps += 1
         host.max_seq_len += 1
         max_num_blocks = -(-host.max_seq_len // block_size)
         block_tables = gathered.get(out, max_num_blocks)
@@ -163,24 +166,8 @@ class DecodeBatch:
         if self._advance_arrays is not None:
             self._advance_arrays(host, token_ids)
         else:
-            self._advance_numpy(out, host, token_ids, block_size)
+            advance_host_arrays(host, block_size, token_ids)
         return host
-
-    def _advance_numpy(
-        self, out: SchedulerOutput, host: HostBatch, token_ids: list[int], block_size: int
-    ) -> None:
-        # NOTE: positions and slots (adjacent in int64s) step on by one, except the slots of
-        # rows whose next token opens a block, which are looked up in the seqs' block tables.
-        n = host.num_tokens
-        int64s = host.int64s
-        int64s[:n] = token_ids
-        int64s[n : 3 * n] += 1
-        host.int32s[:n] += 1
-        seqs = out.seqs
-        starts = self.start_positions
-        for row in self.rows_by_offset[-self.num_steps % block_size]:
-            position = starts[row] + self.num_steps
-            int64s[2 * n + row] = seqs[row].block_table[position // block_size] * block_size
 
 
 def build_host_batch(
@@ -202,7 +189,7 @@ def build_host_batch(
     else:
         host = _build_mixed(out, block_size)
     if decode is not None:
-        decode.start(out, host, block_size)
+        decode.start(out, host)
     return host
 
 

@@ -16,9 +16,10 @@ from vbatch.engine.input_batch import (
     DecodeBatch,
     GatheredBlockTables,
     HostBatch,
+    advance_host_arrays,
     build_host_batch,
 )
-from vbatch.engine.sampler import Sampler, SamplingMetadata, free_generators
+from vbatch.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, free_generators
 from vbatch.engine.sequence import Sequence
 from vbatch.engine.steps import SchedulerOutput
 from vbatch.errors import ConfigError
@@ -137,8 +138,13 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}
         self._staging: dict[str, torch.Tensor] = {}
         self._gathered = GatheredBlockTables()
-        self._is_advancing_natively = has_fused_ops(self.device)
-        self._decode = DecodeBatch(self._advance_native if self._is_advancing_natively else None)
+        # NOTE: a kept decode batch takes the sampled ids as a tensor, on its device: on CPU
+        # with the native op directly, elsewhere by a copy into the next step's input ids, so
+        # a step can be launched before the last one's ids have reached the host.
+        self._decode = DecodeBatch(
+            self._advance_native if has_fused_ops(self.device) else self._advance_then_feed
+        )
+        self._fed_input_ids: torch.Tensor | None = None
         # NOTE: on CPU, the view of a gathered block table, which steps often share.
         self._cpu_views: dict[str, tuple[np.ndarray, torch.Tensor]] = {}
         self._greedy_sampling: tuple[int, SamplingMetadata] | None = None  # (step_id, its meta)
@@ -243,6 +249,7 @@ class ModelRunner:
             inputs = kept[1]
             inputs.meta.block_tables = self._to_device("block_tables", host.block_tables)
             inputs.meta.max_seq_len = host.max_seq_len
+            self._feed_input_ids(inputs.input_ids)
             return inputs
         n, num_seqs = host.num_tokens, len(out.seqs)
         input_ids, positions, slot_mapping, logits_rows = self._split_to_device(
@@ -261,6 +268,7 @@ class ModelRunner:
             max_query_len=host.max_query_len,
             max_seq_len=host.max_seq_len,
         )
+        self._feed_input_ids(input_ids)
         inputs = StepInputs(input_ids, positions, meta, logits_rows, host.sample_rows)
         if self._inputs_copied is not None:
             self._inputs_copied.record()
@@ -269,29 +277,40 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """Run one step; returns the sampled token per sampling seq, in batch order."""
+        return self.collect(self.launch(out))
+
+    def launch(self, out: SchedulerOutput) -> SamplerOutput | None:
+        """Queue one step; its samples (None: it samples nothing) stay on the device until
+        collect(). A step continuing this one may be launched before then (async scheduling)."""
         if torch.is_inference_mode_enabled():
-            token_ids, logprobs, sampled = self._execute(out)
+            sampled = self._launch(out)
         else:
             # NOTE: the bare guard; torch.inference_mode()'s Python context manager costs ~45 µs
             # a step once a forward pass has evicted its code from the caches, the guard ~15.
             # The engine-core process runs its whole loop in inference mode and needs neither.
             guard = torch._C._InferenceMode(True)
             try:
-                token_ids, logprobs, sampled = self._execute(out)
+                sampled = self._launch(out)
             finally:
                 del guard
-        self._decode.record(out.step_id, sampled)
-        return token_ids, logprobs
+        if sampled is not None:
+            self._decode.record(out.step_id, sampled.token_ids)
+        return sampled
 
-    def _execute(
-        self, out: SchedulerOutput
-    ) -> tuple[list[int], list[TokenLogprobs | None] | None, torch.Tensor | list[int]]:
-        """execute()'s tokens and logprobs, and the tokens again for the kept decode batch: the
-        sampled tensor when the native op advances that batch, which spares it a conversion."""
+    def collect(
+        self, sampled: SamplerOutput | None
+    ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        """A launched step's tokens and logprobs on the host; the step's one wait for the
+        device."""
+        if sampled is None:
+            return [], None
+        return sampled.to_host()
+
+    def _launch(self, out: SchedulerOutput) -> SamplerOutput | None:
         inputs = self.prepare(out)
         if not inputs.sample_rows:
             self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-            return [], None, []
+            return None
         # NOTE: built before the forward is queued: on CUDA its host-to-device copies of Python
         # lists would otherwise wait for the forward to finish.
         sample_rows = inputs.sample_rows
@@ -312,20 +331,13 @@ class ModelRunner:
             # NOTE: when every row samples, logits_rows is 0..n-1 and the gather is a copy.
             hidden = hidden.index_select(0, inputs.logits_rows)
         if sampling.is_plain_greedy:
-            sampled = self.model.greedy_token_ids(hidden)
-            token_ids = sampled.tolist()
-            return token_ids, None, sampled if self._is_advancing_natively else token_ids
+            return SamplerOutput.of_token_ids(self.model.greedy_token_ids(hidden))
         logits = self.model.compute_logits(hidden, out=self._logits_buffer(len(sampling_seqs)))
         return self.sample(logits, sampling)
 
-    def sample(
-        self, logits: torch.Tensor, sampling: SamplingMetadata
-    ) -> tuple[list[int], list[TokenLogprobs | None] | None, torch.Tensor | list[int]]:
-        """One token per row of logits [num_rows, vocab_size], as _execute() returns them; the
-        step's one host sync."""
-        sampled = self.sampler(logits, sampling)
-        token_ids, logprobs = sampled.to_host()
-        return token_ids, logprobs, sampled.token_ids if self._is_advancing_natively else token_ids
+    def sample(self, logits: torch.Tensor, sampling: SamplingMetadata) -> SamplerOutput:
+        """One token per row of logits [num_rows, vocab_size], left on their device."""
+        return self.sampler(logits, sampling)
 
     def _advance_native(self, host: HostBatch, token_ids: torch.Tensor) -> None:
         """DecodeBatch's array update in one native call, on the kept step's tensor views."""
@@ -341,6 +353,18 @@ class ModelRunner:
             self._to_device("block_tables", host.block_tables),
             self.block_size,
         )
+
+    def _advance_then_feed(self, host: HostBatch, token_ids: torch.Tensor) -> None:
+        """DecodeBatch's update when the sampled ids may still be on the device: the host arrays
+        move on without them, and prepare() copies them into the step's input ids."""
+        advance_host_arrays(host, self.block_size)
+        self._fed_input_ids = token_ids
+
+    def _feed_input_ids(self, input_ids: torch.Tensor) -> None:
+        fed = self._fed_input_ids
+        if fed is not None:
+            input_ids.copy_(fed)
+            self._fed_input_ids = None
 
     def _step_sampling(self, out: SchedulerOutput, seqs: list[Sequence]) -> SamplingMetadata:
         """The sampling metadata of `seqs`, out's sampling seqs; a plain-greedy one is reused by

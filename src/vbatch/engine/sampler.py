@@ -253,6 +253,11 @@ class SamplerOutput:
     logprob_rows_cpu: list[int]
     num_logprobs: list[int]
 
+    @classmethod
+    def of_token_ids(cls, token_ids: torch.Tensor) -> SamplerOutput:
+        """The output of a step that samples ids only (plain greedy)."""
+        return cls(token_ids, None, None, None, [], [])
+
     def to_host(self) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """The sampled token ids and per-row logprobs (None: no row asked), as Python values."""
         if self.chosen_logprobs is None:

@@ -154,6 +154,29 @@ class Scheduler:
         self._last_output = out
         return out
 
+    def schedule_ahead(self, out: SchedulerOutput) -> SchedulerOutput | None:
+        """The step after `out`, planned before update() applies `out` (async scheduling): every
+        seq of `out` computes the token `out` samples for it. None unless `out` is a decode step
+        of every running seq, nothing waits for admission, no seq can reach its length limit in
+        `out`, and no seq's sampling reads its output tokens (penalties, min_tokens)."""
+        seqs = out.seqs
+        running = self.running
+        if not seqs or len(seqs) != len(running) or out.num_batched_tokens != len(seqs):
+            return None
+        if self.waiting and len(running) < self.config.max_num_seqs:
+            return None
+        for seq in seqs:
+            if (
+                seq.finish_reason is not None
+                or len(seq.token_ids) + 1 >= seq.max_num_tokens
+                or _reads_output_tokens(seq)
+            ):
+                return None
+        if not self.block_manager.append_blocks(seqs, lookahead=1):
+            return None
+        # NOTE: a continuation of `out`; `out`'s update() then leaves the seqs as this expects.
+        return self._continue(out)
+
     def _continue(self, last: SchedulerOutput) -> SchedulerOutput:
         """The output continuing `last`: the same seqs, one token each, nothing to admit."""
         # NOTE: its lists are last's; no output's lists are changed once it is returned.
@@ -522,3 +545,14 @@ class Scheduler:
         """Drop a finished seq's blocks and bookkeeping."""
         self.block_manager.free(seq)
         self._release_prefill(seq)
+
+
+def _reads_output_tokens(seq: Sequence) -> bool:
+    """Whether sampling for `seq` depends on its output so far (penalties, a min_tokens ban)."""
+    params = seq.params
+    return (
+        params.presence_penalty != 0
+        or params.frequency_penalty != 0
+        or params.repetition_penalty != 1
+        or seq.num_output_tokens < params.min_tokens
+    )
