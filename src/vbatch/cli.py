@@ -148,6 +148,15 @@ def run(
         int | None,
         typer.Option(help="Largest decode batch captured as a CUDA graph.", rich_help_panel=ENGINE),
     ] = None,
+    async_scheduling: Annotated[
+        bool,
+        typer.Option(
+            "--async-scheduling",
+            help="Launch each decode step before the last one's tokens reach the host, so a "
+            "GPU computes it while they are applied (same tokens; nothing to gain on CPU).",
+            rich_help_panel=ENGINE,
+        ),
+    ] = False,
     no_greedy_screen: Annotated[
         bool,
         typer.Option(
@@ -243,6 +252,7 @@ def run(
         enforce_eager=enforce_eager or None,
         max_graph_batch_size=max_graph_batch_size,
         greedy_screen=False if no_greedy_screen else None,
+        async_scheduling=async_scheduling or None,
     )
     sampling = {
         "max_tokens": max_tokens,
