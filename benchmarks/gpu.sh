@@ -22,6 +22,10 @@ echo "== vbatch throughput (CUDA, bf16)"
 timeout 150 python -m benchmarks.throughput --skip-hf --num-prompts "$NUM_PROMPTS" \
   --max-tokens "$MAX_TOKENS" --max-num-seqs 256 --max-num-batched-tokens 8192
 
+echo "== the same with async scheduling"
+timeout 150 python -m benchmarks.throughput --skip-hf --num-prompts "$NUM_PROMPTS" \
+  --max-tokens "$MAX_TOKENS" --max-num-seqs 256 --max-num-batched-tokens 8192 --async-scheduling
+
 echo "== vLLM offline throughput on the same prompts"
 if ! python -c "import vllm" 2>/dev/null; then
   timeout 120 pip install -q vllm >/dev/null 2>&1 || echo "vLLM not installable here; skipped"

@@ -30,6 +30,7 @@ def run_vbatch(
             max_num_batched_tokens=args.max_num_batched_tokens,
             attention_backend=args.attention_backend,
             quantization=getattr(args, "quantization", None),
+            async_scheduling=getattr(args, "async_scheduling", False),
         )
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -107,6 +108,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--async-scheduling", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
