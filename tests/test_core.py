@@ -235,7 +235,9 @@ def test_async_scheduling_gives_the_same_tokens(tiny_model_dir, device_feed: boo
         )
     ]
     requests.append(("late", [9, 8, 7], SamplingParams(temperature=0.0, max_tokens=12)))
-    config = EngineConfig(model=str(tiny_model_dir), max_num_seqs=8, block_size=4, seed=1)
+    config = EngineConfig(
+        model=str(tiny_model_dir), device="cpu", max_num_seqs=8, block_size=4, seed=1
+    )
     reference, reference_reasons = run_with_events(EngineCore(config), requests)
     # NOTE: a stop id that request r3 produces a few tokens in, so it finishes by stop.
     stop_id = reference[("r3", 0)][5]
