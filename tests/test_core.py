@@ -160,42 +160,14 @@ def test_abort_mid_step_drops_its_token(smollm2, prompts) -> None:
     assert core.scheduler.running and all(s.request_id == "keep" for s in core.scheduler.running)
 
 
-def test_output_columns_follow_the_seqs_through_finishes_aborts_and_admissions(
-    tiny_model_dir,
-) -> None:
-    """Every token reaches the (request, sample) that generated it, also on continued decode
-    steps, which reuse the previous step's id columns."""
-    core = EngineCore(EngineConfig(model=str(tiny_model_dir), max_num_seqs=8, block_size=4))
-    seqs = {}
-    received: dict[tuple[str, int], list[int]] = {}
-
-    def add(rid: str, max_tokens: int, n: int = 1) -> None:
-        params = SamplingParams(temperature=1.0, n=n, max_tokens=max_tokens, ignore_eos=True)
-        assert core.add_request(AddRequest(rid, pack_token_ids([3, 4, 5, 6, 7]), params)) == []
-        seqs.update({(rid, seq.index): seq for seq in core.requests[rid]})
-
-    for i, max_tokens in enumerate([6, 9, 13, 20]):
-        add(f"r{i}", max_tokens, n=2 if i == 1 else 1)
-    num_steps = 0
-    while core.has_unfinished():
-        out = core.step()
-        num_steps += 1
-        for rid, index, token_id in zip(out.request_ids, out.indices, out.token_ids, strict=True):
-            received.setdefault((rid, index), []).append(token_id)
-        if num_steps == 4:
-            core.abort(["r2"])
-        if num_steps == 8:
-            add("late", 7)
-    assert set(received) == set(seqs)
-    for key, seq in seqs.items():
-        assert received[key] == seq.token_ids[seq.num_prompt_tokens :], key
-    assert len(received[("r2", 0)]) < 13
-
-
 def run_with_events(
-    core: EngineCore, requests: list[tuple[str, list[int], SamplingParams]]
+    core: EngineCore,
+    requests: list[tuple[str, list[int], SamplingParams]],
+    admit_at: int = 5,
+    abort_at: tuple[int, str] = (9, "r1"),
 ) -> tuple[dict[tuple[str, int], list[int]], dict[tuple[str, int], FinishReason]]:
-    """Tokens and finish reasons per (request, sample), with an admission and an abort mid-run."""
+    """Tokens and finish reasons per (request, sample); the last request is added after step
+    `admit_at`, and request abort_at[1] is aborted after step abort_at[0]."""
     tokens: dict[tuple[str, int], list[int]] = {}
     reasons: dict[tuple[str, int], FinishReason] = {}
     for rid, prompt, params in requests[:-1]:
@@ -207,13 +179,38 @@ def run_with_events(
         for rid, index, token_id in zip(out.request_ids, out.indices, out.token_ids, strict=True):
             tokens.setdefault((rid, index), []).append(token_id)
         finished = out.finished
-        if num_steps == 5:
+        if num_steps == admit_at:
             rid, prompt, params = requests[-1]
             assert core.add_request(AddRequest(rid, pack_token_ids(prompt), params)) == []
-        if num_steps == 9:
-            finished = finished + core.abort(["r1"])
+        if num_steps == abort_at[0]:
+            finished = finished + core.abort([abort_at[1]])
         reasons.update({(f.request_id, f.index): f.finish_reason for f in finished})
     return tokens, reasons
+
+
+def test_output_columns_follow_the_seqs_through_finishes_aborts_and_admissions(
+    tiny_model_dir,
+) -> None:
+    """Every token reaches the (request, sample) that generated it, also on continued decode
+    steps, which reuse the previous step's id columns."""
+    core = EngineCore(EngineConfig(model=str(tiny_model_dir), max_num_seqs=8, block_size=4))
+    seqs = {}
+    add_to_scheduler = core.scheduler.add
+
+    def add_and_keep(seq) -> None:
+        seqs[(seq.request_id, seq.index)] = seq
+        add_to_scheduler(seq)
+
+    core.scheduler.add = add_and_keep
+    requests = [
+        (rid, [3, 4, 5, 6, 7], SamplingParams(temperature=1.0, n=n, max_tokens=m, ignore_eos=True))
+        for rid, m, n in [("r0", 6, 1), ("r1", 9, 2), ("r2", 13, 1), ("r3", 20, 1), ("late", 7, 1)]
+    ]
+    received, _ = run_with_events(core, requests, admit_at=8, abort_at=(4, "r2"))
+    assert set(received) == set(seqs)
+    for key, seq in seqs.items():
+        assert received[key] == seq.token_ids[seq.num_prompt_tokens :], key
+    assert len(received[("r2", 0)]) < 13
 
 
 @pytest.mark.parametrize("device_feed", [False, True], ids=["native-advance", "device-feed"])
