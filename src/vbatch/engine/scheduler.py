@@ -137,7 +137,7 @@ class Scheduler:
         if seqs:
             self.num_steps += 1
             self.num_scheduled_tokens += self.config.max_num_batched_tokens - budget
-        if continues_step != -1 and last is not None and continues_step == last.step_id:
+        if last is not None and continues_step == last.step_id:
             block_rows = last.block_rows
         else:
             block_rows = [seq.block_row for seq in seqs]
@@ -401,13 +401,9 @@ class Scheduler:
         crossing = self._decode_crossing
         self._decode_crossing = None
         if crossing is None:
-            block_size = self.config.block_size
-            crossing = []
-            for seq in self.running:
-                if seq.num_uncomputed_tokens != 1:
-                    return False
-                if len(seq.token_ids) - 1 >= len(seq.block_table) * block_size:
-                    crossing.append(seq)
+            if any(seq.num_uncomputed_tokens != 1 for seq in self.running):
+                return False
+            crossing = self.running
         return self.block_manager.append_blocks(crossing)
 
     def _schedule_running(
