@@ -12,20 +12,23 @@ namespace vbatch {
 
 // exp(x) within ~2 ulp for x in [-87, 88]: x = n ln2 + r with |r| <= ln2 / 2, a degree-6
 // minimax polynomial for e^r, and 2^n built in the exponent bits. Inputs below -87 give ~0.
+// lanes_exp below is the same computation on SIMD lanes.
+constexpr float kExpMin = -87.0f;
+constexpr float kExpMax = 88.0f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;
+constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr int kExpPolyDegree = 6;
+constexpr float kExpPoly[kExpPolyDegree] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 #pragma omp declare simd
 inline float fast_exp(float x) {
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2Hi = 0.693359375f;
-  constexpr float kLn2Lo = -2.12194440e-4f;
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  x = x < kExpMin ? kExpMin : (x > kExpMax ? kExpMax : x);
   const float n = __builtin_floorf(x * kLog2e + 0.5f);
   const float r = x - n * kLn2Hi - n * kLn2Lo;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  float p = kExpPoly[0];
+  for (int k = 1; k < kExpPolyDegree; ++k) p = p * r + kExpPoly[k];
   p = p * r * r + r + 1.0f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
@@ -114,24 +117,16 @@ inline Lanes lanes_fill_first(Lanes x, int64_t n, float value) {
   return _mm512_mask_mov_ps(x, mask, _mm512_set1_ps(value));
 }
 
-// fast_exp on every lane, with the same reduction and polynomial.
-inline Lanes lanes_exp(Lanes x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i bits = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+inline Lanes lanes_min(Lanes a, Lanes b) { return _mm512_min_ps(a, b); }
+// c - a * b
+inline Lanes lanes_fnmadd(Lanes a, Lanes b, Lanes c) { return _mm512_fnmadd_ps(a, b, c); }
+inline Lanes lanes_floor(Lanes x) {
+  return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+}
+// 2^n for lanes holding integers n in [-127, 128].
+inline Lanes lanes_pow2(Lanes n) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kNumLanes = 8;
@@ -153,23 +148,14 @@ inline Lanes lanes_fill_first(Lanes x, int64_t n, float value) {
   return _mm256_blendv_ps(x, _mm256_set1_ps(value), _mm256_castsi256_ps(mask));
 }
 
-inline Lanes lanes_exp(Lanes x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(
-      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+inline Lanes lanes_min(Lanes a, Lanes b) { return _mm256_min_ps(a, b); }
+inline Lanes lanes_fnmadd(Lanes a, Lanes b, Lanes c) { return _mm256_fnmadd_ps(a, b, c); }
+inline Lanes lanes_floor(Lanes x) {
+  return _mm256_round_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+}
+inline Lanes lanes_pow2(Lanes n) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
 #else
 constexpr int64_t kNumLanes = 8;
@@ -210,6 +196,20 @@ inline Lanes lanes_fill_first(const Lanes& x, int64_t n, float value) {
 }
 inline Lanes lanes_exp(const Lanes& x) {
   return lanes_map([&](int64_t i) { return fast_exp(x.v[i]); });
+}
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// fast_exp on every lane, with the same reduction and polynomial.
+inline Lanes lanes_exp(Lanes x) {
+  x = lanes_max(lanes_min(x, lanes_set1(kExpMax)), lanes_set1(kExpMin));
+  const Lanes n = lanes_floor(lanes_fmadd(x, lanes_set1(kLog2e), lanes_set1(0.5f)));
+  Lanes r = lanes_fnmadd(n, lanes_set1(kLn2Hi), x);
+  r = lanes_fnmadd(n, lanes_set1(kLn2Lo), r);
+  Lanes p = lanes_set1(kExpPoly[0]);
+  for (int k = 1; k < kExpPolyDegree; ++k) p = lanes_fmadd(p, r, lanes_set1(kExpPoly[k]));
+  p = lanes_fmadd(lanes_mul(p, r), r, lanes_add(r, lanes_set1(1.0f)));
+  return lanes_mul(p, lanes_pow2(n));
 }
 #endif
 
