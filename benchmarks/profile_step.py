@@ -58,7 +58,7 @@ class StepTimers:
         backend = runner.attn_backend
         backend.forward = self.timed("attention", backend.forward)
         runner.sampling_metadata = self.timed("sampling", runner.sampling_metadata)
-        runner.sample = self.timed("sampling", runner.sample)
+        runner.sampler = self.timed("sampling", runner.sampler)
 
 
 def build_decode_batch(core: EngineCore, batch: int, context: int, params: SamplingParams) -> None:

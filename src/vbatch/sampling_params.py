@@ -46,6 +46,15 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the repetition, frequency or presence penalty is on."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
     def validate(self) -> None:
         def fail(msg: str) -> None:
             raise SamplingParamsError(msg)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceOf
 
 import numpy as np
@@ -78,19 +78,14 @@ class BlockManager:
         """Cached blocks holding `seq`'s leading full blocks; never all of its tokens."""
         if not self.enable_prefix_caching:
             return []
-        bs = self.block_size
-        token_ids = seq.token_ids
-        parent = ROOT_HASH
         block_ids: list[int] = []
         # NOTE: the last token is never a hit, so the step that computes it can sample.
-        for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
-            key = (parent, tuple(token_ids[start : start + bs]))
-            block_hash = self.hash_fn(*key)
+        num_blocks = (len(seq.token_ids) - 1) // self.block_size
+        for key, block_hash in self._block_keys(seq.token_ids, ROOT_HASH, 0, num_blocks):
             block_id = self.hash_to_block.get(block_hash)
             if block_id is None or self.block_keys[block_id] != key:
                 break
             block_ids.append(block_id)
-            parent = block_hash
         return block_ids
 
     def uncached_prompt_hashes(
@@ -98,17 +93,12 @@ class BlockManager:
     ) -> list[int]:
         """The chained hashes of the full blocks match_prefix could return for `seq` after its
         `cached_blocks` (at most `limit` of them): the keys those blocks will be cached under."""
-        bs = self.block_size
-        token_ids = seq.token_ids
         parent = self.block_hashes[cached_blocks[-1]] if cached_blocks else ROOT_HASH
-        stop = (len(token_ids) - 1) // bs * bs
+        start = len(cached_blocks)
+        stop = (len(seq.token_ids) - 1) // self.block_size
         if limit is not None:
-            stop = min(stop, (len(cached_blocks) + limit) * bs)
-        hashes: list[int] = []
-        for start in range(len(cached_blocks) * bs, stop, bs):
-            parent = self.hash_fn(parent, tuple(token_ids[start : start + bs]))
-            hashes.append(parent)
-        return hashes
+            stop = min(stop, start + limit)
+        return [h for _, h in self._block_keys(seq.token_ids, parent, start, stop)]
 
     def can_allocate(self, num_new_tokens: int, cached_blocks: SequenceOf[int] = ()) -> bool:
         """Whether a new seq reusing `cached_blocks` can get blocks for `num_new_tokens` more."""
@@ -212,11 +202,12 @@ class BlockManager:
         """Register the hashes of `seq`'s blocks that are now full of computed tokens."""
         if not self.enable_prefix_caching:
             return
-        bs = self.block_size
         hashes = self.seq_block_hashes.setdefault(seq.seq_id, [])
-        for i in range(len(hashes), seq.num_computed_tokens // bs):
-            key = (hashes[-1] if hashes else ROOT_HASH, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
-            block_hash = self.hash_fn(*key)
+        start = len(hashes)
+        parent = hashes[-1] if hashes else ROOT_HASH
+        stop = seq.num_computed_tokens // self.block_size
+        block_keys = self._block_keys(seq.token_ids, parent, start, stop)
+        for i, (key, block_hash) in enumerate(block_keys, start):
             cached_block_id = self.hash_to_block.get(block_hash)
             if cached_block_id is None:
                 block_id = seq.block_table[i]
@@ -228,6 +219,17 @@ class BlockManager:
                 return
             # NOTE: an equal block cached by another seq leaves ours unhashed; the chain goes on.
             hashes.append(block_hash)
+
+    def _block_keys(
+        self, token_ids: list[int], parent: int, start: int, stop: int
+    ) -> Iterator[tuple[tuple[int, tuple[int, ...]], int]]:
+        """(key, chained hash) of blocks start..stop-1 of `token_ids`; `parent` is the hash of
+        block start - 1 (ROOT_HASH for the first block)."""
+        bs = self.block_size
+        for i in range(start, stop):
+            key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+            parent = self.hash_fn(*key)
+            yield key, parent
 
     def _mirror(self, seq: Sequence, start: int) -> None:
         """Copy seq.block_table[start:] into its row of `tables`."""

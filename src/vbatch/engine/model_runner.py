@@ -323,7 +323,7 @@ class ModelRunner:
             logits = self.graph_runner.run(
                 inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows
             )
-            return self.sample(logits, sampling)
+            return self.sampler(logits, sampling)
         # NOTE: forward() itself: Module.__call__'s hook checks cost ~20 µs a step once a CPU
         # forward pass has evicted them from the caches, and nothing here registers hooks.
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
@@ -333,10 +333,6 @@ class ModelRunner:
         if sampling.is_plain_greedy:
             return SamplerOutput.of_token_ids(self.model.greedy_token_ids(hidden))
         logits = self.model.compute_logits(hidden, out=self._logits_buffer(len(sampling_seqs)))
-        return self.sample(logits, sampling)
-
-    def sample(self, logits: torch.Tensor, sampling: SamplingMetadata) -> SamplerOutput:
-        """One token per row of logits [num_rows, vocab_size], left on their device."""
         return self.sampler(logits, sampling)
 
     def _advance_native(self, host: HostBatch, token_ids: torch.Tensor) -> None:

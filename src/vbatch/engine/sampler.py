@@ -94,9 +94,7 @@ class SamplingMetadata:
             if (
                 p.temperature >= MIN_TEMPERATURE
                 or p.logprobs is not None
-                or p.repetition_penalty != 1.0
-                or p.presence_penalty != 0.0
-                or p.frequency_penalty != 0.0
+                or p.has_penalties
                 or (p.min_tokens > 0 and seq.num_output_tokens < p.min_tokens)
             ):
                 break
@@ -195,9 +193,7 @@ def _build_penalties(
     output_lists, prompt_lists = [], []
     for seq in seqs:
         p = seq.params
-        has_penalty = p.presence_penalty != 0 or p.frequency_penalty != 0
-        has_penalty |= p.repetition_penalty != 1
-        output_lists.append(seq.output_token_ids if has_penalty else [])
+        output_lists.append(seq.output_token_ids if p.has_penalties else [])
         prompt_lists.append(seq.prompt_token_ids if p.repetition_penalty != 1 else [])
     if not any(output_lists) and not any(prompt_lists):
         return None

@@ -546,9 +546,4 @@ class Scheduler:
 def _reads_output_tokens(seq: Sequence) -> bool:
     """Whether sampling for `seq` depends on its output so far (penalties, a min_tokens ban)."""
     params = seq.params
-    return (
-        params.presence_penalty != 0
-        or params.frequency_penalty != 0
-        or params.repetition_penalty != 1
-        or seq.num_output_tokens < params.min_tokens
-    )
+    return params.has_penalties or seq.num_output_tokens < params.min_tokens
