@@ -91,6 +91,14 @@ inline AttentionShape attention_shape(const at::Tensor& q, const at::Tensor& k_c
           q.stride(0), q.stride(1), row_stride, block_size * row_stride};
 }
 
+// How many positions query row `token` of sequence `seq` attends to: its sequence's cached
+// prefix and its own chunk up to and including itself.
+inline int64_t causal_context_len(int64_t token, int64_t seq, const int32_t* query_start_loc,
+                                  const int32_t* seq_lens) {
+  const int64_t query_len = query_start_loc[seq + 1] - query_start_loc[seq];
+  return seq_lens[seq] - query_len + (token - query_start_loc[seq]) + 1;
+}
+
 // Attends the query rows `tokens` one at a time; token_seq maps every row to its sequence.
 // scalar_t is q's and out's dtype; cache_t is the cache's: the same, or 16-bit under float32.
 template <typename scalar_t, typename cache_t>
@@ -121,9 +129,7 @@ void per_token_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
     for (int64_t i = 0; i < num_tokens; ++i) {
       const int64_t token = tokens[i];
       const int64_t seq = token_seq[token];
-      const int64_t query_len = query_start_loc[seq + 1] - query_start_loc[seq];
-      const int64_t context_len =
-          seq_lens[seq] - query_len + (token - query_start_loc[seq]) + 1;
+      const int64_t context_len = causal_context_len(token, seq, query_start_loc, seq_lens);
       const int32_t* block_table = block_tables + seq * max_num_blocks;
 
       for (int64_t h = 0; h < num_heads; ++h) {
@@ -360,9 +366,7 @@ void two_phase_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
     for (int64_t i = 0; i < num_tokens; ++i) {
       const int64_t token = tokens[i];
       const int64_t seq = token_seq[token];
-      const int64_t query_len = query_start_loc[seq + 1] - query_start_loc[seq];
-      const int64_t context_len =
-          seq_lens[seq] - query_len + (token - query_start_loc[seq]) + 1;
+      const int64_t context_len = causal_context_len(token, seq, query_start_loc, seq_lens);
       const int32_t* block_table = block_tables + seq * max_num_blocks;
       // The step at `pos`: the cache offset of its first row; its rows, all in one block.
       auto step_at = [&](int64_t pos, int64_t* num_rows) {
