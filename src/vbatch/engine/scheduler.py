@@ -1,5 +1,5 @@
 """Scheduler: picks each step's batch under a token budget, preempts when KV blocks run out, and
-applies sampled tokens and finish rules (torch-free)."""
+keeps the waiting and running queues as steps are applied (torch-free)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from vbatch.engine.applier import StepApplier
 from vbatch.engine.block_manager import BlockManager
+from vbatch.engine.prefill_claims import PrefillClaims
 from vbatch.engine.sequence import Sequence, SequenceStatus
-from vbatch.engine.steps import DecodeRun, SchedulerOutput, StepUpdate
+from vbatch.engine.steps import SchedulerOutput, StepUpdate
 from vbatch.protocol import FinishReason, SchedulerStats, TokenLogprobs
 from vbatch.sampling_params import SamplingParams
 
@@ -40,11 +42,12 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        # NOTE: with prefix caching, the hash of each prompt block a running seq is computing and
-        # not yet caching -> that seq; a waiting seq whose next uncached block is one of them waits
-        # (and the queue behind it, FCFS) to reuse the block instead of computing it again.
-        self._prefilling: dict[int, Sequence] = {}
-        self._prefill_hashes: dict[int, list[int]] = {}  # seq_id -> its keys in _prefilling
+        # NOTE: with prefix caching, a waiting seq whose next uncached prompt block a running seq
+        # is computing waits (and the queue behind it, FCFS) to reuse the block from the cache.
+        self._claims = PrefillClaims(self.block_manager)
+        self._applier = StepApplier(
+            self.block_manager, self._claims, self.eos_token_ids, config.enable_prefix_caching
+        )
         # NOTE: set by a decode-only update() that every running seq took part in: each then has
         # one uncomputed token, and these (in running order) need a new block for it.
         self._decode_crossing: list[Sequence] | None = None
@@ -53,13 +56,17 @@ class Scheduler:
         self._continuable_step = -1
         # NOTE: a step continuing the last output has its seqs, token counts and block rows.
         self._last_output: SchedulerOutput | None = None
-        # NOTE: set while updates apply continuing decode steps through it; step_id is the last.
-        self._run: DecodeRun | None = None
         self.num_preemptions = 0
         self.num_steps = 0
         self.num_scheduled_tokens = 0
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self._applier.num_prompt_tokens
+
+    @property
+    def num_generation_tokens(self) -> int:
+        return self._applier.num_generation_tokens
 
     @property
     def num_running(self) -> int:
@@ -203,177 +210,24 @@ class Scheduler:
         logprobs: list[TokenLogprobs | None] | None = None,
     ) -> StepUpdate:
         """Apply one step: `sampled_token_ids` align with out's sampling seqs, in batch order."""
-        if out.continues_step != -1:
-            update = self._apply_run(out, sampled_token_ids, logprobs)
-            if update is not None:
-                return update
-        self._run = None
-        finished: list[Sequence] = []
-        started: list[Sequence] = []
-        dropped: list[int] = []  # indices into sampled_token_ids of seqs aborted after schedule()
-        crossing: list[Sequence] = []
-        is_decode_only = len(sampled_token_ids) == len(out.seqs) == out.num_batched_tokens
-        if is_decode_only:
-            seqs = self._apply_decodes(
-                out.seqs, sampled_token_ids, finished, started, dropped, crossing
-            )
-        else:
-            seqs = self._apply_mixed(out, sampled_token_ids, finished, started, dropped)
-        self.num_generation_tokens += len(seqs)
-        if dropped:
-            is_dropped = set(dropped)
-            kept = [k for k in range(len(sampled_token_ids)) if k not in is_dropped]
-            sampled_token_ids = [sampled_token_ids[k] for k in kept]
-            if logprobs is not None:
-                logprobs = [logprobs[k] for k in kept]
-        if finished:
-            for seq in finished:
-                self._forget(seq)
+        applied = self._applier.apply(out, sampled_token_ids, logprobs, len(self.running))
+        update = applied.update
+        if update.finished:
             self.running = [seq for seq in self.running if seq.finish_reason is None]
-            crossing = [seq for seq in crossing if seq.finish_reason is None]
-        # NOTE: out.seqs are running seqs, so with none aborted, equal counts mean every running
-        # seq took part.
-        is_every_seq_decoding = (
-            is_decode_only and not dropped and len(self.running) == len(seqs) - len(finished)
-        )
-        self._decode_crossing = crossing if is_every_seq_decoding else None
-        self._continuable_step = out.step_id if is_every_seq_decoding and not finished else -1
-        return StepUpdate(seqs, sampled_token_ids, logprobs, finished, started)
-
-    def _apply_run(
-        self,
-        out: SchedulerOutput,
-        sampled_token_ids: list[int],
-        logprobs: list[TokenLogprobs | None] | None,
-    ) -> StepUpdate | None:
-        """update() for a decode step that continues the last one, through the DecodeRun; None
-        when the general path must apply it (a token may finish a seq, or a seq was aborted)."""
-        # NOTE: the decode steady state at its cheapest: one append per seq, no other per-seq
-        # work; started seqs and prefill claims cannot occur in a continuing step.
-        run = self._run
-        if run is None or run.step_id != out.continues_step:
-            seqs = out.seqs
-            if any(seq.finish_reason is not None for seq in seqs):
-                return None
-            run = self._run = DecodeRun(seqs, self.config.block_size)
-        crossing = run.take(out.step_id, sampled_token_ids, self.config.block_size)
-        if crossing is None:
-            return None
-        if self.config.enable_prefix_caching:
-            for seq in crossing:
-                self.block_manager.cache_full_blocks(seq)
-        self.num_generation_tokens += len(sampled_token_ids)
-        self._decode_crossing = crossing
-        self._continuable_step = out.step_id
-        return StepUpdate(out.seqs, sampled_token_ids, logprobs, [], [])
-
-    def _apply_decodes(
-        self,
-        seqs: list[Sequence],
-        sampled_token_ids: list[int],
-        finished: list[Sequence],
-        started: list[Sequence],
-        dropped: list[int],
-        crossing: list[Sequence],
-    ) -> list[Sequence]:
-        """update() for a step in which every seq computed one token and sampled; returns the
-        seqs that took their token and adds to `crossing` those whose next token opens a block."""
-        # NOTE: the decode steady state, so the per-seq work is cut to what one token can change.
-        block_size = self.config.block_size
-        is_caching = self.config.enable_prefix_caching
-        is_any_aborted = False
-        for seq, token_id in zip(seqs, sampled_token_ids):
-            if seq.finish_reason is not None:
-                is_any_aborted = True
-                continue
-            token_ids = seq.token_ids
-            num_computed = len(token_ids)
-            # NOTE: the seq computed one token and takes one, so its num_computed_tokens (derived
-            # from num_uncomputed_tokens, 1 before and after) grows with this append alone.
-            token_ids.append(token_id)
-            if num_computed <= seq.num_prompt_tokens:
-                self.num_prompt_tokens += 1
-                started.append(seq)
-                self._release_prefill(seq)
-            if num_computed % block_size == 0:
-                crossing.append(seq)
-                if is_caching:
-                    self.block_manager.cache_full_blocks(seq)
-            if (
-                token_id in seq.finish_token_ids or len(token_ids) >= seq.max_num_tokens
-            ) and self._check_finish(seq, token_id):
-                finished.append(seq)
-        if not is_any_aborted:
-            return seqs
-        # NOTE: aborted after schedule() (finished ones this step have a token); theirs is dropped.
-        is_finished_now = {id(seq) for seq in finished}
-        kept: list[Sequence] = []
-        for k, seq in enumerate(seqs):
-            if seq.finish_reason is None or id(seq) in is_finished_now:
-                kept.append(seq)
-            else:
-                dropped.append(k)
-        return kept
-
-    def _apply_mixed(
-        self,
-        out: SchedulerOutput,
-        sampled_token_ids: list[int],
-        finished: list[Sequence],
-        started: list[Sequence],
-        dropped: list[int],
-    ) -> list[Sequence]:
-        """update() for any step; returns the seqs that took a sampled token."""
-        block_size = self.config.block_size
-        is_caching = self.config.enable_prefix_caching
-        seqs: list[Sequence] = []
-        j = 0
-        for seq, num_new, is_sampling in zip(
-            out.seqs, out.num_new_tokens, out.sampling_mask, strict=True
-        ):
-            if seq.finish_reason is not None:
-                # NOTE: aborted after schedule(); its sampled token (if any) is dropped.
-                if is_sampling:
-                    dropped.append(j)
-                    j += 1
-                continue
-            old = seq.num_computed_tokens
-            new = old + num_new
-            seq.num_uncomputed_tokens -= num_new
-            if is_caching and new // block_size > old // block_size:
-                self.block_manager.cache_full_blocks(seq)
-            num_prompt_tokens = seq.num_prompt_tokens
-            if old < num_prompt_tokens:
-                self.num_prompt_tokens += min(new, num_prompt_tokens) - old
-                if new >= num_prompt_tokens:
-                    self._release_prefill(seq)
-                if not is_sampling:
-                    continue
-                started.append(seq)
-            elif not is_sampling:
-                continue
-            token_id = sampled_token_ids[j]
-            j += 1
-            seq.append_token(token_id)
-            token_ids = seq.token_ids
-            seqs.append(seq)
-            # NOTE: most tokens finish nothing; the full rules run only when one may apply.
-            if (
-                token_id in seq.finish_token_ids or len(token_ids) >= seq.max_num_tokens
-            ) and self._check_finish(seq, token_id):
-                finished.append(seq)
-        assert j == len(sampled_token_ids), "one sampled token per sampling seq"
-        return seqs
+        self._decode_crossing = applied.crossing
+        is_continuable = applied.crossing is not None and not update.finished
+        self._continuable_step = out.step_id if is_continuable else -1
+        return update
 
     def abort(self, seqs: Iterable[Sequence]) -> None:
         """Finish these seqs with ABORT, waiting or running; finished ones are left alone."""
         aborted = [seq for seq in seqs if seq.finish_reason is None]
-        self._run = None
+        self._applier.end_run()
         self._decode_crossing = None
         self._continuable_step = -1
         for seq in aborted:
-            self._finish(seq, FinishReason.ABORT)
-            self._forget(seq)
+            seq.finish(FinishReason.ABORT)
+            self._applier.forget(seq)
         if aborted:
             self.waiting = deque(seq for seq in self.waiting if seq.finish_reason is None)
             self.running = [seq for seq in self.running if seq.finish_reason is None]
@@ -461,7 +315,7 @@ class Scheduler:
         while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = waiting[0]
             cached_blocks = block_manager.match_prefix(seq)
-            if self._prefilling and self._is_prefix_being_computed(seq, cached_blocks):
+            if self._claims.is_computing_next(seq, cached_blocks):
                 break
             num_uncomputed = seq.num_tokens - len(cached_blocks) * block_size
             num_new = num_uncomputed if num_uncomputed < budget else budget
@@ -472,35 +326,12 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if is_sharing_prompts:
-                self._claim_prefill(seq, cached_blocks)
+                self._claims.claim(seq, cached_blocks)
             seqs.append(seq)
             num_new_tokens.append(num_new)
             sampling_mask.append(num_new == num_uncomputed)
             budget -= num_new
         return budget
-
-    def _is_prefix_being_computed(self, seq: Sequence, cached_blocks: list[int]) -> bool:
-        """Whether another running seq is computing the block after `seq`'s cached ones."""
-        # NOTE: so the samples of one request, and requests sharing a system prompt, compute
-        # it once: the first admitted computes it, the others wait a step and hit the cache.
-        next_hashes = self.block_manager.uncached_prompt_hashes(seq, cached_blocks, limit=1)
-        owner = self._prefilling.get(next_hashes[0]) if next_hashes else None
-        return owner is not None and owner is not seq
-
-    def _claim_prefill(self, seq: Sequence, cached_blocks: list[int]) -> None:
-        claimed = [
-            block_hash
-            for block_hash in self.block_manager.uncached_prompt_hashes(seq, cached_blocks)
-            if self._prefilling.setdefault(block_hash, seq) is seq
-        ]
-        if claimed:
-            self._prefill_hashes[seq.seq_id] = claimed
-
-    def _release_prefill(self, seq: Sequence) -> None:
-        """Drop `seq`'s claims: its prompt is computed (so cached), or it left the running set."""
-        if self._prefill_hashes:
-            for block_hash in self._prefill_hashes.pop(seq.seq_id, ()):
-                del self._prefilling[block_hash]
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -508,39 +339,8 @@ class Scheduler:
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self._release_prefill(seq)
+        self._claims.release(seq)
         self.num_preemptions += 1
-
-    def _check_finish(self, seq: Sequence, token_id: int) -> bool:
-        """Finish `seq` if its newest token `token_id` ends it; True if it did."""
-        params = seq.params
-        num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
-        # NOTE: EOS and stop ids count only after min_tokens other tokens, so the earliest stop is
-        # output token min_tokens + 1; this matches the sampler, which bans them until then.
-        if num_output_tokens > params.min_tokens:
-            if token_id in self.eos_token_ids and not params.ignore_eos:
-                self._finish(seq, FinishReason.STOP)
-                return True
-            if token_id in params.stop_token_ids:
-                self._finish(seq, FinishReason.STOP, token_id)
-                return True
-        if (
-            num_output_tokens >= params.max_tokens
-            or len(seq.token_ids) >= self.config.max_model_len
-        ):
-            self._finish(seq, FinishReason.LENGTH)
-            return True
-        return False
-
-    def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | None = None) -> None:
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        seq.stop_reason = stop_reason
-
-    def _forget(self, seq: Sequence) -> None:
-        """Drop a finished seq's blocks and bookkeeping."""
-        self.block_manager.free(seq)
-        self._release_prefill(seq)
 
 
 def _reads_output_tokens(seq: Sequence) -> bool:

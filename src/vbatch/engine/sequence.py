@@ -110,3 +110,25 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.num_uncomputed_tokens += 1
+
+    def finish(self, reason: FinishReason, stop_reason: int | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def finish_on(self, token_id: int, eos_token_ids: frozenset[int]) -> bool:
+        """Finish if the newest token, `token_id`, ends this sample; True if it did."""
+        params = self.params
+        # NOTE: EOS and stop ids count only after min_tokens other tokens, so the earliest stop is
+        # output token min_tokens + 1; this matches the sampler, which bans them until then.
+        if len(self.token_ids) - self.num_prompt_tokens > params.min_tokens:
+            if token_id in eos_token_ids and not params.ignore_eos:
+                self.finish(FinishReason.STOP)
+                return True
+            if token_id in params.stop_token_ids:
+                self.finish(FinishReason.STOP, token_id)
+                return True
+        if len(self.token_ids) >= self.max_num_tokens:
+            self.finish(FinishReason.LENGTH)
+            return True
+        return False

@@ -1,0 +1,66 @@
+"""Tests for StepApplier on a real BlockManager: aborted seqs' tokens are dropped, finished seqs
+are freed, and a continuing decode step goes through the DecodeRun."""
+
+from vbatch.engine.applier import StepApplier
+from vbatch.engine.block_manager import BlockManager
+from vbatch.engine.prefill_claims import PrefillClaims
+from vbatch.engine.sequence import Sequence
+from vbatch.engine.steps import SchedulerOutput
+from vbatch.protocol import FinishReason, TokenLogprobs
+from vbatch.sampling_params import SamplingParams
+
+EOS = 2
+
+
+def decoding(manager: BlockManager, prompts: list[list[int]], **params: object) -> list[Sequence]:
+    """Seqs with their prompts computed but the last token, as after a chunked prefill."""
+    seqs = []
+    for prompt in prompts:
+        seq = Sequence("r", prompt, SamplingParams(**params))
+        manager.allocate(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        seq.max_num_tokens = seq.num_prompt_tokens + seq.params.max_tokens
+        seq.finish_token_ids = frozenset({EOS})
+        seqs.append(seq)
+    return seqs
+
+
+def make_applier(manager: BlockManager) -> StepApplier:
+    return StepApplier(manager, PrefillClaims(manager), frozenset({EOS}), True)
+
+
+def test_a_seq_aborted_after_planning_loses_its_token_and_logprob() -> None:
+    manager = BlockManager(32, 4)
+    applier = make_applier(manager)
+    a, b, c = decoding(manager, [[5, 6, 7, 8, 9], [5, 6, 7], [11, 12]], max_tokens=8)
+    out = SchedulerOutput([a, b, c], [1, 1, 1])
+    b.finish(FinishReason.ABORT)
+    logprobs = [TokenLogprobs(-float(k), [], []) for k in range(3)]
+    applied = applier.apply(out, [20, 21, EOS], logprobs, num_running=3)
+    update = applied.update
+    assert update.seqs == [a, c] and update.token_ids == [20, EOS]
+    assert update.logprobs == [logprobs[0], logprobs[2]]
+    assert update.finished == [c] and c.finish_reason == FinishReason.STOP
+    assert c.block_row == -1 and not c.block_table, "a finished seq is freed"
+    assert applied.crossing is None, "a seq left the step"
+    assert applier.num_generation_tokens == 2
+
+
+def test_continuing_decode_steps_report_the_seqs_that_open_a_block() -> None:
+    manager = BlockManager(32, 4)
+    applier = make_applier(manager)
+    a, b = decoding(manager, [[5, 6, 7], [5, 6, 7, 8, 9, 10]], max_tokens=20)
+    first = SchedulerOutput([a, b], [1, 1])
+    applied = applier.apply(first, [30, 31], None, num_running=2)
+    assert applied.crossing == [] and a.num_tokens == 4
+    assert applied.update.started == [a, b], "their last prompt token was computed"
+    second = SchedulerOutput([a, b], [1, 1], continues_step=first.step_id)
+    applied = applier.apply(second, [32, 33], None, num_running=2)
+    assert applied.crossing == [a], "a's new token is its 5th, to be computed in a new block"
+    assert a.token_ids[-2:] == [30, 32] and b.num_tokens == 8
+    third = SchedulerOutput([a, b], [1, 1], continues_step=second.step_id)
+    assert applier.apply(third, [34, 35], None, num_running=2).crossing == [b]
+    fourth = SchedulerOutput([a, b], [1, 1], continues_step=third.step_id)
+    applied = applier.apply(fourth, [EOS, 36], None, num_running=3)
+    assert applied.update.finished == [a] and applied.crossing is None
+    assert applier.num_generation_tokens == 8 and applier.num_prompt_tokens == 2
