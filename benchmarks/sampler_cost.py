@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from vbatch.engine.sampler import Sampler, SamplingMetadata
+from vbatch.engine.sampler import Sampler
+from vbatch.engine.sampling_metadata import SamplingMetadata
 from vbatch.engine.sequence import Sequence
 from vbatch.sampling_params import SamplingParams
 

@@ -19,7 +19,8 @@ from vbatch.engine.input_batch import (
     advance_host_arrays,
     build_host_batch,
 )
-from vbatch.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, free_generators
+from vbatch.engine.sampler import Sampler, SamplerOutput
+from vbatch.engine.sampling_metadata import SamplingMetadata, free_generators
 from vbatch.engine.sequence import Sequence
 from vbatch.engine.steps import SchedulerOutput
 from vbatch.errors import ConfigError

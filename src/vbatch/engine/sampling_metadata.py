@@ -1,0 +1,232 @@
+"""SamplingMetadata: one step's sampling inputs built on the host and sent to the logits' device
+(penalties, min_tokens bans, temperatures, top-k/top-p/min-p, seeded draws, logprob rows)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from vbatch.engine.sequence import Sequence
+
+# NOTE: top-p first looks for each row's nucleus among this many top tokens; the sampler retries
+# rows whose nucleus is wider (see CANDIDATE_GROWTH there), so the result is exact.
+NUM_CANDIDATES = 128
+# NOTE: temperatures below this sample greedily, as in vLLM: the rest differs only on near-ties.
+MIN_TEMPERATURE = 1e-5
+
+
+@dataclass
+class Penalties:
+    """Penalty terms at the (row, token) pairs a penalised row has seen; other logits are kept."""
+
+    keys: torch.Tensor  # [m] int64, unique: row * vocab_size + token id
+    repetition: torch.Tensor  # [m] the row's repetition penalty (prompt and output tokens)
+    subtract: torch.Tensor  # [m] frequency * output count + presence * (output count > 0)
+
+
+@dataclass
+class SamplingMetadata:
+    """One step's sampling inputs, one row per sampling sequence, on the logits' device.
+
+    Invariants: an optional field is None (a list field empty) exactly when no row needs it, so
+    the sampler skips that transform; greedy rows (temperature < MIN_TEMPERATURE) get temperature
+    1 and top_k 1 and draw nothing from their generator; `uniforms` holds one draw per row, a
+    seeded row's from its own generator. Every tensor was built on the host and sent without
+    waiting, so building never waits for the device.
+    """
+
+    num_rows: int
+    vocab_size: int
+    logprob_rows_cpu: list[int] = field(default_factory=list)  # rows that asked for logprobs
+    num_logprobs: list[int] = field(default_factory=list)  # top logprobs per logprob row
+    logprob_rows: torch.Tensor | None = None  # [m] int64, logprob_rows_cpu on device
+    penalties: Penalties | None = None
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) by min_tokens
+    is_all_greedy: bool = True
+    temperature: torch.Tensor | None = None  # [n, 1]; None when all greedy
+    uniforms: torch.Tensor | None = None  # [n] in [0, 1); None when all greedy
+    top_k: torch.Tensor | None = None  # [n, 1] int64, vocab_size if off; None: no row limited
+    top_p: torch.Tensor | None = None  # [n, 1], 1.0 where disabled
+    min_p: torch.Tensor | None = None  # [n, 1], 0 where disabled
+    restricted_rows: torch.Tensor | None = None  # rows top-k/top-p/greedy limit; None: all
+    unrestricted_rows: torch.Tensor | None = None  # the other rows; None: no row
+    num_candidates: int = 0  # width of the first top-k candidate set
+    needs_full_mass: bool = False  # a top-p row without top-k: its mass spans the whole vocab
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Every row takes the raw argmax: greedy, no penalties, bans or logprobs."""
+        return (
+            self.is_all_greedy
+            and self.penalties is None
+            and self.banned is None
+            and self.logprob_rows is None
+        )
+
+    @classmethod
+    def build(
+        cls,
+        seqs: list[Sequence],
+        device: torch.device,
+        vocab_size: int,
+        generators: dict[int, torch.Generator],
+        eos_token_ids: Collection[int] = (),
+    ) -> SamplingMetadata:
+        """Metadata for `seqs` in logits row order; draws this step's seeded uniforms.
+
+        `generators` (seq_id -> CPU generator) persists across steps; missing ones are created
+        from `seed + seq.index`. `eos_token_ids` are barred, with each row's stop_token_ids,
+        until the row has min_tokens output tokens.
+        """
+        n = len(seqs)
+        assert n > 0
+        # NOTE: one pass settles the common batch (greedy, nothing else): a few hundred ns a seq.
+        for seq in seqs:
+            p = seq.params
+            if (
+                p.temperature >= MIN_TEMPERATURE
+                or p.logprobs is not None
+                or p.has_penalties
+                or (p.min_tokens > 0 and seq.num_output_tokens < p.min_tokens)
+            ):
+                break
+        else:
+            return cls(num_rows=n, vocab_size=vocab_size)
+        logprob_rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        meta = cls(
+            num_rows=n,
+            vocab_size=vocab_size,
+            logprob_rows_cpu=logprob_rows,
+            num_logprobs=[k for seq in seqs if (k := seq.params.logprobs) is not None],
+            logprob_rows=to_device(torch.tensor(logprob_rows), device) if logprob_rows else None,
+            penalties=_build_penalties(seqs, device, vocab_size),
+            banned=_build_banned(seqs, device, eos_token_ids),
+        )
+        is_greedy = [seq.params.temperature < MIN_TEMPERATURE for seq in seqs]
+        meta.is_all_greedy = all(is_greedy)
+        if meta.is_all_greedy:
+            return meta
+        uniforms = torch.rand(n)
+        row_params = []  # (temperature, top_k, top_p, min_p); greedy rows sample top-1
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if is_greedy[i]:
+                row_params.append((1.0, 1, 1.0, 0.0))
+                continue
+            top_k = p.top_k if 0 < p.top_k < vocab_size else vocab_size
+            row_params.append((p.temperature, top_k, p.top_p, p.min_p))
+            if p.seed is not None:
+                gen = generators.get(seq.seq_id)
+                if gen is None:
+                    gen = torch.Generator().manual_seed((p.seed + seq.index) % 2**64)
+                    generators[seq.seq_id] = gen
+                uniforms[i] = torch.rand((), generator=gen)
+        temperature, top_k, top_p, min_p = (list(values) for values in zip(*row_params))
+
+        def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+            return to_device(torch.tensor(values, dtype=dtype).view(n, 1), device)
+
+        def indices(flags: list[bool]) -> torch.Tensor:
+            return to_device(torch.tensor([i for i, flag in enumerate(flags) if flag]), device)
+
+        meta.temperature = column(temperature, torch.float32)
+        meta.uniforms = to_device(uniforms, device)
+        if max(min_p) > 0.0:
+            meta.min_p = column(min_p, torch.float32)
+        restricted = [k < vocab_size or q < 1.0 for k, q in zip(top_k, top_p, strict=True)]
+        if not any(restricted):
+            return meta
+        meta.top_k = column(top_k, torch.int64)
+        if not all(restricted):
+            meta.restricted_rows = indices(restricted)
+            meta.unrestricted_rows = indices([not r for r in restricted])
+        max_top_k = max((k for k in top_k if k < vocab_size), default=0)
+        no_top_k = [q < 1.0 and k >= vocab_size for k, q in zip(top_k, top_p, strict=True)]
+        meta.num_candidates = min(
+            vocab_size, max(NUM_CANDIDATES if any(no_top_k) else 0, max_top_k)
+        )
+        if min(top_p) < 1.0:
+            meta.top_p = column(top_p, torch.float32)
+            meta.needs_full_mass = any(no_top_k)
+        return meta
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device`; to a GPU through pinned memory, queued without waiting for the copy."""
+    if device.type == "cpu":
+        return host
+    # NOTE: torch's pinned-memory cache keeps the block until the queued copy has read it.
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of `tensors` (all on one device); from a GPU with a single wait for them all."""
+    if tensors[0].device.type == "cpu":
+        return tensors
+    hosts = [
+        torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+        for t in tensors
+    ]
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return hosts
+
+
+def free_generators(generators: dict[int, torch.Generator], seq_ids: Iterable[int]) -> None:
+    """Forget the generators of finished sequences."""
+    for seq_id in seq_ids:
+        generators.pop(seq_id, None)
+
+
+def _build_penalties(
+    seqs: list[Sequence], device: torch.device, vocab_size: int
+) -> Penalties | None:
+    # NOTE: sparse over the tokens each row has seen, not dense [n, vocab]: cost follows the
+    # number of tokens, not batch * vocab.
+    output_lists, prompt_lists = [], []
+    for seq in seqs:
+        p = seq.params
+        output_lists.append(seq.output_token_ids if p.has_penalties else [])
+        prompt_lists.append(seq.prompt_token_ids if p.repetition_penalty != 1 else [])
+    if not any(output_lists) and not any(prompt_lists):
+        return None
+
+    def flat_keys(token_lists: list[list[int]]) -> torch.Tensor:
+        ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64)
+        lengths = torch.tensor([len(ids) for ids in token_lists])
+        return ids + torch.arange(len(seqs)).mul_(vocab_size).repeat_interleave(lengths)
+
+    output_keys = flat_keys(output_lists)
+    prompt_keys = flat_keys(prompt_lists)
+    keys = torch.unique(torch.cat([output_keys, prompt_keys]))  # sorted
+    counts = torch.zeros(len(keys)).scatter_add_(
+        0, torch.searchsorted(keys, output_keys), torch.ones(len(output_keys))
+    )
+    row_values = torch.tensor(
+        [
+            [s.params.repetition_penalty, s.params.frequency_penalty, s.params.presence_penalty]
+            for s in seqs
+        ]
+    )[keys // vocab_size]  # [m, 3]
+    subtract = row_values[:, 1] * counts + row_values[:, 2] * (counts > 0)
+    return Penalties(
+        to_device(keys, device), to_device(row_values[:, 0], device), to_device(subtract, device)
+    )
+
+
+def _build_banned(
+    seqs: list[Sequence], device: torch.device, eos_token_ids: Collection[int]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    token_ids: list[int] = []
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if seq.num_output_tokens < p.min_tokens:
+            ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            rows.extend([i] * len(ids))
+            token_ids.extend(ids)
+    if not rows:
+        return None
+    return to_device(torch.tensor(rows), device), to_device(torch.tensor(token_ids), device)
