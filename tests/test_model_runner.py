@@ -1,4 +1,4 @@
-"""Tests for ModelRunner: device and dtype choice, step batch building, and the CUDA path."""
+"""Tests for ModelRunner: step batch building, 16-bit KV caches, and the CUDA path."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vbatch.config import EngineConfig
-from vbatch.engine.model_runner import ModelRunner, select_device, select_dtype
+from vbatch.engine.model_runner import ModelRunner
 from vbatch.engine.sequence import Sequence
 from vbatch.engine.steps import SchedulerOutput
 from vbatch.errors import ConfigError
@@ -40,20 +40,6 @@ def mixed_batch() -> SchedulerOutput:
     last_chunk = make_seq([11, 12, 13, 14, 15], 2, [7, 1])
     first_chunk = make_seq(list(range(20, 30)), 0, [4])
     return SchedulerOutput([decode, last_chunk, first_chunk], [1, 3, 4])
-
-
-def test_auto_dtype_is_float32_on_cpu() -> None:
-    # NOTE: bf16 matmul on a CPU without bf16 units is 50-400x slower than fp32.
-    assert select_dtype("auto", torch.device("cpu")) == torch.float32
-    assert select_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
-    assert select_dtype("float32", torch.device("cpu")) == torch.float32
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
-def test_cuda_without_a_device_is_a_config_error() -> None:
-    assert select_device("auto") == torch.device("cpu")
-    with pytest.raises(ConfigError, match="no CUDA device"):
-        select_device("cuda")
 
 
 def test_prepare_builds_flat_batch(tiny_model_dir: Path) -> None:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import psutil
 import torch
 
 from vbatch.config import EngineConfig
@@ -19,11 +17,18 @@ from vbatch.engine.input_batch import (
     advance_host_arrays,
     build_host_batch,
 )
+from vbatch.engine.kv_cache import (
+    allocate_kv_cache,
+    count_kv_blocks,
+    kv_block_bytes,
+    select_device,
+    select_dtype,
+    select_kv_cache_dtype,
+)
 from vbatch.engine.sampler import Sampler, SamplerOutput
 from vbatch.engine.sampling_metadata import SamplingMetadata, free_generators
 from vbatch.engine.sequence import Sequence
 from vbatch.engine.steps import SchedulerOutput
-from vbatch.errors import ConfigError
 from vbatch.layers.attention import AttentionMetadata, get_attention_backend
 from vbatch.layers.greedy_screen import can_use_greedy_screen
 from vbatch.layers.native import has_fused_ops
@@ -31,28 +36,6 @@ from vbatch.models.config import ModelConfig
 from vbatch.models.llama import load_model
 from vbatch.models.loader import ResolvedModel
 from vbatch.protocol import TokenLogprobs
-
-logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_CPU_KV_CACHE_GB = 2.0
-
-
-def select_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device 'cuda' was asked for, but torch sees no CUDA device")
-    return torch.device(name)
-
-
-def select_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto` is float32 on CPU (bf16 matmul is emulated and far slower there), bf16 on CUDA."""
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
 
 
 @dataclass
@@ -88,17 +71,7 @@ class ModelRunner:
         self.model_config = model_config
         self.device = select_device(config.device)
         self.dtype = select_dtype(config.dtype, self.device)
-        self.kv_cache_dtype = (
-            self.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
-        )
-        # NOTE: only the CPU kernels widen a 16-bit cache under float32 activations.
-        if self.kv_cache_dtype != self.dtype and (
-            self.device.type != "cpu" or self.dtype != torch.float32
-        ):
-            raise ConfigError(
-                f"kv_cache_dtype {config.kv_cache_dtype} differs from the model dtype "
-                f"{str(self.dtype).removeprefix('torch.')}, which needs a float32 model on CPU"
-            )
+        self.kv_cache_dtype = select_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.block_size = config.block_size
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -116,24 +89,19 @@ class ModelRunner:
         if config.greedy_screen and can_use_greedy_screen(self.device, self.dtype):
             self.model.enable_greedy_screen()
         progress("sizing KV cache")
-        self.num_kv_blocks = self._num_kv_blocks()
+        self.block_bytes = kv_block_bytes(model_config, self.block_size, self.kv_cache_dtype)
+        self.num_kv_blocks = count_kv_blocks(config, self.device, self.block_bytes)
         self.pad_block = self.num_kv_blocks
-        shape = (
-            self.num_kv_blocks + 1,
-            self.block_size,
-            model_config.num_key_value_heads,
-            model_config.head_dim,
-        )
         # NOTE: the torch backend's padded decode gather reads slots past a context, which must
         # then be finite; the native ops never do, so their cache skips touching every page.
-        alloc = torch.zeros if self.attn_backend.name == "torch" else torch.empty
-        self.kv_caches = [
-            (
-                alloc(shape, dtype=self.kv_cache_dtype, device=self.device),
-                alloc(shape, dtype=self.kv_cache_dtype, device=self.device),
-            )
-            for _ in range(model_config.num_hidden_layers)
-        ]
+        self.kv_caches = allocate_kv_cache(
+            model_config,
+            self.num_kv_blocks + 1,
+            self.block_size,
+            self.kv_cache_dtype,
+            self.device,
+            zeroed=self.attn_backend.name == "torch",
+        )
         self.kv_cache_bytes = self.num_kv_blocks * self.block_bytes
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
@@ -176,35 +144,6 @@ class ModelRunner:
                 use_graphs=True,
             )
             self.graph_runner.capture()
-
-    @property
-    def block_bytes(self) -> int:
-        mc = self.model_config
-        elem = self.kv_cache_dtype.itemsize
-        return (
-            2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * elem
-        )
-
-    def _num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        if self.config.kv_cache_memory_gb is not None:
-            budget = self.config.kv_cache_memory_gb * 1024**3
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            # NOTE: keep 10% of the utilisation budget for activations and sampler buffers.
-            budget = (total * self.config.gpu_memory_utilization - used) * 0.9
-        else:
-            available = psutil.virtual_memory().available
-            budget = min(DEFAULT_CPU_KV_CACHE_GB * 1024**3, available * 0.25)
-        num_blocks = int(budget // self.block_bytes)
-        if num_blocks < 2:
-            raise ConfigError(
-                f"the KV-cache budget ({budget / 1024**2:.0f} MiB) holds fewer than 2 blocks of "
-                f"{self.block_bytes / 1024**2:.2f} MiB; raise --kv-cache-memory"
-            )
-        return num_blocks
 
     def _to_device(self, name: str, array: np.ndarray) -> torch.Tensor:
         """`array` on the runner's device: on CPU a view, reused while it is the same array; on
