@@ -26,7 +26,7 @@ def decoding(manager: BlockManager, prompts: list[list[int]], **params: object) 
 
 
 def make_applier(manager: BlockManager) -> StepApplier:
-    return StepApplier(manager, PrefillClaims(manager), frozenset({EOS}), True)
+    return StepApplier(manager, PrefillClaims(manager), frozenset({EOS}))
 
 
 def test_a_seq_aborted_after_planning_loses_its_token_and_logprob() -> None:

@@ -30,17 +30,13 @@ class StepApplier:
     """
 
     def __init__(
-        self,
-        block_manager: BlockManager,
-        claims: PrefillClaims,
-        eos_token_ids: frozenset[int],
-        enable_prefix_caching: bool,
+        self, block_manager: BlockManager, claims: PrefillClaims, eos_token_ids: frozenset[int]
     ) -> None:
         self.block_manager = block_manager
         self.claims = claims
         self.eos_token_ids = eos_token_ids
         self.block_size = block_manager.block_size
-        self.is_caching = enable_prefix_caching
+        self.is_caching = block_manager.enable_prefix_caching
         self._run: DecodeRun | None = None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0

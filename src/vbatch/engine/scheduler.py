@@ -45,9 +45,7 @@ class Scheduler:
         # NOTE: with prefix caching, a waiting seq whose next uncached prompt block a running seq
         # is computing waits (and the queue behind it, FCFS) to reuse the block from the cache.
         self._claims = PrefillClaims(self.block_manager)
-        self._applier = StepApplier(
-            self.block_manager, self._claims, self.eos_token_ids, config.enable_prefix_caching
-        )
+        self._applier = StepApplier(self.block_manager, self._claims, self.eos_token_ids)
         # NOTE: set by a decode-only update() that every running seq took part in: each then has
         # one uncomputed token, and these (in running order) need a new block for it.
         self._decode_crossing: list[Sequence] | None = None
