@@ -16,6 +16,7 @@ from vbatch.engine.input_batch import (
     DecodeBatch,
     GatheredBlockTables,
     HostBatch,
+    advance_host_arrays,
     build_host_batch,
 )
 from vbatch.engine.scheduler import Scheduler, SchedulerConfig
@@ -123,10 +124,17 @@ def advance_natively(host: HostBatch, token_ids: list[int]) -> None:
     )
 
 
-@pytest.mark.parametrize("advance_arrays", [None, advance_natively], ids=["numpy", "native"])
-def test_an_advanced_decode_batch_equals_a_fresh_build(
-    advance_arrays: AdvanceArrays | None,
-) -> None:
+def advance_in_numpy(host: HostBatch, token_ids: list[int]) -> None:
+    """DecodeBatch's array update as the model runner makes it without native ops: the arrays
+    move on, then the sampled ids become the input ids."""
+    advance_host_arrays(host, BLOCK_SIZE)
+    host.int64s[: host.num_tokens] = token_ids
+
+
+@pytest.mark.parametrize(
+    "advance_arrays", [advance_in_numpy, advance_natively], ids=["numpy", "native"]
+)
+def test_an_advanced_decode_batch_equals_a_fresh_build(advance_arrays: AdvanceArrays) -> None:
     """Through block crossings, finishes, an admission, an abort and preemptions (14 blocks)."""
     sched = Scheduler(
         SchedulerConfig(

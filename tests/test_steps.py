@@ -24,7 +24,7 @@ def test_take_appends_and_names_the_seqs_whose_next_token_opens_a_block() -> Non
     run = DecodeRun(seqs, BLOCK_SIZE)
     crossings = []
     for step in range(6):
-        crossing = run.take(step, [10 + step] * 3, BLOCK_SIZE)
+        crossing = run.take(step, [10 + step] * 3)
         assert crossing is not None
         crossings.append([seqs.index(seq) for seq in crossing])
         for seq in seqs:
@@ -39,10 +39,10 @@ def test_take_appends_and_names_the_seqs_whose_next_token_opens_a_block() -> Non
 def test_take_refuses_a_step_that_may_finish_a_seq_and_appends_nothing() -> None:
     seqs = [decoding_seq(4, 3, frozenset({2})), decoding_seq(6, 9, frozenset({2, 77}))]
     run = DecodeRun(seqs, BLOCK_SIZE)
-    assert run.take(0, [77, 5], BLOCK_SIZE) is None, "77 stops the second seq"
-    assert run.take(0, [5, 2], BLOCK_SIZE) is None, "2 is EOS"
+    assert run.take(0, [77, 5]) is None, "77 stops the second seq"
+    assert run.take(0, [5, 2]) is None, "2 is EOS"
     assert [seq.num_tokens for seq in seqs] == [4, 6]
-    assert run.take(0, [5, 5], BLOCK_SIZE) is not None
-    assert run.take(1, [5, 5], BLOCK_SIZE) is not None
-    assert run.take(2, [5, 5], BLOCK_SIZE) is None, "the first seq's third token ends it by length"
+    assert run.take(0, [5, 5]) is not None
+    assert run.take(1, [5, 5]) is not None
+    assert run.take(2, [5, 5]) is None, "the first seq's third token ends it by length"
     assert [seq.num_tokens for seq in seqs] == [6, 8] and run.step_id == 1

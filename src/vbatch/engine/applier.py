@@ -108,7 +108,7 @@ class StepApplier:
             if any(seq.finish_reason is not None for seq in seqs):
                 return None
             run = self._run = DecodeRun(seqs, self.block_size)
-        crossing = run.take(out.step_id, sampled_token_ids, self.block_size)
+        crossing = run.take(out.step_id, sampled_token_ids)
         if crossing is None:
             return None
         if self.is_caching:

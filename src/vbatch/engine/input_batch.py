@@ -96,14 +96,11 @@ class GatheredBlockTables:
 AdvanceArrays = Callable[[HostBatch, Any], None]
 
 
-def advance_host_arrays(host: HostBatch, block_size: int, token_ids: Any = None) -> None:
+def advance_host_arrays(host: HostBatch, block_size: int) -> None:
     """Move a decode batch's host arrays on by one token per row: positions and context lengths
-    + 1, every slot read from `host.block_tables`, and the input ids when `token_ids` is given
-    (a list or a CPU array of [num_seqs] ints)."""
+    + 1, every slot read from `host.block_tables`; the input ids are left to the caller."""
     n = host.num_tokens
     int64s = host.int64s
-    if token_ids is not None:
-        int64s[:n] = token_ids
     positions = int64s[n : 2 * n]
     positions += 1
     host.int32s[:n] += 1
@@ -117,10 +114,10 @@ class DecodeBatch:
     Invariants: when `host` is set it is the batch of output `step_id`, in which every seq
     computes one token and samples; `next_token_ids` is what that step sampled once the runner
     has recorded it, else None. `advance_arrays(host, next_token_ids)` moves the host arrays on
-    (advance_host_arrays when not given) once the block tables of the new step are in place.
+    (or the tensors viewing them) once the block tables of the new step are in place.
     """
 
-    def __init__(self, advance_arrays: AdvanceArrays | None = None) -> None:
+    def __init__(self, advance_arrays: AdvanceArrays) -> None:
         self.host: HostBatch | None = None
         self.step_id = -1
         self.next_token_ids: Any = None
@@ -163,10 +160,7 @@ class DecodeBatch:
             block_tables = out.block_tables[self.block_rows, :max_num_blocks]
             gathered.keep(out, block_tables)
         host.block_tables = block_tables
-        if self._advance_arrays is not None:
-            self._advance_arrays(host, token_ids)
-        else:
-            advance_host_arrays(host, block_size, token_ids)
+        self._advance_arrays(host, token_ids)
         return host
 
 

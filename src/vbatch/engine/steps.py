@@ -106,7 +106,7 @@ class DecodeRun:
         for row, length in enumerate(start_lengths):
             self.rows_by_offset[length % block_size].append(row)
 
-    def take(self, step_id: int, token_ids: list[int], block_size: int) -> list[Sequence] | None:
+    def take(self, step_id: int, token_ids: list[int]) -> list[Sequence] | None:
         """Append a step's tokens, one per seq, if none of them can finish a seq; returns the
         seqs whose next token opens a block, or None (nothing appended) if one might finish."""
         step = self.num_steps + 1
@@ -119,4 +119,5 @@ class DecodeRun:
         # NOTE: seq i computed position start + step - 1; its new token opens a block when the
         # step's length before the append, start + step - 1, is a multiple of block_size.
         seqs = self.seqs
-        return [seqs[row] for row in self.rows_by_offset[(1 - step) % block_size]]
+        rows_by_offset = self.rows_by_offset
+        return [seqs[row] for row in rows_by_offset[(1 - step) % len(rows_by_offset)]]
