@@ -115,3 +115,111 @@ def test_scan_parquet_reads_ids_without_duplicates(tmp_path: Path) -> None:
     pq.write_table(pa.table({"id": list(range(5000)), "prompt": ["p"] * 5000}), path)
     scan = scan_input(InputReader(path, None, ColumnOptions()), PARSER)
     assert (scan.num_rows, scan.id_kind, scan.duplicate) == (5000, "int", None)
+
+
+def _jsonl_bytes(num_rows: int) -> bytes:
+    return b"".join(orjson.dumps({"id": i, "prompt": f"p {i}"}) + b"\n" for i in range(num_rows))
+
+
+def _gzip_with_bad_deflate_data(data: bytes) -> bytes:
+    """The gzip of `data` with one byte flipped where zlib itself rejects the stream."""
+    import zlib
+
+    good = gzip.compress(data)
+    for position in range(10, len(good) - 8):
+        bad = bytearray(good)
+        bad[position] ^= 0xFF
+        try:
+            gzip.decompress(bytes(bad))
+        except zlib.error:
+            return bytes(bad)
+        except (OSError, EOFError):
+            continue
+    raise AssertionError("no single-byte corruption that zlib rejects")
+
+
+def _corrupt_input(kind: str, data: bytes) -> tuple[str, bytes]:
+    if kind == "gzip-deflate":
+        return ".jsonl.gz", _gzip_with_bad_deflate_data(data)
+    if kind == "gzip-truncated":
+        return ".jsonl.gz", gzip.compress(data)[:-100]
+    if kind == "gzip-not-gzip":
+        return ".jsonl.gz", data
+    zstandard = pytest.importorskip("zstandard")
+    # NOTE: with a checksum, as the zstd command writes by default.
+    compressed = zstandard.ZstdCompressor(write_checksum=True).compress(data)
+    if kind == "zstd-truncated":
+        return ".jsonl.zst", compressed[: len(compressed) // 2]
+    bad = bytearray(compressed)
+    for position in range(len(bad) // 2, len(bad) // 2 + 64):
+        bad[position] ^= 0x55
+    return ".jsonl.zst", bytes(bad)
+
+
+@pytest.mark.parametrize(
+    "kind", ["gzip-deflate", "gzip-truncated", "gzip-not-gzip", "zstd-corrupt", "zstd-truncated"]
+)
+def test_corrupt_or_truncated_compressed_input_is_one_clear_error(
+    tmp_path: Path, kind: str
+) -> None:
+    suffix, data = _corrupt_input(kind, _jsonl_bytes(3000))
+    path = tmp_path / f"in{suffix}"
+    path.write_bytes(data)
+    codec = suffix.rsplit(".", 1)[1].replace("gz", "gzip").replace("zst", "zstd")
+    with pytest.raises(InputError) as caught:
+        scan_input(InputReader(path, None, ColumnOptions()), PARSER)
+    message = str(caught.value)
+    assert f"cannot read {path}: its {codec} data is corrupt or truncated" in message
+    assert f"Check it with `{codec} -t`, and compress it again" in message
+    assert "\n" not in message
+
+
+def test_zstd_input_with_several_frames_is_read_whole(tmp_path: Path) -> None:
+    zstandard = pytest.importorskip("zstandard")
+    data = _jsonl_bytes(3000)
+    cut = data.index(b"\n", len(data) // 3) + 1
+    compressor = zstandard.ZstdCompressor()
+    path = tmp_path / "in.jsonl.zst"
+    path.write_bytes(compressor.compress(data[:cut]) + compressor.compress(data[cut:]))
+    stream = compressor.compressobj()
+    streamed = tmp_path / "streamed.jsonl.zst"
+    streamed.write_bytes(stream.compress(data) + stream.flush())
+    for source in (path, streamed):
+        rows = list(InputReader(source, None, ColumnOptions()).rows(PARSER))
+        assert [r.id for r in rows] == list(range(3000))
+
+
+def test_a_malformed_line_has_no_id_so_it_cannot_clash(tmp_path: Path) -> None:
+    path = write_jsonl(
+        tmp_path / "in.jsonl",
+        [
+            '{"id": 1, "prompt": "a"}',
+            '{"id": 0, "prompt": "b"',
+            "[1, 2]",
+            '{"id": 2, "prompt": "c"}',
+        ],
+    )
+    rows = list(InputReader(path, None, ColumnOptions()).rows(PARSER))
+    # NOTE: the malformed lines are rows 1 and 2, the very ids of two real rows.
+    assert [(r.index, r.id) for r in rows] == [(0, 1), (1, None), (2, None), (3, 2)]
+    assert rows[1].error is not None and "line 2: invalid JSON" in rows[1].error
+    assert rows[2].error == "line 3: expected a JSON object, got list"
+    assert scan_input(InputReader(path, None, ColumnOptions()), PARSER).duplicate is None
+
+
+def test_corrupt_parquet_page_is_one_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "in.parquet"
+    prompts = [f"prompt number {i} " * 5 for i in range(5000)]
+    table = pa.table({"id": range(5000), "prompt": prompts})
+    pq.write_table(table, path, row_group_size=1000, use_dictionary=False)
+    chunk = pq.ParquetFile(path).metadata.row_group(2).column(1)
+    middle = chunk.data_page_offset + chunk.total_compressed_size // 2
+    data = bytearray(path.read_bytes())
+    for position in range(middle, middle + 200):
+        data[position] ^= 0x5A
+    path.write_bytes(bytes(data))
+    reader = InputReader(path, None, ColumnOptions())
+    # NOTE: the id pre-pass reads only the id column, so the damage shows only when rows are read.
+    assert scan_input(reader, PARSER).num_rows == 5000
+    with pytest.raises(InputError, match=r"The Parquet file is corrupt or truncated; write it"):
+        list(reader.rows(PARSER))

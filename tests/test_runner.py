@@ -84,13 +84,15 @@ def test_jsonl_input_round_trip_with_error_rows(
         spec(tmp_path, input_path, output_name, tiny_model_dir), QUIET, llm_factory=shared_llm
     )
     assert outcome.exit_code == 0
-    # NOTE: a malformed line has no readable id; its input index stands in (int in JSONL).
-    rows = {str(r["id"]): r for r in read_output(tmp_path / output_name)}
-    assert set(rows) == {"p0", "m1", "o2", "e3", "e4", "e5", "e6", "p7", "8"}
+    # NOTE: a malformed line has no readable id, so its id is null (never a value that could
+    # clash with a real id); its index and the error's line number identify it.
+    rows = {r["id"] or f"#{r['index']}": r for r in read_output(tmp_path / output_name)}
+    assert set(rows) == {"p0", "m1", "o2", "e3", "e4", "e5", "e6", "p7", "#8"}
+    assert rows["#8"]["id"] is None
     errored = {i for i, r in rows.items() if r["finish_reason"] == "error"}
-    assert errored == {"e3", "e4", "e5", "e6", "p7", "8"}
+    assert errored == {"e3", "e4", "e5", "e6", "p7", "#8"}
     assert all(r["error"] is not None for i, r in rows.items() if i in errored)
-    assert "line 9: invalid JSON" in rows["8"]["error"]
+    assert "line 9: invalid JSON" in rows["#8"]["error"]
     assert rows["p7"]["error"].startswith("line 8: ") and rows["p7"]["prompt_tokens"] > 512
     assert rows["o2"]["completion_tokens"] == 2 and rows["p0"]["completion_tokens"] == 4
     assert rows["m1"]["finish_reason"] == "length" and isinstance(rows["m1"]["text"], str)

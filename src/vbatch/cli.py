@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
 
-from vbatch.errors import VbatchError
+from vbatch.errors import VbatchError, is_storage_failure, storage_error, unexpected_error
 
 app = typer.Typer(
     name="vbatch",
@@ -35,14 +37,29 @@ def _fail(message: str, exit_code: int = 1) -> None:
 
 
 def _guarded(fn: Callable[[], T]) -> T:
-    """Print a VbatchError as one clear message, without a traceback, and exit non-zero."""
+    """Print a VbatchError as one clear message, without a traceback, and exit non-zero. Any
+    other exception is shown the same way (as a storage failure, or as an unexpected error);
+    VBATCH_DEBUG=1 adds the traceback."""
     try:
         return fn()
     except VbatchError as e:
+        _show_traceback()
         _fail(str(e), e.exit_code)
     except KeyboardInterrupt:
         _fail("interrupted", 130)
+    except (typer.Exit, typer.Abort):
+        raise
+    except Exception as e:
+        _show_traceback()
+        if is_storage_failure(e):
+            _fail(str(storage_error(e, then="then run the same command again")))
+        _fail(unexpected_error(e))
     raise AssertionError("unreachable")
+
+
+def _show_traceback() -> None:
+    if os.environ.get("VBATCH_DEBUG", "") not in ("", "0"):
+        traceback.print_exc()
 
 
 def _finish(outcome: Any) -> None:

@@ -1,5 +1,8 @@
 """The VbatchError hierarchy: every error a user may see, printed without a traceback."""
 
+import errno
+from typing import TypeGuard
+
 
 class VbatchError(Exception):
     """Base of every user-facing error; the CLI prints it and exits non-zero."""
@@ -37,3 +40,58 @@ class InputError(VbatchError):
 
 class JobStateError(VbatchError):
     """The job directory is missing, corrupt, or does not match this run."""
+
+
+class StorageError(VbatchError):
+    """A job file could not be written or created: the disk is full, read-only, or not ours."""
+
+
+# NOTE: errno -> (what happened to PATH, what the user can do about it).
+_STORAGE_CAUSES = {
+    errno.ENOSPC: ("no space left on the device holding {path}", "free some space there"),
+    errno.EDQUOT: ("disk quota exceeded for {path}", "free some space or raise the quota"),
+    errno.EFBIG: (
+        "{path} reached the largest file size allowed (`ulimit -f` or the file system's limit)",
+        "raise the limit, or write the output to another file system",
+    ),
+    errno.EROFS: (
+        "{path} is on a read-only file system",
+        "write the output to a writable directory, or remount it read-write",
+    ),
+    errno.EACCES: (
+        "permission denied for {path}",
+        "make its directory writable for this user, or write the output elsewhere",
+    ),
+    errno.EPERM: (
+        "operation not permitted on {path}",
+        "make its directory writable for this user, or write the output elsewhere",
+    ),
+    errno.EIO: ("input/output error on {path}", "check the disk (see `dmesg`)"),
+}
+
+
+def is_storage_failure(error: BaseException) -> TypeGuard[OSError]:
+    """Whether an OSError is one the user fixes on their side (space, permissions, the disk)."""
+    return isinstance(error, OSError) and error.errno in _STORAGE_CAUSES
+
+
+def storage_error(error: OSError, path: object = None, then: str = "") -> StorageError:
+    """One line naming the file, the cause and the fix for a failed write; `then` says what to
+    do once it is fixed (for example "then resume the job")."""
+    where = str(path if path is not None else error.filename or "a job file")
+    known = _STORAGE_CAUSES.get(error.errno or 0)
+    if known is None:
+        message, fix = f"cannot write {where}: {error.strerror or error}", ""
+    else:
+        message = known[0].format(path=where) + f" ({errno.errorcode[error.errno]})"
+        fix = known[1]
+    steps = ", ".join(s for s in (fix, then) if s)
+    return StorageError(f"{message}; {steps}" if steps else message)
+
+
+def unexpected_error(error: BaseException) -> str:
+    """One line for an exception vbatch did not expect (a bug): its type and text."""
+    return (
+        f"unexpected {type(error).__name__}: {error} (this is a bug in vbatch; rerun with "
+        "VBATCH_DEBUG=1 to see the traceback)"
+    )

@@ -8,7 +8,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from vbatch.errors import InputError, VbatchError
+from vbatch.errors import (
+    InputError,
+    VbatchError,
+    is_storage_failure,
+    storage_error,
+    unexpected_error,
+)
 from vbatch.job.finalize import finalize
 from vbatch.job.journal import Journal
 from vbatch.job.manifest import Manifest
@@ -115,13 +121,8 @@ class JobExecution:
             try:
                 if len(self.journal.state.committed) < self.manifest.num_rows:
                     self._run_engine()
-            except VbatchError as e:
-                # NOTE: every row handed to the writer is complete, so it is safe to commit them.
-                self._commit()
-                raise type(e)(
-                    f"{e}\n{len(self.journal.state.committed)} rows are committed. Resume with: "
-                    f"{resume_command(output)}"
-                ) from None
+            except Exception as e:
+                raise self._resumable(e, output, commit=True) from e
             finally:
                 self.writer.close()
         num_done = len(self.journal.state.committed)
@@ -134,19 +135,47 @@ class JobExecution:
             )
         if num_done >= self.manifest.num_rows:
             self.metrics.set_state("committing")
-            finalize(
-                self.job_dir,
-                Path(self.manifest.output_path),
-                self.journal,
-                self.schema,
-                ordered=self.manifest.options["ordered"],
-            )
+            try:
+                finalize(
+                    self.job_dir,
+                    Path(self.manifest.output_path),
+                    self.journal,
+                    self.schema,
+                    ordered=self.manifest.options["ordered"],
+                )
+            except Exception as e:
+                raise self._resumable(e, output, commit=False) from e
             self.metrics.set_state("done")
             return 0, f"wrote {output}: {num_done} rows, {self.num_errors} errored"
         self.metrics.set_state("interrupted")
         return EXIT_INTERRUPTED, (
             f"interrupted: {num_done} of {self.manifest.num_rows} rows are committed. "
             f"Resume with:\n  {resume_command(output)}"
+        )
+
+    def _resumable(self, error: Exception, output: Path, *, commit: bool) -> VbatchError:
+        """The error to show when a run fails: its cause, what is committed, how to resume.
+
+        With `commit`, finished rows are committed first: every row handed to the writer is
+        complete, so that is safe (a writer whose own write failed refuses; its rows rerun)."""
+        from vbatch.job.runner import resume_command
+
+        note = ""
+        if commit:
+            try:
+                self._commit()
+            except Exception as commit_error:
+                if commit_error is not error:
+                    note = f" (committing the other finished rows failed: {commit_error})"
+        if isinstance(error, OSError) and is_storage_failure(error):
+            error = storage_error(error, then="then resume the job")
+        message = str(error) if isinstance(error, VbatchError) else unexpected_error(error)
+        hint = (
+            f"{len(self.journal.state.committed)} rows are committed{note}. "
+            f"Resume with: {resume_command(output)}"
+        )
+        return (type(error) if isinstance(error, VbatchError) else VbatchError)(
+            f"{message}\n{hint}"
         )
 
     def _run_engine(self) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from vbatch.errors import StorageError, is_storage_failure, storage_error
 from vbatch.job.journal import JobState, Journal, fsync_dir
 from vbatch.job.results import line_index
 from vbatch.job.writer import PARTS_DIR
@@ -33,26 +34,60 @@ def finalize(
     job_dir: Path, output: Path, journal: Journal, schema: pa.Schema | None, *, ordered: bool
 ) -> None:
     """Write the final output. A crash at any point leaves either the old state (the job is not
-    complete, and finalize runs again) or a `complete` record that `finish_completion` honours."""
+    complete, and finalize runs again) or a `complete` record that `finish_completion` honours.
+    A failed write (StorageError) removes the temp file and the merge files it wrote."""
     state = journal.state
     tmp = tmp_output_path(output)
-    tmp.unlink(missing_ok=True)
     counts = {"rows": len(state.committed), "errors": len(state.errors)}
     if schema is None and not ordered and not state.retries:
         journal.append("complete", tmp=None, size=output.stat().st_size, **counts)
         finish_completion(job_dir, output, journal.state)
         return
     work_dir = job_dir / WORK_DIR
-    shutil.rmtree(work_dir, ignore_errors=True)
-    work_dir.mkdir()
-    if schema is None:
-        _write_jsonl(output, tmp, state, work_dir, ordered=ordered)
-    else:
-        _write_parquet(job_dir, tmp, schema, state, work_dir, ordered=ordered)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    journal.append("complete", tmp=tmp.name, size=tmp.stat().st_size, **counts)
+    try:
+        tmp.unlink(missing_ok=True)
+        shutil.rmtree(work_dir, ignore_errors=True)
+        work_dir.mkdir()
+        if schema is None:
+            _write_jsonl(output, tmp, state, work_dir, ordered=ordered)
+        else:
+            _write_parquet(job_dir, tmp, schema, state, work_dir, ordered=ordered)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        # NOTE: the temp file's directory entry must be durable before the record that names it:
+        # after that record, the parts it replaces may be deleted.
+        fsync_dir(tmp.parent)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        shutil.rmtree(work_dir, ignore_errors=True)
+        if not is_storage_failure(e):
+            raise
+        # NOTE: a sorted JSONL output needs its sort runs and the temp file at once.
+        needed = 2 * state.offset if schema is None and ordered else state.offset
+        if schema is not None:
+            needed = _parts_size(job_dir, state)
+        raise storage_error(
+            e,
+            e.filename or tmp,
+            f"then resume the job (finishing it needs about {needed / 2**20:.1f} MiB free for "
+            "a new copy of the output)",
+        ) from e
+    try:
+        journal.append("complete", tmp=tmp.name, size=tmp.stat().st_size, **counts)
+    except StorageError:
+        if not journal.is_broken:
+            # NOTE: the record was cut off, so nothing names the temp file: give its space back.
+            tmp.unlink(missing_ok=True)
+            shutil.rmtree(work_dir, ignore_errors=True)
+        raise
     finish_completion(job_dir, output, journal.state)
+
+
+def _parts_size(job_dir: Path, state: JobState) -> int:
+    try:
+        return sum((job_dir / name).stat().st_size for _, name in state.parts)
+    except OSError:
+        return 0
 
 
 def finish_completion(job_dir: Path, output: Path, state: JobState) -> None:

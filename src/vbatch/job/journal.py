@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from vbatch.errors import JobStateError
+from vbatch.errors import JobStateError, StorageError, storage_error
 
 JOURNAL_NAME = "journal.jsonl"
 
@@ -180,28 +180,68 @@ def read_journal(path: Path) -> tuple[JobState, int]:
 
 class Journal:
     """Appends records durably. Invariant: the file holds only complete, checksummed records,
-    each fsynced before `append` returns (a torn tail left by a crash is cut on open)."""
+    each fsynced before `append` returns (a torn tail left by a crash is cut on open, and one
+    left by a failed write is cut at once). `is_broken`: such a cut failed too, so whether the
+    last record is in the file is unknown until the journal is read again."""
 
     def __init__(self, job_dir: Path) -> None:
         self.path = job_dir / JOURNAL_NAME
         self.state, valid_length = read_journal(self.path)
-        with open(self.path, "ab") as f:
-            if f.tell() != valid_length:
-                f.truncate(valid_length)
-                os.fsync(f.fileno())
-        self._file = open(self.path, "ab")  # noqa: SIM115
-        fsync_dir(job_dir)
+        self._size = valid_length
+        self.is_broken = False
+        try:
+            # NOTE: unbuffered, so a failed append leaves nothing queued to be written later.
+            self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115
+            self._fd = self._file.fileno()
+            if os.fstat(self._fd).st_size != valid_length:
+                os.ftruncate(self._fd, valid_length)
+                os.fsync(self._fd)
+            # NOTE: the journal's entry in the job directory, and the job directory's in its
+            # parent, must be durable before any record that depends on them.
+            fsync_dir(job_dir)
+            fsync_dir(job_dir.parent)
+        except OSError as e:
+            raise storage_error(e, self.path, "then resume the job") from e
 
     def append(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """Append one record, or raise StorageError and leave the file as it was."""
+        if self.is_broken:
+            raise StorageError(
+                f"an earlier write to {self.path} failed and could not be undone; resume the job"
+            )
         record = {"kind": kind, "seq": self.state.next_seq, "time": time.time(), **fields}
-        self._file.write(_encode(record))
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        data = _encode(record)
+        try:
+            write_all(self._fd, data)
+            os.fsync(self._fd)
+        except OSError as e:
+            self._roll_back()
+            raise storage_error(e, self.path, "then resume the job") from e
+        self._size += len(data)
         self.state.apply(record)
         return record
 
+    def _roll_back(self) -> None:
+        """Cut a record whose write or fsync failed, so that the next append cannot follow a
+        torn line (which replay would call corruption); if even that fails, refuse to append."""
+        try:
+            os.ftruncate(self._fd, self._size)
+            os.fsync(self._fd)
+        except OSError:
+            self.is_broken = True
+
     def close(self) -> None:
         self._file.close()
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """os.write until every byte is written (a short write is retried, an error raised)."""
+    # NOTE: the views are released even on error, so a bytearray passed in can still be resized.
+    with memoryview(data) as whole:
+        written = 0
+        while written < len(whole):
+            with whole[written:] as rest:
+                written += os.write(fd, rest)
 
 
 def fsync_dir(path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import zlib
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ _PARQUET_SUFFIXES = (".parquet", ".pq")
 _PARQUET_BATCH_ROWS = 1024
 _ROW_COLUMNS = ("prompt", "messages", "id", "custom_id", "sampling_params", "url", "method", "body")
 _COLUMN_CHECK_ROWS = 100
+_READ_BYTES = 1 << 16
 MAX_KEYS = 1000
 
 
@@ -37,6 +39,61 @@ def detect_format(path: Path, input_format: str | None) -> str:
     if name.endswith(_PARQUET_SUFFIXES):
         return "parquet"
     raise InputError(f"cannot tell the format of {path} from its name; pass --input-format")
+
+
+class CorruptInput(Exception):
+    """Compressed input data that cannot be decoded."""
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of every frame of a .zst file. Invariant: the stream ends only
+    after a complete frame; a file cut inside a frame raises EOFError, bad data CorruptInput.
+
+    NOTE: zstandard's stream_reader ends a truncated frame as if the file ended there, which
+    would silently drop the rows after the cut.
+    """
+
+    def __init__(self, path: Path, zstandard: Any) -> None:
+        self._file = open(path, "rb")  # noqa: SIM115
+        self._zstandard = zstandard
+        self._decompressor = zstandard.ZstdDecompressor()
+        self._frame: Any = None
+        self._pending = b""
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while self._position == len(self._pending):
+            chunk = self._file.read(_READ_BYTES)
+            if not chunk:
+                if self._frame is not None:
+                    raise EOFError("the file ends inside a zstd frame")
+                return 0
+            self._pending, self._position = self._decompress(chunk), 0
+        count = min(len(buffer), len(self._pending) - self._position)
+        buffer[:count] = self._pending[self._position : self._position + count]
+        self._position += count
+        return count
+
+    def _decompress(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            if self._frame is None:
+                self._frame = self._decompressor.decompressobj()
+            try:
+                out.append(self._frame.decompress(data))
+            except self._zstandard.ZstdError as e:
+                raise CorruptInput(str(e)) from None
+            if not self._frame.eof:
+                break
+            data, self._frame = self._frame.unused_data, None
+        return b"".join(out)
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
 
 
 @dataclass(frozen=True)
@@ -114,9 +171,20 @@ class InputReader:
                 import zstandard
             except ImportError:
                 raise InputError(f"reading {self.path} needs `pip install zstandard`") from None
-            raw = open(self.path, "rb")  # noqa: SIM115
-            return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw))
+            return io.BufferedReader(_ZstdFrames(self.path, zstandard), _READ_BYTES)
         return open(self.path, "rb")
+
+    def _read_failure(self, error: BaseException) -> InputError:
+        """One line for an input that cannot be read: what is wrong and what to do."""
+        name = self.path.name.lower()
+        codec = "gzip" if name.endswith(".gz") else "zstd" if name.endswith(".zst") else None
+        is_corrupt = isinstance(error, (EOFError, zlib.error, CorruptInput, gzip.BadGzipFile))
+        if codec is not None and is_corrupt:
+            return InputError(
+                f"cannot read {self.path}: its {codec} data is corrupt or truncated ({error}). "
+                f"Check it with `{codec} -t`, and compress it again from the original"
+            )
+        return InputError(f"cannot read {self.path}: {error}")
 
     def records(self, skip: IndexSet | None = None) -> Iterator[RawRecord]:
         """Every row in order; rows whose index is in `skip` are not decoded or yielded."""
@@ -145,8 +213,8 @@ class InputReader:
                                 index, location, error=f"{location}: invalid JSON ({e})"
                             )
                     index += 1
-        except (OSError, EOFError) as e:
-            raise InputError(f"cannot read {self.path}: {e}") from None
+        except (OSError, EOFError, zlib.error, CorruptInput) as e:
+            raise self._read_failure(e) from None
 
     def _read_columns(self, columns: tuple[str, ...] = _ROW_COLUMNS) -> list[str] | None:
         assert self.columns is not None
@@ -158,21 +226,31 @@ class InputReader:
     def _parquet_records(
         self, skip: IndexSet | None, columns: list[str] | None
     ) -> Iterator[RawRecord]:
+        import pyarrow as pa
+
         start = 0
         batches = self._parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=columns)
-        for batch in batches:
-            indices = np.arange(start, start + batch.num_rows)
-            start += batch.num_rows
-            if skip is not None and len(skip):
-                keep = ~skip.contains_array(indices)
-                batch, indices = batch.filter(keep), indices[keep]
-            for index, record in zip(indices.tolist(), batch.to_pylist(), strict=False):
-                yield RawRecord(index, f"row {index + 1}", record)
+        try:
+            for batch in batches:
+                indices = np.arange(start, start + batch.num_rows)
+                start += batch.num_rows
+                if skip is not None and len(skip):
+                    keep = ~skip.contains_array(indices)
+                    batch, indices = batch.filter(keep), indices[keep]
+                for index, record in zip(indices.tolist(), batch.to_pylist(), strict=False):
+                    yield RawRecord(index, f"row {index + 1}", record)
+        except (OSError, pa.ArrowException) as e:
+            # NOTE: the id pre-pass reads only the id columns; other pages are first read here.
+            raise InputError(
+                f"cannot read {self.path} near row {start}: {str(e).rstrip('.')}. The Parquet "
+                "file is corrupt or truncated; write it again from its source"
+            ) from None
 
     def rows(self, parser: RowParser, skip: IndexSet | None = None) -> Iterator[InputRow]:
         for raw in self.records(skip):
             if raw.error is not None:
-                yield InputRow(raw.index, raw.location, raw.index, error=raw.error)
+                # NOTE: no id, not the index: an index could equal another row's integer id.
+                yield InputRow(raw.index, raw.location, None, error=raw.error)
             else:
                 yield parser.parse(raw.record, raw.index, raw.location)
 

@@ -83,10 +83,11 @@ class RowParser:
 
     def parse(self, record: Any, index: int, location: str) -> InputRow:
         if not isinstance(record, dict):
+            # NOTE: a row that is not an object has no id (an index could clash with a real id).
             return InputRow(
                 index,
                 location,
-                index,
+                None,
                 error=f"{location}: expected a JSON object, got {type(record).__name__}",
             )
         row = InputRow(index, location, self.row_id(record, index))

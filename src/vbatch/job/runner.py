@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from vbatch.config import EngineConfig
-from vbatch.errors import InputError, JobStateError
+from vbatch.errors import InputError, JobStateError, is_storage_failure, storage_error
 from vbatch.job.finalize import finish_completion, tmp_output_path
 from vbatch.job.journal import JOURNAL_NAME, JobState, Journal, read_journal
-from vbatch.job.manifest import Manifest, input_fingerprint, model_identity
+from vbatch.job.manifest import MANIFEST_NAME, Manifest, input_fingerprint, model_identity
 from vbatch.job.reader import InputReader, scan_input
 from vbatch.job.results import OUTPUT_COLUMNS
 from vbatch.job.rows import ColumnOptions, RowParser
@@ -176,10 +176,22 @@ def start_job(
             **options.result_settings(),
         },
     )
-    output.parent.mkdir(parents=True, exist_ok=True)
-    job_dir.mkdir()
-    manifest.save(job_dir)
+    _create_job_dir(job_dir, manifest)
     return _execute(output, job_dir, manifest, options, llm_factory, retry_errors=False)
+
+
+def _create_job_dir(job_dir: Path, manifest: Manifest) -> None:
+    """Create the job directory with its manifest; a failed write leaves no half-made job."""
+    job_dir.parent.mkdir(parents=True, exist_ok=True)
+    job_dir.mkdir()
+    try:
+        manifest.save(job_dir)
+    except BaseException as e:
+        shutil.rmtree(job_dir, ignore_errors=True)
+        if is_storage_failure(e):
+            then = "then run the same command again"
+            raise storage_error(e, job_dir / MANIFEST_NAME, then) from e
+        raise
 
 
 def resume_job(
@@ -228,9 +240,26 @@ def _accept_changes(
     scan = scan_input(reader, RowParser(columns, SamplingParams.from_dict(manifest.sampling)))
     if scan.duplicate is not None:
         raise InputError(f"{manifest.input_path}: {scan.duplicate}; ids must be unique")
+    manifest.id_kind = _adopted_id_kind(job_dir, manifest, scan.id_kind)
     manifest.input, manifest.model, manifest.num_rows = fingerprint, identity, scan.num_rows
     manifest.vbatch_version = __version__
     manifest.save(job_dir)
+
+
+def _adopted_id_kind(job_dir: Path, manifest: Manifest, id_kind: str) -> str:
+    """The id kind a forced resume goes on with. Integer ids that became strings cannot share
+    the int64 id column of Parquet parts already committed, so that change is refused."""
+    if id_kind == manifest.id_kind or manifest.id_kind == "str":
+        # NOTE: string ids that became integers are written as strings, as for mixed input.
+        return manifest.id_kind
+    state, _ = read_journal(job_dir / JOURNAL_NAME)
+    if manifest.output_format == "parquet" and len(state.committed):
+        raise JobStateError(
+            f"cannot resume: the ids of {manifest.input_path} were all integers and now some are "
+            f"strings, but {len(state.committed)} committed rows hold integer ids in the Parquet "
+            "id column. Restore integer ids, or start again with `vbatch run ... --overwrite`"
+        )
+    return id_kind
 
 
 def _execute(

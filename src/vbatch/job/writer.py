@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vbatch.errors import JobStateError
-from vbatch.job.journal import Journal, fsync_dir, to_ranges
+from vbatch.errors import JobStateError, StorageError, storage_error
+from vbatch.job.journal import Journal, fsync_dir, to_ranges, write_all
 from vbatch.job.results import jsonl_bytes, parquet_values
 
 if TYPE_CHECKING:
@@ -16,16 +17,24 @@ if TYPE_CHECKING:
     from vbatch.job.manifest import Manifest
 
 PARTS_DIR = "parts"
+JSONL_BUFFER_BYTES = 1 << 16
+RESUME_HINT = "then resume the job"
 
 
 class OutputWriter:
     """Buffers finished rows and commits them. Invariant: a row is durable iff its index is in a
-    journal commit record, which is appended only after the row's bytes are fsynced."""
+    journal commit record, which is appended only after the row's bytes are fsynced.
+
+    A failed write (StorageError: disk full, read-only, ...) drops every uncommitted row, undoes
+    what it can, and leaves the writer refusing further rows: what is committed stays committed,
+    and the rest runs again on resume.
+    """
 
     def __init__(self, journal: Journal) -> None:
         self.journal = journal
         self.pending_indices: list[int] = []
         self.pending_errors: list[int] = []
+        self.failure: StorageError | None = None
 
     @property
     def num_pending(self) -> int:
@@ -33,27 +42,49 @@ class OutputWriter:
 
     def add(self, values: dict[str, Any], kept: dict[str, Any] | None, line: dict | None) -> None:
         """Queue one row; `line` replaces `values` as the JSONL line (OpenAI Batch shape)."""
-        self._write(values, kept, line)
+        self._check()
+        try:
+            self._write(values, kept, line)
+        except StorageError as e:
+            self._fail(e)
         self.pending_indices.append(values["index"])
         if values["error"] is not None:
             self.pending_errors.append(values["index"])
 
     def commit(self) -> int:
         """Make every queued row durable; returns how many rows this commit covered."""
+        self._check()
         num_rows = len(self.pending_indices)
         if num_rows == 0:
             return 0
-        location = self._sync()
-        self.journal.append(
-            "commit",
-            rows=num_rows,
-            indices=to_ranges(self.pending_indices),
-            errors=to_ranges(self.pending_errors),
-            **location,
-        )
+        try:
+            location = self._sync()
+            self.journal.append(
+                "commit",
+                rows=num_rows,
+                indices=to_ranges(self.pending_indices),
+                errors=to_ranges(self.pending_errors),
+                **location,
+            )
+        except StorageError as e:
+            self._fail(e)
         self.pending_indices.clear()
         self.pending_errors.clear()
         return num_rows
+
+    def _check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def _fail(self, error: StorageError) -> None:
+        self.failure = error
+        self.pending_indices.clear()
+        self.pending_errors.clear()
+        self._discard()
+        raise error
+
+    def _discard(self) -> None:
+        """Drop what was written since the last commit, as far as possible (it frees space)."""
 
     def _write(
         self, values: dict[str, Any], kept: dict[str, Any] | None, line: dict | None
@@ -80,23 +111,49 @@ class JsonlWriter(OutputWriter):
                 f"{path} is {size} bytes but {committed} bytes were committed: the output was "
                 "truncated or replaced outside vbatch; the job cannot be resumed safely"
             )
-        self._file = open(path, "ab")  # noqa: SIM115
-        if size > committed:
-            # NOTE: rows written after the last commit are not durable; they will be rerun.
-            self._file.truncate(committed)
-            os.fsync(self._file.fileno())
-        if size == 0:
-            fsync_dir(path.parent)
+        # NOTE: unbuffered, with our own buffer: after a failed write nothing stays queued.
+        self._buffer = bytearray()
+        try:
+            self._file = open(path, "ab", buffering=0)  # noqa: SIM115
+            if size > committed:
+                # NOTE: rows written after the last commit are not durable; they will be rerun.
+                self._file.truncate(committed)
+                os.fsync(self._file.fileno())
+            if size == 0:
+                fsync_dir(path.parent)
+        except OSError as e:
+            raise storage_error(e, path, RESUME_HINT) from e
+        self._offset = committed
 
     def _write(
         self, values: dict[str, Any], kept: dict[str, Any] | None, line: dict | None
     ) -> None:
-        self._file.write(jsonl_bytes(line or values, kept))
+        self._buffer += jsonl_bytes(line or values, kept)
+        if len(self._buffer) >= JSONL_BUFFER_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        try:
+            write_all(self._file.fileno(), self._buffer)
+        except OSError as e:
+            raise storage_error(e, self.path, RESUME_HINT) from e
+        self._offset += len(self._buffer)
+        self._buffer.clear()
 
     def _sync(self) -> dict[str, Any]:
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        return {"offset": self._file.tell()}
+        self._flush()
+        try:
+            os.fsync(self._file.fileno())
+        except OSError as e:
+            raise storage_error(e, self.path, RESUME_HINT) from e
+        return {"offset": self._offset}
+
+    def _discard(self) -> None:
+        self._buffer.clear()
+        self._offset = self.journal.state.offset
+        if not self.journal.is_broken:
+            with contextlib.suppress(OSError):
+                self._file.truncate(self._offset)
 
     def close(self) -> None:
         self._file.close()
@@ -117,13 +174,19 @@ class ParquetWriter(OutputWriter):
     ) -> None:
         super().__init__(journal)
         self.parts_dir = job_dir / PARTS_DIR
-        self.parts_dir.mkdir(exist_ok=True)
+        self._part: Path | None = None
         self.schema = schema
         self.id_kind = id_kind
         self.json_kept = json_kept
         self.ordered = ordered
         self._rows: list[dict[str, Any]] = []
-        remove_orphan_parts(self.parts_dir, {name for _, name in journal.state.parts})
+        try:
+            self.parts_dir.mkdir(exist_ok=True)
+            # NOTE: the parts directory's own entry must be durable before a record names a part.
+            fsync_dir(job_dir)
+            remove_orphan_parts(self.parts_dir, {name for _, name in journal.state.parts})
+        except OSError as e:
+            raise storage_error(e, self.parts_dir, RESUME_HINT) from e
 
     def _write(
         self, values: dict[str, Any], kept: dict[str, Any] | None, line: dict | None
@@ -139,13 +202,26 @@ class ParquetWriter(OutputWriter):
         table = pa.Table.from_pylist(self._rows, schema=self.schema)
         name = f"{PARTS_DIR}/part-{self.journal.state.next_seq:06d}.parquet"
         path = self.parts_dir.parent / name
-        with open(path, "wb") as f:
-            pq.write_table(table, f)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(self.parts_dir)
+        self._part = path
+        try:
+            with open(path, "wb") as f:
+                pq.write_table(table, f)
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_dir(self.parts_dir)
+        except OSError as e:
+            raise storage_error(e, path, RESUME_HINT) from e
         self._rows.clear()
         return {"part": name}
+
+    def _discard(self) -> None:
+        self._rows.clear()
+        part = self._part
+        committed = {name for _, name in self.journal.state.parts}
+        is_orphan = part is not None and f"{PARTS_DIR}/{part.name}" not in committed
+        if part is not None and is_orphan and not self.journal.is_broken:
+            with contextlib.suppress(OSError):
+                part.unlink(missing_ok=True)
 
 
 def open_writer(

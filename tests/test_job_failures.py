@@ -1,0 +1,512 @@
+"""Failures outside vbatch's control (a full disk, a read-only directory, a failed write, a changed
+input, a bug) give one clear error line, keep every committed row, and leave a resumable job.
+
+The jobs run the real `vbatch` command over a stand-in engine (tests/standin_vbatch.py); the
+disk failures are real ones from the kernel, not mocks:
+
+- ENOSPC: a small tmpfs mounted in a private user and mount namespace (`unshare`, no root
+  needed, nothing left mounted afterwards), filled by a ballast file that is deleted to "free
+  space"; and /dev/full, which fails every write with ENOSPC, as the output file;
+- EFBIG: RLIMIT_FSIZE in a subprocess, to fail one journal append at a chosen byte;
+- EACCES: a directory without write permission (for root, CAP_DAC_OVERRIDE is dropped from the
+  subprocess's bounding set first, since root ignores permission bits).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gzip
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import zlib
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow.parquet as pq
+import pytest
+
+import vbatch
+from vbatch.job.finalize import finalize, tmp_output_path
+from vbatch.job.journal import Journal
+from vbatch.job.results import error_row, parquet_schema
+from vbatch.job.rows import InputRow
+from vbatch.job.writer import ParquetWriter
+
+STANDIN = Path(__file__).with_name("standin_vbatch.py")
+SRC = Path(vbatch.__file__).resolve().parents[1]
+TIMEOUT_S = 120
+
+
+def _load_standin() -> Any:
+    spec = importlib.util.spec_from_file_location("standin_vbatch", STANDIN)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+expected_text = _load_standin().expected_text
+
+
+def standin_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VBATCH_STANDIN_")}
+    env.pop("VBATCH_DEBUG", None)
+    # NOTE: the subprocess must import this checkout's vbatch, whatever its working directory.
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), *filter(None, [env.get("PYTHONPATH")])])
+    env.update(extra)
+    return env
+
+
+def vbatch_cmd(*args: str) -> list[str]:
+    return [sys.executable, str(STANDIN), *args]
+
+
+def run_vbatch(
+    cwd: Path, *args: str, preexec_fn: Any = None, **env: str
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        vbatch_cmd(*args),
+        cwd=cwd,
+        env=standin_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        preexec_fn=preexec_fn,
+    )
+
+
+def write_input(path: Path, num_rows: int, row_id: Any = lambda i: f"r{i}") -> Path:
+    path.write_bytes(
+        b"".join(
+            orjson.dumps({"id": row_id(i), "prompt": f"prompt {i}"}) + b"\n"
+            for i in range(num_rows)
+        )
+    )
+    return path
+
+
+def model_file(tmp_path: Path) -> Path:
+    path = tmp_path / "standin.gguf"
+    path.write_bytes(b"stand-in weights")
+    return path
+
+
+def run_args(input_path: Path, output: Path, model: Path, *flags: str) -> list[str]:
+    return ["run", str(input_path), "-o", str(output), "--model", str(model), "-q", *flags]
+
+
+def error_line(proc: subprocess.CompletedProcess[str]) -> str:
+    """The one `error:` line of a failed command, after checking there is no traceback."""
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    if path.suffix == ".parquet":
+        return pq.read_table(path).to_pylist()
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+def assert_exactly_once(output: Path, num_rows: int, num_chars: int = 64) -> list[dict[str, Any]]:
+    rows = read_rows(output)
+    assert sorted(r["index"] for r in rows) == list(range(num_rows)), "a row is missing or twice"
+    for row in rows:
+        assert row["error"] is None
+        assert row["id"] == f"r{row['index']}"
+        assert row["text"] == expected_text(f"prompt {row['index']}", num_chars)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# A corrupt input
+
+
+def test_corrupt_gzip_input_is_one_line(tmp_path: Path) -> None:
+    data = b"".join(orjson.dumps({"prompt": f"p {i}"}) + b"\n" for i in range(2000))
+    good = gzip.compress(data)
+    # NOTE: the first flipped byte that zlib itself rejects (zlib.error, not an OSError).
+    for position in range(10, len(good)):
+        compressed = bytearray(good)
+        compressed[position] ^= 0xFF
+        try:
+            gzip.decompress(bytes(compressed))
+        except zlib.error:
+            break
+        except (OSError, EOFError):
+            continue
+    path = tmp_path / "in.jsonl.gz"
+    path.write_bytes(bytes(compressed))
+    proc = subprocess.run(
+        [sys.executable, "-m", "vbatch.cli", "run", str(path), "-o", str(tmp_path / "o.jsonl")],
+        env=standin_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    line = error_line(proc)
+    assert f"cannot read {path}: its gzip data is corrupt or truncated" in line, line
+    assert "Check it with `gzip -t`, and compress it again from the original" in line
+
+
+# ---------------------------------------------------------------------------------------------
+# A full disk (ENOSPC)
+
+
+def test_full_disk_on_the_output_is_one_line_and_resumes(tmp_path: Path) -> None:
+    """/dev/full as the output file: every write to it fails with a real ENOSPC."""
+    input_path = write_input(tmp_path / "in.jsonl", 50)
+    output = tmp_path / "out.jsonl"
+    model = model_file(tmp_path)
+    # NOTE: a job that crashed before its first commit: job directory made, empty output.
+    crashed = run_vbatch(
+        tmp_path, *run_args(input_path, output, model), VBATCH_STANDIN_EXIT_AFTER="0"
+    )
+    assert crashed.returncode == 9, crashed.stderr
+    output.unlink()
+    output.symlink_to("/dev/full")
+    proc = run_vbatch(tmp_path, "resume", str(output), "-q")
+    line = error_line(proc)
+    assert "no space left on the device holding" in line and "out.jsonl (ENOSPC)" in line
+    assert "free some space there, then resume the job" in line
+    assert f"0 rows are committed. Resume with: vbatch resume {output}" in proc.stderr
+    output.unlink()
+    output.touch()
+    proc = run_vbatch(tmp_path, "resume", str(output), "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert_exactly_once(output, 50)
+
+
+def _namespace_prefix(probe_dir: Path) -> list[str] | None:
+    """A command prefix that runs its command in a private mount namespace where it may mount a
+    tmpfs, or None where this system allows neither a user namespace nor (as root) unshare."""
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        return None
+    candidates = [["unshare", "--user", "--map-root-user", "--mount"]]
+    if os.geteuid() == 0:
+        candidates.append(["unshare", "--mount"])
+    for prefix in candidates:
+        probe = [*prefix, "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {probe_dir}"]
+        if subprocess.run(probe, capture_output=True, timeout=30).returncode == 0:
+            return prefix
+    return None
+
+
+# NOTE: the job runs inside the namespace, so the whole scenario does too: fill the disk, run
+# (it fails), delete the ballast, continue, and copy the output out before the tmpfs vanishes.
+DRIVER = textwrap.dedent(
+    """
+    set -u
+    mount -t tmpfs -o size="$DISK_KIB"k tmpfs "$MNT"
+    head -c "$BALLAST" /dev/zero > "$MNT/ballast"
+    "$PY" "$STANDIN" run "$INPUT" -o "$MNT/$OUT" --model "$MODEL" -q $FLAGS 2> "$LOG/run.err"
+    echo $? > "$LOG/run.rc"
+    ls -A "$MNT" > "$LOG/after-run.ls"
+    rm "$MNT/ballast"
+    if [ -d "$MNT/$OUT.vbatch" ]; then
+        "$PY" "$STANDIN" resume "$MNT/$OUT" -q 2> "$LOG/resume.err"
+    else
+        "$PY" "$STANDIN" run "$INPUT" -o "$MNT/$OUT" --model "$MODEL" -q $FLAGS 2> "$LOG/resume.err"
+    fi
+    echo $? > "$LOG/resume.rc"
+    ls -A "$MNT" "$MNT/$OUT.vbatch" > "$LOG/after-resume.ls"
+    cp "$MNT/$OUT" "$LOG/$OUT"
+    """
+)
+DISK_KIB = 4096
+NUM_ROWS = 400
+TEXT_CHARS = 1000
+
+
+@pytest.mark.parametrize(
+    ("case", "output_name", "free_kib", "flags", "failed_file"),
+    [
+        # No room for the manifest: nothing is left behind, and `run` starts cleanly later.
+        ("start", "out.jsonl", 0, "", "manifest.json"),
+        # 200 KiB free for ~460 KiB of output: the JSONL output fills up mid-run.
+        ("output", "out.jsonl", 200, "--commit-every-rows 20", "out.jsonl (ENOSPC)"),
+        # 850 KiB free: the parts (~650 KiB) fit, the final copy of them (~410 KiB) does not.
+        ("finalize", "out.parquet", 850, "--commit-every-rows 20 --ordered", "vbatch-tmp"),
+        # 700 KiB free: the output (~460 KiB) fits, its sort runs plus the sorted copy do not.
+        ("sort", "out.jsonl", 700, "--commit-every-rows 20 --ordered", "ENOSPC"),
+    ],
+)
+def test_full_disk_leaves_a_resumable_job(
+    tmp_path: Path, case: str, output_name: str, free_kib: int, flags: str, failed_file: str
+) -> None:
+    mount_dir = tmp_path / "disk"
+    mount_dir.mkdir()
+    prefix = _namespace_prefix(mount_dir)
+    if prefix is None:
+        pytest.skip("cannot mount a small tmpfs here (no user or mount namespace via unshare)")
+    log = tmp_path / "log"
+    log.mkdir()
+    env = standin_env(
+        MNT=str(mount_dir),
+        BALLAST=str((DISK_KIB - free_kib) * 1024),
+        PY=sys.executable,
+        STANDIN=str(STANDIN),
+        INPUT=str(write_input(tmp_path / "in.jsonl", NUM_ROWS)),
+        MODEL=str(model_file(tmp_path)),
+        OUT=output_name,
+        FLAGS=flags,
+        LOG=str(log),
+        DISK_KIB=str(DISK_KIB),
+        VBATCH_STANDIN_TEXT_CHARS=str(TEXT_CHARS),
+    )
+    subprocess.run([*prefix, "bash", "-c", DRIVER], env=env, timeout=4 * TIMEOUT_S, check=True)
+    run_err = (log / "run.err").read_text()
+    failed = subprocess.CompletedProcess([], int((log / "run.rc").read_text()), "", run_err)
+    line = error_line(failed)
+    assert "no space left on the device holding" in line and failed_file in line, run_err
+    assert "free some space there" in line
+    left = (log / "after-run.ls").read_text().split()
+    assert not any("vbatch-tmp" in name for name in left), "a failed finalize left its temp file"
+    if case == "start":
+        assert "then run the same command again" in line
+        assert f"{output_name}.vbatch" not in left, "a half-made job directory was left"
+    else:
+        assert f"Resume with: vbatch resume {mount_dir / output_name}" in run_err
+    assert (log / "resume.rc").read_text().strip() == "0", (log / "resume.err").read_text()
+    rows = assert_exactly_once(log / output_name, NUM_ROWS, TEXT_CHARS)
+    if "--ordered" in flags:
+        assert [r["index"] for r in rows] == list(range(NUM_ROWS))
+    assert "parts" not in (log / "after-resume.ls").read_text().split()
+
+
+# ---------------------------------------------------------------------------------------------
+# A failed journal append
+
+
+JOURNAL_SCRIPT = textwrap.dedent(
+    """
+    import resource, sys
+    from pathlib import Path
+    from vbatch.job.journal import Journal, read_journal
+
+    job_dir = Path(sys.argv[1])
+    path = job_dir / "journal.jsonl"
+    journal = Journal(job_dir)
+    journal.append("commit", rows=1, indices=[[0, 1]], errors=[], offset=10)
+    size = path.stat().st_size
+    # NOTE: the next record would cross this limit: the kernel writes part of it, then EFBIG.
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size + 20, resource.RLIM_INFINITY))
+    try:
+        journal.append("commit", rows=1, indices=[[1, 2]], errors=[], offset=20)
+        print("appended")
+    except Exception as e:
+        print(f"{type(e).__name__}:", e)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    print("size kept:", path.stat().st_size == size, journal.state.num_records)
+    journal.append("commit", rows=1, indices=[[2, 3]], errors=[], offset=30)
+    journal.close()
+    state, _ = read_journal(path)
+    print("replayed:", state.num_records, state.committed.ranges(), state.offset)
+    """
+)
+
+
+def test_a_failed_journal_append_is_cut_and_the_journal_stays_consistent(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", JOURNAL_SCRIPT, str(tmp_path)],
+        env=standin_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("StorageError: ") and "journal.jsonl" in lines[0]
+    assert "largest file size allowed" in lines[0] and "EFBIG" in lines[0]
+    assert lines[1] == "size kept: True 1"
+    assert lines[2] == "replayed: 2 [[0, 1], [2, 3]] 30"
+
+
+# ---------------------------------------------------------------------------------------------
+# A read-only output directory (EACCES)
+
+
+def _without_dac_override() -> None:
+    """preexec_fn: make root obey permission bits (drop CAP_DAC_OVERRIDE before exec)."""
+    pr_capbset_drop, cap_dac_override = 24, 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_capbset_drop, cap_dac_override, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
+
+
+def _permission_preexec(tmp_path: Path) -> Any:
+    if os.geteuid() != 0:
+        return None
+    probe = tmp_path / "probe"
+    probe.mkdir(mode=0o555)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", f"open({str(probe / 'x')!r}, 'w')"],
+            preexec_fn=_without_dac_override,
+            capture_output=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("cannot drop CAP_DAC_OVERRIDE, and root ignores permission bits")
+    if result.returncode == 0:
+        pytest.skip("root still writes into a read-only directory here")
+    return _without_dac_override
+
+
+def test_read_only_output_directory_is_one_line(tmp_path: Path) -> None:
+    preexec = _permission_preexec(tmp_path)
+    input_path = write_input(tmp_path / "in.jsonl", 30)
+    model = model_file(tmp_path)
+    out_dir = tmp_path / "ro"
+    out_dir.mkdir()
+    out_dir.chmod(0o555)
+    output = out_dir / "out.jsonl"
+    proc = run_vbatch(tmp_path, *run_args(input_path, output, model), preexec_fn=preexec)
+    line = error_line(proc)
+    assert f"permission denied for {out_dir}" in line and "(EACCES)" in line, line
+    assert "make its directory writable for this user, or write the output elsewhere" in line
+
+    # NOTE: a Parquet job that committed 10 rows, then lost write permission on its parts/.
+    out_dir.chmod(0o755)
+    output = out_dir / "out.parquet"
+    args = run_args(input_path, output, model, "--commit-every-rows", "10")
+    crashed = run_vbatch(tmp_path, *args, VBATCH_STANDIN_EXIT_AFTER="15")
+    assert crashed.returncode == 9, crashed.stderr
+    parts = out_dir / "out.parquet.vbatch" / "parts"
+    parts.chmod(0o555)
+    proc = run_vbatch(tmp_path, "resume", str(output), "-q", preexec_fn=preexec)
+    line = error_line(proc)
+    assert f"permission denied for {parts}" in line, line
+    assert f"10 rows are committed. Resume with: vbatch resume {output}" in proc.stderr
+    parts.chmod(0o755)
+    proc = run_vbatch(tmp_path, "resume", str(output), "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert_exactly_once(output, 30)
+
+
+# ---------------------------------------------------------------------------------------------
+# `resume --force` after the ids changed type
+
+
+def test_forced_resume_after_ids_became_strings(tmp_path: Path) -> None:
+    model = model_file(tmp_path)
+    input_path = write_input(tmp_path / "in.jsonl", 30, row_id=lambda i: i)
+    for name in ("out.parquet", "out.jsonl"):
+        output = tmp_path / name
+        args = run_args(input_path, output, model, "--commit-every-rows", "10")
+        write_input(input_path, 30, row_id=lambda i: i)
+        crashed = run_vbatch(tmp_path, *args, VBATCH_STANDIN_EXIT_AFTER="15")
+        assert crashed.returncode == 9, crashed.stderr
+        write_input(input_path, 30)
+        proc = run_vbatch(tmp_path, "resume", str(output), "-q", "--force")
+        if name == "out.parquet":
+            line = error_line(proc)
+            assert "were all integers and now some are strings" in line, line
+            assert "10 committed rows hold integer ids" in line
+            assert "start again with `vbatch run ... --overwrite`" in line
+        else:
+            # NOTE: JSONL lines carry each id as it is: the job goes on with string ids.
+            assert proc.returncode == 0, proc.stderr
+            ids = {r["index"]: r["id"] for r in read_rows(output)}
+            assert sorted(ids) == list(range(30))
+            assert {type(v) for i, v in ids.items() if i >= 10} == {str}
+
+
+# ---------------------------------------------------------------------------------------------
+# Anything unexpected
+
+
+def test_unexpected_error_commits_finished_rows_and_prints_one_line(tmp_path: Path) -> None:
+    input_path = write_input(tmp_path / "in.jsonl", 40)
+    output = tmp_path / "out.jsonl"
+    args = run_args(input_path, output, model_file(tmp_path), "--commit-every-rows", "1000")
+    proc = run_vbatch(tmp_path, *args, VBATCH_STANDIN_RAISE_AFTER="25")
+    line = error_line(proc)
+    assert "unexpected RuntimeError: stand-in engine bug at request 25" in line
+    assert "rerun with VBATCH_DEBUG=1" in line
+    # NOTE: the 25 finished rows were never due for a commit; the failure committed them.
+    assert f"25 rows are committed. Resume with: vbatch resume {output}" in proc.stderr
+    status = subprocess.run(
+        vbatch_cmd("status", str(output), "--json"),
+        env=standin_env(),
+        capture_output=True,
+        timeout=TIMEOUT_S,
+    )
+    assert orjson.loads(status.stdout)["done"] == 25
+    debug = run_vbatch(
+        tmp_path, "resume", str(output), "-q", VBATCH_STANDIN_RAISE_AFTER="5", VBATCH_DEBUG="1"
+    )
+    assert debug.returncode == 1 and "Traceback" in debug.stderr
+    assert "RuntimeError: stand-in engine bug at request 5" in debug.stderr
+    proc = run_vbatch(tmp_path, "resume", str(output), "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert_exactly_once(output, 40)
+
+
+# ---------------------------------------------------------------------------------------------
+# Durability order
+
+
+def test_directories_are_fsynced_before_the_records_that_need_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every fsync and mkdir is observed (by path) next to every journal record: a part's
+    directory entries, and the final temp file's, are durable before a record names them."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_mkdir, real_append = os.fsync, os.mkdir, Journal.append
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def mkdir(path: Any, *args: Any, **kwargs: Any) -> None:
+        real_mkdir(path, *args, **kwargs)
+        events.append(("mkdir", os.path.realpath(path)))
+
+    def append(self: Journal, kind: str, **fields: Any) -> dict[str, Any]:
+        events.append((kind, str(fields.get("part") or fields.get("tmp"))))
+        return real_append(self, kind, **fields)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(Journal, "append", append)
+    base = Path(os.path.realpath(tmp_path))
+    job_dir, output = base / "out.parquet.vbatch", base / "out.parquet"
+    job_dir.mkdir()
+    journal = Journal(job_dir)
+    schema = parquet_schema("int", [])
+    writer = ParquetWriter(journal, job_dir, schema, id_kind="int", json_kept=False, ordered=True)
+    for index in (3, 1, 0, 2):
+        values = error_row(InputRow(index, f"line {index + 1}", index), "bad")
+        writer.add(values, None, None)
+        if index in (1, 2):
+            writer.commit()
+    finalize(job_dir, output, journal, schema, ordered=True)
+
+    def position(event: tuple[str, str], after: int = -1) -> int:
+        if event not in events[after + 1 :]:
+            pytest.fail(f"no {event} after event {after}: {events}")
+        return events.index(event, after + 1)
+
+    made_job, made_parts = (
+        position(("mkdir", str(job_dir))),
+        position(("mkdir", str(job_dir / "parts"))),
+    )
+    for name in ["parts/part-000000.parquet", "parts/part-000001.parquet"]:
+        record = position(("commit", name))
+        wrote_part = position(("fsync", str(job_dir / name)))
+        assert wrote_part < record
+        assert position(("fsync", str(job_dir / "parts")), wrote_part) < record
+        assert position(("fsync", str(job_dir)), made_parts) < record, "parts/ entry not durable"
+        assert position(("fsync", str(base)), made_job) < record, "job dir entry not durable"
+    tmp = tmp_output_path(output)
+    complete = position(("complete", tmp.name))
+    synced_tmp = position(("fsync", str(tmp)))
+    assert position(("fsync", str(base)), synced_tmp) < complete, "temp file entry not durable"
+    assert output.exists()
