@@ -43,7 +43,7 @@ SCRIPT = textwrap.dedent(
         def __init__(self, model, **kwargs):
             pass
 
-        def stream(self, inputs, sampling_params=None):
+        def stream(self, inputs, sampling_params=None, **kwargs):
             for n, req in enumerate(inputs):
                 if n in (num_rows // 10, num_rows - 1):
                     rss_samples[n] = psutil.Process().memory_info().rss

@@ -278,8 +278,9 @@ class SignallingLLM(SharedLLM):
         super().__init__(llm)
         self.signals, self.after, self.slow_s = signals, after, slow_s
 
-    def stream(self, inputs: Any, sampling_params: Any = None) -> Iterator[Any]:
-        for n, result in enumerate(self._llm.stream(inputs, sampling_params), start=1):
+    def stream(self, inputs: Any, sampling_params: Any = None, **kwargs: Any) -> Iterator[Any]:
+        results = (r for r in self._llm.stream(inputs, sampling_params, **kwargs) if r is not None)
+        for n, result in enumerate(results, start=1):
             if n > self.after:
                 time.sleep(self.slow_s)
             if n == self.after:

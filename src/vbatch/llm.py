@@ -133,13 +133,16 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         *,
         on_output: Callable[[RequestOutput], None] | None = None,
-    ) -> Iterator[RequestOutput]:
+        idle_s: float | None = None,
+    ) -> Iterator[RequestOutput | None]:
         """Yield finished requests in completion order, pulling `inputs` lazily.
 
         Closing the generator early aborts everything still in flight. Per-request failures are
-        yielded as outputs with `.error` set. `on_output` runs on its own thread.
+        yielded as outputs with `.error` set. `on_output` runs on its own thread. With `idle_s`,
+        None is also yielded each time `idle_s` seconds pass without a finished request, so the
+        caller can do periodic work (a job commits) while slow requests run or the engine stalls.
         """
-        inner = self._stream(inputs, sampling_params, on_output)
+        inner = self._stream(inputs, sampling_params, on_output, idle_s)
         try:
             for _, out in inner:
                 yield out
@@ -151,7 +154,8 @@ class LLM:
         inputs: Iterable[str | list[dict] | Request],
         sampling_params: SamplingParams | None,
         on_output: Callable[[RequestOutput], None] | None,
-    ) -> Iterator[tuple[int, RequestOutput]]:
+        idle_s: float | None = None,
+    ) -> Iterator[tuple[int, RequestOutput | None]]:
         if self._is_streaming:
             raise VbatchError("this LLM is already streaming; finish or close that stream first")
         self._is_streaming = True
@@ -161,6 +165,7 @@ class LLM:
         ready: list[tuple[int, RequestOutput]] = []
         callbacks = _CallbackThread(on_output, self.max_in_flight) if on_output else None
         is_exhausted = False
+        idle_deadline = None if idle_s is None else time.monotonic() + idle_s
         try:
             while True:
                 room = self.max_in_flight - len(live)
@@ -172,13 +177,22 @@ class LLM:
                     if callbacks is not None:
                         callbacks.put(out)
                     yield position, out
+                if ready and idle_s is not None:
+                    idle_deadline = time.monotonic() + idle_s
                 ready.clear()
                 if not live:
                     if is_exhausted:
                         break
                     continue
                 is_filling = not is_exhausted and len(live) < self.max_in_flight
-                steps = self._client.get_outputs(timeout=0.0 if is_filling else None)
+                timeout = 0.0 if is_filling else None
+                if idle_s is not None and idle_deadline is not None:
+                    if time.monotonic() >= idle_deadline:
+                        yield -1, None
+                        idle_deadline = time.monotonic() + idle_s
+                    left = max(0.0, idle_deadline - time.monotonic())
+                    timeout = left if timeout is None else min(timeout, left)
+                steps = self._client.get_outputs(timeout=timeout)
                 self._collect(steps, live, ready)
             if callbacks is not None:
                 callbacks.close()

@@ -21,11 +21,12 @@ from vbatch.job.manifest import Manifest
 from vbatch.job.reader import InputReader
 from vbatch.job.results import error_row, openai_line, parquet_schema, result_row
 from vbatch.job.rows import ColumnOptions, InputRow, RowParser
-from vbatch.job.stopping import StopControl, StopNow
+from vbatch.job.stopping import StopControl, StopNow, StopOnSignal
 from vbatch.job.writer import open_writer
 from vbatch.sampling_params import SamplingParams
 
 EXIT_INTERRUPTED = 75
+MIN_IDLE_S = 0.05
 
 
 def _make_llm(model: str | None, **kwargs: Any) -> Any:
@@ -73,6 +74,7 @@ class JobExecution:
         self.stop = StopControl(options.drain_timeout)
         self.is_stop_shown = False
         self.is_over_error_limit = False
+        self.is_finalizing = False
         self.last_commit_t = time.monotonic()
         self.token_text: Callable[[int], str] = str
         self.metrics: Any = None
@@ -117,6 +119,23 @@ class JobExecution:
     def _run(self, output: Path) -> tuple[int, str]:
         from vbatch.job.runner import resume_command
 
+        # NOTE: outside the engine loop (finalize above all) a signal stops the run at once;
+        # what is committed stays committed, and resume redoes the rest.
+        try:
+            with StopOnSignal():
+                return self._run_job(output)
+        except StopNow:
+            self.metrics.set_state("interrupted")
+            num_done = len(self.journal.state.committed)
+            return EXIT_INTERRUPTED, (
+                f"interrupted: {num_done} of {self.manifest.num_rows} rows are committed"
+                + (" (the final output was not written)" if self.is_finalizing else "")
+                + f". Resume with:\n  {resume_command(output)}"
+            )
+
+    def _run_job(self, output: Path) -> tuple[int, str]:
+        from vbatch.job.runner import resume_command
+
         with self.stop:
             try:
                 if len(self.journal.state.committed) < self.manifest.num_rows:
@@ -135,6 +154,7 @@ class JobExecution:
             )
         if num_done >= self.manifest.num_rows:
             self.metrics.set_state("committing")
+            self.is_finalizing = True
             try:
                 finalize(
                     self.job_dir,
@@ -206,7 +226,10 @@ class JobExecution:
                 llm.shutdown()
 
     def _loop(self, llm: Any) -> None:
-        stream = llm.stream(self._requests(), self.defaults)
+        # NOTE: with idle_s, the stream also yields None when no row finished for that long, so
+        # the time-based commit fires while every row in flight is slow (or the engine stalls).
+        every_s = self.options.commit_every_seconds
+        stream = llm.stream(self._requests(), self.defaults, idle_s=max(every_s, MIN_IDLE_S))
         try:
             while not self.stop.stop_now:
                 self.stop.is_waiting = True
@@ -217,6 +240,10 @@ class JobExecution:
                 finally:
                     self.stop.is_waiting = False
                 self._show_stop()
+                if result is None:
+                    if self.writer.num_pending and time.monotonic() - self.last_commit_t >= every_s:
+                        self._commit()
+                    continue
                 row = self.in_flight.pop(result.index)
                 if result.error is None and any(o.finish_reason == "abort" for o in result.outputs):
                     continue

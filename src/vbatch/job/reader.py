@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import shlex
 import zlib
 from array import array
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ _ROW_COLUMNS = ("prompt", "messages", "id", "custom_id", "sampling_params", "url
 _COLUMN_CHECK_ROWS = 100
 _READ_BYTES = 1 << 16
 MAX_KEYS = 1000
+_PEEK_BYTES = 1 << 20
 
 
 def detect_format(path: Path, input_format: str | None) -> str:
@@ -112,6 +114,10 @@ class InputReader:
 
     def __init__(self, path: Path, input_format: str | None, options: ColumnOptions) -> None:
         self.path = path
+        if path.is_dir():
+            raise InputError(
+                f"the input {path} is a directory; give one .jsonl[.gz|.zst] or .parquet file"
+            )
         if not path.is_file():
             raise InputError(f"input file {path} does not exist")
         self.format = detect_format(path, input_format)
@@ -120,6 +126,7 @@ class InputReader:
         if self.format == "parquet":
             self._open_parquet()
         else:
+            self._refuse_json_array()
             self._check_jsonl_columns()
 
     @property
@@ -145,6 +152,36 @@ class InputReader:
             raise InputError(
                 f"column(s) {', '.join(map(repr, missing))} not in {self.path} "
                 f"(it has {', '.join(self.columns)})"
+            )
+
+    def _refuse_json_array(self) -> None:
+        """A JSON array (one document, not one object per line) gets a hint, not error rows.
+
+        Refused: a `.json` file, a first line that is not a whole JSON value (a pretty-printed
+        array), or a first line that is an array of objects. A JSONL row that is some other
+        array stays an error row."""
+        try:
+            with self._open_text() as f:
+                first = f.readline(_PEEK_BYTES)
+                while first and first.isspace():
+                    first = f.readline(_PEEK_BYTES)
+        except (OSError, EOFError, InputError):
+            return  # NOTE: the full read reports an unreadable file.
+        if not first.lstrip().startswith(b"["):
+            return
+        name = self.path.name
+        for suffix in (".gz", ".zst"):
+            name = name[: -len(suffix)] if name.lower().endswith(suffix) else name
+        try:
+            value = orjson.loads(first)
+            is_array = name.lower().endswith(".json") or any(isinstance(v, dict) for v in value)
+        except orjson.JSONDecodeError:
+            is_array = True
+        if is_array:
+            raise InputError(
+                f"{self.path} looks like a JSON array; vbatch reads JSONL, one JSON object per "
+                f"line. Convert it with: jq -c '.[]' {shlex.quote(str(self.path))} > "
+                f"{shlex.quote(Path(name).stem + '.jsonl')}"
             )
 
     def _check_jsonl_columns(self) -> None:

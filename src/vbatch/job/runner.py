@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import fcntl
+import os
 import shlex
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -26,6 +28,8 @@ OUTPUT_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", 
 # NOTE: kept input columns may not shadow output fields (vbatch rows or OpenAI Batch lines).
 RESERVED_COLUMNS = frozenset(OUTPUT_COLUMNS) | {"custom_id", "response"}
 MAX_KEPT_COLUMNS = 1000
+LOCK_NAME = "lock"
+_LOCK_ATTEMPTS = 100
 
 
 @dataclass(frozen=True)
@@ -94,18 +98,88 @@ def resume_command(output: Path) -> str:
 
 
 class JobLock:
-    """An exclusive flock on the job directory, so two processes never append to one journal."""
+    """An exclusive flock on the job directory, so two processes never append to one journal.
 
-    def __init__(self, job_dir: Path) -> None:
-        self._file = open(job_dir / "lock", "w")  # noqa: SIM115
-        try:
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+    Invariant: the lock file is never deleted while a job directory exists (`--overwrite` keeps
+    it), so every process locks the same inode. With `create`, the directory is made first.
+    """
+
+    def __init__(self, job_dir: Path, *, create: bool = False) -> None:
+        path = job_dir / LOCK_NAME
+        for _ in range(_LOCK_ATTEMPTS):
+            if create:
+                try:
+                    job_dir.mkdir(exist_ok=True)
+                except OSError as e:
+                    raise JobStateError(
+                        f"cannot create the job directory {job_dir}: {e.strerror}; write the "
+                        "output to a directory you can write to"
+                    ) from None
+            try:
+                self._file = open(path, "a")  # noqa: SIM115
+            except FileNotFoundError:
+                if create:
+                    continue
+                raise JobStateError(f"there is no job in {job_dir}") from None
+            except OSError as e:
+                raise JobStateError(
+                    f"cannot open the job's lock file {path}: {e.strerror}"
+                ) from None
+            try:
+                fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._file.close()
+                raise JobStateError(
+                    f"another vbatch process is running the job in {job_dir}; wait for it to "
+                    "finish or stop it first"
+                ) from None
+            # NOTE: a run that failed before its job started removes the directory it made; a
+            # lock on that removed file would guard nothing, so lock the file now there.
+            try:
+                if os.path.samestat(os.fstat(self._file.fileno()), os.stat(path)):
+                    return
+            except FileNotFoundError:
+                pass
             self._file.close()
-            raise JobStateError(f"another vbatch process is running the job in {job_dir}") from None
+            if not create:
+                raise JobStateError(f"there is no job in {job_dir}")
+        raise JobStateError(f"cannot lock {path}: it keeps being removed")
 
     def release(self) -> None:
         self._file.close()
+
+
+def _refuse_output_onto_input(input_path: Path, output: Path, job_dir: Path) -> None:
+    """`run X -o X --overwrite` would delete the input before reading it: refuse, through
+    symlinks, relative paths and hard links."""
+    if output.is_dir():
+        raise InputError(f"the output {output} is a directory; name a .jsonl or .parquet file")
+    source = input_path.resolve()
+    for path, what in ((output, "output"), (tmp_output_path(output), "output's temp file")):
+        is_same = path.resolve() == source
+        if not is_same and path.exists() and input_path.exists():
+            is_same = os.path.samefile(path, input_path)
+        if is_same:
+            raise InputError(
+                f"the {what} {path} is the input file {input_path}; write to another file"
+            )
+    if source.is_relative_to(job_dir.resolve()):
+        raise InputError(f"the input {input_path} is inside the job directory {job_dir}")
+
+
+def _remove_job(job_dir: Path, output: Path) -> None:
+    """Delete an old job's files and output, but not the lock file we hold. The manifest goes
+    first: a crash part way leaves no job, never a job without its journal."""
+    (job_dir / MANIFEST_NAME).unlink(missing_ok=True)
+    for entry in job_dir.iterdir():
+        if entry.name == LOCK_NAME:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    output.unlink(missing_ok=True)
+    tmp_output_path(output).unlink(missing_ok=True)
 
 
 def _resolve_columns(spec: JobSpec, reader: InputReader, keys: set[str] | None) -> ColumnOptions:
@@ -127,20 +201,37 @@ def start_job(
     overwrite: bool = False,
     llm_factory: Callable[..., Any] | None = None,
 ) -> Outcome:
-    """`vbatch run`: validate everything, write the manifest, then execute the job."""
+    """`vbatch run`: take the job's lock, validate everything, write the manifest, then execute
+    the job. Nothing is deleted (--overwrite) before the new job has passed validation."""
     output = spec.output_path
     job_dir = job_dir_for(output)
     fmt = output_format(output)
-    if overwrite:
-        shutil.rmtree(job_dir, ignore_errors=True)
-        output.unlink(missing_ok=True)
-        tmp_output_path(output).unlink(missing_ok=True)
-    elif job_dir.exists():
+    _refuse_output_onto_input(spec.input_path, output, job_dir)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    lock = JobLock(job_dir, create=True)
+    try:
+        manifest = _prepare_job(spec, options, job_dir, fmt, overwrite=overwrite)
+    except BaseException:
+        # NOTE: a directory without a manifest holds no job: it is only the lock we made.
+        if not (job_dir / MANIFEST_NAME).exists():
+            shutil.rmtree(job_dir, ignore_errors=True)
+        lock.release()
+        raise
+    return _execute(output, job_dir, manifest, options, llm_factory, retry_errors=False, lock=lock)
+
+
+def _prepare_job(
+    spec: JobSpec, options: RunOptions, job_dir: Path, fmt: str, *, overwrite: bool
+) -> Manifest:
+    """Validate a new job under its lock and write its manifest (replacing an old job when
+    `overwrite`)."""
+    output = spec.output_path
+    if not overwrite and (job_dir / MANIFEST_NAME).exists():
         raise JobStateError(
             f"{output} already has a job directory ({job_dir}); continue it with "
             f"`{resume_command(output)}`, or pass --overwrite to start again"
         )
-    elif output.exists():
+    if not overwrite and output.exists():
         raise JobStateError(f"{output} already exists; pass --overwrite to replace it")
     clashes = [n for n in spec.columns.keep_columns if n in RESERVED_COLUMNS]
     if clashes:
@@ -176,22 +267,16 @@ def start_job(
             **options.result_settings(),
         },
     )
-    _create_job_dir(job_dir, manifest)
-    return _execute(output, job_dir, manifest, options, llm_factory, retry_errors=False)
-
-
-def _create_job_dir(job_dir: Path, manifest: Manifest) -> None:
-    """Create the job directory with its manifest; a failed write leaves no half-made job."""
-    job_dir.parent.mkdir(parents=True, exist_ok=True)
-    job_dir.mkdir()
+    _remove_job(job_dir, output)
     try:
         manifest.save(job_dir)
     except BaseException as e:
-        shutil.rmtree(job_dir, ignore_errors=True)
         if is_storage_failure(e):
-            then = "then run the same command again"
-            raise storage_error(e, job_dir / MANIFEST_NAME, then) from e
+            raise storage_error(
+                e, job_dir / MANIFEST_NAME, "then run the same command again"
+            ) from e
         raise
+    return manifest
 
 
 def resume_job(
@@ -209,6 +294,24 @@ def resume_job(
     job_dir = job_dir_for(output)
     if not job_dir.is_dir():
         raise JobStateError(f"there is no job to resume for {output} (no {job_dir})")
+    lock = JobLock(job_dir)
+    try:
+        return _resume_locked(output, job_dir, lock, overrides, force, retry_errors, llm_factory)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _resume_locked(
+    output: Path,
+    job_dir: Path,
+    lock: JobLock,
+    overrides: dict[str, Any] | None,
+    force: bool,
+    retry_errors: bool,
+    llm_factory: Callable[..., Any] | None,
+) -> Outcome:
+    """resume_job's checks, under the job's lock (--force rewrites the manifest)."""
     manifest = Manifest.load(job_dir)
     input_path = Path(manifest.input_path)
     if not input_path.is_file():
@@ -223,10 +326,31 @@ def resume_job(
             "`vbatch run ... --overwrite`"
         )
     if mismatches:
+        old_input, old_rows = manifest.input, manifest.num_rows
         _accept_changes(job_dir, manifest, fingerprint, identity)
+        if old_input["sampled_sha256"] != fingerprint["sampled_sha256"]:
+            _warn_index_matching(job_dir, output, old_rows, manifest.num_rows)
     saved = {k: manifest.options[k] for k in RunOptions().result_settings()}
     options = RunOptions(**{**saved, **(overrides or {})})
-    return _execute(output, job_dir, manifest, options, llm_factory, retry_errors=retry_errors)
+    return _execute(
+        output, job_dir, manifest, options, llm_factory, retry_errors=retry_errors, lock=lock
+    )
+
+
+def _warn_index_matching(job_dir: Path, output: Path, old_rows: int, new_rows: int) -> None:
+    """resume --force on a changed input: committed rows are identified by row position."""
+    state, _ = read_journal(job_dir / JOURNAL_NAME)
+    if not len(state.committed) or state.complete is not None:
+        return
+    print(
+        f"warning: the input changed ({old_rows} -> {new_rows} rows). The "
+        f"{len(state.committed)} committed rows are matched to the new input by position (row "
+        "index), not by id: the rows now at those positions are skipped, and the rest run. If "
+        "rows were inserted, removed or reordered anywhere but after the end, the output will "
+        "miss some rows and repeat others; start again with "
+        f"`vbatch run ... -o {shlex.quote(str(output))} --overwrite` instead.",
+        file=sys.stderr,
+    )
 
 
 def _accept_changes(
@@ -270,12 +394,13 @@ def _execute(
     llm_factory: Callable[..., Any] | None,
     *,
     retry_errors: bool,
+    lock: JobLock,
 ) -> Outcome:
-    """Run the job under its lock; `output` is the path as the user wrote it (for messages)."""
-    from vbatch.job.execution import JobExecution
-
-    lock = JobLock(job_dir)
+    """Run the job under its `lock` (released here); `output` is the path as the user wrote it
+    (for messages)."""
     try:
+        from vbatch.job.execution import JobExecution
+
         journal = Journal(job_dir)
         if journal.state.complete is None:
             if retry_errors and len(journal.state.errors):
@@ -290,15 +415,30 @@ def _execute(
                 "job. Select the error rows from the output and run them as a new job"
             )
         else:
+            _refuse_lost_output(output, Path(manifest.output_path), journal.state)
             exit_code, message = 0, f"{output} is already complete"
             finish_completion(job_dir, Path(manifest.output_path), journal.state)
         journal.close()
         status = _status(job_dir, manifest, journal.state)
+        # NOTE: removed under the lock, so no other process can have locked the doomed file.
+        if exit_code == 0 and options.clean:
+            shutil.rmtree(job_dir)
     finally:
         lock.release()
-    if exit_code == 0 and options.clean:
-        shutil.rmtree(job_dir)
     return Outcome(exit_code, message, status)
+
+
+def _refuse_lost_output(output: Path, final: Path, state: JobState) -> None:
+    """A complete job whose output file is gone: the job directory keeps no copy of the rows."""
+    assert state.complete is not None
+    tmp_name = state.complete.get("tmp")
+    if final.exists() or (tmp_name is not None and (final.parent / tmp_name).exists()):
+        return
+    raise JobStateError(
+        f"the job for {output} finished, but its output file no longer exists (deleted or "
+        "moved?), and the job directory keeps no copy of the rows. Put the file back, or run "
+        f"the job again with `vbatch run ... -o {shlex.quote(str(output))} --overwrite`"
+    )
 
 
 def job_status(output: Path) -> dict[str, Any]:

@@ -87,3 +87,36 @@ class StopControl:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
+
+
+class StopOnSignal:
+    """SIGINT and SIGTERM raise StopNow at once, wherever the main thread is.
+
+    For work that a crash at any point leaves safe (finalize: the journal decides what is done),
+    around the engine loop's StopControl, which takes the signals over while it is active and
+    gives them back on exit.
+    """
+
+    def __init__(self) -> None:
+        self._previous: dict[int, Any] = {}
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        raise StopNow
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {
+                signum: signal.signal(signum, self._on_signal)
+                for signum in (signal.SIGINT, signal.SIGTERM)
+            }
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
