@@ -39,7 +39,10 @@ class StandInLLM:
         self.exit_after = int(os.environ.get("VBATCH_STANDIN_EXIT_AFTER", "-1"))
         self.raise_after = int(os.environ.get("VBATCH_STANDIN_RAISE_AFTER", "-1"))
 
-    def stream(self, inputs: Iterable[Any], sampling_params: Any = None) -> Iterator[Any]:
+    def stream(
+        self, inputs: Iterable[Any], sampling_params: Any = None, idle_s: float | None = None
+    ) -> Iterator[Any]:
+        # NOTE: every answer is immediate, so the stream is never idle for idle_s.
         from vbatch.llm import CompletionOutput, RequestOutput
 
         for n, req in enumerate(inputs):

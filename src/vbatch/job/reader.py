@@ -165,7 +165,7 @@ class InputReader:
                 first = f.readline(_PEEK_BYTES)
                 while first and first.isspace():
                     first = f.readline(_PEEK_BYTES)
-        except (OSError, EOFError, InputError):
+        except (OSError, EOFError, zlib.error, CorruptInput, InputError):
             return  # NOTE: the full read reports an unreadable file.
         if not first.lstrip().startswith(b"["):
             return

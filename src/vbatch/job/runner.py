@@ -111,10 +111,7 @@ class JobLock:
                 try:
                     job_dir.mkdir(exist_ok=True)
                 except OSError as e:
-                    raise JobStateError(
-                        f"cannot create the job directory {job_dir}: {e.strerror}; write the "
-                        "output to a directory you can write to"
-                    ) from None
+                    raise storage_error(e, job_dir.parent) from None
             try:
                 self._file = open(path, "a")  # noqa: SIM115
             except FileNotFoundError:

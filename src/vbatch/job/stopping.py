@@ -9,8 +9,11 @@ from types import TracebackType
 from typing import Any
 
 
-class StopNow(Exception):
-    """Raised by a signal handler to leave a blocking wait on the engine at once."""
+class StopNow(BaseException):
+    """Raised by a signal handler to leave a blocking wait on the engine at once.
+
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` takes it for an error.
+    """
 
 
 class StopControl:
