@@ -22,7 +22,7 @@ def make_manifest(input_path: Path, weights_hash: str = "w1") -> Manifest:
         id_kind="int",
         output_path="/tmp/out.jsonl",
         output_format="jsonl",
-        model={"source": "/m", "name": "m", "weights_hash": weights_hash},
+        model={"source": "/m", "name": "m", "weights_hash": weights_hash, "files": {}},
         engine={},
         sampling={"max_tokens": 4},
         options={},
@@ -54,10 +54,10 @@ def test_save_load_round_trip_and_mismatches(tmp_path: Path) -> None:
     manifest.save(tmp_path)
     loaded = Manifest.load(tmp_path)
     assert loaded == manifest
-    same_model = {"weights_hash": "w1"}
+    same_model = {"weights_hash": "w1", "files": {}}
     assert loaded.mismatches(input_fingerprint(input_path), same_model) == []
     input_path.write_text('{"prompt": "b"}\n')
-    reasons = loaded.mismatches(input_fingerprint(input_path), {"weights_hash": "w2"})
+    reasons = loaded.mismatches(input_fingerprint(input_path), {"weights_hash": "w2", "files": {}})
     assert len(reasons) == 2
     assert "changed content" in reasons[0] and "model weights changed" in reasons[1]
     input_path.write_text('{"prompt": "bb"}\n')
@@ -79,3 +79,50 @@ def test_model_identity_hashes_safetensors_of_a_directory(tmp_path: Path) -> Non
     assert first["source"] == str(tmp_path) and first["name"] == tmp_path.name
     (tmp_path / "model.safetensors").write_bytes(b"weights-two")
     assert model_identity(str(tmp_path))["weights_hash"] != first["weights_hash"]
+
+
+def test_model_identity_covers_tokenizer_template_and_configs(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 2}')
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
+    (tmp_path / "README.md").write_text("not part of the identity")
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
+    first = model_identity(str(tmp_path))
+    assert sorted(first["files"]) == [
+        "additional_chat_templates/tool_use.jinja",
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+    ]
+    input_path = tmp_path / "in.jsonl"
+    input_path.write_text('{"prompt": "a"}\n')
+    manifest = make_manifest(input_path, first["weights_hash"])
+    manifest.model = first
+    fingerprint = input_fingerprint(input_path)
+    (tmp_path / "README.md").write_text("edited")
+    assert manifest.mismatches(fingerprint, model_identity(str(tmp_path))) == []
+
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0] }}")
+    (tmp_path / "generation_config.json").unlink()
+    (tmp_path / "special_tokens_map.json").write_text("{}")
+    (reason,) = manifest.mismatches(fingerprint, model_identity(str(tmp_path)))
+    assert reason == (
+        f"model files changed ({tmp_path}: chat_template.jinja changed, "
+        "generation_config.json removed, special_tokens_map.json added)"
+    )
+
+    # NOTE: a manifest written before model files were recorded is read, and asks for --force.
+    del manifest.model["files"]
+    manifest.save(tmp_path)
+    (reason,) = Manifest.load(tmp_path).mismatches(fingerprint, first)
+    assert "did not record the model's tokenizer, chat template and generation config" in reason
+
+
+def test_model_identity_of_a_gguf_file_is_its_hash(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF")
+    assert model_identity(str(path))["files"] == {}

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import orjson
 import pyarrow as pa
+import pytest
 
+from vbatch.errors import JobStateError
 from vbatch.job.results import (
+    TokenStrings,
     error_row,
     jsonl_bytes,
     line_index,
@@ -17,6 +22,9 @@ from vbatch.job.results import (
 from vbatch.job.rows import InputRow
 from vbatch.llm import CompletionOutput, RequestOutput
 from vbatch.protocol import TokenLogprobs
+
+if TYPE_CHECKING:
+    from vbatch.client.tokenizer import TextTokenizer
 
 
 def make_result(outputs: list[CompletionOutput], error: str | None = None) -> RequestOutput:
@@ -110,3 +118,69 @@ def test_parquet_values_stringify_stop_reason_and_ids() -> None:
     out = parquet_values(values, {"meta": {"k": 1}}, "str", True)
     assert out["id"] == "42" and out["stop_reason"] == "2" and out["meta"] == '{"k":1}'
     assert line_index(jsonl_bytes(values, None)) == 5
+
+
+def test_openai_custom_id_is_always_a_string() -> None:
+    # NOTE: a malformed line's id is not a string (today its index); OpenAI's custom_id is.
+    malformed = InputRow(8, "line 9", 8, error="line 9: invalid JSON")
+    line = openai_line(malformed, error_row(malformed, malformed.error), "smol", str)
+    assert line["custom_id"] == "8" and line["id"] == "vbatch_req_8"
+    unreadable = InputRow(2, "line 3", None, error="line 3: bad id")
+    assert openai_line(unreadable, error_row(unreadable, "x"), "smol", str)["custom_id"] == ""
+    result = make_result([CompletionOutput(0, "hi", [7], "stop", None)])
+    int_id = InputRow(3, "line 4", 7, openai_kind="chat")
+    values = result_row(int_id, result, include_token_ids=False)
+    assert openai_line(int_id, values, "smol", str)["custom_id"] == "7"
+
+
+def test_openai_logprobs_carry_bytes_and_text_offset(tokenizer: TextTokenizer) -> None:
+    tokens = TokenStrings(lambda: tokenizer)
+    emoji = tokenizer.encode_batch(["😀"], add_special_tokens=False)[0]
+    # NOTE: SmolLM2 splits the emoji's 4 bytes over 3 tokens; each decodes alone to U+FFFD.
+    assert len(emoji) > 1 and all(tokens.text(t) == "\ufffd" for t in emoji)
+    assert b"".join(bytes(tokens.bytes(t)) for t in emoji) == "😀".encode()
+    assert tokens.bytes(tokenizer.eos_token_id) == list(b"<|im_end|>")
+
+    ids = tokenizer.encode_batch([" héllo 😀 wörld"], add_special_tokens=False)[0]
+    text = tokenizer.decode(ids)
+    entries = [TokenLogprobs(-0.1, [t, 0], [-0.1, -2.0]) for t in ids]
+    result = make_result([CompletionOutput(0, text, ids, "length", None, entries)])
+
+    chat_row = InputRow(3, "line 4", "c", openai_kind="chat")
+    chat_values = result_row(chat_row, result, include_token_ids=False)
+    line = openai_line(chat_row, chat_values, "smol", tokens.text, tokens.bytes)
+    logprobs = line["response"]["body"]["choices"][0]["logprobs"]
+    assert logprobs["refusal"] is None
+    content = logprobs["content"]
+    assert [set(e) for e in content] == [{"token", "logprob", "bytes", "top_logprobs"}] * len(ids)
+    assert b"".join(bytes(e["bytes"]) for e in content) == text.encode()
+    top = content[0]["top_logprobs"]
+    assert top[1] == {"token": tokens.text(0), "logprob": -2.0, "bytes": tokens.bytes(0)}
+
+    prompt = "Say: ø"
+    text_row = InputRow(3, "line 4", "t", prompt=prompt, openai_kind="completions")
+    text_values = result_row(text_row, result, include_token_ids=False)
+    choice = openai_line(text_row, text_values, "smol", tokens.text, tokens.bytes)["response"][
+        "body"
+    ]["choices"][0]
+    logprobs = choice["logprobs"]
+    assert set(logprobs) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    offsets = logprobs["text_offset"]
+    # NOTE: as OpenAI: character offsets into prompt + completion, the first at len(prompt).
+    full = prompt + choice["text"]
+    assert offsets[0] == len(prompt) and len(offsets) == len(ids)
+    # NOTE: the tokens after the emoji (split over two tokens) still line up with the text.
+    assert "\ufffd" in logprobs["tokens"][-4]
+    for token, offset in zip(logprobs["tokens"], offsets):
+        if "\ufffd" not in token:
+            assert full[offset : offset + len(token)] == token
+    assert offsets[-1] + len(logprobs["tokens"][-1]) == len(full)
+
+
+def test_parquet_values_refuse_an_id_the_int64_column_cannot_hold() -> None:
+    values = error_row(InputRow(5, "line 6", 2**63), "line 6: bad")
+    assert parquet_values(values, None, "str", False)["id"] == str(2**63)
+    with pytest.raises(JobStateError, match=r"64-bit integers.*--overwrite"):
+        parquet_values(values, None, "int", False)
+    values["id"] = 2**63 - 1
+    assert parquet_values(values, None, "int", False)["id"] == 2**63 - 1

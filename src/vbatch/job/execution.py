@@ -19,7 +19,7 @@ from vbatch.job.finalize import finalize
 from vbatch.job.journal import Journal
 from vbatch.job.manifest import Manifest
 from vbatch.job.reader import InputReader
-from vbatch.job.results import error_row, openai_line, parquet_schema, result_row
+from vbatch.job.results import TokenStrings, error_row, openai_line, parquet_schema, result_row
 from vbatch.job.rows import ColumnOptions, InputRow, RowParser
 from vbatch.job.stopping import StopControl, StopNow, StopOnSignal
 from vbatch.job.writer import open_writer
@@ -77,6 +77,7 @@ class JobExecution:
         self.is_finalizing = False
         self.last_commit_t = time.monotonic()
         self.token_text: Callable[[int], str] = str
+        self.token_bytes: Callable[[int], list[int]] | None = None
         self.metrics: Any = None
 
     def _max_errors(self, limit: float | None) -> int | None:
@@ -216,7 +217,8 @@ class JobExecution:
         try:
             self.metrics.set_engine_info(llm.engine_info)
             self.metrics.set_stats_source(lambda: llm.latest_stats)
-            self.token_text = lambda t: llm.tokenizer.decode([t], skip_special_tokens=False)
+            tokens = TokenStrings(lambda: llm.tokenizer)
+            self.token_text, self.token_bytes = tokens.text, tokens.bytes
             self.metrics.set_state("running")
             self._loop(llm)
             self._commit()
@@ -283,7 +285,9 @@ class JobExecution:
     def _emit(self, row: InputRow, values: dict[str, Any]) -> None:
         line = None
         if self.manifest.options["openai_output"]:
-            line = openai_line(row, values, self.manifest.model["name"], self.token_text)
+            line = openai_line(
+                row, values, self.manifest.model["name"], self.token_text, self.token_bytes
+            )
         self.writer.add(values, row.kept, line)
         is_error = values["error"] is not None
         self.metrics.on_result(

@@ -14,7 +14,8 @@ from typing import Any
 from vbatch.errors import JobStateError, ModelLoadError
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_VERSION = 1
+# NOTE: version 2 added model["files"] (hashes of the tokenizer, template and config files).
+MANIFEST_VERSION = 2
 _SAMPLE_BYTES = 1 << 20
 _NUM_MIDDLE_SAMPLES = 16
 _MIDDLE_SAMPLE_BYTES = 1 << 16
@@ -45,8 +46,9 @@ def input_fingerprint(path: Path) -> dict[str, Any]:
 
 
 def model_identity(model: str | None) -> dict[str, Any]:
-    """The model as the user named it plus a hash of its weights (memoized by size and mtime)."""
-    from vbatch.models.loader import default_model_path, hash_files
+    """The model as the user named it, a hash of its weights (memoized by size and mtime) and a
+    hash of each other file that changes its output (tokenizer, chat template, configs)."""
+    from vbatch.models.loader import default_model_path, hash_files, model_file_hashes
 
     path = default_model_path() if model is None else Path(model).expanduser().absolute()
     if not path.exists():
@@ -61,6 +63,7 @@ def model_identity(model: str | None) -> dict[str, Any]:
         "source": str(path),
         "name": path.stem if path.is_file() else path.name,
         "weights_hash": hash_files(files),
+        "files": model_file_hashes(path),
     }
 
 
@@ -117,9 +120,29 @@ class Manifest:
                 f"model weights changed ({self.model['source']}: "
                 f"{self.model['weights_hash']} -> {current_model['weights_hash']})"
             )
+        reasons += self._model_file_changes(current_model.get("files", {}))
         if __version__ != self.vbatch_version:
             reasons.append(f"vbatch version changed ({self.vbatch_version} -> {__version__})")
         return reasons
+
+    def _model_file_changes(self, current: dict[str, str]) -> list[str]:
+        """Which tokenizer, template and config files differ from those the job started with."""
+        source = self.model["source"]
+        recorded = self.model.get("files")
+        if recorded is None:
+            return [
+                f"this job was started by an older vbatch that did not record the model's "
+                f"tokenizer, chat template and generation config ({source}), so they cannot be "
+                "checked"
+            ]
+        changes = []
+        for name in sorted(recorded.keys() | current.keys()):
+            if recorded.get(name) != current.get(name):
+                how = "added" if name not in recorded else "removed" if name not in current else ""
+                changes.append(f"{name} {how or 'changed'}")
+        if not changes:
+            return []
+        return [f"model files changed ({source}: {', '.join(changes)})"]
 
 
 def write_atomic(path: Path, data: bytes, *, sync_dir: bool = True) -> None:

