@@ -382,7 +382,10 @@ def _settings(values: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    app(prog_name="vbatch")
+    from vbatch.job.stopping import command_signals
+
+    with command_signals():
+        app(prog_name="vbatch")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -47,6 +50,7 @@ class StopControl:
             self._timer.start()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        _stop_signal_seen.set()
         if not self.stop_requested:
             self.request_stop()
         else:
@@ -92,6 +96,38 @@ class StopControl:
         self._previous = {}
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# NOTE: process-wide, set by the job's signal handlers; read by the command's own handlers.
+_stop_signal_seen = threading.Event()
+
+
+def _after_stop_signal(signum: int, frame: Any) -> None:
+    """The `vbatch` command's handler under the job's: once a job took a stop signal, a late one
+    (a fast second Ctrl-C landing as the job exits) is ignored, so the exit status stays 75;
+    before that, the signal acts as it would by default."""
+    if _stop_signal_seen.is_set():
+        return
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+@contextlib.contextmanager
+def command_signals() -> Iterator[None]:
+    """Around the `vbatch` command (not library use): under the job's handlers, a late stop
+    signal is ignored once a job took one, through the interpreter's exit too."""
+    for signum in STOP_SIGNALS:
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, _after_stop_signal)
+    try:
+        yield
+    finally:
+        if _stop_signal_seen.is_set():
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, signal.SIG_IGN)
+
+
 class StopOnSignal:
     """SIGINT and SIGTERM raise StopNow at once, wherever the main thread is.
 
@@ -104,13 +140,13 @@ class StopOnSignal:
         self._previous: dict[int, Any] = {}
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        _stop_signal_seen.set()
         raise StopNow
 
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
             self._previous = {
-                signum: signal.signal(signum, self._on_signal)
-                for signum in (signal.SIGINT, signal.SIGTERM)
+                signum: signal.signal(signum, self._on_signal) for signum in STOP_SIGNALS
             }
         return self
 
