@@ -69,7 +69,8 @@ class GrammarCache:
         try:
             if spec.json_schema is not None:
                 assert isinstance(spec.json_schema, str)
-                return compiler.compile_json_schema(spec.json_schema, any_whitespace=False)
+                schema = _escaped_bounded_strings(json.loads(spec.json_schema))
+                return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
             if spec.json_object:
                 return compiler.compile_json_schema(
                     '{"type": "object"}', any_whitespace=False, strict_mode=False
@@ -98,6 +99,32 @@ class GrammarCache:
         )
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         return self._compiler
+
+
+def _escaped_bounded_strings(node: Any) -> Any:
+    """`node` with each length-bounded string schema given the pattern of its length, over
+    characters JSON lets a string hold unescaped.
+
+    NOTE: xgrammar 0.2.9 compiles minLength/maxLength into a rule that admits raw control
+    characters, which no strict JSON parser accepts (xgrammar issue #800); a pattern does not.
+    """
+    if isinstance(node, list):
+        return [_escaped_bounded_strings(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: _escaped_bounded_strings(value) for key, value in node.items()}
+    low, high = node.get("minLength", 0), node.get("maxLength", "")
+    if (
+        node.get("type") == "string"
+        and ("minLength" in node or "maxLength" in node)
+        and not {"pattern", "format", "enum", "const"} & node.keys()
+        and isinstance(low, int)
+        and isinstance(high, (int, str))
+    ):
+        node["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low},{high}}}$'
+        node.pop("minLength", None)
+        node.pop("maxLength", None)
+    return node
 
 
 def new_matcher(grammar: CompiledGrammar) -> GrammarMatcher:
