@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -134,6 +136,54 @@ def from_guided(value: Any) -> StructuredOutput:
             f"guided must have exactly one of regex, choice, grammar; got {sorted(value)}"
         )
     return StructuredOutput(**value)
+
+
+def row_structured(response_format: Any, guided: Any) -> StructuredOutput | None:
+    """A job row's constraint from its `response_format` or `guided` field (None: neither)."""
+    if response_format is not None and guided is not None:
+        raise SamplingParamsError("a row may have response_format or guided, not both")
+    if guided is not None:
+        return from_guided(guided)
+    if response_format is not None:
+        return from_response_format(response_format)
+    return None
+
+
+def cli_structured(
+    json_schema_file: Path | None,
+    regex: str | None,
+    choice: str | None,
+    grammar_file: Path | None,
+) -> dict[str, Any] | None:
+    """The job-wide constraint of `--json-schema FILE`, `--regex`, `--choice a,b,c` or
+    `--grammar FILE`, as the manifest keeps it; None when none is given."""
+    given = {
+        "json_schema": json_schema_file,
+        "regex": regex,
+        "choice": choice,
+        "grammar": grammar_file,
+    }
+    given = {kind: value for kind, value in given.items() if value is not None}
+    if not given:
+        return None
+    if len(given) > 1:
+        flags = ", ".join(f"--{kind.replace('_', '-')}" for kind in given)
+        raise SamplingParamsError(
+            f"give one of --json-schema, --regex, --choice, --grammar, not {flags}"
+        )
+    if importlib.util.find_spec("xgrammar") is None:
+        raise SamplingParamsError(EXTRA_HINT)
+    [(kind, value)] = given.items()
+    if isinstance(value, Path):
+        try:
+            value = value.read_text()
+        except OSError as e:
+            raise SamplingParamsError(
+                f"cannot read the --{kind.replace('_', '-')} file: {e}"
+            ) from None
+    elif kind == "choice":
+        value = [c.strip() for c in value.split(",") if c.strip()]
+    return msgspec.to_builtins(StructuredOutput(**{kind: value}))
 
 
 def _as_object(value: Any, name: str) -> Mapping[str, Any]:

@@ -41,6 +41,7 @@ class JobSpec:
     sampling: dict[str, Any] = field(default_factory=dict)
     ordered: bool = False
     include_token_ids: bool = False
+    parse_json: bool = False
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,7 @@ def start_job(
             "columns": asdict(columns),
             "ordered": spec.ordered,
             "include_token_ids": spec.include_token_ids,
+            "parse_json": spec.parse_json,
             "openai_output": scan.is_openai and fmt == "jsonl",
             **options.result_settings(),
         },
