@@ -15,6 +15,7 @@ import torch
 from vbatch.client.tokenizer import TextTokenizer
 from vbatch.config import EngineConfig
 from vbatch.engine.core import EngineCore
+from vbatch.models.loader import ResolvedModel
 from vbatch.protocol import AddRequest, FinishReason, SampleFinish, pack_token_ids
 from vbatch.sampling_params import SamplingParams
 from vbatch.structured import StructuredOutput
@@ -323,39 +324,89 @@ def test_scheduling_paths_keep_matchers_in_step(
             jsonschema.validate(json.loads(text(tokens)), SCHEMAS["nested"])
 
 
-def test_greedy_is_the_argmax_of_the_masked_reference_logits(
-    tiny_model_dir: Path, core: EngineCore
+def assert_greedy_is_masked_argmax(
+    core: EngineCore, model_dir: Path, prompts: list[list[int]], schema: dict
 ) -> None:
-    """Each constrained greedy token is the argmax of transformers' logits under the mask that
-    an independent matcher, fed the same tokens, gives at that position."""
+    """Each constrained greedy token is the argmax (up to ties) of transformers' logits under
+    the mask that an independent matcher, fed the same tokens, gives at that position; one
+    unconstrained greedy row rides along in the same steps."""
     import xgrammar
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    hf_model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    hf_model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vocab_size = core.model_config.vocab_size
     info = xgrammar.TokenizerInfo.from_huggingface(
-        AutoTokenizer.from_pretrained(tiny_model_dir),
-        vocab_size=49152,
+        AutoTokenizer.from_pretrained(model_dir),
+        vocab_size=vocab_size,
         stop_token_ids=list(core.model_config.eos_token_ids),
     )
     compiled = xgrammar.GrammarCompiler(info).compile_json_schema(
-        json.dumps(SCHEMAS["nested"]), any_whitespace=False
+        json.dumps(schema), any_whitespace=False
     )
     params = SamplingParams(
-        temperature=0.0,
-        max_tokens=MAX_TOKENS,
-        structured=StructuredOutput(json_schema=SCHEMAS["nested"]),
+        temperature=0.0, max_tokens=MAX_TOKENS, structured=StructuredOutput(json_schema=schema)
     )
-    results = run(core, {f"r{i}": params for i in range(3)})
-    for i, ([tokens], _) in enumerate(results.values()):
-        ids = prompt(i)
+    requests = {f"r{i}": params for i in range(len(prompts))}
+    requests["free"] = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    results = run(core, requests, lambda i: prompts[i % len(prompts)])
+    for i, ids in enumerate([*prompts, prompts[0]]):
+        [tokens], [finish] = results[f"r{i}" if i < len(prompts) else "free"]
         with torch.inference_mode():
             logits = hf_model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 :]
-        matcher = xgrammar.GrammarMatcher(compiled)
-        bitmask = xgrammar.allocate_token_bitmask(1, 49152)
+        matcher = xgrammar.GrammarMatcher(compiled) if i < len(prompts) else None
+        bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
         for pos, token_id in enumerate(tokens):
-            matcher.fill_next_token_bitmask(bitmask)
             row = logits[pos : pos + 1].clone()
-            xgrammar.apply_token_bitmask_inplace(row, bitmask)
+            if matcher is not None:
+                matcher.fill_next_token_bitmask(bitmask)
+                xgrammar.apply_token_bitmask_inplace(row, bitmask)
+                assert matcher.accept_token(token_id)
             assert float(row[0, token_id]) >= float(row.max()) - TIE_TOLERANCE, (i, pos)
-            assert matcher.accept_token(token_id)
-        assert matcher.is_terminated()
+        if matcher is not None:
+            assert finish.finish_reason == FinishReason.STOP and matcher.is_terminated()
+
+
+def test_greedy_is_the_argmax_of_the_masked_reference_logits(
+    tiny_model_dir: Path, core: EngineCore
+) -> None:
+    assert_greedy_is_masked_argmax(
+        core, tiny_model_dir, [prompt(i) for i in range(3)], SCHEMAS["nested"]
+    )
+
+
+EXTRACT_SCHEMA = json.loads(
+    (Path(__file__).parents[1] / "examples" / "extract_schema.json").read_text()
+)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_is_the_argmax_of_the_masked_reference_logits(
+    smollm2: ResolvedModel, prompts: list[list[int]]
+) -> None:
+    """On the real model, through the int8 greedy screen's engine: constrained rows bypass it."""
+    core = EngineCore(EngineConfig(model=str(smollm2.hf_dir)))
+    assert_greedy_is_masked_argmax(core, smollm2.hf_dir, prompts[:3], EXTRACT_SCHEMA)
+
+
+@pytest.mark.slow
+def test_smollm2_seeded_n2_and_preemption_stay_valid(
+    smollm2: ResolvedModel, prompts: list[list[int]]
+) -> None:
+    core = EngineCore(EngineConfig(model=str(smollm2.hf_dir), num_kv_blocks=24))
+    tokenizer = TextTokenizer.from_dir(smollm2.hf_dir)
+    requests = {
+        f"r{i}": SamplingParams(
+            n=2,
+            max_tokens=MAX_TOKENS,
+            structured=StructuredOutput(json_schema=EXTRACT_SCHEMA),
+            **sampling_modes()[i % 3],
+        )
+        for i in range(8)
+    }
+    results = run(core, requests, lambda i: prompts[i])
+    assert core.stats().num_preemptions > 0
+    for samples, finishes in results.values():
+        for tokens, finish in zip(samples, finishes, strict=True):
+            assert finish.finish_reason == FinishReason.STOP
+            text = tokenizer.backend.decode(tokens, skip_special_tokens=True)
+            jsonschema.validate(json.loads(text), EXTRACT_SCHEMA)
