@@ -140,6 +140,8 @@ def test_job_rows_with_constraints_flags_and_parsed_json(
         {"id": "badschema", "prompt": "e",
          "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}},
         {"id": "free", "prompt": "f"},
+        {"id": "stopped", "prompt": "g", "guided": {"choice": ["yes"]},
+         "sampling_params": {"stop": ["e"]}},
     ]  # fmt: skip
     input_path = tmp_path / "in.jsonl"
     input_path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
@@ -170,6 +172,8 @@ def test_job_rows_with_constraints_flags_and_parsed_json(
     assert out["bad"]["finish_reason"] == "error" and "invalid regex" in out["bad"]["error"]
     assert 'Unsupported type "x"' in out["badschema"]["error"]
     assert out["free"].get("structured_complete") is None and out["free"]["error"] is None
+    assert (out["stopped"]["text"], out["stopped"]["stop_reason"]) == ("y", "e")
+    assert out["stopped"]["structured_complete"] is False
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
