@@ -42,6 +42,8 @@ NESTED = {
     "additionalProperties": False,
 }
 PERSON = {"name": "Maria Lopez", "age": 34, "email": "maria@example.com", "role": "nurse"}
+# NOTE: the separators xgrammar uses without any_whitespace, so both accept the same text.
+LLG_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 DOCUMENT = {"people": [{**PERSON, "tags": ["a", "b"]}] * 6, "summary": "Six people."}
 
 
@@ -88,9 +90,7 @@ def grammar_engines(hf_dir: Path, vocab_size: int, eos: list[int]) -> None:
         return grammar
 
     def llg_compile(schema: dict[str, Any]) -> Any:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            schema, defaults={"whitespace_flexible": False}
-        )
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=LLG_OPTIONS)
         matcher = llguidance.LLMatcher(llg_tokenizer, grammar)
         llguidance.torch.fill_next_token_bitmask(
             matcher, llguidance.torch.allocate_token_bitmask(1, vocab_size)
@@ -113,9 +113,7 @@ def grammar_engines(hf_dir: Path, vocab_size: int, eos: list[int]) -> None:
     xgr_grammar = xgrammar.GrammarCompiler(xgr_info).compile_json_schema(
         json.dumps(NESTED), any_whitespace=False
     )
-    llg_grammar = llguidance.LLMatcher.grammar_from_json_schema(
-        NESTED, defaults={"whitespace_flexible": False}
-    )
+    llg_grammar = llguidance.LLMatcher.grammar_from_json_schema(NESTED, defaults=LLG_OPTIONS)
     xgr_matchers = [xgrammar.GrammarMatcher(xgr_grammar) for _ in range(batch)]
     llg_matchers = [llguidance.LLMatcher(llg_tokenizer, llg_grammar) for _ in range(batch)]
     xgr_fill = xgrammar.BatchGrammarMatcher(max_threads=1)
