@@ -240,6 +240,21 @@ def test_invalid_constraints_are_error_rows_and_others_go_on(core: EngineCore) -
     assert results["good"][1][0].finish_reason == FinishReason.STOP
 
 
+def test_torch_mask_matches_xgrammars_kernel() -> None:
+    """The torch path (for logits off the CPU) forbids exactly what xgrammar's CPU kernel does."""
+    import xgrammar
+
+    from vbatch.engine.grammar import apply_bitmask_torch
+
+    generator = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (4, 1536), dtype=torch.int32, generator=generator)
+    logits = torch.randn(4, 49152, generator=generator)
+    expected, got = logits.clone(), logits.clone()
+    xgrammar.apply_token_bitmask_inplace(expected, bitmask, indices=[0, 2])
+    apply_bitmask_torch(got, bitmask, [0, 2])
+    assert torch.equal(got, expected) and bool(got[1].isfinite().all())
+
+
 def test_grammars_are_compiled_once_per_distinct_constraint(core: EngineCore) -> None:
     spec = {"type": "object", "properties": {"n": {"type": "integer"}}}
     first = core.grammars.get(StructuredOutput(json_schema=spec))

@@ -93,10 +93,15 @@ class GrammarCache:
             raise GrammarError(EXTRA_HINT) from None
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(self._hf_dir)
-        info = xgrammar.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._eos_token_ids
-        )
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(self._hf_dir)
+            info = xgrammar.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._eos_token_ids
+            )
+        except Exception as e:
+            raise GrammarError(
+                f"structured output cannot use this model's tokenizer: {e}"
+            ) from None
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         return self._compiler
 
@@ -143,6 +148,7 @@ class GrammarMasks:
         self.vocab_size = vocab_size
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="vbatch-mask")
         self._bitmask = torch.empty(0, dtype=torch.int32)
+        self._filler: Any = None  # an xgrammar.BatchGrammarMatcher, made on first use
 
     def start(self, seqs: list[Sequence]) -> StepMask | None:
         """Begin filling the bitmask rows of the constrained `seqs` (logits row order); None
@@ -157,8 +163,11 @@ class GrammarMasks:
         if self._bitmask.shape[0] < len(seqs):
             self._bitmask = torch.empty(len(seqs), words, dtype=torch.int32)
         bitmask = self._bitmask[: len(seqs)]
-        filler = xgrammar.BatchGrammarMatcher(max_threads=1)
-        fill = self._pool.submit(filler.batch_fill_next_token_bitmask, matchers, bitmask, rows)
+        if self._filler is None:
+            self._filler = xgrammar.BatchGrammarMatcher(max_threads=1)
+        fill = self._pool.submit(
+            self._filler.batch_fill_next_token_bitmask, matchers, bitmask, rows
+        )
         return StepMask(rows, matchers, bitmask, fill)
 
     def shutdown(self) -> None:
@@ -188,16 +197,22 @@ class StepMask:
 
             xgrammar.apply_token_bitmask_inplace(logits, self.bitmask, indices=self.rows)
             return
-        rows = torch.tensor(self.rows, device=logits.device)
-        words = self.bitmask[self.rows].to(logits.device, non_blocking=True)
-        shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-        allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(self.rows), -1).bool()
-        vocab_size = logits.shape[1]
-        forbidden = ~allowed[:, :vocab_size]
-        logits[rows] = logits[rows].masked_fill(forbidden, float("-inf"))
+        apply_bitmask_torch(logits, self.bitmask, self.rows)
 
     def accept(self, token_ids: list[int]) -> None:
         """Advance each constrained row's matcher by its sampled token."""
         for row, matcher in zip(self.rows, self.matchers, strict=True):
             if not matcher.accept_token(token_ids[row]):
                 raise RuntimeError(f"the grammar rejected token {token_ids[row]} it allowed")
+
+
+def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """xgrammar's CPU kernel in torch ops, for logits on any device: bit j of word w of a row's
+    host `bitmask` allows token 32 w + j; forbidden tokens of `rows` get -inf."""
+    device = logits.device
+    index = torch.tensor(rows, device=device)
+    words = bitmask[rows].to(device, non_blocking=True)
+    shifts = torch.arange(32, device=device, dtype=torch.int32)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1).bool()
+    forbidden = ~allowed[:, : logits.shape[1]]
+    logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
