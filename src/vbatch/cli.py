@@ -28,6 +28,7 @@ SAMPLING = "Sampling"
 INPUT = "Input"
 JOB = "Job"
 DISPLAY = "Display"
+STRUCTURED = "Structured output"
 SAVED = "As for `run` (default: the setting the job started with)."
 
 
@@ -207,6 +208,40 @@ def run(
         bool,
         typer.Option("--include-token-ids", help="Add output token ids.", rich_help_panel=SAMPLING),
     ] = False,
+    json_schema: Annotated[
+        Path | None,
+        typer.Option(
+            "--json-schema",
+            help="Every row's output is JSON valid against this JSON schema file.",
+            rich_help_panel=STRUCTURED,
+        ),
+    ] = None,
+    regex: Annotated[
+        str | None,
+        typer.Option(help="Every row's output matches this regex.", rich_help_panel=STRUCTURED),
+    ] = None,
+    choice: Annotated[
+        str | None,
+        typer.Option(
+            help="Every row's output is one of these comma-separated labels.",
+            rich_help_panel=STRUCTURED,
+        ),
+    ] = None,
+    grammar: Annotated[
+        Path | None,
+        typer.Option(
+            help="Every row's output follows this EBNF grammar file (rule `root`).",
+            rich_help_panel=STRUCTURED,
+        ),
+    ] = None,
+    parse_json: Annotated[
+        bool,
+        typer.Option(
+            "--parse-json",
+            help="Add a `json` column: the parsed output.",
+            rich_help_panel=STRUCTURED,
+        ),
+    ] = False,
     ordered: Annotated[
         bool,
         typer.Option(
@@ -254,6 +289,7 @@ def run(
     """Run a batch job: read INPUT, generate, and write OUTPUT incrementally."""
     from vbatch.job.rows import ColumnOptions
     from vbatch.job.runner import JobSpec, RunOptions, start_job
+    from vbatch.structured import cli_structured
 
     engine_args = _run_overrides(
         device=device,
@@ -282,6 +318,9 @@ def run(
         "n": n,
         "logprobs": logprobs,
     }
+    structured = _guarded(lambda: cli_structured(json_schema, regex, choice, grammar))
+    if structured is not None:
+        sampling["structured"] = structured
     kept = tuple(c.strip() for c in keep_columns.split(",") if c.strip()) if keep_columns else ()
     spec = JobSpec(
         input_path=input_path,
@@ -293,6 +332,7 @@ def run(
         sampling=sampling,
         ordered=ordered,
         include_token_ids=include_token_ids,
+        parse_json=parse_json,
     )
     options = RunOptions(
         commit_every_rows=commit_every_rows,

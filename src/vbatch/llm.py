@@ -233,6 +233,7 @@ class LLM:
                 reasons=[None] * params.n,
                 logprobs=[[] if params.logprobs is not None else None for _ in range(params.n)],
                 num_core_live=params.n,
+                structured=params.structured is not None,
             )
             adds.append(AddRequest(rid, pack_token_ids(prompt_ids), params, time.time()))
         if adds:

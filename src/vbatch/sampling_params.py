@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from vbatch.errors import SamplingParamsError
+from vbatch.structured import StructuredOutput, check_compatible, coerce_structured
 
 MAX_LOGPROBS = 20
 
@@ -36,10 +37,12 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self.structured = coerce_structured(self.structured)
         self.validate()
 
     @property
@@ -104,13 +107,14 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             fail(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             fail(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        check_compatible(self.structured, self.ignore_eos, self.min_tokens)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return cls.__struct_fields__
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.field_names()}
+        return {name: msgspec.to_builtins(getattr(self, name)) for name in self.field_names()}
 
     def updated(self, overrides: Mapping[str, Any]) -> SamplingParams:
         """Return a copy with `overrides` applied; unknown keys are an error."""

@@ -19,6 +19,8 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
+    # NOTE: with structured output, whether the text is a complete match (it ended on EOS).
+    structured_complete: bool | None = None
 
 
 @dataclass
@@ -68,6 +70,7 @@ class RequestState:
     first_token_time: float | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    structured: bool = False
 
     @property
     def is_done(self) -> bool:
@@ -118,6 +121,9 @@ class RequestState:
                     finish_reason,
                     stop_reason,
                     logprobs[: len(token_ids)] if logprobs is not None else None,
+                    # NOTE: a grammar allows EOS only where it can end; a stop string or
+                    # stop id cut the text, so only an EOS finish, ("stop", None), completes it.
+                    reason == ("stop", None) if self.structured else None,
                 )
             )
         return make_output(

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from vbatch.config import EngineConfig
+from vbatch.engine.grammar import GrammarCache, GrammarError, new_matcher
 from vbatch.engine.model_runner import ModelRunner
 from vbatch.engine.sampler import SamplerOutput
 from vbatch.engine.scheduler import Scheduler, SchedulerConfig
@@ -23,6 +25,9 @@ from vbatch.protocol import (
     SchedulerStats,
     unpack_token_ids,
 )
+
+# NOTE: how long an idle step waits for a grammar being compiled before returning.
+GRAMMAR_WAIT_S = 0.05
 
 
 class EngineCore:
@@ -56,6 +61,11 @@ class EngineCore:
             eos_token_ids=self.model_config.eos_token_ids,
         )
         self.requests: dict[str, list[Sequence]] = {}
+        self.grammars = GrammarCache(
+            resolved.hf_dir, self.model_config.vocab_size, self.model_config.eos_token_ids
+        )
+        # NOTE: requests whose grammar is compiling; they join the scheduler once it is ready.
+        self._compiling: dict[str, tuple[list[Sequence], Future]] = {}
         self.info = Ready(
             max_model_len=self.max_model_len,
             num_kv_blocks=self.runner.num_kv_blocks,
@@ -89,15 +99,44 @@ class EngineCore:
             return [_error(req.request_id, f"prompt token ids must lie in [0, {vocab_size})")]
         seqs = [Sequence(req.request_id, prompt_token_ids, params, i) for i in range(params.n)]
         self.requests[req.request_id] = seqs
+        if params.structured is not None:
+            self._compiling[req.request_id] = (seqs, self.grammars.get(params.structured))
+            return []
         for seq in seqs:
             self.scheduler.add(seq)
         return []
+
+    def _admit_compiled(self, block: bool) -> list[SampleFinish]:
+        """Schedule the requests whose grammar is ready (waiting a little for one when `block`);
+        a grammar that failed to compile is an ERROR finish of its request."""
+        if not self._compiling:
+            return []
+        if block:
+            futures = [future for _, future in self._compiling.values()]
+            wait(futures, timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+        errors = []
+        for request_id, (seqs, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                grammar = future.result()
+            except GrammarError as e:
+                del self.requests[request_id]
+                errors.append(_error(request_id, str(e)))
+                continue
+            for seq in seqs:
+                seq.grammar = new_matcher(grammar)
+                self.scheduler.add(seq)
+        return errors
 
     def abort(self, request_ids: list[str]) -> list[SampleFinish]:
         """ABORT every unfinished sample of these requests; unknown ids are skipped."""
         live = [rid for rid in dict.fromkeys(request_ids) if rid in self.requests]
         seqs = [seq for rid in live for seq in self.requests.pop(rid)]
         unfinished = [seq for seq in seqs if not seq.is_finished]
+        for rid in live:
+            self._compiling.pop(rid, None)
         self.scheduler.abort(unfinished)
         self.runner.release(seqs)
         return [_finish(seq) for seq in unfinished]
@@ -113,13 +152,16 @@ class EngineCore:
         next call applies it. A seq that finishes meanwhile has its token of that step dropped.
         """
         start = time.perf_counter()
+        errors = self._admit_compiled(
+            block=self._ahead is None and not self.scheduler.has_unfinished()
+        )
         if self._ahead is not None:
             out, sampled = self._ahead
             self._ahead = None
         else:
             out = self.scheduler.schedule()
             if out.is_empty:
-                return EngineOutputs()
+                return EngineOutputs(finished=errors)
             sampled = self._launch(out)
         if self.config.async_scheduling:
             ahead = self.scheduler.schedule_ahead(out)
@@ -130,6 +172,7 @@ class EngineCore:
         self._forward_time += time.perf_counter() - collect_start
         update = self.scheduler.update(out, token_ids, logprobs)
         outputs = self._outputs(out, update)
+        outputs.finished = errors + outputs.finished
         self._step_time += time.perf_counter() - start
         return outputs
 
@@ -176,6 +219,8 @@ class EngineCore:
     def shutdown(self) -> None:
         self.abort(list(self.requests))
         self._ahead = None
+        self.grammars.shutdown()
+        self.runner.grammar_masks.shutdown()
 
 
 def _finish(seq: Sequence) -> SampleFinish:

@@ -10,6 +10,7 @@ import torch
 
 from vbatch.config import EngineConfig
 from vbatch.engine.cuda_graphs import DecodeGraphRunner
+from vbatch.engine.grammar import GrammarMasks, StepMask
 from vbatch.engine.input_batch import (
     DecodeBatch,
     GatheredBlockTables,
@@ -104,6 +105,7 @@ class ModelRunner:
         )
         self.kv_cache_bytes = self.num_kv_blocks * self.block_bytes
         self.sampler = Sampler()
+        self.grammar_masks = GrammarMasks(model_config.vocab_size)
         self.generators: dict[int, torch.Generator] = {}
         self._staging: dict[str, torch.Tensor] = {}
         self._gathered = GatheredBlockTables()
@@ -244,7 +246,10 @@ class ModelRunner:
         device."""
         if sampled is None:
             return [], None
-        return sampled.to_host()
+        token_ids, logprobs = sampled.to_host()
+        if sampled.grammar is not None:
+            sampled.grammar.accept(token_ids)
+        return token_ids, logprobs
 
     def _launch(self, out: SchedulerOutput) -> SamplerOutput | None:
         inputs = self.prepare(out)
@@ -259,21 +264,34 @@ class ModelRunner:
         else:
             sampling_seqs = [out.seqs[i] for i in sample_rows]
         sampling = self._step_sampling(out, sampling_seqs)
+        mask = self.grammar_masks.start(sampling_seqs)
         if self.graph_runner is not None and self.graph_runner.can_run(inputs.meta):
             logits = self.graph_runner.run(
                 inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows
             )
-            return self.sampler(logits, sampling)
+            return self._sample(logits, sampling, mask)
         # NOTE: forward() itself: Module.__call__'s hook checks cost ~20 µs a step once a CPU
         # forward pass has evicted them from the caches, and nothing here registers hooks.
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if len(sample_rows) != hidden.shape[0]:
             # NOTE: when every row samples, logits_rows is 0..n-1 and the gather is a copy.
             hidden = hidden.index_select(0, inputs.logits_rows)
-        if sampling.is_plain_greedy:
+        if sampling.is_plain_greedy and mask is None:
             return SamplerOutput.of_token_ids(self.model.greedy_token_ids(hidden))
         logits = self.model.compute_logits(hidden, out=self._logits_buffer(len(sampling_seqs)))
-        return self.sampler(logits, sampling)
+        return self._sample(logits, sampling, mask)
+
+    def _sample(
+        self, logits: torch.Tensor, sampling: SamplingMetadata, mask: StepMask | None
+    ) -> SamplerOutput:
+        """Sample `logits` after the grammar mask, if any: constrained rows pick among the
+        tokens their grammar allows, in every sampling mode (the int8 greedy screen is skipped)."""
+        if mask is None:
+            return self.sampler(logits, sampling)
+        mask.apply(logits)
+        sampled = self.sampler(logits, sampling)
+        sampled.grammar = mask
+        return sampled
 
     def _advance_native(self, host: HostBatch, token_ids: torch.Tensor) -> None:
         """DecodeBatch's array update in one native call, on the kept step's tensor views."""

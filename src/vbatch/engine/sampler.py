@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vbatch.engine.grammar import StepMask
 from vbatch.engine.sampling_metadata import SamplingMetadata, to_host
 from vbatch.protocol import TokenLogprobs
 
@@ -30,6 +31,7 @@ class SamplerOutput:
     top_token_ids: torch.Tensor | None  # [m, max(num_logprobs)] int64
     logprob_rows_cpu: list[int]
     num_logprobs: list[int]
+    grammar: StepMask | None = None  # the constrained rows, whose matchers take the tokens
 
     @classmethod
     def of_token_ids(cls, token_ids: torch.Tensor) -> SamplerOutput:

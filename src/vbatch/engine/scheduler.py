@@ -342,6 +342,9 @@ class Scheduler:
 
 
 def _reads_output_tokens(seq: Sequence) -> bool:
-    """Whether sampling for `seq` depends on its output so far (penalties, a min_tokens ban)."""
+    """Whether sampling for `seq` depends on its output so far (penalties, a min_tokens ban,
+    a grammar's mask)."""
     params = seq.params
-    return params.has_penalties or seq.num_output_tokens < params.min_tokens
+    return (
+        params.has_penalties or seq.num_output_tokens < params.min_tokens or seq.grammar is not None
+    )

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 import itertools
+from typing import TYPE_CHECKING
 
 from vbatch.protocol import FinishReason
 from vbatch.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from xgrammar import GrammarMatcher
 
 _seq_counter = itertools.count()
 
@@ -36,6 +40,7 @@ class Sequence:
         "block_table",
         "finish_reason",
         "finish_token_ids",
+        "grammar",
         "index",
         "max_num_tokens",
         "num_cached_tokens",
@@ -71,6 +76,8 @@ class Sequence:
         self.stop_reason: int | None = None
         self.max_num_tokens = self.num_prompt_tokens + params.max_tokens
         self.finish_token_ids: frozenset[int] = frozenset(params.stop_token_ids)
+        # NOTE: with structured output, the matcher that has accepted exactly its output tokens.
+        self.grammar: GrammarMatcher | None = None
 
     def __repr__(self) -> str:
         return (

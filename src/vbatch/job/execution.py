@@ -66,7 +66,9 @@ class JobExecution:
         self.schema = None
         if manifest.output_format == "parquet":
             kept = self.columns.keep_columns
-            self.schema = parquet_schema(manifest.id_kind, kept, self.reader.arrow_schema)
+            self.schema = parquet_schema(
+                manifest.id_kind, kept, self.reader.arrow_schema, self._parse_json
+            )
         self.writer = open_writer(job_dir, journal, manifest, self.schema)
         self.in_flight: dict[int, InputRow] = {}
         self.num_errors = len(journal.state.errors)
@@ -249,7 +251,10 @@ class JobExecution:
                 row = self.in_flight.pop(result.index)
                 if result.error is None and any(o.finish_reason == "abort" for o in result.outputs):
                     continue
-                self._emit(row, result_row(row, result, include_token_ids=self._token_ids))
+                values = result_row(
+                    row, result, include_token_ids=self._token_ids, parse_json=self._parse_json
+                )
+                self._emit(row, values)
         except StopNow:
             pass
         finally:
@@ -259,6 +264,10 @@ class JobExecution:
     @property
     def _token_ids(self) -> bool:
         return bool(self.manifest.options["include_token_ids"])
+
+    @property
+    def _parse_json(self) -> bool:
+        return bool(self.manifest.options.get("parse_json", False))
 
     def _requests(self) -> Iterator[Any]:
         from vbatch.llm import Request

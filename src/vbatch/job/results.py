@@ -20,8 +20,9 @@ if TYPE_CHECKING:
     from vbatch.client.tokenizer import TextTokenizer
     from vbatch.llm import CompletionOutput, RequestOutput
 
-# NOTE: fixed key order; the optional ones (texts, finish_reasons, token_ids, logprobs) are
-# omitted from JSONL lines when null and are null columns in Parquet.
+# NOTE: fixed key order; the optional ones (texts, finish_reasons, token_ids, logprobs,
+# structured_complete, json) are omitted from JSONL lines when null and are null columns in
+# Parquet, which has a `json` column only with --parse-json.
 OUTPUT_COLUMNS = (
     "id",
     "index",
@@ -38,8 +39,12 @@ OUTPUT_COLUMNS = (
     "ttft_s",
     "latency_s",
     "error",
+    "structured_complete",
+    "json",
 )
-OPTIONAL_COLUMNS = frozenset({"texts", "finish_reasons", "token_ids", "logprobs"})
+OPTIONAL_COLUMNS = frozenset(
+    {"texts", "finish_reasons", "token_ids", "logprobs", "structured_complete", "json"}
+)
 OPENAI_ID_PREFIX = "vbatch_req_"
 
 
@@ -57,8 +62,11 @@ def _logprob_entries(output: CompletionOutput) -> list[dict[str, Any]] | None:
     ]
 
 
-def result_row(row: InputRow, result: RequestOutput, *, include_token_ids: bool) -> dict[str, Any]:
-    """The vbatch output row (DESIGN.md section 5) for a finished request."""
+def result_row(
+    row: InputRow, result: RequestOutput, *, include_token_ids: bool, parse_json: bool = False
+) -> dict[str, Any]:
+    """The vbatch output row (DESIGN.md section 5) for a finished request; `parse_json` adds
+    the parsed text (None where it is not JSON), a list of them for n > 1."""
     if result.error is not None:
         return error_row(row, f"{row.location}: {result.error}", len(result.prompt_token_ids))
     outputs = result.outputs
@@ -82,7 +90,25 @@ def result_row(row: InputRow, result: RequestOutput, *, include_token_ids: bool)
         "ttft_s": _elapsed(result.arrival_time, result.first_token_time),
         "latency_s": _elapsed(result.arrival_time, result.finish_time),
         "error": None,
+        "structured_complete": _structured_complete(outputs),
+        "json": _parsed(outputs, is_multi) if parse_json else None,
     }
+
+
+def _structured_complete(outputs: list[CompletionOutput]) -> bool | None:
+    """With structured output, whether every sample completed its constraint; else None."""
+    flags = [o.structured_complete for o in outputs]
+    return None if flags[0] is None else all(flags)
+
+
+def _parsed(outputs: list[CompletionOutput], is_multi: bool) -> Any:
+    values = []
+    for output in outputs:
+        try:
+            values.append(orjson.loads(output.text))
+        except orjson.JSONDecodeError:
+            values.append(None)
+    return values if is_multi else values[0]
 
 
 def error_row(row: InputRow, message: str, prompt_tokens: int = 0) -> dict[str, Any]:
@@ -300,10 +326,14 @@ def jsonl_bytes(values: dict[str, Any], kept: dict[str, Any] | None) -> bytes:
 
 
 def parquet_schema(
-    id_kind: str, kept_columns: Sequence[str] = (), input_schema: pa.Schema | None = None
+    id_kind: str,
+    kept_columns: Sequence[str] = (),
+    input_schema: pa.Schema | None = None,
+    parse_json: bool = False,
 ) -> pa.Schema:
     """The fixed Parquet schema of every part and of the final file. Kept columns keep their
-    Parquet input type (views as their plain types); kept JSONL values are stored as JSON text."""
+    Parquet input type (views as their plain types); kept JSONL values are stored as JSON text,
+    as is `json` (parse_json)."""
     import pyarrow as pa
 
     if input_schema is not None:
@@ -338,7 +368,10 @@ def parquet_schema(
         ("ttft_s", pa.float64()),
         ("latency_s", pa.float64()),
         ("error", pa.string()),
+        ("structured_complete", pa.bool_()),
     ]
+    if parse_json:
+        fields.append(("json", pa.string()))
     return pa.schema([pa.field(n, t) for n, t in fields] + list(kept_fields))
 
 
@@ -366,6 +399,8 @@ def parquet_values(
             "64-bit integers (fixed when the job started, from the ids in the input then). "
             "The input changed; start again with `vbatch run ... --overwrite`"
         )
+    if out["json"] is not None:
+        out["json"] = orjson.dumps(out["json"]).decode()
     if kept:
         for name, value in kept.items():
             out[name] = orjson.dumps(value).decode() if json_kept else value

@@ -7,10 +7,11 @@ from typing import Any
 
 from vbatch.errors import SamplingParamsError
 from vbatch.sampling_params import SamplingParams
+from vbatch.structured import from_response_format, row_structured
 
 OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 # NOTE: body keys that do not change the result are accepted and ignored; any other unknown key
-# is an error row, so that e.g. a `response_format` the engine cannot honour is never dropped.
+# is an error row, so that e.g. a `tools` list the engine cannot honour is never dropped.
 OPENAI_IGNORED_KEYS = frozenset({"model", "user", "metadata", "store", "stream", "messages"})
 OPENAI_SAMPLING_KEYS = {
     "max_tokens": "max_tokens",
@@ -135,6 +136,10 @@ class RowParser:
             if not isinstance(overrides, dict):
                 raise RowError(f"sampling_params must be an object, got {overrides!r}")
             row.sampling_params = self.defaults.updated(overrides)
+        structured = row_structured(record.get("response_format"), record.get("guided"))
+        if structured is not None:
+            params = row.sampling_params or self.defaults
+            row.sampling_params = params.updated({"structured": structured})
 
     def _parse_openai(self, record: dict[str, Any], row: InputRow) -> None:
         url = record.get("url", "/v1/chat/completions")
@@ -168,6 +173,9 @@ def openai_overrides(body: dict[str, Any], kind: str) -> dict[str, Any]:
                 overrides.setdefault("logprobs", 0)
         elif key == "top_logprobs":
             overrides["logprobs"] = value
+        elif key == "response_format":
+            if value is not None and (structured := from_response_format(value)) is not None:
+                overrides["structured"] = structured
         elif key not in OPENAI_IGNORED_KEYS and key != "prompt":
             raise RowError(f"unsupported body field {key!r}")
     return overrides

@@ -45,6 +45,7 @@ class JobSpec:
     sampling: dict[str, Any] = field(default_factory=dict)
     ordered: bool = False
     include_token_ids: bool = False
+    parse_json: bool = False
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,7 @@ def _prepare_job(
             "columns": asdict(columns),
             "ordered": spec.ordered,
             "include_token_ids": spec.include_token_ids,
+            "parse_json": spec.parse_json,
             "openai_output": scan.is_openai and fmt == "jsonl",
             **options.result_settings(),
         },

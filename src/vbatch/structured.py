@@ -1,0 +1,197 @@
+"""StructuredOutput: a request's output constraint (JSON schema, JSON, regex, choice, grammar)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from vbatch.errors import SamplingParamsError
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+EXTRA_HINT = "structured output needs xgrammar: pip install 'vbatch[structured]'"
+
+
+class StructuredOutput(msgspec.Struct, omit_defaults=True, gc=False, frozen=True):
+    """Exactly one constraint; also its wire form. The engine compiles it once per distinct
+    value (see `key`).
+
+    `json_schema` may be given as a dict or as JSON text and is kept as JSON text re-serialised
+    (key order kept: it is the order the properties are generated in);
+    `grammar` is EBNF text in xgrammar's dialect (GBNF-like, starting at rule `root`).
+    """
+
+    json_schema: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.json_schema is not None:
+            schema = self.json_schema
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise SamplingParamsError(f"json_schema is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise SamplingParamsError(
+                    f"json_schema must be a JSON object, got {type(schema).__name__}"
+                )
+            msgspec.structs.force_setattr(self, "json_schema", json.dumps(schema))
+        given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise SamplingParamsError(
+                f"structured output takes exactly one of {', '.join(KINDS)}; "
+                f"got {', '.join(given) or 'none'}"
+            )
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise SamplingParamsError(f"regex must be a non-empty string, got {self.regex!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise SamplingParamsError(f"grammar must be a non-empty string, got {self.grammar!r}")
+        if self.choice is not None:
+            choice = self.choice
+            if not isinstance(choice, (list, tuple)) or not choice:
+                raise SamplingParamsError(f"choice must be a non-empty list, got {choice!r}")
+            if not all(isinstance(c, str) and c for c in choice):
+                raise SamplingParamsError(f"choice must hold non-empty strings, got {choice!r}")
+            msgspec.structs.force_setattr(self, "choice", list(choice))
+        if not isinstance(self.json_object, bool):
+            raise SamplingParamsError(
+                f"json_object must be true or false, got {self.json_object!r}"
+            )
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
+
+    @property
+    def is_json(self) -> bool:
+        return self.json_schema is not None or self.json_object
+
+    @property
+    def key(self) -> bytes:
+        """The cache key: equal for equal constraints, whatever the schema's whitespace."""
+        return msgspec.msgpack.encode(self)
+
+
+def coerce_structured(value: Any) -> StructuredOutput | None:
+    """A StructuredOutput from itself, None, or a mapping of its fields (e.g. {"regex": ...})."""
+    if value is None or isinstance(value, StructuredOutput):
+        return value
+    if not isinstance(value, Mapping):
+        raise SamplingParamsError(f"structured must be an object, got {value!r:.80}")
+    unknown = sorted(set(value) - set(KINDS))
+    if unknown:
+        raise SamplingParamsError(
+            f"unknown structured output key(s) {', '.join(unknown)}; valid: {', '.join(KINDS)}"
+        )
+    return StructuredOutput(**value)
+
+
+def check_compatible(
+    structured: StructuredOutput | None, ignore_eos: bool, min_tokens: int
+) -> None:
+    """Reject settings a grammar cannot honour: it decides where EOS may come."""
+    if structured is None:
+        return
+    if ignore_eos:
+        raise SamplingParamsError("ignore_eos cannot be combined with structured output")
+    if min_tokens:
+        raise SamplingParamsError("min_tokens cannot be combined with structured output")
+
+
+def from_response_format(value: Any) -> StructuredOutput | None:
+    """OpenAI's `response_format`: {"type": "json_schema", "json_schema": {"schema": ...}},
+    {"type": "json_object"} or {"type": "text"} (None); also accepted as JSON text."""
+    value = _as_object(value, "response_format")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, Mapping) or "schema" not in spec:
+            raise SamplingParamsError(
+                "response_format.json_schema must be an object with a 'schema' field"
+            )
+        return StructuredOutput(json_schema=spec["schema"])
+    raise SamplingParamsError(
+        f"response_format.type must be json_schema, json_object or text, got {kind!r}"
+    )
+
+
+def from_guided(value: Any) -> StructuredOutput:
+    """A row's `guided`: {"regex": ...}, {"choice": [...]} or {"grammar": ...} (or JSON text)."""
+    value = _as_object(value, "guided")
+    unknown = sorted(set(value) - {"regex", "choice", "grammar"})
+    if unknown or len(value) != 1:
+        raise SamplingParamsError(
+            f"guided must have exactly one of regex, choice, grammar; got {sorted(value)}"
+        )
+    return StructuredOutput(**value)
+
+
+def row_structured(response_format: Any, guided: Any) -> StructuredOutput | None:
+    """A job row's constraint from its `response_format` or `guided` field (None: neither)."""
+    if response_format is not None and guided is not None:
+        raise SamplingParamsError("a row may have response_format or guided, not both")
+    if guided is not None:
+        return from_guided(guided)
+    if response_format is not None:
+        return from_response_format(response_format)
+    return None
+
+
+def cli_structured(
+    json_schema_file: Path | None,
+    regex: str | None,
+    choice: str | None,
+    grammar_file: Path | None,
+) -> dict[str, Any] | None:
+    """The job-wide constraint of `--json-schema FILE`, `--regex`, `--choice a,b,c` or
+    `--grammar FILE`, as the manifest keeps it; None when none is given."""
+    given = {
+        "json_schema": json_schema_file,
+        "regex": regex,
+        "choice": choice,
+        "grammar": grammar_file,
+    }
+    given = {kind: value for kind, value in given.items() if value is not None}
+    if not given:
+        return None
+    if len(given) > 1:
+        flags = ", ".join(f"--{kind.replace('_', '-')}" for kind in given)
+        raise SamplingParamsError(
+            f"give one of --json-schema, --regex, --choice, --grammar, not {flags}"
+        )
+    if importlib.util.find_spec("xgrammar") is None:
+        raise SamplingParamsError(EXTRA_HINT)
+    [(kind, value)] = given.items()
+    if isinstance(value, Path):
+        try:
+            value = value.read_text()
+        except OSError as e:
+            raise SamplingParamsError(
+                f"cannot read the --{kind.replace('_', '-')} file: {e}"
+            ) from None
+    elif kind == "choice":
+        value = [c.strip() for c in value.split(",") if c.strip()]
+    return msgspec.to_builtins(StructuredOutput(**{kind: value}))
+
+
+def _as_object(value: Any, name: str) -> Mapping[str, Any]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise SamplingParamsError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, Mapping):
+        raise SamplingParamsError(f"{name} must be an object, got {value!r:.80}")
+    return value

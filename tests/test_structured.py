@@ -1,0 +1,209 @@
+"""Structured output from the user's side: the constraint's forms and checks, job rows, the
+output columns, and the examples in examples/ run on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import orjson
+import pyarrow.parquet as pq
+import pytest
+
+from vbatch.errors import SamplingParamsError
+from vbatch.job.rows import ColumnOptions, RowParser
+from vbatch.job.runner import JobSpec, RunOptions, start_job
+from vbatch.sampling_params import SamplingParams
+from vbatch.structured import (
+    EXTRA_HINT,
+    StructuredOutput,
+    cli_structured,
+    from_guided,
+    from_response_format,
+)
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
+
+
+def test_constraint_forms_and_their_wire_form() -> None:
+    spec = StructuredOutput(json_schema=SCHEMA)
+    assert spec.kind == "json_schema" and spec.is_json
+    assert StructuredOutput(json_schema=json.dumps(SCHEMA, indent=4)).key == spec.key
+    params = SamplingParams(structured={"choice": ["a", "b"]})
+    assert params.structured == StructuredOutput(choice=["a", "b"])
+    assert SamplingParams.from_dict(json.loads(json.dumps(params.to_dict()))) == params
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "n", "schema": SCHEMA, "strict": True},
+    }
+    assert from_response_format(response_format) == spec
+    assert from_response_format(json.dumps(response_format)) == spec
+    assert from_response_format({"type": "json_object"}) == StructuredOutput(json_object=True)
+    assert from_response_format({"type": "text"}) is None
+    assert from_guided({"regex": "[0-9]+"}) == StructuredOutput(regex="[0-9]+")
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: StructuredOutput(), "exactly one of"),
+        (lambda: StructuredOutput(regex="a", choice=["b"]), "got regex, choice"),
+        (lambda: StructuredOutput(json_schema="{oops"), "json_schema is not valid JSON"),
+        (lambda: StructuredOutput(json_schema="[1]"), "must be a JSON object"),
+        (lambda: StructuredOutput(choice=["a", ""]), "non-empty strings"),
+        (lambda: StructuredOutput(regex=""), "non-empty string"),
+        (lambda: SamplingParams(structured={"regx": "a"}), "unknown structured output key"),
+        (lambda: SamplingParams(structured={"regex": "a"}, ignore_eos=True), "ignore_eos"),
+        (lambda: SamplingParams(structured={"regex": "a"}, min_tokens=2), "min_tokens"),
+        (lambda: from_response_format({"type": "xml"}), "json_schema, json_object or text"),
+        (lambda: from_response_format({"type": "json_schema"}), "a 'schema' field"),
+        (lambda: from_guided({"regex": "a", "choice": ["b"]}), "exactly one of regex"),
+    ],
+)
+def test_bad_constraints_are_sampling_params_errors(make: Any, message: str) -> None:
+    with pytest.raises(SamplingParamsError, match=message):
+        make()
+
+
+def test_cli_flags_make_one_constraint(tmp_path: Path) -> None:
+    pytest.importorskip("xgrammar")
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(SCHEMA))
+    assert cli_structured(path, None, None, None) == {"json_schema": json.dumps(SCHEMA)}
+    assert cli_structured(None, None, " a, b ,c", None) == {"choice": ["a", "b", "c"]}
+    assert cli_structured(None, None, None, None) is None
+    with pytest.raises(SamplingParamsError, match="not --regex, --choice"):
+        cli_structured(None, "x", "a,b", None)
+    with pytest.raises(SamplingParamsError, match="cannot read the --grammar file"):
+        cli_structured(None, None, None, tmp_path / "missing.ebnf")
+
+
+def test_missing_xgrammar_is_one_line_naming_the_extra(tmp_path: Path) -> None:
+    script = (
+        "import sys; sys.modules['xgrammar'] = None\n"
+        "from vbatch.structured import cli_structured\n"
+        "cli_structured(None, 'x', None, None)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode != 0 and EXTRA_HINT in proc.stderr
+    assert "pip install 'vbatch[structured]'" in EXTRA_HINT
+
+
+def test_rows_take_response_format_guided_and_openai_body() -> None:
+    parser = RowParser(ColumnOptions(), SamplingParams())
+    response_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}
+    rows = [
+        {"prompt": "p", "response_format": response_format},
+        {"prompt": "p", "guided": {"choice": ["x", "y"]}, "sampling_params": {"max_tokens": 3}},
+        {
+            "custom_id": "c",
+            "url": "/v1/completions",
+            "body": {"prompt": "p", "response_format": {"type": "json_object"}},
+        },
+        {"prompt": "p", "guided": {"regex": "a"}, "response_format": {"type": "json_object"}},
+        {"prompt": "p", "guided": {"choice": []}},
+        {"prompt": "p"},
+    ]
+    parsed = [parser.parse(record, i, f"line {i + 1}") for i, record in enumerate(rows)]
+    structured = [row.sampling_params and row.sampling_params.structured for row in parsed]
+    assert structured[0] == StructuredOutput(json_schema=SCHEMA)
+    assert structured[1] == StructuredOutput(choice=["x", "y"])
+    assert parsed[1].sampling_params is not None and parsed[1].sampling_params.max_tokens == 3
+    assert structured[2] == StructuredOutput(json_object=True)
+    assert parsed[3].error is not None and "not both" in parsed[3].error
+    assert parsed[4].error is not None and "non-empty list" in parsed[4].error
+    assert parsed[5].sampling_params is None and parsed[5].error is None
+
+
+@pytest.mark.parametrize("output_name", ["out.jsonl", "out.parquet"])
+def test_job_rows_with_constraints_flags_and_parsed_json(
+    tmp_path: Path, tiny_model_dir: Path, output_name: str
+) -> None:
+    pytest.importorskip("xgrammar")
+    response_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}
+    records = [
+        {"id": "schema", "prompt": "a", "response_format": response_format},
+        {"id": "choice", "prompt": "b", "guided": {"choice": ["yes", "no"]}},
+        {"id": "short", "prompt": "c", "response_format": response_format,
+         "sampling_params": {"max_tokens": 2}},
+        {"id": "bad", "prompt": "d", "guided": {"regex": "(("}},
+        {"id": "badschema", "prompt": "e",
+         "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}},
+        {"id": "free", "prompt": "f"},
+        {"id": "stopped", "prompt": "g", "guided": {"choice": ["yes"]},
+         "sampling_params": {"stop": ["e"]}},
+    ]  # fmt: skip
+    input_path = tmp_path / "in.jsonl"
+    input_path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    spec = JobSpec(
+        input_path,
+        tmp_path / output_name,
+        model=str(tiny_model_dir),
+        engine_args={"num_threads": 1},
+        sampling={"max_tokens": 32, "temperature": 0.0},
+        parse_json=True,
+    )
+    outcome = start_job(spec, RunOptions(display="quiet"))
+    assert outcome.exit_code == 0, outcome.message
+    path = tmp_path / output_name
+    if path.suffix == ".parquet":
+        rows = pq.read_table(path).to_pylist()
+        for row in rows:
+            row["json"] = None if row["json"] is None else json.loads(row["json"])
+    else:
+        rows = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    out = {row["id"]: row for row in rows}
+    assert out["schema"]["structured_complete"] is True
+    jsonschema.validate(out["schema"]["json"], SCHEMA)
+    assert out["schema"]["json"] == json.loads(out["schema"]["text"])
+    assert out["choice"]["text"] in ("yes", "no") and out["choice"]["structured_complete"]
+    assert out["short"]["finish_reason"] == "length"
+    assert out["short"]["structured_complete"] is False and out["short"].get("json") is None
+    assert out["bad"]["finish_reason"] == "error" and "invalid regex" in out["bad"]["error"]
+    assert 'Unsupported type "x"' in out["badschema"]["error"]
+    assert out["free"].get("structured_complete") is None and out["free"]["error"] is None
+    assert (out["stopped"]["text"], out["stopped"]["stop_reason"]) == ("y", "e")
+    assert out["stopped"]["structured_complete"] is False
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """`vbatch run ARGS`, from the repository root as the examples' docs show it."""
+    command = [sys.executable, "-m", "vbatch.cli", "run", *args, "--num-threads", "1", "-q"]
+    return subprocess.run(command, cwd=EXAMPLES.parent, capture_output=True, text=True, timeout=600)
+
+
+def test_examples_classification_and_extraction_run(tmp_path: Path, tiny_model_dir: Path) -> None:
+    pytest.importorskip("xgrammar")
+    labels = ["positive", "negative", "neutral"]
+    model = ["--model", str(tiny_model_dir)]
+    labels_path = tmp_path / "labels.jsonl"
+    proc = run_cli(
+        "examples/classify.jsonl", "-o", str(labels_path), "--choice", ",".join(labels), *model
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in labels_path.read_text().splitlines()]
+    assert len(rows) == 6 and all(r["text"] in labels and r["structured_complete"] for r in rows)
+
+    schema_path = EXAMPLES / "extract_schema.json"
+    people_path = tmp_path / "people.parquet"
+    proc = run_cli(
+        "examples/extract.jsonl", "-o", str(people_path), "--json-schema",
+        "examples/extract_schema.json", "--parse-json", "--max-tokens", "200", *model,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    schema = json.loads(schema_path.read_text())
+    rows = pq.read_table(people_path).to_pylist()
+    assert len(rows) == 4
+    for row in rows:
+        assert row["structured_complete"], row
+        jsonschema.validate(json.loads(row["json"]), schema)
