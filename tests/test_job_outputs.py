@@ -270,7 +270,7 @@ _NEWER: dict[str, tuple[Callable[[], pa.Array], list[Any]]] = {
         lambda: pa.ExtensionArray.from_storage(pa.bool8(), pa.array([1, 0, None], pa.int8())),
         [True, False, None],
     ),
-    "json": (
+    "json_ext": (
         lambda: pa.ExtensionArray.from_storage(pa.json_(), pa.array(['{"a": 1}', "[]", None])),
         ['{"a": 1}', "[]", None],
     ),

@@ -200,7 +200,9 @@ def run(
     stop: Annotated[
         list[str] | None, typer.Option(help="Stop string (repeatable).", rich_help_panel=SAMPLING)
     ] = None,
-    n: Annotated[int, typer.Option(help="Samples per row.", rich_help_panel=SAMPLING)] = 1,
+    n: Annotated[
+        int, typer.Option(help="Samples per row (at most 256).", rich_help_panel=SAMPLING)
+    ] = 1,
     logprobs: Annotated[
         int | None, typer.Option(help="Top logprobs per token (0-20).", rich_help_panel=SAMPLING)
     ] = None,

@@ -21,7 +21,7 @@ from vbatch.client.outputs import (
 )
 from vbatch.client.tokenizer import TextTokenizer
 from vbatch.config import EngineConfig
-from vbatch.errors import VbatchError
+from vbatch.errors import SamplingParamsError, VbatchError
 from vbatch.protocol import (
     AddRequest,
     EngineOutputs,
@@ -158,8 +158,14 @@ class LLM:
     ) -> Iterator[tuple[int, RequestOutput | None]]:
         if self._is_streaming:
             raise VbatchError("this LLM is already streaming; finish or close that stream first")
-        self._is_streaming = True
         defaults = sampling_params or SamplingParams()
+        if not isinstance(defaults, SamplingParams):
+            raise SamplingParamsError(
+                f"sampling_params must be a SamplingParams, got {type(defaults).__name__}"
+            )
+        # NOTE: again here, not only at construction: a field may have been set since.
+        defaults.validate(self.engine_info.vocab_size)
+        self._is_streaming = True
         source = enumerate(inputs)
         live: dict[str, RequestState] = {}
         ready: list[tuple[int, RequestOutput]] = []
@@ -212,11 +218,19 @@ class LLM:
     ) -> None:
         """Tokenize a batch and send it to the core; unusable items go straight to `ready`."""
         requests = []
+        # NOTE: each distinct params object is validated once per batch (tens of microseconds).
+        checked: dict[int, str | None] = {id(defaults): None}
         for position, item in batch:
             try:
-                requests.append((position, _as_request(item)))
+                req = _as_request(item)
             except VbatchError as e:
                 ready.append((position, error_output(Request(), position, [], str(e), 1)))
+                continue
+            problem = self._check_params(req.sampling_params or defaults, checked)
+            if problem is not None:
+                ready.append((position, error_output(req, position, [], problem, 1)))
+                continue
+            requests.append((position, req))
         adds = []
         tokenized = self._tokenize([req for _, req in requests])
         for (position, req), prompt_ids in zip(requests, tokenized, strict=True):
@@ -238,6 +252,22 @@ class LLM:
             adds.append(AddRequest(rid, pack_token_ids(prompt_ids), params, time.time()))
         if adds:
             self._client.add_requests(adds)
+
+    def _check_params(self, params: Any, checked: dict[int, str | None]) -> str | None:
+        """Why `params` cannot be sent to the core, or None; memoized in `checked` by id."""
+        key = id(params)
+        if key not in checked:
+            if not isinstance(params, SamplingParams):
+                checked[key] = (
+                    f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+                )
+            else:
+                try:
+                    params.validate(self.engine_info.vocab_size)
+                    checked[key] = None
+                except SamplingParamsError as e:
+                    checked[key] = str(e)
+        return checked[key]
 
     def _tokenize(self, requests: list[Request]) -> list[list[int] | str]:
         """Prompt token ids per request, or an error message; one encode_batch call per kind."""
@@ -272,9 +302,14 @@ class LLM:
         live: dict[str, RequestState],
         ready: list[tuple[int, RequestOutput]],
     ) -> None:
-        """Apply the core's outputs; finished requests move to `ready`, stop-string hits are
-        aborted."""
+        """Apply the core's outputs; finished requests move to `ready`.
+
+        The core is told to stop what the client will not keep: a request done here that the
+        core still runs is aborted, and so is each sample that completed a stop string while its
+        siblings go on (only that sample).
+        """
         aborts = []
+        stopped: list[tuple[str, int]] = []
         done: list[str] = []
         for step in steps:
             for rid, num_cached in step.num_cached_tokens.items():
@@ -288,6 +323,7 @@ class LLM:
                 entry = live.get(rid)
                 if entry is not None and entry.add_token(index, token_id, token_logprobs):
                     done.append(rid)
+                    stopped.append((rid, index))
             for finish in step.finished:
                 entry = live.get(finish.request_id)
                 if entry is not None:
@@ -304,6 +340,10 @@ class LLM:
             done.clear()
         if aborts:
             self._client.abort(aborts)
+        # NOTE: a request that left `live` was aborted whole above, or the core finished it.
+        stopped = [(rid, index) for rid, index in stopped if rid in live]
+        if stopped:
+            self._client.abort([rid for rid, _ in stopped], [index for _, index in stopped])
 
     def shutdown(self) -> None:
         self._client.shutdown()

@@ -41,7 +41,11 @@ class AddRequest(_Msg, tag=1):
 
 
 class Abort(_Msg, tag=2):
+    """End every unfinished sample of `request_ids`; with `indices` (aligned with request_ids),
+    only sample `indices[j]` of request `request_ids[j]`."""
+
     request_ids: list[str]
+    indices: list[int] | None = None
 
 
 class Utility(_Msg, tag=3):

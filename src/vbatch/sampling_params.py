@@ -1,9 +1,12 @@
-"""SamplingParams: how one request samples and when it stops; validated at construction."""
+"""SamplingParams: how one request samples and when it stops; validated at construction and
+again when a request is submitted."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import math
+import struct
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn
 
 import msgspec
 
@@ -11,13 +14,43 @@ from vbatch.errors import SamplingParamsError
 from vbatch.structured import StructuredOutput, check_compatible, coerce_structured
 
 MAX_LOGPROBS = 20
+# NOTE: a request's samples are n sequences in the core and n detokenizers in the client, so n
+# bounds one request's memory and time; 256 covers pass@k-style sampling (OpenAI allows 128).
+MAX_N = 256
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+# NOTE: the largest finite float32; the sampler computes in float32, so a larger value would be
+# inf there (and e.g. -inf / inf is nan).
+FLOAT32_MAX = 3.4028234663852886e38
+
+_INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _float32(value: float) -> float:
+    """`value` rounded to float32, as the sampler sees it (|value| <= FLOAT32_MAX)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Per-request sampling settings. Also the wire form sent to the engine core.
 
-    Invariants after construction: every value is in range; `stop` is a list of non-empty
-    strings; `top_k <= 0` means disabled; `temperature == 0` means greedy.
+    Invariants after validate() (run at construction, again when a request is submitted, and on
+    decode in the engine core): every value has its field's type and is in range (see
+    `validate`); float fields hold Python floats; `stop` is a list of non-empty strings;
+    `top_k <= 0` means disabled; `temperature == 0` means greedy. `n` is at most MAX_N (256).
     """
 
     n: int = 1
@@ -40,9 +73,6 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.structured = coerce_structured(self.structured)
         self.validate()
 
     @property
@@ -58,27 +88,62 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             or self.frequency_penalty != 0.0
         )
 
-    def validate(self) -> None:
-        def fail(msg: str) -> None:
+    def validate(self, vocab_size: int | None = None) -> SamplingParams:
+        """Check every field's type and range; raise SamplingParamsError naming the first bad one.
+
+        Types are strict: a bool is not an integer or a number, a string is not a number, and a
+        float is not a token id. Integers fit int64 (the wire's range). Normalizes in place: a
+        `stop` string becomes a one-item list, tuples become lists, integer values of float
+        fields become floats. With `vocab_size`, stop token ids must also be below it. Ranges:
+
+        - n in [1, MAX_N]; max_tokens >= 1; min_tokens in [0, max_tokens]; top_k -1, 0 or > 0.
+        - Floats are finite and stay finite in float32 (|x| <= 3.4e38), as the sampler computes
+          in float32. temperature >= 0; top_p in (0, 1] and still > 0 in float32 (1e-46 rounds
+          to 0 there, which would keep no token); min_p in [0, 1]; presence and frequency
+          penalties in [-2, 2]; repetition_penalty > 0, also in float32.
+        - seed is None or in int64 ([-2**63, 2**63)); each sample's generator is seeded with
+          (seed + index) mod 2**64.
+        - stop: non-empty strings encodable as UTF-8; stop_token_ids: integers in [0, 2**63).
+        - logprobs is None or an integer in [0, MAX_LOGPROBS]; ignore_eos,
+          include_stop_str_in_output and skip_special_tokens are bools.
+        """
+
+        def fail(msg: str) -> NoReturn:
             raise SamplingParamsError(msg)
 
-        for name in ("n", "max_tokens", "min_tokens", "top_k"):
+        self.structured = coerce_structured(self.structured)
+
+        for name in _INT_FIELDS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                fail(f"{name} must be an integer, got {value!r}")
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-        ):
+            if not _is_int(value):
+                fail(f"{name} must be an integer, got {value!r:.80}")
+            if not INT64_MIN <= value <= INT64_MAX:
+                fail(f"{name} must fit in a 64-bit signed integer, got {value!r:.80}")
+        for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                fail(f"{name} must be a number, got {value!r}")
+                fail(f"{name} must be a number, got {value!r:.80}")
+            number = value
+            if type(value) is not float:
+                try:
+                    number = float(value)
+                except OverflowError:
+                    number = math.inf
+            if not -FLOAT32_MAX <= number <= FLOAT32_MAX:
+                fail(
+                    f"{name} must be finite and at most {FLOAT32_MAX:.4g} in magnitude (the "
+                    f"float32 range), got {value!r:.80}"
+                )
+            if number is not value:
+                setattr(self, name, number)
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                fail(f"{name} must be true or false, got {value!r:.80}")
         if self.n < 1:
             fail(f"n must be at least 1, got {self.n}")
+        if self.n > MAX_N:
+            fail(f"n must be at most {MAX_N} (vbatch's cap on samples per request), got {self.n}")
         if self.max_tokens < 1:
             fail(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
@@ -87,6 +152,11 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             fail(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             fail(f"top_p must be in (0, 1], got {self.top_p}")
+        if _float32(self.top_p) == 0.0:
+            fail(
+                f"top_p must be at least 1.4e-45: {self.top_p} is 0 in float32, in which the "
+                "sampler computes, and would keep no token"
+            )
         if self.top_k < -1:
             fail(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
@@ -95,19 +165,45 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             fail(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             fail(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0.0:
-            fail(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
-        ):
-            fail(f"seed must be an integer, got {self.seed!r}")
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            fail(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            fail(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            fail(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if _float32(self.repetition_penalty) <= 0.0:
+            fail(
+                f"repetition_penalty must be > 0 (also in float32, in which the sampler "
+                f"divides by it), got {self.repetition_penalty}"
+            )
+        seed = self.seed
+        if seed is not None:
+            if not _is_int(seed):
+                fail(f"seed must be an integer or null, got {seed!r:.80}")
+            if not INT64_MIN <= seed <= INT64_MAX:
+                fail(f"seed must fit in a 64-bit signed integer [-2**63, 2**63), got {seed!r:.80}")
+        self._validate_stops(fail, vocab_size)
+        logprobs = self.logprobs
+        if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+            fail(f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
         check_compatible(self.structured, self.ignore_eos, self.min_tokens)
+        return self
+
+    def _validate_stops(self, fail: Callable[[str], NoReturn], vocab_size: int | None) -> None:
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = self.stop = [stop]
+        elif isinstance(stop, tuple):
+            stop = self.stop = list(stop)
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            fail(f"stop must be a string or a list of non-empty strings, got {stop!r:.200}")
+        for s in stop:
+            if not s.isascii():
+                try:
+                    s.encode()
+                except UnicodeEncodeError:
+                    fail(f"stop strings must be valid Unicode (no lone surrogates), got {s!r:.80}")
+        ids = self.stop_token_ids
+        if isinstance(ids, tuple):
+            ids = self.stop_token_ids = list(ids)
+        if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in ids):
+            fail(f"stop_token_ids must be a list of integers in [0, 2**63), got {ids!r:.200}")
+        if vocab_size is not None and ids and max(ids) >= vocab_size:
+            fail(f"stop_token_ids must be below the vocabulary size {vocab_size}, got {max(ids)}")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

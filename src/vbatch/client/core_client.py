@@ -87,14 +87,23 @@ class EngineCoreClient:
         return self._proc.pid if self._proc is not None else None
 
     def add_requests(self, reqs: Sequence[AddRequest]) -> None:
+        """Queue requests for the core; raises SamplingParamsError (sending none of them) if
+        any one's params are invalid now, e.g. a field set after construction."""
         self._check_alive()
+        checked: set[int] = set()
+        for req in reqs:
+            params = req.sampling_params
+            if id(params) not in checked:
+                params.validate(self.info.vocab_size)
+                checked.add(id(params))
         for req in reqs:
             self._send_q.put(req)
         self._wake()
 
-    def abort(self, request_ids: Sequence[str]) -> None:
+    def abort(self, request_ids: Sequence[str], indices: Sequence[int] | None = None) -> None:
+        """Abort these requests; with `indices`, only sample indices[j] of request_ids[j]."""
         if request_ids and self._dead is None and not self._closed:
-            self._send_q.put(Abort(list(request_ids)))
+            self._send_q.put(Abort(list(request_ids), None if indices is None else list(indices)))
             self._wake()
 
     def get_outputs(self, timeout: float | None = None) -> list[EngineOutputs]:

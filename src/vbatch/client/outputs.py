@@ -54,9 +54,9 @@ class RequestOutput:
 class RequestState:
     """A submitted request being assembled from the core's tokens and finishes.
 
-    Invariants: `reasons[i]` is set once sample i finished here (core finish or stop string);
-    `num_core_live` counts samples the core still runs, so a request done here with
-    `num_core_live > 0` must be aborted in the core.
+    Invariants: `reasons[i]` is set once sample i finished here (core finish or stop string),
+    and `num_open` counts the samples whose reason is not set; `num_core_live` counts samples the
+    core still runs, so a request done here with `num_core_live > 0` must be aborted in the core.
     """
 
     request: Request
@@ -71,10 +71,15 @@ class RequestState:
     num_cached_tokens: int = 0
     error: str | None = None
     structured: bool = False
+    num_open: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_open = sum(r is None for r in self.reasons)
 
     @property
     def is_done(self) -> bool:
-        return all(r is not None for r in self.reasons)
+        # NOTE: a counter, not a scan of `reasons`: done is asked once per finish, n per request.
+        return self.num_open == 0
 
     def add_token(self, index: int, token_id: int, logprobs: TokenLogprobs | None) -> bool:
         """Sample `index` got `token_id` from the core; True if that completed a stop string."""
@@ -88,6 +93,7 @@ class RequestState:
         if stop is None:
             return False
         self.reasons[index] = ("stop", stop)
+        self.num_open -= 1
         return True
 
     def finish(self, finish: SampleFinish) -> None:
@@ -97,10 +103,12 @@ class RequestState:
         if finish.finish_reason == FinishReason.ERROR:
             self.error = finish.error or "the engine rejected the request"
             self.reasons = [("error", None)] * len(self.reasons)
+            self.num_open = 0
             return
         self.num_cached_tokens = max(self.num_cached_tokens, finish.num_cached_tokens)
         if self.reasons[i] is not None:
             return
+        self.num_open -= 1
         stop = self.detoks[i].finalize()
         if stop is not None:
             self.reasons[i] = ("stop", stop)

@@ -33,9 +33,10 @@ GRAMMAR_WAIT_S = 0.05
 class EngineCore:
     """Schedules requests over the paged KV cache and runs one model step at a time.
 
-    Invariants: every live request id maps to its samples in `requests`, and leaves it once all
-    of them have finished. The n samples of one request are n Sequences; the scheduler admits
-    the later ones after the first has computed the prompt, so they share its KV blocks.
+    Invariants: every live request id maps to its samples in `requests` (in index order) and to
+    how many of them are unfinished in `num_unfinished`, and leaves both once all of them have
+    finished. The n samples of one request are n Sequences; the scheduler admits the later ones
+    after the first has computed the prompt, so they share its KV blocks.
     """
 
     def __init__(
@@ -66,6 +67,8 @@ class EngineCore:
         )
         # NOTE: requests whose grammar is compiling; they join the scheduler once it is ready.
         self._compiling: dict[str, tuple[list[Sequence], Future]] = {}
+        # NOTE: a count, so a finish costs O(1) rather than a scan of the request's n samples.
+        self.num_unfinished: dict[str, int] = {}
         self.info = Ready(
             max_model_len=self.max_model_len,
             num_kv_blocks=self.runner.num_kv_blocks,
@@ -97,8 +100,11 @@ class EngineCore:
         vocab_size = self.model_config.vocab_size
         if max(prompt_token_ids) >= vocab_size or min(prompt_token_ids) < 0:
             return [_error(req.request_id, f"prompt token ids must lie in [0, {vocab_size})")]
+        if params.stop_token_ids and max(params.stop_token_ids) >= vocab_size:
+            return [_error(req.request_id, f"stop_token_ids must lie in [0, {vocab_size})")]
         seqs = [Sequence(req.request_id, prompt_token_ids, params, i) for i in range(params.n)]
         self.requests[req.request_id] = seqs
+        self.num_unfinished[req.request_id] = len(seqs)
         if params.structured is not None:
             self._compiling[req.request_id] = (seqs, self.grammars.get(params.structured))
             return []
@@ -123,6 +129,7 @@ class EngineCore:
                 grammar = future.result()
             except GrammarError as e:
                 del self.requests[request_id]
+                del self.num_unfinished[request_id]
                 errors.append(_error(request_id, str(e)))
                 continue
             for seq in seqs:
@@ -130,16 +137,46 @@ class EngineCore:
                 self.scheduler.add(seq)
         return errors
 
-    def abort(self, request_ids: list[str]) -> list[SampleFinish]:
-        """ABORT every unfinished sample of these requests; unknown ids are skipped."""
-        live = [rid for rid in dict.fromkeys(request_ids) if rid in self.requests]
-        seqs = [seq for rid in live for seq in self.requests.pop(rid)]
-        unfinished = [seq for seq in seqs if not seq.is_finished]
-        for rid in live:
-            self._compiling.pop(rid, None)
-        self.scheduler.abort(unfinished)
-        self.runner.release(seqs)
+    def abort(self, request_ids: list[str], indices: list[int] | None = None) -> list[SampleFinish]:
+        """ABORT every unfinished sample of these requests, or with `indices` only sample
+        `indices[j]` of `request_ids[j]`; unknown ids and indices, and finished samples, are
+        skipped."""
+        if indices is None:
+            live = [rid for rid in dict.fromkeys(request_ids) if rid in self.requests]
+            seqs = [seq for rid in live for seq in self.requests.pop(rid)]
+            for rid in live:
+                del self.num_unfinished[rid]
+                self._compiling.pop(rid, None)
+            unfinished = [seq for seq in seqs if not seq.is_finished]
+            self.scheduler.abort(unfinished)
+            self.runner.release(seqs)
+            return [_finish(seq) for seq in unfinished]
+        picked: dict[Sequence, None] = {}
+        # NOTE: not strict: a malformed Abort must not end the core's loop.
+        for rid, index in zip(request_ids, indices):
+            samples = self.requests.get(rid)
+            if samples is not None and 0 <= index < len(samples):
+                seq = samples[index]
+                if not seq.is_finished:
+                    picked[seq] = None
+        unfinished = list(picked)
+        if unfinished:
+            self.scheduler.abort(unfinished)
+            self.runner.release(unfinished)
+            self._forget_finished(unfinished)
         return [_finish(seq) for seq in unfinished]
+
+    def _forget_finished(self, seqs: list[Sequence]) -> None:
+        """Count these newly finished seqs; a request whose samples all finished leaves."""
+        num_unfinished = self.num_unfinished
+        for seq in seqs:
+            rid = seq.request_id
+            left = num_unfinished.get(rid, 0) - 1
+            if left > 0:
+                num_unfinished[rid] = left
+            elif rid in num_unfinished:
+                del num_unfinished[rid]
+                del self.requests[rid]
 
     def has_unfinished(self) -> bool:
         return bool(self.requests) or self._ahead is not None
@@ -197,10 +234,7 @@ class EngineCore:
         finished = update.finished
         if finished:
             self.runner.release(finished)
-            for seq in finished:
-                samples = self.requests.get(seq.request_id, ())
-                if all(s.is_finished for s in samples):
-                    self.requests.pop(seq.request_id, None)
+            self._forget_finished(finished)
         return EngineOutputs(
             request_ids=request_ids,
             indices=indices,

@@ -119,7 +119,7 @@ def _busy_loop(core: Any, in_q: queue.Queue, out_q: queue.Queue) -> None:
             if isinstance(msg, AddRequest):
                 finished += core.add_request(msg)
             elif isinstance(msg, Abort):
-                finished += core.abort(msg.request_ids)
+                finished += core.abort(msg.request_ids, msg.indices)
             elif isinstance(msg, Utility):
                 out_q.put(_utility(core, msg, busy_time))
             elif isinstance(msg, Shutdown):
