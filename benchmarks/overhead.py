@@ -7,6 +7,14 @@ in-process wall time, and the core's own busy time from SchedulerStats.
 
     python -m benchmarks.overhead [--batches 1 64 256] [--max-tokens 64] [--model DIR]
         [--attention-backend torch|native] [--rounds 5]
+
+With --hash-cost: the prefix cache's block hashing instead. First the cost of one 16-token
+block's chained key, the SHA-256 digest the BlockManager uses against the CPython tuple hash it
+used before (issue 12: collisions of that one can be found in minutes), then the same in-process
+workload with prefix caching on and the BlockManager's hashing timed: blocks hashed and hashing
+µs per step, what the old hash would have cost for them, and the step's non-forward time.
+
+    python -m benchmarks.overhead --hash-cost [--batches 64 256] [--prompt-len 16]
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-PROMPT_LEN = 16
+PROMPT_LEN = 16  # the default; --prompt-len sets it
 
 
 def make_tiny_model(out_dir: Path) -> Path:
@@ -32,7 +40,9 @@ def make_tiny_model(out_dir: Path) -> Path:
     return write_tiny_llama(out_dir, resolve_model(None).hf_dir, max_position_embeddings=1024)
 
 
-def engine_args(batch: int, max_tokens: int, backend: str) -> dict[str, Any]:
+def engine_args(
+    batch: int, max_tokens: int, backend: str, prefix_caching: bool = False
+) -> dict[str, Any]:
     blocks_per_seq = (PROMPT_LEN + max_tokens) // 16 + 2
     return dict(
         device="cpu",
@@ -40,13 +50,17 @@ def engine_args(batch: int, max_tokens: int, backend: str) -> dict[str, Any]:
         max_num_seqs=batch,
         max_num_batched_tokens=max(1024, batch * PROMPT_LEN),
         num_kv_blocks=batch * blocks_per_seq + 16,
-        enable_prefix_caching=False,
+        enable_prefix_caching=prefix_caching,
         attention_backend=backend,
     )
 
 
-def prompt_ids(batch: int) -> list[list[int]]:
-    return [[100 + (i * 7 + j) % 4000 for j in range(PROMPT_LEN)] for i in range(batch)]
+def prompt_ids(batch: int, round_index: int = 0) -> list[list[int]]:
+    # NOTE: each round's prompts differ, so a round with prefix caching hashes but never hits.
+    return [
+        [100 + (i * 7 + j * 13 + round_index * 101) % 4000 for j in range(PROMPT_LEN)]
+        for i in range(batch)
+    ]
 
 
 def timed(fn: Callable[..., Any], acc: list[float]) -> Callable[..., Any]:
@@ -61,10 +75,31 @@ def timed(fn: Callable[..., Any], acc: list[float]) -> Callable[..., Any]:
     return wrapper
 
 
+def time_block_hashing(block_manager: Any, acc: list[float], count: list[int]) -> None:
+    """Add up the time `block_manager` spends hashing blocks, and the blocks it hashes."""
+    full_block_hashes = block_manager.full_block_hashes
+
+    def timed(seq: Any, num_blocks: int) -> list[bytes]:
+        before = len(seq.full_block_hashes)
+        start = time.perf_counter()
+        hashes = full_block_hashes(seq, num_blocks)
+        acc[0] += time.perf_counter() - start
+        count[0] += len(hashes) - before
+        return hashes
+
+    block_manager.full_block_hashes = timed
+
+
 def run_in_process(
-    model: Path, batch: int, max_tokens: int, backend: str, rounds: int
+    model: Path,
+    batch: int,
+    max_tokens: int,
+    backend: str,
+    rounds: int,
+    prefix_caching: bool = False,
 ) -> list[dict[str, float]]:
-    """`rounds` timed runs of the workload on one EngineCore, after a warm-up request."""
+    """`rounds` timed runs of the workload on one EngineCore, after a warm-up request; with
+    prefix caching, the BlockManager's block hashing is timed too."""
     import torch
 
     from vbatch.config import EngineConfig
@@ -72,9 +107,12 @@ def run_in_process(
     from vbatch.protocol import AddRequest, pack_token_ids
     from vbatch.sampling_params import SamplingParams
 
-    config = EngineConfig(model=str(model), **engine_args(batch, max_tokens, backend))
+    args = engine_args(batch, max_tokens, backend, prefix_caching)
+    config = EngineConfig(model=str(model), **args)
     core = EngineCore(config)
     forward = [0.0]
+    hashing, num_hashed = [0.0], [0]
+    time_block_hashing(core.scheduler.block_manager, hashing, num_hashed)
     runner = core.runner
     runner.model.forward = timed(runner.model.forward, forward)
     runner.model.compute_logits = timed(runner.model.compute_logits, forward)
@@ -88,16 +126,25 @@ def run_in_process(
     # NOTE: as in the engine-core process, whose busy loop runs in inference mode.
     with torch.inference_mode():
         for round_index in range(rounds):
-            forward[0] = 0.0
+            forward[0] = hashing[0] = 0.0
+            num_hashed[0] = 0
             start = time.perf_counter()
-            for i, ids in enumerate(prompt_ids(batch)):
+            for i, ids in enumerate(prompt_ids(batch, round_index)):
                 core.add_request(AddRequest(f"{round_index}-{i}", pack_token_ids(ids), params))
             num_steps = 0
             while core.has_unfinished():
                 core.step()
                 num_steps += 1
             wall = time.perf_counter() - start
-            results.append({"wall_s": wall, "forward_s": forward[0], "num_steps": num_steps})
+            results.append(
+                {
+                    "wall_s": wall,
+                    "forward_s": forward[0],
+                    "num_steps": num_steps,
+                    "hashing_s": hashing[0],
+                    "num_hashed": num_hashed[0],
+                }
+            )
     core.shutdown()
     return results
 
@@ -125,7 +172,85 @@ def run_through_llm(model: Path, batch: int, max_tokens: int, backend: str) -> d
     }
 
 
+def tuple_hash_chain(token_ids: list[int], block_size: int) -> Callable[[], list[int]]:
+    """The block keys as the BlockManager made them before issue 12: CPython's tuple hash of
+    (parent hash, the block's tokens)."""
+
+    def chain() -> list[int]:
+        parent = 0
+        hashes = []
+        for start in range(0, len(token_ids) - block_size + 1, block_size):
+            parent = hash((parent, tuple(token_ids[start : start + block_size])))
+            hashes.append(parent)
+        return hashes
+
+    return chain
+
+
+def digest_chain(token_ids: list[int], block_size: int) -> Callable[[], list[bytes]]:
+    """The block keys as the BlockManager makes them now (its own code, on a seq whose
+    memo of them is emptied first)."""
+    from vbatch.engine.block_manager import BlockManager
+    from vbatch.engine.sequence import Sequence
+    from vbatch.sampling_params import SamplingParams
+
+    manager = BlockManager(1, block_size)
+    seq = Sequence("bench", token_ids, SamplingParams())
+
+    def chain() -> list[bytes]:
+        seq.full_block_hashes = []
+        return manager.full_block_hashes(seq, len(token_ids) // block_size)
+
+    return chain
+
+
+def per_block_ns(make_chain: Callable[[list[int], int], Callable[[], list[Any]]]) -> float:
+    """Least CPU ns per 16-token block of a chain over a 2048-token sequence, as a prefill chunk
+    hashes it (CPU time, so that a busy host does not count its other processes' slices)."""
+    token_ids = [100 + (j * 37) % 49000 for j in range(2048)]
+    chain = make_chain(token_ids, 16)
+    samples = []
+    for _ in range(7):
+        start = time.process_time()
+        for _ in range(20):
+            chain()
+        samples.append((time.process_time() - start) / (20 * len(token_ids) // 16) * 1e9)
+    return min(samples)
+
+
+def report_hash_cost(model: Path, args: argparse.Namespace) -> None:
+    old_ns = per_block_ns(tuple_hash_chain)
+    new_ns = per_block_ns(digest_chain)
+    print(
+        f"one 16-token block's key: tuple hash {old_ns:.0f} ns, SHA-256 digest {new_ns:.0f} ns "
+        f"({new_ns / old_ns:.1f}x, +{new_ns - old_ns:.0f} ns a block)"
+    )
+    # NOTE: per step, the blocks hashed times the cost of one (new and old), the hashing time
+    # measured in the step loop (wall time, with the timing's own cost), and the step's
+    # non-forward wall time; the new hashing's extra cost is the step-level impact.
+    print(
+        f"{'batch':>5} {'steps':>5} {'blocks/step':>11} {'new µs/step':>11} "
+        f"{'old µs/step':>11} {'measured':>8} {'non-fwd µs/step':>15} {'extra share':>11}"
+    )
+    for batch in args.batches:
+        runs = run_in_process(
+            model, batch, args.max_tokens, args.attention_backend, args.rounds, True
+        )
+        run = sorted(runs, key=lambda r: r["wall_s"] - r["forward_s"])[len(runs) // 2]
+        steps = run["num_steps"]
+        blocks = run["num_hashed"] / steps
+        non_forward_us = (run["wall_s"] - run["forward_s"]) / steps * 1e6
+        extra_us = blocks * (new_ns - old_ns) / 1e3
+        print(
+            f"{batch:>5} {steps:>5} {blocks:>11.1f} {blocks * new_ns / 1e3:>11.1f} "
+            f"{blocks * old_ns / 1e3:>11.1f} {run['hashing_s'] / steps * 1e6:>8.1f} "
+            f"{non_forward_us:>15.0f} {extra_us / non_forward_us:>11.1%}",
+            flush=True,
+        )
+
+
 def main() -> None:
+    global PROMPT_LEN
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -134,13 +259,21 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=5, help="timed in-process runs; the median one is shown"
     )
+    parser.add_argument(
+        "--hash-cost", action="store_true", help="time the prefix cache's block hashing instead"
+    )
+    parser.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
     args = parser.parse_args()
     import torch
 
+    PROMPT_LEN = args.prompt_len
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="vbatch-overhead-"))
     try:
         model = args.model or make_tiny_model(tmp)
+        if args.hash_cost:
+            report_hash_cost(model, args)
+            return
         header = (
             f"{'batch':>5} {'steps':>5} {'in-proc ms':>10} {'fwd ms':>8} {'µs/step':>8} "
             f"{'non-fwd':>7} | {'LLM ms':>8} {'core busy':>9} {'non-exec':>8} {'+µs/step':>8} "

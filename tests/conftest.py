@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 
 # NOTE: set at import so engine subprocesses spawned by tests inherit the same cache.
 os.environ.setdefault("VBATCH_CACHE_DIR", str(Path.home() / ".cache" / "vbatch-test"))
+# NOTE: also before anything imports torch, so that the tests and the engine processes they
+# spawn default to one intra-op thread: on a busy 2-core host a second OpenMP thread spins,
+# waiting for a core another process holds (a tiny model's engine run took 24x the CPU time with
+# two threads). Set OMP_NUM_THREADS to run with more.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

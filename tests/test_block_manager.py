@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from vbatch.engine.block_manager import BlockManager, hash_block
+from vbatch.engine.block_manager import ROOT_HASH, BlockManager, hash_block
 from vbatch.engine.sequence import Sequence
 from vbatch.sampling_params import SamplingParams
 
@@ -173,25 +173,42 @@ def test_cached_free_blocks_are_reused_after_free() -> None:
     check_invariants(bm, [b])
 
 
-def test_forced_hash_collision_is_caught_by_the_token_check() -> None:
-    bm = BlockManager(num_blocks=16, block_size=4, hash_fn=lambda parent, token_ids: 42)
-    a = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
+# NOTE: two 16-token blocks with equal CPython tuple hashes (found with Brent's cycle search on
+# the tuple hash, about 10^10 evaluations): under the old keys, (parent_hash, tokens) hashed with
+# hash(), each had the other's children.
+COLLIDING_X = [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 1367, 582, 986, 4576, 41]
+COLLIDING_Y = [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 7347, 2234, 1720, 4447, 3525]
+
+
+def test_a_block_re_registered_by_a_colliding_one_keeps_its_children_apart() -> None:
+    if sys.implementation.name == "cpython":
+        assert hash(tuple(COLLIDING_X)) == hash(tuple(COLLIDING_Y))
+    bm = BlockManager(num_blocks=8, block_size=16)
+    after = list(range(300, 316))  # a block cached after X
+    a = make_seq([*COLLIDING_X, 7])
     admit(bm, a)
     compute_all(bm, a)
-    # NOTE: block 1 collides with block 0 and so stays private.
-    assert bm.num_cached_blocks == 1
-    check_invariants(bm, [a])
-
-    b = make_seq([5, 6, 7, 8, 1, 2, 3, 4, 0])
-    admit(bm, b)
-    assert b.num_cached_tokens == 0
-    assert not set(b.block_table) & set(a.block_table)
-
-    c = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 0])
+    # NOTE: b computed its own copy of X (as two samples decoding the same tokens do), so its
+    # next block is cached under X's chain while the cached X is a's block.
+    b = make_seq([*COLLIDING_X, *after, 7])
+    bm.allocate(b, b.num_tokens)
+    compute_all(bm, b)
+    assert bm.block_hashes[b.block_table[0]] is None
+    assert bm.block_hashes[b.block_table[1]] is not None
+    bm.free(a)
+    filler = make_seq(list(range(1000, 1080)))
+    admit(bm, filler)  # evicts a's X from the cache
+    bm.free(filler)
+    assert bm.match_prefix(make_seq([*COLLIDING_X, 7])) == []
+    c = make_seq([*COLLIDING_Y, 7])
     admit(bm, c)
-    assert c.num_cached_tokens == 4
-    assert c.block_table[0] == a.block_table[0] and c.block_table[1] != a.block_table[1]
-    check_invariants(bm, [a, b, c])
+    compute_all(bm, c)
+    bm.free(b)
+    check_invariants(bm, [c])
+    # NOTE: the block after X must not match after Y, whatever their hashes.
+    d = make_seq([*COLLIDING_Y, *after, 7])
+    assert bm.match_prefix(d) == [c.block_table[0]]
+    assert bm.match_prefix(make_seq([*COLLIDING_X, *after, 7])) == []
 
 
 def test_equal_blocks_computed_twice_keep_the_chain_going() -> None:
@@ -255,9 +272,37 @@ def test_prefix_caching_disabled() -> None:
     assert bm.num_prefix_queries == bm.num_prefix_hits == 0
 
 
-def test_hash_block_chains_the_parent() -> None:
-    assert hash_block(0, (1, 2)) == hash_block(0, (1, 2))
-    assert hash_block(0, (1, 2)) != hash_block(hash_block(0, (1, 2)), (1, 2))
+def test_hash_block_digests_the_parent_and_every_token() -> None:
+    digest = hash_block(ROOT_HASH, (1, 2))
+    assert digest == hash_block(ROOT_HASH, [1, 2]) and len(digest) == 32
+    assert digest != hash_block(digest, (1, 2))
+    variants = [(1, 2), (2, 1), (1, 2, 0), (1,), (1, 2**40), (1, -2), (1, -1)]
+    assert len({hash_block(ROOT_HASH, t) for t in variants}) == len(variants)
+
+
+def test_each_block_of_a_seq_is_hashed_once_and_chained_by_hash_block() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = make_seq(list(range(3, 16)))
+    assert bm.match_prefix(a) == [] and len(a.full_block_hashes) == 3
+    expected = []
+    parent = ROOT_HASH
+    for i in range(3):
+        parent = hash_block(parent, a.token_ids[4 * i : 4 * i + 4])
+        expected.append(parent)
+    assert a.full_block_hashes == expected
+    memo = a.full_block_hashes[0]
+    admit(bm, a)
+    compute_all(bm, a)
+    assert [bm.block_hashes[b] for b in a.block_table[:3]] == expected
+    assert a.full_block_hashes[0] is memo, "not hashed again"
+    for token_id in (16, 17, 18):  # its fourth block fills up
+        a.append_token(token_id)
+    a.num_computed_tokens = a.num_tokens
+    bm.cache_full_blocks(a)
+    assert a.full_block_hashes[:3] == expected and len(a.full_block_hashes) == 4
+    assert bm.block_hashes[a.block_table[3]] == hash_block(expected[-1], [15, 16, 17, 18])
+    b = make_seq(list(range(3, 16)))
+    assert bm.uncached_prompt_hashes(b, []) == expected
 
 
 def test_module_is_torch_free() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
@@ -27,9 +28,7 @@ def run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> l
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-
-
-@pytest.mark.parametrize(
+ENGINE_PATHS = pytest.mark.parametrize(
     "overrides",
     [
         {},
@@ -40,13 +39,22 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     ],
     ids=["batched", "chunked-prefill-16", "preemption", "no-prefix-cache", "no-greedy-screen"],
 )
-def test_greedy_matches_hf(smollm2, prompts, assert_greedy_matches_hf, overrides) -> None:
+
+
+def check_greedy_matches_hf(
+    smollm2,
+    prompts: list[list[int]],
+    assert_greedy_matches_hf,
+    overrides: dict,
+    num_tokens: int,
+) -> None:
     core = EngineCore(EngineConfig(model=str(smollm2.hf_dir), **overrides))
     screen = core.runner.model.greedy_screen
     assert (screen is None) == (
         overrides.get("greedy_screen") is False or not native.is_available()
     )
-    got = run(core, prompts, GREEDY)
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    got = run(core, prompts, params)
     assert_greedy_matches_hf(prompts, got)
     stats = core.stats()
     if "num_kv_blocks" in overrides:
@@ -55,13 +63,30 @@ def test_greedy_matches_hf(smollm2, prompts, assert_greedy_matches_hf, overrides
         assert stats.num_steps >= sum(map(len, prompts)) // 16
 
 
+@ENGINE_PATHS
+def test_greedy_matches_hf(smollm2, prompts, assert_greedy_matches_hf, overrides) -> None:
+    """Every engine path on 5 of the prompts, 16 tokens each (with a KV cache of half the 20
+    blocks they take together); test_greedy_matches_hf_full_size is the full-size run."""
+    if "num_kv_blocks" in overrides:
+        overrides = {"num_kv_blocks": 10}
+    check_greedy_matches_hf(smollm2, prompts[:5], assert_greedy_matches_hf, overrides, 16)
+
+
+@pytest.mark.slow
+@ENGINE_PATHS
+def test_greedy_matches_hf_full_size(smollm2, prompts, assert_greedy_matches_hf, overrides) -> None:
+    """The 16 prompts, 32 tokens each (minutes at a 16-token step budget on a busy host)."""
+    check_greedy_matches_hf(smollm2, prompts, assert_greedy_matches_hf, overrides, NUM_TOKENS)
+
+
 def test_prefix_cache_hits_give_same_tokens(smollm2, prompts, assert_greedy_matches_hf) -> None:
     core = EngineCore(EngineConfig(model=str(smollm2.hf_dir)))
-    run(core, prompts, GREEDY)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    run(core, prompts[:6], params)
     hits_before = core.stats().prefix_cache_hits
-    got = run(core, prompts, GREEDY)
+    got = run(core, prompts[:6], params)
     assert core.stats().prefix_cache_hits > hits_before
-    assert_greedy_matches_hf(prompts, got)
+    assert_greedy_matches_hf(prompts[:6], got)
 
 
 def test_seeded_sampling_is_batch_invariant(smollm2, prompts) -> None:
@@ -261,6 +286,70 @@ def test_async_scheduling_gives_the_same_tokens(tiny_model_dir, device_feed: boo
     assert tokens == reference and reasons == reference_reasons
     assert reasons[("r3", 0)] == FinishReason.STOP and reasons[("r1", 0)] == FinishReason.ABORT
     assert sum(num_ahead) >= 10
+
+
+def test_async_scheduling_at_a_one_seq_per_token_budget_gives_the_same_tokens(
+    tiny_model_dir,
+) -> None:
+    """max_num_seqs = max_num_batched_tokens = 16: a full running set leaves a one-token prefill
+    chunk, which does not sample, beside the decodes; async scheduling must not continue such a
+    step (it would recompute that position and sample it twice)."""
+    rng = random.Random(12)
+    # NOTE: outputs long enough for the running set to fill up while prompts still wait.
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(4, 20))] for _ in range(20)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=rng.randrange(40, 80), ignore_eos=True)
+        for _ in prompts
+    ]
+    config = EngineConfig(
+        model=str(tiny_model_dir),
+        device="cpu",
+        max_num_seqs=16,
+        max_num_batched_tokens=16,
+        block_size=4,
+        max_model_len=128,
+        num_kv_blocks=512,
+    )
+    outputs = []
+    for async_scheduling in (False, True):
+        core = EngineCore(dataclasses.replace(config, async_scheduling=async_scheduling))
+        for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+            assert core.add_request(AddRequest(f"r{i}", pack_token_ids(prompt), sp)) == []
+        tokens: dict[str, list[int]] = {}
+        while core.has_unfinished():
+            out = core.step()
+            for rid, token_id in zip(out.request_ids, out.token_ids, strict=True):
+                tokens.setdefault(rid, []).append(token_id)
+        outputs.append([tokens[f"r{i}"] for i in range(len(prompts))])
+    assert [len(t) for t in outputs[1]] == [sp.max_tokens for sp in params]
+    assert outputs[1] == outputs[0]
+
+
+def test_cached_tokens_count_prompt_tokens_the_cache_served_never_a_recompute(
+    tiny_model_dir,
+) -> None:
+    """A KV cache too small for the batch forces preemptions; a re-admission then hits the
+    seq's own cached blocks, output tokens included, which are no prompt-cache hit."""
+    prompts = [[10 + i, 20, 30, 40, 50, 60 + i] for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    config = EngineConfig(
+        model=str(tiny_model_dir), device="cpu", block_size=4, num_kv_blocks=16, max_num_seqs=4
+    )
+    core = EngineCore(config)
+    for i, prompt in enumerate(prompts):
+        assert core.add_request(AddRequest(f"r{i}", pack_token_ids(prompt), params)) == []
+    reported: list[int] = []
+    num_tokens: dict[str, int] = {}
+    while core.has_unfinished():
+        out = core.step()
+        reported += out.num_cached_tokens.values()
+        reported += [finish.num_cached_tokens for finish in out.finished]
+        for rid in out.request_ids:
+            num_tokens[rid] = num_tokens.get(rid, 0) + 1
+    stats = core.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > len(prompts[0])
+    assert num_tokens == {f"r{i}": 40 for i in range(4)}
+    assert reported and set(reported) == {0}, "the prompts share no block"
 
 
 @pytest.mark.gpu

@@ -142,17 +142,19 @@ def test_display_cost_is_small() -> None:
         metrics.on_result(finish_reason="stop", prompt_tokens=50, completion_tokens=40)
         metrics.on_engine_stats(SchedulerStats(num_running=8, num_steps=i, step_time_s=0.01 * i))
     console, _ = make_console(is_terminal=True)
+    # NOTE: this thread's CPU time, which is what holding the GIL costs: on a busy host the wall
+    # time also counts the slices other processes get.
     timings = []
     for _ in range(20):
-        start = time.perf_counter()
+        start = time.thread_time()
         console.print(render_dashboard(metrics.snapshot()))
-        timings.append(time.perf_counter() - start)
+        timings.append(time.thread_time() - start)
     median_s = sorted(timings)[len(timings) // 2]
     assert median_s * 4 < 0.02, f"render takes {1000 * median_s:.1f} ms"
-    start = time.perf_counter()
+    start = time.thread_time()
     for _ in range(20_000):
         metrics.on_result(finish_reason="stop", prompt_tokens=50, completion_tokens=40)
-    per_call_s = (time.perf_counter() - start) / 20_000
+    per_call_s = (time.thread_time() - start) / 20_000
     assert per_call_s < 50e-6, f"on_result takes {1e6 * per_call_s:.1f} us"
 
 

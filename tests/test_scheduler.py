@@ -174,13 +174,14 @@ def test_preemption_requeues_the_newest_and_recomputes_it() -> None:
     assert list(sched.waiting) == [b, c], "preempted seqs go to the head of the queue"
     assert b.status == SequenceStatus.WAITING and b.block_table == []
     assert b.num_computed_tokens == b.num_cached_tokens == 0
-    assert b.num_output_tokens == 2 and sched.num_preemptions == 1
+    assert b.num_output_tokens == 2 and sched.num_preemptions == b.num_preemptions == 1
 
     step(sched)
     assert a.is_finished
     out, _ = step(sched)
-    assert out.seqs[0] is b and b.num_cached_tokens == 4
-    assert out.num_new_tokens[0] == 9 - 4 and out.sampling_mask[0]
+    assert out.seqs[0] is b and out.num_new_tokens[0] == 9 - 4 and out.sampling_mask[0]
+    # NOTE: its re-admission hit its own first block, but no prompt token came from the cache.
+    assert b.num_computed_tokens == 9 and b.num_cached_tokens == 0
     run_to_end(sched)
 
     reference = make_scheduler()
@@ -604,3 +605,19 @@ def test_schedule_ahead_leaves_penalised_sampling_alone() -> None:
     add(sched, "a", list(range(3, 10)), max_tokens=20, presence_penalty=0.5)
     step(sched)
     assert sched.schedule_ahead(sched.schedule()) is None
+
+
+def test_schedule_ahead_leaves_a_step_with_a_prefill_chunk_alone() -> None:
+    """A full running set at one token per seq: b's one-token prefill chunk does not sample, so
+    a step continuing this one would compute that position again and sample it twice."""
+    sched = make_scheduler(max_num_seqs=2, max_num_batched_tokens=2)
+    a = add(sched, "a", [5], max_tokens=20)
+    b = add(sched, "b", list(range(3, 12)), max_tokens=5)
+    for _ in range(3):
+        out = sched.schedule()
+        assert out.seqs == [a, b] and out.num_new_tokens == [1, 1]
+        assert out.sampling_mask == [True, False]
+        assert sched.schedule_ahead(out) is None
+        sched.update(out, [fake_token(a)])
+    run_to_end(sched)
+    assert b.num_output_tokens == 5

@@ -2,23 +2,31 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceOf
 
 import numpy as np
 
 from vbatch.engine.sequence import Sequence
 
-HashFn = Callable[[int, tuple[int, ...]], int]
-ROOT_HASH = 0
+BlockHash = bytes
+_sha256 = hashlib.sha256
+# NOTE: the parent of a first block: secret and random per process, so no one can search for
+# colliding prompts offline (CPython's tuple hash, the key before issue 12, has collisions found
+# in minutes).
+ROOT_HASH: BlockHash = os.urandom(32)
 
 
-def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
-    """Chained hash of one full block: its tokens and, through the parent, all tokens before."""
-    # NOTE: the builtin tuple hash is ~6x faster than blake2b here and is stable for ints across
-    # processes; collisions are caught by comparing the stored key on every hit.
-    return hash((parent_hash, token_ids))
+def hash_block(parent_hash: BlockHash, token_ids: SequenceOf[int]) -> BlockHash:
+    """Chained digest of one full block: its tokens and, through the parent, all tokens before.
+
+    SHA-256 of the parent's digest and the token ids as int64s. Blocks with equal digests hold
+    the same tokens after the same prefix, so a hit needs no further check.
+    """
+    return _sha256(parent_hash + array("q", token_ids).tobytes()).digest()
 
 
 class BlockManager:
@@ -26,10 +34,11 @@ class BlockManager:
 
     Invariants: every block is in exactly one of {in use (ref > 0), cached-free (ref == 0, hashed,
     in the LRU), free (ref == 0, unhashed, in the free list)}; a hashed block holds the K/V of
-    exactly the tokens of its key, after exactly the prefix its parent hash names, and is never
-    written again while hashed. Prefix counters count tokens. A seq holding blocks owns row
-    `seq.block_row` of `tables`, which holds its block table and then zeros; free rows are zero;
-    `tables_version` changes whenever `tables` does.
+    exactly the tokens its chained hash digests, after exactly the prefix its parent hash
+    digests, and is never written again while hashed. The first `_num_registered[seq_id]` blocks
+    of a seq holding blocks are hashed, or equal to hashed ones. Prefix counters count tokens. A
+    seq holding blocks owns row `seq.block_row` of `tables`, which holds its block table and then
+    zeros; free rows are zero; `tables_version` changes whenever `tables` does.
     """
 
     def __init__(
@@ -37,21 +46,18 @@ class BlockManager:
         num_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = True,
-        hash_fn: HashFn = hash_block,
     ) -> None:
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.hash_fn = hash_fn
         self.ref_counts = [0] * num_blocks
         # NOTE: popped from the end, so block 0 goes out first and freed blocks are reused soonest.
         self.free_block_ids = list(range(num_blocks - 1, -1, -1))
         self.cached_free_block_ids: OrderedDict[int, None] = OrderedDict()  # least recent first
-        self.block_hashes: list[int | None] = [None] * num_blocks
-        self.block_keys: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks
-        self.hash_to_block: dict[int, int] = {}
-        self.seq_block_hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its leading blocks
+        self.block_hashes: list[BlockHash | None] = [None] * num_blocks
+        self.hash_to_block: dict[BlockHash, int] = {}
+        self._num_registered: dict[int, int] = {}  # seq_id -> leading blocks cache_full_blocks saw
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
         # NOTE: the runner gathers a step's block tables from these rows with one numpy call
@@ -81,24 +87,43 @@ class BlockManager:
         block_ids: list[int] = []
         # NOTE: the last token is never a hit, so the step that computes it can sample.
         num_blocks = (len(seq.token_ids) - 1) // self.block_size
-        for key, block_hash in self._block_keys(seq.token_ids, ROOT_HASH, 0, num_blocks):
-            block_id = self.hash_to_block.get(block_hash)
-            if block_id is None or self.block_keys[block_id] != key:
+        hash_to_block = self.hash_to_block
+        # NOTE: all of them, though the first may miss: the claims and caching of its prompt
+        # blocks need them, and a seq waiting at the head of the queue is matched every step.
+        hashes = self.full_block_hashes(seq, num_blocks)
+        for i in range(num_blocks):
+            block_id = hash_to_block.get(hashes[i])
+            if block_id is None:
                 break
             block_ids.append(block_id)
         return block_ids
 
     def uncached_prompt_hashes(
         self, seq: Sequence, cached_blocks: SequenceOf[int], limit: int | None = None
-    ) -> list[int]:
+    ) -> list[BlockHash]:
         """The chained hashes of the full blocks match_prefix could return for `seq` after its
         `cached_blocks` (at most `limit` of them): the keys those blocks will be cached under."""
-        parent = self.block_hashes[cached_blocks[-1]] if cached_blocks else ROOT_HASH
         start = len(cached_blocks)
         stop = (len(seq.token_ids) - 1) // self.block_size
         if limit is not None:
             stop = min(stop, start + limit)
-        return [h for _, h in self._block_keys(seq.token_ids, parent, start, stop)]
+        return self.full_block_hashes(seq, stop)[start:stop]
+
+    def full_block_hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
+        """`seq.full_block_hashes`, the chained hashes of its leading full blocks, grown to at
+        least `num_blocks` of them (all full): each block is hashed once in a seq's life."""
+        hashes = seq.full_block_hashes
+        start = len(hashes)
+        if start < num_blocks:
+            bs = self.block_size
+            parent = hashes[-1] if hashes else ROOT_HASH
+            # NOTE: one conversion for all the blocks; hash_block(parent, block), digest for digest.
+            packed = array("q", seq.token_ids[start * bs : num_blocks * bs]).tobytes()
+            width = 8 * bs
+            for offset in range(0, len(packed), width):
+                parent = _sha256(parent + packed[offset : offset + width]).digest()
+                hashes.append(parent)
+        return hashes
 
     def can_allocate(self, num_new_tokens: int, cached_blocks: SequenceOf[int] = ()) -> bool:
         """Whether a new seq reusing `cached_blocks` can get blocks for `num_new_tokens` more."""
@@ -124,9 +149,12 @@ class BlockManager:
         seq.block_table.extend(cached_blocks)
         self._mirror(seq, 0)
         num_cached_tokens = len(cached_blocks) * self.block_size
-        seq.num_cached_tokens = seq.num_computed_tokens = num_cached_tokens
+        seq.num_computed_tokens = num_cached_tokens
+        if seq.num_preemptions == 0:
+            # NOTE: a re-admission's hits are the seq's own blocks, output tokens included.
+            seq.num_cached_tokens = num_cached_tokens
         if self.enable_prefix_caching:
-            self.seq_block_hashes[seq.seq_id] = [self.block_hashes[b] for b in cached_blocks]
+            self._num_registered[seq.seq_id] = len(cached_blocks)
             self.num_prefix_queries += seq.num_tokens
             self.num_prefix_hits += num_cached_tokens
         is_allocated = self.append_slots(seq, num_new_tokens)
@@ -196,40 +224,28 @@ class BlockManager:
             self._free_rows.append(seq.block_row)
             seq.block_row = -1
         seq.block_table.clear()
-        self.seq_block_hashes.pop(seq.seq_id, None)
+        self._num_registered.pop(seq.seq_id, None)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the hashes of `seq`'s blocks that are now full of computed tokens."""
         if not self.enable_prefix_caching:
             return
-        hashes = self.seq_block_hashes.setdefault(seq.seq_id, [])
-        start = len(hashes)
-        parent = hashes[-1] if hashes else ROOT_HASH
+        seq_id = seq.seq_id
+        start = self._num_registered.get(seq_id, 0)
         stop = seq.num_computed_tokens // self.block_size
-        block_keys = self._block_keys(seq.token_ids, parent, start, stop)
-        for i, (key, block_hash) in enumerate(block_keys, start):
-            cached_block_id = self.hash_to_block.get(block_hash)
-            if cached_block_id is None:
-                block_id = seq.block_table[i]
-                self.block_hashes[block_id] = block_hash
-                self.block_keys[block_id] = key
-                self.hash_to_block[block_hash] = block_id
-            elif self.block_keys[cached_block_id] != key:
-                # NOTE: a hash collision: this block and the ones after it stay private to seq.
-                return
-            # NOTE: an equal block cached by another seq leaves ours unhashed; the chain goes on.
-            hashes.append(block_hash)
-
-    def _block_keys(
-        self, token_ids: list[int], parent: int, start: int, stop: int
-    ) -> Iterator[tuple[tuple[int, tuple[int, ...]], int]]:
-        """(key, chained hash) of blocks start..stop-1 of `token_ids`; `parent` is the hash of
-        block start - 1 (ROOT_HASH for the first block)."""
-        bs = self.block_size
+        if stop <= start:
+            return
+        hashes = self.full_block_hashes(seq, stop)
+        hash_to_block = self.hash_to_block
+        block_hashes = self.block_hashes
         for i in range(start, stop):
-            key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
-            parent = self.hash_fn(*key)
-            yield key, parent
+            block_hash = hashes[i]
+            # NOTE: an equal block cached by another seq leaves ours unhashed.
+            if block_hash not in hash_to_block:
+                block_id = seq.block_table[i]
+                block_hashes[block_id] = block_hash
+                hash_to_block[block_hash] = block_id
+        self._num_registered[seq_id] = stop
 
     def _mirror(self, seq: Sequence, start: int) -> None:
         """Copy seq.block_table[start:] into its row of `tables`."""
@@ -256,6 +272,5 @@ class BlockManager:
             block_id, _ = self.cached_free_block_ids.popitem(last=False)
             del self.hash_to_block[self.block_hashes[block_id]]
             self.block_hashes[block_id] = None
-            self.block_keys[block_id] = None
         self.ref_counts[block_id] = 1
         return block_id

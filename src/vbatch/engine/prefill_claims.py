@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from vbatch.engine.block_manager import BlockManager
+from vbatch.engine.block_manager import BlockHash, BlockManager
 from vbatch.engine.sequence import Sequence
 
 
@@ -16,8 +16,8 @@ class PrefillClaims:
 
     def __init__(self, block_manager: BlockManager) -> None:
         self.block_manager = block_manager
-        self._owners: dict[int, Sequence] = {}
-        self._by_seq: dict[int, list[int]] = {}
+        self._owners: dict[BlockHash, Sequence] = {}
+        self._by_seq: dict[int, list[BlockHash]] = {}  # seq_id -> the hashes it claimed
 
     def is_computing_next(self, seq: Sequence, cached_blocks: list[int]) -> bool:
         """Whether another seq is computing the block after `seq`'s cached ones."""

@@ -162,11 +162,16 @@ class Scheduler:
     def schedule_ahead(self, out: SchedulerOutput) -> SchedulerOutput | None:
         """The step after `out`, planned before update() applies `out` (async scheduling): every
         seq of `out` computes the token `out` samples for it. None unless `out` is a decode step
-        of every running seq, nothing waits for admission, no seq can reach its length limit in
-        `out`, and no seq's sampling reads its output tokens (penalties, min_tokens)."""
+        of every running seq (each computes one token and samples), nothing waits for admission,
+        no seq can reach its length limit in `out`, and no seq's sampling reads its output tokens
+        (penalties, min_tokens)."""
         seqs = out.seqs
         running = self.running
         if not seqs or len(seqs) != len(running) or out.num_batched_tokens != len(seqs):
+            return None
+        # NOTE: a one-token prefill chunk that does not sample also computes one token; a step
+        # continuing it would recompute its position and sample it a second time.
+        if not all(out.sampling_mask):
             return None
         if self.waiting and len(running) < self.config.max_num_seqs:
             return None
@@ -334,7 +339,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
+        seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self._claims.release(seq)

@@ -24,8 +24,10 @@ class SequenceStatus(enum.IntEnum):
 class Sequence:
     """Token ids (prompt then output), KV progress and block table of one sample.
 
-    Invariants: `num_cached_tokens <= num_computed_tokens <= num_tokens`; the first
-    `num_computed_tokens` tokens have their K/V in the blocks of `block_table`, in order; a
+    Invariants: `num_computed_tokens <= num_tokens`; the first `num_computed_tokens` tokens have
+    their K/V in the blocks of `block_table`, in order; `num_cached_tokens`, the prompt tokens its
+    first admission found in the prefix cache, is below `num_prompt_tokens` and stays as it was
+    through preemptions (a re-admission finds the seq's own blocks, output tokens included); a
     sequence samples in a step exactly when that step brings `num_computed_tokens` to `num_tokens`.
     `max_num_tokens` and `finish_token_ids` (set by the scheduler on add) bound the cheap test for
     whether a new token may finish it.
@@ -40,10 +42,12 @@ class Sequence:
         "block_table",
         "finish_reason",
         "finish_token_ids",
+        "full_block_hashes",
         "grammar",
         "index",
         "max_num_tokens",
         "num_cached_tokens",
+        "num_preemptions",
         "num_prompt_tokens",
         "num_uncomputed_tokens",
         "params",
@@ -68,8 +72,13 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_uncomputed_tokens = self.num_prompt_tokens
         self.num_cached_tokens = 0
+        self.num_preemptions = 0
         self.block_table: list[int] = []
         self.block_row = -1  # its row of the BlockManager's tables while it holds blocks
+        # NOTE: the prefix-cache keys of its leading full blocks (for its scheduler's block
+        # size), as far as the BlockManager has needed them; a block's key never changes, as a
+        # token list only grows.
+        self.full_block_hashes: list[bytes] = []
         self.status = SequenceStatus.WAITING
         self.params = params
         self.finish_reason: FinishReason | None = None
