@@ -21,6 +21,12 @@ if TYPE_CHECKING:
 
 # NOTE: set at import so engine subprocesses spawned by tests inherit the same cache.
 os.environ.setdefault("VBATCH_CACHE_DIR", str(Path.home() / ".cache" / "vbatch-test"))
+# NOTE: `python -m vbatch.cli` subprocesses started from a temporary directory must import the
+# vbatch under test, not whichever one the interpreter would find from there.
+_VBATCH_ROOT = str(Path(__import__("vbatch").__file__).resolve().parents[1])
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_VBATCH_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
