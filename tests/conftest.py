@@ -26,6 +26,12 @@ os.environ.setdefault("VBATCH_CACHE_DIR", str(Path.home() / ".cache" / "vbatch-t
 # waiting for a core another process holds (a tiny model's engine run took 24x the CPU time with
 # two threads). Set OMP_NUM_THREADS to run with more.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# NOTE: `python -m vbatch.cli` subprocesses started from a temporary directory must import the
+# vbatch under test, not whichever one the interpreter would find from there.
+_VBATCH_ROOT = str(Path(__import__("vbatch").__file__).resolve().parents[1])
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_VBATCH_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import signal
 import subprocess
@@ -146,6 +148,40 @@ def test_sigterm_drains_and_exits_75_then_resume(
     assert texts(workdir / output) == reference
 
 
+def test_sigterm_to_the_whole_process_group_drains_and_exits_75(
+    workdir: Path, tiny_model_dir: Path, reference: dict[str, str]
+) -> None:
+    # NOTE: what `timeout`, systemd, Slurm and Kubernetes do: signal every process of the group,
+    # the engine core included, which must leave the drain to its parent.
+    output = "groupterm.jsonl"
+    job_dir = workdir / f"{output}.vbatch"
+    proc = subprocess.Popen(
+        vbatch(*run_args(tiny_model_dir, output)),
+        cwd=workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        wait_for_records(proc, job_dir, 3)
+        core = engine_core(proc)
+        os.killpg(proc.pid, signal.SIGTERM)
+        code, stderr = finish(proc)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 75, stderr
+    assert "engine core" not in stderr and "Traceback" not in stderr
+    assert f"vbatch resume {output}" in stderr
+    assert not core.is_running() or core.status() == psutil.STATUS_ZOMBIE
+    status = subprocess.run(vbatch("status", output, "--json"), cwd=workdir, capture_output=True)
+    info = orjson.loads(status.stdout)
+    assert info["done"] >= 3 and info["remaining"] > 0
+    resume_to_completion(workdir, output)
+    assert texts(workdir / output) == reference
+
+
 def test_double_sigint_exits_at_once(
     workdir: Path, tiny_model_dir: Path, reference: dict[str, str]
 ) -> None:
@@ -182,6 +218,29 @@ def test_engine_core_death_commits_and_points_to_resume(
     code, stderr = finish(proc)
     assert code == 1, stderr
     assert "engine core" in stderr and f"vbatch resume {output}" in stderr
+    assert "Traceback" not in stderr
+    resume_to_completion(workdir, output)
+    assert texts(workdir / output) == reference
+
+
+def test_a_stopped_engine_core_is_killed_as_hung_then_resume(
+    workdir: Path, tiny_model_dir: Path, reference: dict[str, str]
+) -> None:
+    output = "hung.jsonl"
+    job_dir = workdir / f"{output}.vbatch"
+    proc = start([*run_args(tiny_model_dir, output), "--heartbeat-timeout", "5"], workdir)
+    wait_for_records(proc, job_dir, 3)
+    core = engine_core(proc)
+    core.suspend()
+    stopped_at = time.monotonic()
+    try:
+        code, stderr = finish(proc)
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            core.kill()
+    assert time.monotonic() - stopped_at < 60
+    assert code == 1, stderr
+    assert "sent no heartbeat" in stderr and f"vbatch resume {output}" in stderr
     assert "Traceback" not in stderr
     resume_to_completion(workdir, output)
     assert texts(workdir / output) == reference

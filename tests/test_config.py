@@ -22,6 +22,9 @@ def test_defaults_validate_and_capture_graphs() -> None:
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be one of"),
         ({"block_size": 32, "max_num_batched_tokens": 16}, "at least block_size"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"heartbeat_timeout_s": 0.5}, "heartbeat_timeout_s must be at least 1 second"),
+        ({"heartbeat_timeout_s": "60"}, "heartbeat_timeout_s must be a positive number"),
+        ({"startup_timeout_s": 0}, "startup_timeout_s must be a positive number"),
     ],
 )
 def test_invalid_settings_raise_config_error(values: dict[str, object], message: str) -> None:

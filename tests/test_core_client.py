@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -140,14 +141,53 @@ def test_core_exits_when_its_parent_is_sigkilled(tiny_model_dir: Path, tmp_path:
         pid, ipc_dir = parent.stdout.readline().split()
         core_pid = int(pid)
         assert psutil.pid_exists(core_pid)
+        assert os.path.isdir(ipc_dir)
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
         assert wait_gone(core_pid, 5.0)
+        # NOTE: the SIGKILLed client could not remove its socket directory; the core did.
+        assert not os.path.exists(ipc_dir)
     finally:
         parent.kill()
         parent.wait()
-        # NOTE: a SIGKILLed client cannot remove its socket directory; that is the one leak.
         shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def test_stale_ipc_dirs_of_dead_owners_are_swept_at_client_start(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    tmp = tempfile.gettempdir()
+    stale = Path(tempfile.mkdtemp(prefix=f"vbatch-{gone.pid}-", dir=tmp))
+    (stale / "input").write_bytes(b"")
+    live = Path(tempfile.mkdtemp(prefix=f"vbatch-{os.getppid()}-", dir=tmp))
+    other = Path(tempfile.mkdtemp(prefix="vbatch-notapid-", dir=tmp))
+    try:
+        client = EngineCoreClient(tiny_config(tiny_model_dir))
+        client.shutdown()
+        assert not stale.exists()
+        assert live.is_dir() and other.is_dir()
+    finally:
+        for path in (stale, live, other):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def test_sigterm_to_the_core_is_ignored(tiny_model_dir: Path) -> None:
+    client = EngineCoreClient(tiny_config(tiny_model_dir))
+    try:
+        os.kill(client.info.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        client.add_requests([AddRequest("a", pack_token_ids([1, 2, 3]), params)])
+        finishes = []
+        while not finishes:
+            for out in client.get_outputs(timeout=30):
+                finishes += out.finished
+        assert finishes[0].finish_reason == FinishReason.LENGTH
+    finally:
+        client.shutdown()
+    assert not live_children()
 
 
 def test_startup_failure_carries_the_cores_own_message(tmp_path: Path) -> None:

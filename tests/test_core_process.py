@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq
 
@@ -18,6 +20,7 @@ from vbatch.protocol import (
     AddRequest,
     EngineOutputs,
     FinishReason,
+    Heartbeat,
     Ready,
     SampleFinish,
     Shutdown,
@@ -150,6 +153,80 @@ def test_stats_arrive_periodically_and_by_utility(core: RawClient) -> None:
     while not (isinstance(msg, EngineOutputs) and msg.stats is not None):
         msg = core.recv()
     assert time.monotonic() - start < 4 * STATS_INTERVAL_S + 1
+
+
+def test_undecodable_messages_are_answered_not_dropped(core: RawClient) -> None:
+    # NOTE: what a client sends when SamplingParams fields were set after validation: the
+    # core's strict decode (and SamplingParams' own checks) reject them, by request id.
+    wrong_type = SamplingParams(max_tokens=3)
+    wrong_type.logprobs = True  # type: ignore[assignment]
+    out_of_range = SamplingParams(max_tokens=3)
+    out_of_range.max_tokens = 0
+    core.send(AddRequest("bad-type", pack_token_ids([5, 6]), wrong_type))
+    core.send(AddRequest("bad-range", pack_token_ids([5, 6]), out_of_range))
+    core.push.send(msgspec.msgpack.encode([1, "bad-shape", 5, [], 0.0]))
+    core.push.send(b"\xc1 not msgpack")
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    core.send(AddRequest("good", pack_token_ids([5, 6]), params))
+    tokens, finished = collect(core, {"bad-type", "bad-range", "bad-shape", "good"})
+    for rid in ("bad-type", "bad-range", "bad-shape"):
+        assert rid not in tokens
+        assert finished[rid].finish_reason == FinishReason.ERROR
+        assert finished[rid].error.startswith("the engine core could not decode the request")
+    assert "sampling_params.logprobs" in finished["bad-type"].error
+    assert "max_tokens must be at least 1" in finished["bad-range"].error
+    assert "prompt_token_ids" in finished["bad-shape"].error
+    assert len(tokens["good"]) == 3
+    core.push.send(msgspec.msgpack.encode([3, 41, 7]))
+    core.send(Utility(42, "stats"))
+    replies = {}
+    deadline = time.monotonic() + 60
+    while len(replies) < 2 and time.monotonic() < deadline:
+        msg = core.recv()
+        if isinstance(msg, UtilityResult):
+            replies[msg.call_id] = msg
+    assert "could not decode the utility call" in replies[41].error
+    assert replies[42].result is not None
+    assert core.proc.is_alive()
+
+
+def test_a_step_that_raises_fails_its_requests_and_the_core_goes_on(core: RawClient) -> None:
+    # NOTE: a stop token id past the vocabulary, with min_tokens, made the sampler index out of
+    # bounds (should validation refuse it at add instead, this still holds).
+    bad = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[10**6])
+    core.send(AddRequest("oob", pack_token_ids([5, 6]), bad))
+    tokens, finished = collect(core, {"oob"})
+    assert finished["oob"].finish_reason == FinishReason.ERROR
+    assert finished["oob"].error
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    core.send(AddRequest("after", pack_token_ids([5, 6]), params))
+    tokens, finished = collect(core, {"after"})
+    assert finished["after"].finish_reason == FinishReason.LENGTH
+    assert len(tokens["after"]) == 4
+    assert core.proc.is_alive()
+
+
+def test_heartbeats_carry_the_busy_loops_age(core: RawClient) -> None:
+    ages = []
+    deadline = time.monotonic() + 60
+    while len(ages) < 2 and time.monotonic() < deadline:
+        msg = core.recv()
+        if isinstance(msg, Heartbeat):
+            ages.append(msg.loop_age_s)
+    assert len(ages) == 2
+    assert all(0.0 <= age < 5.0 for age in ages)
+
+
+def test_sigterm_and_sigint_leave_the_core_running(core: RawClient) -> None:
+    os.kill(core.proc.pid, signal.SIGTERM)
+    os.kill(core.proc.pid, signal.SIGINT)
+    time.sleep(0.5)
+    assert core.proc.is_alive(), f"the core died: exit code {core.proc.exitcode}"
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    core.send(AddRequest("still-here", pack_token_ids([5, 6]), params))
+    tokens, _ = collect(core, {"still-here"})
+    assert len(tokens["still-here"]) == 2
+    assert core.proc.is_alive()
 
 
 def test_shutdown_exits_cleanly(core: RawClient) -> None:

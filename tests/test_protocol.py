@@ -11,6 +11,7 @@ from vbatch.protocol import (
     EngineError,
     EngineOutputs,
     FinishReason,
+    Heartbeat,
     Ready,
     SampleFinish,
     SchedulerStats,
@@ -22,8 +23,10 @@ from vbatch.protocol import (
     UtilityResult,
     client_decoder,
     core_decoder,
+    describe_decode_error,
     encoder,
     pack_token_ids,
+    undecodable_target,
     unpack_token_ids,
 )
 from vbatch.sampling_params import SamplingParams
@@ -70,6 +73,7 @@ CORE_MESSAGES = [
     UtilityResult(7, result=STATS),
     UtilityResult(8, error="unknown utility method 'x'"),
     EngineError("RuntimeError: boom", "Traceback ..."),
+    Heartbeat(loop_age_s=0.25),
 ]
 
 
@@ -114,3 +118,16 @@ def test_decode_step_is_compact_on_the_wire() -> None:
     step = EngineOutputs(ids, [0] * 256, [4567] * 256, timestamp=1.0)
     assert len(encoder.encode(step)) < 9 * 256
     assert not step.is_empty and EngineOutputs(stats=STATS).is_empty
+
+
+def test_an_undecodable_message_still_names_whom_to_answer() -> None:
+    params = SamplingParams(max_tokens=2)
+    params.logprobs = True  # type: ignore[assignment]
+    data = encoder.encode(AddRequest("r9", pack_token_ids([1]), params))
+    with pytest.raises(msgspec.ValidationError) as info:
+        core_decoder.decode(data)
+    assert undecodable_target(data) == (AddRequest, "r9")
+    assert describe_decode_error(info.value).endswith("at sampling_params.logprobs")
+    assert undecodable_target(msgspec.msgpack.encode([3, 5, 1])) == (Utility, 5)
+    for data in (encoder.encode(Abort([1])), b"\xc1", msgspec.msgpack.encode([1, 2])):
+        assert undecodable_target(data) is None

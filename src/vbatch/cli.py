@@ -184,6 +184,15 @@ def run(
             rich_help_panel=ENGINE,
         ),
     ] = False,
+    heartbeat_timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds without a heartbeat from the engine core, or in one engine step, "
+            "before the core counts as hung: it is killed and the job commits and exits with "
+            "the resume command (default 120; must exceed the slowest step).",
+            rich_help_panel=ENGINE,
+        ),
+    ] = None,
     max_tokens: Annotated[
         int, typer.Option(help="Most generated tokens per row.", rich_help_panel=SAMPLING)
     ] = 256,
@@ -308,6 +317,7 @@ def run(
         max_graph_batch_size=max_graph_batch_size,
         greedy_screen=False if no_greedy_screen else None,
         async_scheduling=async_scheduling or None,
+        heartbeat_timeout_s=heartbeat_timeout,
     )
     sampling = {
         "max_tokens": max_tokens,

@@ -27,6 +27,10 @@ class EngineConfig:
     few candidates it cannot rule out (the same tokens as the fp32 head); False scores the whole
     vocabulary in fp32. `async_scheduling` launches a decode step that continues the last one
     before the last one's tokens reach the host (overlap on a GPU; nothing to gain on CPU).
+    After READY the core is declared hung, killed, and EngineDeadError raised when it sends no
+    heartbeat for `heartbeat_timeout_s` seconds, or when one iteration of its busy loop (one
+    step) lasts that long; so the timeout must exceed the slowest step (a long first prefill on
+    a big model). Before READY, `startup_timeout_s` applies instead.
     """
 
     model: str | None = None
@@ -50,6 +54,7 @@ class EngineConfig:
     async_scheduling: bool = False
     max_graph_batch_size: int = 256
     startup_timeout_s: float = 600.0
+    heartbeat_timeout_s: float = 120.0
 
     def validate(self) -> EngineConfig:
         if self.device not in DEVICES:
@@ -89,6 +94,15 @@ class EngineConfig:
             )
         if self.quantization is not None and self.device == "cuda":
             raise ConfigError(f"{self.quantization} quantization runs on CPU only")
+        for name in ("startup_timeout_s", "heartbeat_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.heartbeat_timeout_s < 1.0:
+            # NOTE: the core sends a heartbeat every 0.25-1 s.
+            raise ConfigError(
+                f"heartbeat_timeout_s must be at least 1 second, got {self.heartbeat_timeout_s}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         return self

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import re
 
 import msgspec
 import numpy as np
@@ -58,6 +59,50 @@ class Shutdown(_Msg, tag=4):
 
 
 ClientMessage = AddRequest | Abort | Utility | Shutdown
+
+
+def undecodable_target(data: bytes | memoryview) -> tuple[type, str | int] | None:
+    """Whom the core can answer about a client message it could not decode: (AddRequest,
+    request_id) or (Utility, call_id), read from the raw msgpack array; None when neither."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except Exception:
+        return None
+    if not isinstance(raw, list) or len(raw) < 2:
+        return None
+    tag, key = raw[0], raw[1]
+    if tag == AddRequest.__struct_config__.tag and isinstance(key, str):
+        return AddRequest, key
+    if tag == Utility.__struct_config__.tag and type(key) is int:
+        return Utility, key
+    return None
+
+
+_WIRE_PATH = re.compile(r"`\$\[(\d+)\](?:\[(\d+)\])?`")
+
+
+def describe_decode_error(error: Exception) -> str:
+    """A decode failure of a client message in words, with an AddRequest's array path
+    (`$[3][14]`) named by field (sampling_params.logprobs)."""
+    if not isinstance(error, msgspec.MsgspecError):
+        # NOTE: SamplingParams' own validation, run by the decoder, says it in words already.
+        return str(error) if isinstance(error, Exception) and str(error) else repr(error)
+
+    def name(match: re.Match[str]) -> str:
+        # NOTE: item 0 of a tagged array is the tag, so field i is item i + 1.
+        fields = AddRequest.__struct_fields__
+        top = int(match[1]) - 1
+        if not 0 <= top < len(fields):
+            return match[0]
+        if match[2] is None:
+            return fields[top]
+        inner = int(match[2])
+        params = SamplingParams.__struct_fields__
+        if fields[top] == "sampling_params" and inner < len(params):
+            return f"sampling_params.{params[inner]}"
+        return f"{fields[top]}[{inner}]"
+
+    return _WIRE_PATH.sub(name, str(error))
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
@@ -154,7 +199,25 @@ class EngineError(_Msg, tag=15):
     traceback: str = ""
 
 
-CoreMessage = Ready | StartupFailed | StartupProgress | EngineOutputs | UtilityResult | EngineError
+class Heartbeat(_Msg, tag=16):
+    """Sent after READY about every second by a core thread that does not wait on the busy loop.
+
+    `loop_age_s` is how long the busy loop has been in its current iteration (one step, or an
+    idle wait of at most STATS_INTERVAL_S): a live core whose loop is stuck shows a growing age.
+    """
+
+    loop_age_s: float = 0.0
+
+
+CoreMessage = (
+    Ready
+    | StartupFailed
+    | StartupProgress
+    | EngineOutputs
+    | UtilityResult
+    | EngineError
+    | Heartbeat
+)
 
 encoder = msgspec.msgpack.Encoder()
 client_decoder = msgspec.msgpack.Decoder(CoreMessage)

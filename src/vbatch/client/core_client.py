@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import multiprocessing
+import multiprocessing.util  # NOTE: registers its exit hook before ours (see start())
 import os
 import queue
+import re
 import shutil
 import signal
 import tempfile
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -28,7 +32,10 @@ from vbatch.protocol import (
     ClientMessage,
     EngineError,
     EngineOutputs,
+    FinishReason,
+    Heartbeat,
     Ready,
+    SampleFinish,
     SchedulerStats,
     Shutdown,
     StartupFailed,
@@ -42,6 +49,12 @@ from vbatch.protocol import (
 _POLL_MS = 500
 _RETRY_SEND_MS = 10
 _LAST_WORDS_MS = 300
+# NOTE: a socket-thread iteration this much later than due means this process was stopped
+# (SIGSTOP, Ctrl-Z) or starved; the core's silence is then counted from now.
+_STALL_S = 2.0
+_IPC_PREFIX = "vbatch-"
+_IPC_DIR_NAME = re.compile(r"vbatch-(\d+)-[A-Za-z0-9_]+")
+_OWN_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 _MAIN_GUARD_HINT = (
     ' If you call vbatch from a script, put that code under `if __name__ == "__main__":`; '
     "the engine core is started with multiprocessing 'spawn', which re-imports your script."
@@ -51,45 +64,47 @@ _MAIN_GUARD_HINT = (
 class EngineCoreClient:
     """The user-side end of the engine core: submit requests, read step outputs, shut down.
 
-    Invariants: only the socket thread touches zmq sockets and spawns/joins the core; the user's
-    thread talks to it through `_send_q` plus a wake pipe and reads `_result_q`; once `_dead` is
-    set, every call raises it.
+    Lifetime: the core lives until `shutdown()`, until this client is garbage collected (a
+    finalizer), or until the interpreter exits (an atexit hook, which runs after every
+    non-daemon thread has finished, so a worker thread outliving the main thread keeps its
+    engine). The socket thread is a daemon and holds only the `_Connection`, never the client.
     """
 
     def __init__(
         self, config: EngineConfig, on_progress: Callable[[str], None] | None = None
     ) -> None:
         self.config = config
-        self.latest_stats: SchedulerStats | None = None
-        self._send_q: queue.SimpleQueue[ClientMessage] = queue.SimpleQueue()
-        self._result_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._stopping = threading.Event()
-        self._dead: VbatchError | None = None
-        self._closed = False
-        self._shutdown_timeout = 5.0
-        self._calls: dict[int, Future[SchedulerStats]] = {}
-        self._call_ids = itertools.count()
-        self._proc: multiprocessing.process.BaseProcess | None = None
-        self.ipc_dir = tempfile.mkdtemp(prefix="vbatch-")
-        self._thread = threading.Thread(target=self._run, name="vbatch-client")
-        self._thread.start()
+        sweep_stale_ipc_dirs()
+        self._conn = _Connection(config)
+        # NOTE: the hook and the finalizer hold the connection, not the client, so dropping the
+        # client runs the finalizer; atexit.unregister in close() drops the hook's reference.
+        self._finalizer = weakref.finalize(self, self._conn.close)
+        self._finalizer.atexit = False
+        self._conn.start()
         try:
-            self.info: Ready = self._wait_ready(on_progress)
+            self.info: Ready = self._conn.wait_ready(on_progress)
         except BaseException:
             self.shutdown()
             raise
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        proc = self._conn.proc
+        return proc.pid if proc is not None else None
+
+    @property
+    def ipc_dir(self) -> str:
+        return self._conn.ipc_dir
+
+    @property
+    def latest_stats(self) -> SchedulerStats | None:
+        return self._conn.latest_stats
 
     def add_requests(self, reqs: Sequence[AddRequest]) -> None:
         """Queue requests for the core; raises SamplingParamsError (sending none of them) if
         any one's params are invalid now, e.g. a field set after construction."""
-        self._check_alive()
+        conn = self._conn
+        conn.check_alive()
         checked: set[int] = set()
         for req in reqs:
             params = req.sampling_params
@@ -97,23 +112,25 @@ class EngineCoreClient:
                 params.validate(self.info.vocab_size)
                 checked.add(id(params))
         for req in reqs:
-            self._send_q.put(req)
-        self._wake()
+            conn.send_q.put(req)
+        conn.wake()
 
     def abort(self, request_ids: Sequence[str], indices: Sequence[int] | None = None) -> None:
         """Abort these requests; with `indices`, only sample indices[j] of request_ids[j]."""
-        if request_ids and self._dead is None and not self._closed:
-            self._send_q.put(Abort(list(request_ids), None if indices is None else list(indices)))
-            self._wake()
+        conn = self._conn
+        if request_ids and conn.dead is None and not conn.closed:
+            conn.send_q.put(Abort(list(request_ids), None if indices is None else list(indices)))
+            conn.wake()
 
     def get_outputs(self, timeout: float | None = None) -> list[EngineOutputs]:
         """Outputs of one or more engine steps, in order; [] on timeout; raises if the core died."""
-        self._check_alive()
+        conn = self._conn
+        conn.check_alive()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = _POLL_MS / 1000 if deadline is None else deadline - time.monotonic()
             try:
-                item = self._result_q.get(timeout=max(0.0, min(wait, _POLL_MS / 1000)))
+                item = conn.result_q.get(timeout=max(0.0, min(wait, _POLL_MS / 1000)))
             except queue.Empty:
                 if deadline is not None and time.monotonic() >= deadline:
                     return []
@@ -122,49 +139,128 @@ class EngineCoreClient:
                 raise item
             return item
 
-    def get_stats(self, timeout: float = 5.0) -> SchedulerStats:
-        """Ask the core for fresh scheduler stats (a Utility round trip)."""
-        self._check_alive()
-        call_id = next(self._call_ids)
+    def get_stats(self, timeout: float | None = None) -> SchedulerStats:
+        """Ask the core for fresh scheduler stats (a Utility round trip, answered between steps).
+
+        Waits as long as the core is alive: a core busy in a long step answers after it, and a
+        dead or hung one raises EngineDeadError (within heartbeat_timeout_s). With `timeout`, a
+        live core that has not answered by then raises TimeoutError.
+        """
+        conn = self._conn
+        conn.check_alive()
+        call_id = next(conn.call_ids)
         future: Future[SchedulerStats] = Future()
-        self._calls[call_id] = future
-        self._send_q.put(Utility(call_id, "stats"))
-        self._wake()
-        try:
-            return future.result(timeout)
-        except FutureTimeout:
-            self._calls.pop(call_id, None)
-            self._check_alive()
-            raise EngineDeadError(f"the engine core did not answer within {timeout:g} s") from None
+        conn.calls[call_id] = future
+        conn.send_q.put(Utility(call_id, "stats"))
+        conn.wake()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = _POLL_MS / 1000
+            if deadline is not None:
+                wait = min(wait, max(0.0, deadline - time.monotonic()))
+            try:
+                return future.result(wait)
+            except FutureTimeout:
+                # NOTE: the socket thread fails every registered call when the core dies; this
+                # also covers a call registered just after it did.
+                if conn.dead is not None or conn.closed:
+                    conn.calls.pop(call_id, None)
+                    conn.check_alive()
+                if deadline is not None and time.monotonic() >= deadline:
+                    conn.calls.pop(call_id, None)
+                    raise TimeoutError(
+                        f"the engine core is alive but busy; it did not answer within {timeout:g} s"
+                    ) from None
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Send Shutdown, wait for the core to exit (kill it after `timeout`), clean up."""
-        if self._closed:
-            return
-        self._closed = True
-        self._shutdown_timeout = timeout
-        self._stopping.set()
-        self._wake()
-        self._thread.join(timeout + 5.0)
-        proc = self._proc
-        if proc is not None and proc.is_alive():
-            proc.kill()
-            proc.join(5.0)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        self._finalizer.detach()
+        self._conn.close(timeout)
 
-    def _check_alive(self) -> None:
-        if self._dead is not None:
-            raise self._dead
-        if self._closed:
+
+class _Connection:
+    """What the socket thread works on: the queues, the wake pipe, the core process.
+
+    Invariants: only the socket thread touches zmq sockets and spawns/joins the core; user
+    threads talk to it through `send_q` plus the wake pipe and read `result_q`; once `dead` is
+    set, every call raises it. Nothing here refers to the EngineCoreClient.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.latest_stats: SchedulerStats | None = None
+        self.send_q: queue.SimpleQueue[ClientMessage] = queue.SimpleQueue()
+        self.result_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._fd_lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.dead: VbatchError | None = None
+        self.closed = False
+        self._close_lock = threading.Lock()
+        self.shutdown_timeout = 5.0
+        self.calls: dict[int, Future[SchedulerStats]] = {}
+        self.call_ids = itertools.count()
+        self.proc: multiprocessing.process.BaseProcess | None = None
+        self._owner_pid = os.getpid()
+        self.ipc_dir = tempfile.mkdtemp(prefix=f"{_IPC_PREFIX}{os.getpid()}-")
+        # NOTE: liveness, kept by the socket thread: when the core was last heard from (None
+        # until READY) and the age of its busy loop's iteration in its last heartbeat.
+        self._last_heard: float | None = None
+        self._loop_age = 0.0
+        self.thread = threading.Thread(target=self._run, name="vbatch-client", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        # NOTE: registered after multiprocessing's own exit hook (imported by then), so it runs
+        # before it: that hook SIGTERMs and joins daemonic children, and the core ignores
+        # SIGTERM.
+        atexit.register(self.close)
+
+    def check_alive(self) -> None:
+        if self.dead is not None:
+            raise self.dead
+        if self.closed:
             raise EngineDeadError("the engine has been shut down")
 
-    def _wake(self) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"\0")
+    def wake(self) -> None:
+        with self._fd_lock, contextlib.suppress(OSError):
+            if self._wake_w >= 0:
+                os.write(self._wake_w, b"\0")
 
-    def _wait_ready(self, on_progress: Callable[[str], None] | None) -> Ready:
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the core (Shutdown, then a kill after `timeout`); wait for the socket thread
+        unless called on it. Idempotent; safe from a finalizer or an atexit hook."""
+        if os.getpid() != self._owner_pid:
+            # NOTE: a forked child inherits this hook, not the core; the core is the parent's.
+            return
+        with self._close_lock:
+            if self.closed:
+                return
+            self.closed = True
+        atexit.unregister(self.close)
+        self.shutdown_timeout = timeout
+        self.stopping.set()
+        self.wake()
+        if self.thread.ident is not None and threading.current_thread() is not self.thread:
+            self.thread.join(timeout + 5.0)
+            proc = self.proc
+            if proc is not None and proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+        if not self.thread.is_alive():
+            self._close_fds()
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+    def _close_fds(self) -> None:
+        with self._fd_lock:
+            for fd in (self._wake_r, self._wake_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1
+
+    def wait_ready(self, on_progress: Callable[[str], None] | None) -> Ready:
         limit = self.config.startup_timeout_s
         deadline = time.monotonic() + limit
         while True:
@@ -172,7 +268,7 @@ class EngineCoreClient:
             if remaining <= 0:
                 raise EngineStartupError(f"the engine core did not report READY within {limit:g} s")
             try:
-                item = self._result_q.get(timeout=min(remaining, _POLL_MS / 1000))
+                item = self.result_q.get(timeout=min(remaining, _POLL_MS / 1000))
             except queue.Empty:
                 continue
             if isinstance(item, StartupProgress):
@@ -187,6 +283,11 @@ class EngineCoreClient:
                 raise EngineStartupError(f"{item} before it was ready.{hint}") from None
 
     def _run(self) -> None:
+        # NOTE: blocked here, so the core (forked from this thread) starts with them blocked and
+        # a group-wide SIGTERM or Ctrl-C cannot kill it before it ignores them; signal handlers
+        # run in the main thread anyway.
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, _OWN_SIGNALS)
         ctx = zmq.Context(1)
         req_sock = ctx.socket(zmq.PUSH)
         out_sock = ctx.socket(zmq.PULL)
@@ -197,18 +298,20 @@ class EngineCoreClient:
                 sock.setsockopt(zmq.RCVHWM, 0)
             input_addr = _bind(req_sock, self.ipc_dir, "input")
             output_addr = _bind(out_sock, self.ipc_dir, "output")
-            self._proc = _spawn_core(self.config, input_addr, output_addr)
-            self._loop(req_sock, out_sock, self._proc)
+            self.proc = _spawn_core(self.config, input_addr, output_addr, self.ipc_dir)
+            self._loop(req_sock, out_sock, self.proc)
         except BaseException as e:
             self._fail(EngineDeadError(f"the engine client thread failed: {e!r}"))
-            if self._proc is not None and self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join(5.0)
+            if self.proc is not None and self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5.0)
         finally:
             req_sock.close()
             out_sock.close()
             ctx.term()
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            if self.closed:
+                self._close_fds()
 
     def _loop(self, req_sock: zmq.Socket, out_sock: zmq.Socket, proc: Any) -> None:
         poller = zmq.Poller()
@@ -217,15 +320,19 @@ class EngineCoreClient:
         poller.register(proc.sentinel, zmq.POLLIN)
         pending: deque[ClientMessage] = deque()
         core_error: list[EngineError] = []
-        main = threading.main_thread()
+        last_iteration = time.monotonic()
         while True:
             events = dict(poller.poll(_RETRY_SEND_MS if pending else _POLL_MS))
+            now = time.monotonic()
+            if now - last_iteration > _POLL_MS / 1000 + _STALL_S and self._last_heard is not None:
+                self._last_heard = now
+            last_iteration = now
             if out_sock in events:
                 self._receive(out_sock, core_error)
             if self._wake_r in events:
                 _drain_pipe(self._wake_r)
-            _send_all(req_sock, self._send_q, pending)
-            if self._stopping.is_set() or not main.is_alive():
+            self._send_all(req_sock, pending)
+            if self.stopping.is_set():
                 self._stop_core(req_sock, out_sock, proc, core_error)
                 return
             if proc.sentinel in events or not proc.is_alive():
@@ -234,6 +341,64 @@ class EngineCoreClient:
                 proc.join(1.0)
                 self._fail(EngineDeadError(_death_message(proc, core_error)))
                 return
+            hang = self._hang(now)
+            if hang is not None:
+                proc.kill()
+                proc.join(5.0)
+                self._fail(EngineDeadError(hang))
+                return
+
+    def _hang(self, now: float) -> str | None:
+        """Why the core counts as hung (no heartbeat, or a busy-loop iteration, for longer than
+        heartbeat_timeout_s), or None."""
+        if self._last_heard is None:
+            return None
+        limit = self.config.heartbeat_timeout_s
+        pid = self.proc.pid if self.proc is not None else "?"
+        silence = now - self._last_heard
+        if silence > limit:
+            return (
+                f"the engine core (pid {pid}) sent no heartbeat for {silence:.0f} s (stopped, or "
+                f"stuck holding the interpreter lock) and was killed (heartbeat timeout "
+                f"{limit:g} s)"
+            )
+        if self._loop_age > limit:
+            return (
+                f"the engine core (pid {pid}) is alive but its loop made no progress for "
+                f"{self._loop_age:.0f} s (a step hung or deadlocked) and was killed (heartbeat "
+                f"timeout {limit:g} s; raise it, --heartbeat-timeout, if steps are this slow)"
+            )
+        return None
+
+    def _send_all(self, sock: zmq.Socket, pending: deque) -> None:
+        """Send what the user threads queued; a message that cannot be encoded is answered here
+        (an ERROR finish for a request, an error for a call) rather than ending this thread."""
+        while True:
+            if not pending:
+                try:
+                    msg = self.send_q.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    pending.append(encoder.encode(msg))
+                except Exception as e:
+                    self._refuse(msg, f"{type(e).__name__}: {e}")
+                    continue
+            try:
+                sock.send(pending[0], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            pending.popleft()
+
+    def _refuse(self, msg: ClientMessage, reason: str) -> None:
+        if isinstance(msg, AddRequest):
+            error = f"the request cannot be sent to the engine core: {reason}"
+            finish = SampleFinish(msg.request_id, FinishReason.ERROR, error=error)
+            self.result_q.put([EngineOutputs(finished=[finish], timestamp=time.time())])
+        elif isinstance(msg, Utility):
+            future = self.calls.pop(msg.call_id, None)
+            if future is not None:
+                future.set_exception(VbatchError(f"cannot send a utility call: {reason}"))
 
     def _stop_core(
         self, req_sock: zmq.Socket, out_sock: zmq.Socket, proc: Any, core_error: list
@@ -241,8 +406,8 @@ class EngineCoreClient:
         try:
             req_sock.send(encoder.encode(Shutdown()), zmq.NOBLOCK)
         except zmq.Again:
-            proc.terminate()
-        deadline = time.monotonic() + self._shutdown_timeout
+            proc.kill()
+        deadline = time.monotonic() + self.shutdown_timeout
         while proc.is_alive() and time.monotonic() < deadline:
             if out_sock.poll(50):
                 self._receive(out_sock, core_error)
@@ -260,13 +425,17 @@ class EngineCoreClient:
             except zmq.Again:
                 break
             msg = client_decoder.decode(frame.buffer)
-            if isinstance(msg, EngineOutputs):
+            if self._last_heard is not None:
+                self._last_heard = time.monotonic()
+            if isinstance(msg, Heartbeat):
+                self._loop_age = msg.loop_age_s
+            elif isinstance(msg, EngineOutputs):
                 if msg.stats is not None:
                     self.latest_stats = msg.stats
                 if not msg.is_empty:
                     batch.append(msg)
             elif isinstance(msg, UtilityResult):
-                future = self._calls.pop(msg.call_id, None)
+                future = self.calls.pop(msg.call_id, None)
                 if future is not None and msg.error is not None:
                     future.set_exception(VbatchError(msg.error))
                 elif future is not None:
@@ -274,27 +443,67 @@ class EngineCoreClient:
             elif isinstance(msg, EngineError):
                 core_error.append(msg)
             else:
-                self._result_q.put(msg)
+                if isinstance(msg, Ready):
+                    self._last_heard = time.monotonic()
+                self.result_q.put(msg)
         if batch:
-            self._result_q.put(batch)
+            self.result_q.put(batch)
 
     def _fail(self, error: VbatchError) -> None:
-        if self._dead is None:
-            self._dead = error
-        self._result_q.put(error)
-        for call_id in list(self._calls):
-            future = self._calls.pop(call_id, None)
+        if self.dead is None:
+            self.dead = error
+        self.result_q.put(error)
+        for call_id in list(self.calls):
+            future = self.calls.pop(call_id, None)
             if future is not None:
                 future.set_exception(error)
 
 
-def _spawn_core(config: EngineConfig, input_addr: str, output_addr: str) -> Any:
+def sweep_stale_ipc_dirs(tmp_dir: str | None = None) -> list[str]:
+    """Remove this user's `vbatch-<pid>-*` IPC directories whose owner process is gone (it died
+    by a signal before it could clean up); returns the removed paths."""
+    tmp_dir = tmp_dir or tempfile.gettempdir()
+    removed = []
+    try:
+        entries = list(os.scandir(tmp_dir))
+    except OSError:
+        return removed
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    for entry in entries:
+        match = _IPC_DIR_NAME.fullmatch(entry.name)
+        if match is None or int(match[1]) == os.getpid():
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            if uid is not None and entry.stat(follow_symlinks=False).st_uid != uid:
+                continue
+        except OSError:
+            continue
+        if not _is_running(int(match[1])):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+def _is_running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return True
+
+
+def _spawn_core(config: EngineConfig, input_addr: str, output_addr: str, ipc_dir: str) -> Any:
     from vbatch.engine.core_process import run_engine_core
 
     ctx = multiprocessing.get_context("spawn")
     proc = ctx.Process(
         target=run_engine_core,
-        args=(config, input_addr, output_addr, os.getpid()),
+        args=(config, input_addr, output_addr, os.getpid(), ipc_dir),
         name="vbatch-engine-core",
         daemon=True,
     )
@@ -310,20 +519,6 @@ def _bind(sock: zmq.Socket, ipc_dir: str, name: str) -> str:
         return f"ipc://{path}"
     sock.bind("tcp://127.0.0.1:*")
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
-
-
-def _send_all(sock: zmq.Socket, send_q: queue.SimpleQueue, pending: deque) -> None:
-    while True:
-        if not pending:
-            try:
-                pending.append(send_q.get_nowait())
-            except queue.Empty:
-                return
-        try:
-            sock.send(encoder.encode(pending[0]), zmq.NOBLOCK)
-        except zmq.Again:
-            return
-        pending.popleft()
 
 
 def _drain_pipe(fd: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
@@ -14,6 +15,7 @@ from vbatch.engine.sampler import SamplerOutput
 from vbatch.engine.scheduler import Scheduler, SchedulerConfig
 from vbatch.engine.sequence import Sequence
 from vbatch.engine.steps import SchedulerOutput, StepUpdate
+from vbatch.errors import VbatchError
 from vbatch.models.config import ModelConfig
 from vbatch.models.loader import resolve_model
 from vbatch.protocol import (
@@ -28,6 +30,27 @@ from vbatch.protocol import (
 
 # NOTE: how long an idle step waits for a grammar being compiled before returning.
 GRAMMAR_WAIT_S = 0.05
+# NOTE: this many failed steps in a row, with no step succeeding in between, mean the engine
+# itself is broken rather than one of its requests.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+# NOTE: test-only fault injection (no real way exists to fail a step or wedge the loop once
+# requests are validated): "raise:<token id>", "fatal:<token id>" or "sleep:<token id>:<s>"
+# acts in any step holding a seq whose prompt contains that token id.
+FAULTS_ENV = "VBATCH_TEST_FAULTS"
+# NOTE: messages of errors after which the device is unusable (a CUDA error poisons its context).
+_FATAL_MARKERS = (
+    "CUDA error",
+    "CUBLAS_STATUS",
+    "CUDNN_STATUS",
+    "cuDNN error",
+    "device-side assert",
+    "illegal memory access",
+    "unspecified launch failure",
+)
+
+
+class EngineBrokenError(VbatchError):
+    """A failure after which the engine cannot go on; the core process exits on it."""
 
 
 class EngineCore:
@@ -37,6 +60,12 @@ class EngineCore:
     how many of them are unfinished in `num_unfinished`, and leaves both once all of them have
     finished. The n samples of one request are n Sequences; the scheduler admits the later ones
     after the first has computed the prompt, so they share its KV blocks.
+
+    Failures: a request that cannot be added, and every request of a step that raises, end
+    with an ERROR finish carrying the exception's text, and the engine goes on. A step raises
+    EngineBrokenError instead when the failure leaves the engine unusable: a CUDA error (other
+    than out-of-memory), a non-Exception BaseException, or MAX_CONSECUTIVE_STEP_FAILURES
+    failed steps in a row.
     """
 
     def __init__(
@@ -87,9 +116,21 @@ class EngineCore:
         self._ahead: tuple[SchedulerOutput, SamplerOutput | None] | None = None
         # NOTE: the last output's (step_id, request_ids, indices) when it covered all its seqs.
         self._columns: tuple[int, list[str], list[int]] = (-1, [], [])
+        self._num_failed_steps = 0
+        self._faults = _parse_faults(os.environ.get(FAULTS_ENV))
 
     def add_request(self, req: AddRequest) -> list[SampleFinish]:
-        """Queue a request; a rejected one comes back as an ERROR finish."""
+        """Queue a request; a rejected one, or one whose admission raised, comes back as an ERROR
+        finish."""
+        is_new = req.request_id not in self.requests
+        try:
+            return self._add_request(req)
+        except Exception as e:
+            if is_new and req.request_id in self.requests:
+                self.abort([req.request_id])
+            return [_error(req.request_id, f"the engine could not add the request: {_describe(e)}")]
+
+    def _add_request(self, req: AddRequest) -> list[SampleFinish]:
         prompt_token_ids = unpack_token_ids(req.prompt_token_ids)
         params = req.sampling_params
         if req.request_id in self.requests:
@@ -145,7 +186,7 @@ class EngineCore:
             live = [rid for rid in dict.fromkeys(request_ids) if rid in self.requests]
             seqs = [seq for rid in live for seq in self.requests.pop(rid)]
             for rid in live:
-                del self.num_unfinished[rid]
+                self.num_unfinished.pop(rid, None)
                 self._compiling.pop(rid, None)
             unfinished = [seq for seq in seqs if not seq.is_finished]
             self.scheduler.abort(unfinished)
@@ -187,7 +228,27 @@ class EngineCore:
         With `async_scheduling`, a decode step that continues this one is launched before this
         one's tokens reach the host, so the device computes it while they are applied; the
         next call applies it. A seq that finishes meanwhile has its token of that step dropped.
+        A step that raises ends its requests with an ERROR finish (see the class docstring).
         """
+        # NOTE: the outputs of this step (and of the one launched ahead of it), for the except.
+        planned: list[SchedulerOutput] = []
+        try:
+            outputs = self._step(planned)
+        except Exception as e:
+            if not planned or _is_fatal(e):
+                raise EngineBrokenError(f"{_describe(e)}; the engine cannot go on after it") from e
+            self._num_failed_steps += 1
+            if self._num_failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
+                raise EngineBrokenError(
+                    f"{self._num_failed_steps} engine steps in a row failed, the last with "
+                    f"{_describe(e)}"
+                ) from e
+            return self._fail_step(planned, f"the engine failed a step: {_describe(e)}")
+        if planned:
+            self._num_failed_steps = 0
+        return outputs
+
+    def _step(self, planned: list[SchedulerOutput]) -> EngineOutputs:
         start = time.perf_counter()
         errors = self._admit_compiled(
             block=self._ahead is None and not self.scheduler.has_unfinished()
@@ -195,14 +256,19 @@ class EngineCore:
         if self._ahead is not None:
             out, sampled = self._ahead
             self._ahead = None
+            planned.append(out)
         else:
             out = self.scheduler.schedule()
             if out.is_empty:
                 return EngineOutputs(finished=errors)
+            planned.append(out)
+            if self._faults is not None:
+                _inject_fault(self._faults, out)
             sampled = self._launch(out)
         if self.config.async_scheduling:
             ahead = self.scheduler.schedule_ahead(out)
             if ahead is not None:
+                planned.append(ahead)
                 self._ahead = (ahead, self._launch(ahead))
         collect_start = time.perf_counter()
         token_ids, logprobs = self.runner.collect(sampled)
@@ -212,6 +278,25 @@ class EngineCore:
         outputs.finished = errors + outputs.finished
         self._step_time += time.perf_counter() - start
         return outputs
+
+    def _fail_step(self, planned: list[SchedulerOutput], message: str) -> EngineOutputs:
+        """End every request with a seq in `planned` with an ERROR finish; reset the state that
+        ties one step to the next, so the next step is planned and built afresh."""
+        self._ahead = None
+        self._columns = (-1, [], [])
+        self.runner.reset_step_state()
+        request_ids = dict.fromkeys(seq.request_id for out in planned for seq in out.seqs)
+        failed = [rid for rid in request_ids if rid in self.requests]
+        seqs = [seq for rid in failed for seq in self.requests[rid]]
+        # NOTE: abort() also drops the scheduler's and the applier's ties to the failed step.
+        self.abort(failed)
+        # NOTE: an update() cut short may have finished seqs without freeing them.
+        scheduler = self.scheduler
+        for seq in seqs:
+            if seq.block_table:
+                scheduler.block_manager.free(seq)
+        scheduler.running = [seq for seq in scheduler.running if seq.finish_reason is None]
+        return EngineOutputs(finished=[_error(rid, message) for rid in failed])
 
     def _launch(self, out: SchedulerOutput) -> SamplerOutput | None:
         launch_start = time.perf_counter()
@@ -270,3 +355,53 @@ def _finish(seq: Sequence) -> SampleFinish:
 
 def _error(request_id: str, message: str) -> SampleFinish:
     return SampleFinish(request_id, FinishReason.ERROR, error=message)
+
+
+def _describe(e: BaseException) -> str:
+    """The exception's type and text, and where it was raised, on one line."""
+    text = str(e) if isinstance(e, VbatchError) else f"{type(e).__name__}: {e}"
+    frames = traceback.extract_tb(e.__traceback__)
+    if frames:
+        last = frames[-1]
+        text += f" (at {os.path.basename(last.filename)}:{last.lineno} in {last.name})"
+    return text
+
+
+def _is_fatal(e: BaseException) -> bool:
+    """Whether `e` leaves the engine unusable whatever request comes next."""
+    if not isinstance(e, Exception) or isinstance(e, EngineBrokenError):
+        return True
+    import torch
+
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(e, accelerator_error):
+        return True
+    text = str(e)
+    return any(marker in text for marker in _FATAL_MARKERS)
+
+
+def _parse_faults(spec: str | None) -> dict[int, tuple[str, float]] | None:
+    """FAULTS_ENV's comma-separated `action:token_id[:seconds]` items, by token id."""
+    if not spec:
+        return None
+    faults = {}
+    for item in spec.split(","):
+        action, token_id, *rest = item.strip().split(":")
+        if action not in ("raise", "fatal", "sleep"):
+            raise ValueError(f"{FAULTS_ENV}: unknown action {action!r}")
+        faults[int(token_id)] = (action, float(rest[0]) if rest else 0.0)
+    return faults
+
+
+def _inject_fault(faults: dict[int, tuple[str, float]], out: SchedulerOutput) -> None:
+    for seq in out.seqs:
+        for token_id in faults.keys() & set(seq.token_ids[: seq.num_prompt_tokens]):
+            action, seconds = faults[token_id]
+            if action == "sleep":
+                time.sleep(seconds)
+            elif action == "fatal":
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (test)")
+            else:
+                raise RuntimeError(f"injected fault: prompt token {token_id}")

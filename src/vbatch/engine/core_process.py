@@ -1,10 +1,19 @@
-"""The engine-core subprocess: socket threads, the busy loop around EngineCore, parent watch."""
+"""The engine-core subprocess: socket threads, the busy loop around EngineCore, and a watchdog
+thread (parent watch, heartbeat, dead-man alarm).
+
+Signals: the core ignores SIGINT and SIGTERM, which belong to its parent (a terminal's Ctrl-C, or
+`timeout`, systemd, Slurm and Kubernetes signalling the whole process group, must let the job
+drain). It exits when told (Shutdown), when its parent is gone (then it also removes the
+parent's IPC directory), or, as a backstop, by SIGALRM's default action when its watchdog thread
+has not run for longer than the client would wait on it anyway (a core wedged holding the GIL).
+"""
 
 from __future__ import annotations
 
-import ctypes
+import math
 import os
 import queue
+import shutil
 import signal
 import sys
 import threading
@@ -12,7 +21,6 @@ import time
 import traceback
 from typing import Any
 
-import msgspec
 import zmq
 
 from vbatch.config import EngineConfig
@@ -23,6 +31,8 @@ from vbatch.protocol import (
     ClientMessage,
     EngineError,
     EngineOutputs,
+    FinishReason,
+    Heartbeat,
     SampleFinish,
     SchedulerStats,
     Shutdown,
@@ -31,23 +41,47 @@ from vbatch.protocol import (
     Utility,
     UtilityResult,
     core_decoder,
+    describe_decode_error,
     encoder,
+    undecodable_target,
 )
 
 STATS_INTERVAL_S = 0.5
 PARENT_POLL_S = 0.25
-_PR_SET_PDEATHSIG = 1
+# NOTE: a watchdog tick this much later than due means the whole process was stopped (SIGSTOP,
+# Ctrl-Z) or starved; the busy loop's age then restarts, so a resumed job is not called hung.
+_STALL_S = 2.0
+# NOTE: the dead-man alarm fires this long after the client itself would have given up.
+_ALARM_MARGIN_S = 30.0
+_MAX_ALARM_S = 10**9
+_OWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # NOTE: the core's last messages (a start-up failure, say) must reach a live client, yet a dead
 # client must not keep the core alive, so the output socket lingers for a bounded time.
 _OUTPUT_LINGER_MS = 2000
 
 
 def run_engine_core(
-    config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int
+    config: EngineConfig,
+    input_addr: str,
+    output_addr: str,
+    parent_pid: int,
+    ipc_dir: str | None = None,
 ) -> None:
-    """Process entry: connect to the client, start the engine, serve requests until Shutdown."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # NOTE: Ctrl-C is the client's to handle.
-    _die_with_parent(parent_pid)
+    """Process entry: connect to the client, start the engine, serve requests until Shutdown.
+
+    `ipc_dir`, the client's socket directory, is removed here if the client dies first.
+    """
+    # NOTE: the client spawns the core with SIGINT and SIGTERM blocked, so neither can kill it
+    # before this point; they stay ignored, and SIGALRM keeps its default action (terminate).
+    for signum in _OWN_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {*_OWN_SIGNALS, signal.SIGALRM})
+    in_q: queue.Queue[Any] = queue.Queue()
+    out_q: queue.Queue[Any] = queue.Queue()
+    watchdog = _Watchdog(config, parent_pid, ipc_dir, out_q)
+    watchdog.start()
     ctx = zmq.Context(1)
     in_sock = ctx.socket(zmq.PULL)
     in_sock.setsockopt(zmq.LINGER, 0)
@@ -57,8 +91,6 @@ def run_engine_core(
     out_sock.setsockopt(zmq.SNDHWM, 0)
     out_sock.connect(output_addr)
 
-    in_q: queue.Queue[ClientMessage] = queue.Queue()
-    out_q: queue.Queue[Any] = queue.Queue()
     stop = threading.Event()
     reader = threading.Thread(target=_input_loop, args=(in_sock, in_q, stop), daemon=True)
     writer = threading.Thread(target=_output_loop, args=(out_sock, out_q), daemon=True)
@@ -66,9 +98,10 @@ def run_engine_core(
     writer.start()
     exit_code = 0
     try:
-        exit_code = _serve(config, in_q, out_q)
+        exit_code = _serve(config, in_q, out_q, watchdog)
     finally:
         stop.set()
+        watchdog.stop_heartbeat()
         out_q.put(None)
         writer.join()
         reader.join()
@@ -81,7 +114,67 @@ def run_engine_core(
     os._exit(exit_code)
 
 
-def _serve(config: EngineConfig, in_q: queue.Queue, out_q: queue.Queue) -> int:
+class _Watchdog:
+    """One daemon thread that needs nothing from the busy loop but the GIL now and then.
+
+    Every PARENT_POLL_S it checks the parent (gone: remove the IPC directory, exit), re-arms the
+    dead-man alarm, and, once the busy loop runs, sends a Heartbeat about every second with the
+    age of the loop's current iteration (`beat()` marks each iteration's start).
+    """
+
+    def __init__(
+        self, config: EngineConfig, parent_pid: int, ipc_dir: str | None, out_q: queue.Queue
+    ) -> None:
+        self.parent_pid = parent_pid
+        self.ipc_dir = ipc_dir
+        self.out_q = out_q
+        self.heartbeat_timeout_s = config.heartbeat_timeout_s
+        self.interval_s = min(1.0, max(PARENT_POLL_S, config.heartbeat_timeout_s / 4))
+        self.alarm_s = config.startup_timeout_s + _ALARM_MARGIN_S
+        self.loop_start: float | None = None
+        self.resumed_at = 0.0
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="vbatch-watchdog", daemon=True).start()
+
+    def beat(self) -> None:
+        """The busy loop starts an iteration; the first call starts the heartbeats."""
+        if self.loop_start is None:
+            self.alarm_s = self.heartbeat_timeout_s + _ALARM_MARGIN_S
+        self.loop_start = time.monotonic()
+
+    def stop_heartbeat(self) -> None:
+        with self._lock:
+            self.out_q = None  # type: ignore[assignment]
+
+    def _run(self) -> None:
+        last_tick = last_beat = time.monotonic()
+        while True:
+            if os.getppid() != self.parent_pid:
+                self._parent_gone()
+            if hasattr(signal, "alarm"):
+                signal.alarm(math.ceil(min(self.alarm_s, _MAX_ALARM_S)))
+            now = time.monotonic()
+            if now - last_tick > PARENT_POLL_S + _STALL_S:
+                self.resumed_at = now
+            last_tick = now
+            loop_start = self.loop_start
+            if loop_start is not None and now - last_beat >= self.interval_s:
+                last_beat = now
+                age = now - max(loop_start, self.resumed_at)
+                with self._lock:
+                    if self.out_q is not None:
+                        self.out_q.put(Heartbeat(loop_age_s=max(age, 0.0)))
+            time.sleep(PARENT_POLL_S)
+
+    def _parent_gone(self) -> None:
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        os._exit(1)
+
+
+def _serve(config: EngineConfig, in_q: queue.Queue, out_q: queue.Queue, watchdog: _Watchdog) -> int:
     """Build the engine and run the busy loop; failures become messages and a non-zero code."""
     try:
         from vbatch.engine.core import EngineCore
@@ -97,7 +190,7 @@ def _serve(config: EngineConfig, in_q: queue.Queue, out_q: queue.Queue) -> int:
     try:
         # NOTE: one inference-mode guard for the whole loop, not one per step (~15 µs each).
         with torch.inference_mode():
-            _busy_loop(core, in_q, out_q)
+            _busy_loop(core, in_q, out_q, watchdog.beat)
     except BaseException as e:
         out_q.put(EngineError(message=_describe(e), traceback=traceback.format_exc()))
         return 1
@@ -106,14 +199,26 @@ def _serve(config: EngineConfig, in_q: queue.Queue, out_q: queue.Queue) -> int:
     return 0
 
 
-def _busy_loop(core: Any, in_q: queue.Queue, out_q: queue.Queue) -> None:
+class _Undecodable:
+    """A client message the core could not decode, but can answer: an AddRequest (by request id)
+    or a Utility call (by call id)."""
+
+    def __init__(self, kind: type, key: str | int, message: str) -> None:
+        self.kind = kind
+        self.key = key
+        self.message = message
+
+
+def _busy_loop(core: Any, in_q: queue.Queue, out_q: queue.Queue, beat: Any = lambda: None) -> None:
     """Drain inputs (aborts land before the next step's outputs), step, push compact outputs.
 
-    Blocks on the input queue only while the engine has no unfinished request.
+    Blocks on the input queue only while the engine has no unfinished request. `beat()` marks
+    the start of every iteration, for the heartbeat's loop age.
     """
     busy_time = 0.0
     last_stats = 0.0
     while True:
+        beat()
         finished: list[SampleFinish] = []
         for msg in _drain(in_q, block=not core.has_unfinished()):
             if isinstance(msg, AddRequest):
@@ -122,6 +227,11 @@ def _busy_loop(core: Any, in_q: queue.Queue, out_q: queue.Queue) -> None:
                 finished += core.abort(msg.request_ids, msg.indices)
             elif isinstance(msg, Utility):
                 out_q.put(_utility(core, msg, busy_time))
+            elif isinstance(msg, _Undecodable):
+                if msg.kind is AddRequest:
+                    finished.append(SampleFinish(msg.key, FinishReason.ERROR, error=msg.message))
+                else:
+                    out_q.put(UtilityResult(msg.key, error=msg.message))
             elif isinstance(msg, Shutdown):
                 if finished:
                     out_q.put(EngineOutputs(finished=finished, timestamp=time.time()))
@@ -166,13 +276,21 @@ def _stats(core: Any, busy_time: float) -> SchedulerStats:
 
 
 def _utility(core: Any, msg: Utility, busy_time: float) -> UtilityResult:
-    if msg.method == "stats":
+    if msg.method != "stats":
+        return UtilityResult(msg.call_id, error=f"unknown utility method {msg.method!r}")
+    try:
         return UtilityResult(msg.call_id, result=_stats(core, busy_time))
-    return UtilityResult(msg.call_id, error=f"unknown utility method {msg.method!r}")
+    except Exception as e:
+        return UtilityResult(msg.call_id, error=f"the engine core failed to answer: {_describe(e)}")
 
 
 def _input_loop(sock: zmq.Socket, in_q: queue.Queue, stop: threading.Event) -> None:
-    """Receive and decode client messages off the main thread, so they overlap the forward."""
+    """Receive and decode client messages off the main thread, so they overlap the forward.
+
+    A message that fails to decode is answered when it names a request or a utility call (an
+    ERROR finish, an error result), so no client waits on it forever; one that names neither
+    is reported on stderr (no client waits on an Abort or a Shutdown).
+    """
     while not stop.is_set():
         if not sock.poll(100):
             continue
@@ -183,12 +301,27 @@ def _input_loop(sock: zmq.Socket, in_q: queue.Queue, stop: threading.Event) -> N
                 break
             try:
                 msg = core_decoder.decode(frame.buffer)
-            except msgspec.DecodeError as e:
-                print(f"vbatch engine core: dropped an undecodable message: {e}", file=sys.stderr)
-                continue
+            except Exception as e:
+                msg = _undecodable(frame.buffer, e)
+                if msg is None:
+                    continue
             in_q.put(msg)
             if isinstance(msg, Shutdown):
                 return
+
+
+def _undecodable(data: memoryview, error: Exception) -> _Undecodable | None:
+    reason = describe_decode_error(error)
+    target = undecodable_target(data)
+    if target is None:
+        print(
+            f"vbatch engine core: ignored an undecodable message that names no request: {reason}",
+            file=sys.stderr,
+        )
+        return None
+    kind, key = target
+    what = "request" if kind is AddRequest else "utility call"
+    return _Undecodable(kind, key, f"the engine core could not decode the {what}: {reason}")
 
 
 def _output_loop(sock: zmq.Socket, out_q: queue.Queue) -> None:
@@ -198,27 +331,6 @@ def _output_loop(sock: zmq.Socket, out_q: queue.Queue) -> None:
         if msg is None:
             return
         sock.send(encoder.encode(msg), copy=False)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Exit when the client process dies, even by SIGKILL, so the core is never orphaned.
-
-    Linux: PR_SET_PDEATHSIG. Everywhere: a thread polling the parent pid, which also covers a
-    parent that died before prctl ran.
-    """
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(PARENT_POLL_S)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="vbatch-parent-watch", daemon=True).start()
 
 
 def _describe(e: BaseException) -> str:

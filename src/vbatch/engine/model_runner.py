@@ -347,5 +347,15 @@ class ModelRunner:
             self.model_config.eos_token_ids,
         )
 
+    def reset_step_state(self) -> None:
+        """Forget everything that lets a step reuse the last one's batch (after a step failed
+        midway): the next step is built from its SchedulerOutput alone."""
+        self._decode = DecodeBatch(
+            self._advance_native if has_fused_ops(self.device) else self._advance_then_feed
+        )
+        self._fed_input_ids = None
+        self._kept_inputs = None
+        self._greedy_sampling = None
+
     def release(self, seqs: list[Sequence]) -> None:
         free_generators(self.generators, (seq.seq_id for seq in seqs))
