@@ -2,13 +2,21 @@
 step at batch 64 with a nested JSON schema against the same step unconstrained, side by side.
 
     python benchmarks/structured.py [--model PATH] [--batch 64] [--steps 24] [--schemas 1000]
+        [--e2e-rows 256] [--e2e-max-tokens 64] [--skip-steps]
+
+The end-to-end part times `vbatch run` (the CLI, in a subprocess) on the same rows with and
+without `--json-schema`, and prints output tok/s of each and their ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -185,6 +193,43 @@ def decode_steps(hf_dir: Path) -> None:
               f"{statistics.median(fp32) * 1e3:7.1f} ms")  # fmt: skip
 
 
+def run_job(workdir: Path, rows: Path, extra: list[str]) -> tuple[float, int]:
+    """One `vbatch run` over `rows`: (wall seconds, completion tokens)."""
+    out = workdir / f"out-{len(extra)}.jsonl"
+    cmd = [sys.executable, "-m", "vbatch.cli", "run", str(rows), "-o", str(out), "--overwrite"]
+    cmd += ["--max-tokens", str(ARGS.e2e_max_tokens), "--num-threads", str(ARGS.threads), "-q"]
+    if ARGS.model:
+        cmd += ["--model", ARGS.model]
+    start = time.perf_counter()
+    subprocess.run([*cmd, *extra], check=True, env=os.environ.copy())
+    wall = time.perf_counter() - start
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    return wall, sum(line["completion_tokens"] for line in lines)
+
+
+def end_to_end() -> None:
+    """`vbatch run` on the same rows, constrained by one schema and unconstrained."""
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        rows = workdir / "rows.jsonl"
+        rows.write_text(
+            "".join(
+                json.dumps({"prompt": f"Describe person {i} as JSON with name, age and role."})
+                + "\n"
+                for i in range(ARGS.e2e_rows)
+            )
+        )
+        schema = workdir / "schema.json"
+        schema.write_text(json.dumps(NESTED["properties"]["people"]["items"]))
+        plain_s, plain_tokens = run_job(workdir, rows, [])
+        json_s, json_tokens = run_job(workdir, rows, ["--json-schema", str(schema)])
+    plain_rate, json_rate = plain_tokens / plain_s, json_tokens / json_s
+    print(f"end to end, {ARGS.e2e_rows} rows, max_tokens {ARGS.e2e_max_tokens}:")
+    print(f"  unconstrained {plain_tokens} tokens in {plain_s:.1f} s = {plain_rate:.1f} tok/s")
+    print(f"  --json-schema {json_tokens} tokens in {json_s:.1f} s = {json_rate:.1f} tok/s")
+    print(f"  ratio (structured / unconstrained output tok/s): {json_rate / plain_rate:.2f}")
+
+
 def main() -> None:
     from vbatch.models.config import ModelConfig
     from vbatch.models.loader import resolve_model
@@ -192,8 +237,11 @@ def main() -> None:
     resolved = resolve_model(ARGS.model)
     config = ModelConfig.from_hf_dir(resolved.hf_dir)
     torch.set_num_threads(ARGS.threads)
-    grammar_engines(resolved.hf_dir, config.vocab_size, list(config.eos_token_ids))
-    decode_steps(resolved.hf_dir)
+    if not ARGS.skip_steps:
+        grammar_engines(resolved.hf_dir, config.vocab_size, list(config.eos_token_ids))
+        decode_steps(resolved.hf_dir)
+    if ARGS.e2e_rows:
+        end_to_end()
 
 
 if __name__ == "__main__":
@@ -203,5 +251,8 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--schemas", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--e2e-rows", type=int, default=256)
+    parser.add_argument("--e2e-max-tokens", type=int, default=64)
+    parser.add_argument("--skip-steps", action="store_true")
     ARGS = parser.parse_args()
     main()

@@ -79,8 +79,9 @@ def own(tiny_model_dir: Path) -> Iterator[LLM]:
 
 
 def test_undecodable_and_unencodable_requests_come_back_as_error_outputs(shared: LLM) -> None:
-    # NOTE: fields set after construction skip validation; the core's strict decode refuses
-    # the first two, and msgpack cannot pack the third. None of them may hang generate().
+    # NOTE: fields set after construction skip validation at construction; the client checks
+    # them again at submit (the core's strict decode and msgpack would refuse them too, see
+    # test_core_process.py). None of them may hang generate().
     wrong_type = SamplingParams(max_tokens=3)
     wrong_type.ignore_eos = "yes"  # type: ignore[assignment]
     out_of_range = SamplingParams(max_tokens=3)
@@ -94,9 +95,9 @@ def test_undecodable_and_unencodable_requests_come_back_as_error_outputs(shared:
     ]
     outs = {o.request_id: o for o in shared.generate(inputs)}
     for rid, expected in (
-        ("type", "sampling_params.ignore_eos"),
+        ("type", "ignore_eos must be true or false"),
         ("range", "max_tokens must be at least 1"),
-        ("pack", "OverflowError"),
+        ("pack", "seed must fit in a 64-bit signed integer"),
     ):
         assert outs[rid].error is not None and expected in outs[rid].error, outs[rid].error
         assert outs[rid].outputs[0].finish_reason == "error"
