@@ -139,7 +139,7 @@ def test_sigterm_drains_and_exits_75_then_resume(
     proc.send_signal(signal.SIGTERM)
     code, stderr = finish(proc)
     assert code == 75, stderr
-    assert f"vbatch resume {output}" in stderr
+    assert f"vbatch resume {output}" in stderr and "summary" not in stderr
     status = subprocess.run(vbatch("status", output, "--json"), cwd=workdir, capture_output=True)
     assert orjson.loads(status.stdout)["remaining"] > 0
     with (workdir / output).open("ab") as f:

@@ -10,9 +10,12 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import typer
 from typer.testing import CliRunner
 
+from vbatch import __version__
 from vbatch.cli import app
+from vbatch.job.runner import RunOptions
 
 DOCS = Path(__file__).parents[1] / "docs" / "cli.md"
 MARKER = "<!-- generated: python -m typer vbatch.cli utils docs --name vbatch -->\n"
@@ -49,6 +52,46 @@ def test_docs_cli_md_matches_the_typer_app() -> None:
     assert proc.returncode == 0, proc.stderr
     documented = DOCS.read_text().split(MARKER, 1)[1]
     assert documented == proc.stdout, "docs/cli.md is stale; regenerate its reference section"
+
+
+def test_version_and_short_help_on_the_app_and_every_command() -> None:
+    runner = CliRunner()
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output == f"vbatch {__version__}\n"
+    for args in ([], ["run"], ["resume"], ["status"]):
+        short, long = runner.invoke(app, [*args, "-h"]), runner.invoke(app, [*args, "--help"])
+        assert short.exit_code == 0 and "Usage: vbatch" in short.output, args
+        assert short.output == long.output
+
+
+def test_run_and_resume_take_their_defaults_from_run_options() -> None:
+    defaults = RunOptions()
+    commands = typer.main.get_command(app).commands  # type: ignore[attr-defined]
+    run_params = {p.name: p.default for p in commands["run"].params}
+    for name in ("commit_every_rows", "commit_every_seconds", "drain_timeout", "log_interval"):
+        assert run_params[name] == getattr(defaults, name), name
+    resume_params = {p.name: p.default for p in commands["resume"].params}
+    assert resume_params["log_interval"] == defaults.log_interval
+
+
+def test_quiet_job_prints_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
+    rows = [{"id": f"r{i}", "prompt": f"item {i}:"} for i in range(3)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    flags = ["--model", str(tiny_model_dir), "--max-tokens", "4", "--num-threads", "1"]
+    for args in (
+        ["run", "in.jsonl", "-o", "out.jsonl", *flags, "-q"],
+        ["resume", "out.jsonl", "-q"],
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "vbatch.cli", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert (proc.stdout, proc.stderr) == ("", ""), args
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 3
 
 
 def test_user_errors_print_one_line_without_traceback(tmp_path: Path) -> None:

@@ -12,7 +12,9 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
+from vbatch import __version__
 from vbatch.errors import VbatchError, is_storage_failure, storage_error, unexpected_error
+from vbatch.job.options import RunOptions
 
 app = typer.Typer(
     name="vbatch",
@@ -20,6 +22,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 T = TypeVar("T")
@@ -30,6 +33,8 @@ JOB = "Job"
 DISPLAY = "Display"
 STRUCTURED = "Structured output"
 SAVED = "As for `run` (default: the setting the job started with)."
+DEFAULTS = RunOptions()
+QUIET_HELP = "Print nothing but errors (and how to resume an interrupted job)."
 
 
 def _fail(message: str, exit_code: int = 1) -> None:
@@ -63,9 +68,28 @@ def _show_traceback() -> None:
         traceback.print_exc()
 
 
-def _finish(outcome: Any) -> None:
-    typer.echo(outcome.message, err=True)
+def _finish(outcome: Any, quiet: bool) -> None:
+    if outcome.exit_code != 0 or not quiet:
+        typer.echo(outcome.message, err=True)
     raise typer.Exit(outcome.exit_code)
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"vbatch {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_show_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """The options that come before a command."""
 
 
 def _run_overrides(**values: Any) -> dict[str, Any]:
@@ -271,10 +295,10 @@ def run(
     ] = False,
     commit_every_rows: Annotated[
         int, typer.Option(help="Commit after this many finished rows.", rich_help_panel=JOB)
-    ] = 5000,
+    ] = DEFAULTS.commit_every_rows,
     commit_every_seconds: Annotated[
         float, typer.Option(help="Commit at least this often.", rich_help_panel=JOB)
-    ] = 5.0,
+    ] = DEFAULTS.commit_every_seconds,
     max_errors: Annotated[
         float | None,
         typer.Option(help="Stop when more rows error (N, or a fraction < 1).", rich_help_panel=JOB),
@@ -282,16 +306,16 @@ def run(
     drain_timeout: Annotated[
         float,
         typer.Option(help="Seconds in-flight rows get on SIGTERM/SIGINT.", rich_help_panel=JOB),
-    ] = 30.0,
+    ] = DEFAULTS.drain_timeout,
     max_in_flight: Annotated[
         int | None, typer.Option(help="Most rows admitted at once.", rich_help_panel=JOB)
     ] = None,
     quiet: Annotated[
-        bool, typer.Option("--quiet", "-q", help="No progress display.", rich_help_panel=DISPLAY)
+        bool, typer.Option("--quiet", "-q", help=QUIET_HELP, rich_help_panel=DISPLAY)
     ] = False,
     log_interval: Annotated[
         float, typer.Option(help="Seconds between plain progress lines.", rich_help_panel=DISPLAY)
-    ] = 10.0,
+    ] = DEFAULTS.log_interval,
     metrics_file: Annotated[
         Path | None,
         typer.Option(help="Keep live job metrics in this JSON file.", rich_help_panel=DISPLAY),
@@ -299,7 +323,7 @@ def run(
 ) -> None:
     """Run a batch job: read INPUT, generate, and write OUTPUT incrementally."""
     from vbatch.job.rows import ColumnOptions
-    from vbatch.job.runner import JobSpec, RunOptions, start_job
+    from vbatch.job.runner import JobSpec, start_job
     from vbatch.structured import cli_structured
 
     engine_args = _run_overrides(
@@ -357,7 +381,7 @@ def run(
         metrics_file=metrics_file,
         clean=clean,
     )
-    _finish(_guarded(lambda: start_job(spec, options, overwrite=overwrite)))
+    _finish(_guarded(lambda: start_job(spec, options, overwrite=overwrite)), quiet)
 
 
 @app.command()
@@ -378,10 +402,10 @@ def resume(
     max_errors: Annotated[float | None, typer.Option(help=SAVED)] = None,
     drain_timeout: Annotated[float | None, typer.Option(help=SAVED)] = None,
     max_in_flight: Annotated[int | None, typer.Option(help=SAVED)] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
     log_interval: Annotated[
         float, typer.Option(help="Seconds between plain progress lines.")
-    ] = 10.0,
+    ] = DEFAULTS.log_interval,
     metrics_file: Annotated[
         Path | None, typer.Option(help="Keep live job metrics in this file.")
     ] = None,
@@ -398,7 +422,10 @@ def resume(
         metrics_file=metrics_file,
     )
     overrides.update(display="quiet" if quiet else "auto", log_interval=log_interval, clean=clean)
-    _finish(_guarded(lambda: resume_job(output, overrides, force=force, retry_errors=retry_errors)))
+    _finish(
+        _guarded(lambda: resume_job(output, overrides, force=force, retry_errors=retry_errors)),
+        quiet,
+    )
 
 
 @app.command()

@@ -39,7 +39,7 @@ class ProgressDisplay:
 
     Invariants: while started, only the display thread renders, prints progress or writes the
     metrics file; the job's thread touches nothing here but JobMetrics. `stop()` joins the thread
-    and then prints the summary exactly once, in every mode.
+    and then prints the summary exactly once, in every mode but quiet (nothing but errors).
     """
 
     def __init__(
@@ -103,7 +103,8 @@ class ProgressDisplay:
         self._thread.start()
 
     def stop(self) -> None:
-        """Join the display thread, write the final metrics file and print the summary."""
+        """Join the display thread, write the final metrics file and print the summary (unless
+        quiet)."""
         if self._thread is None or self._stop_event.is_set():
             return
         self._stop_event.set()
@@ -115,7 +116,8 @@ class ProgressDisplay:
         self._report_errors(snap)
         if self.metrics_file is not None:
             self._write_metrics_file(snap)
-        self.console.print(render_summary(snap))
+        if self.mode != "quiet":
+            self.console.print(render_summary(snap))
 
     def _run(self) -> None:
         self._tick(time.monotonic())

@@ -18,6 +18,7 @@ from vbatch.errors import InputError, JobStateError, is_storage_failure, storage
 from vbatch.job.finalize import finish_completion, tmp_output_path
 from vbatch.job.journal import JOURNAL_NAME, JobState, Journal, read_journal
 from vbatch.job.manifest import MANIFEST_NAME, Manifest, input_fingerprint, model_identity
+from vbatch.job.options import RunOptions
 from vbatch.job.reader import InputReader, scan_input
 from vbatch.job.results import OUTPUT_COLUMNS
 from vbatch.job.rows import ColumnOptions, RowParser
@@ -46,30 +47,6 @@ class JobSpec:
     ordered: bool = False
     include_token_ids: bool = False
     parse_json: bool = False
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """How a job runs (not what it produces); `vbatch resume` may change these."""
-
-    commit_every_rows: int = 5000
-    commit_every_seconds: float = 5.0
-    max_errors: float | None = None
-    drain_timeout: float = 30.0
-    max_in_flight: int | None = None
-    display: str = "auto"
-    log_interval: float = 10.0
-    metrics_file: Path | None = None
-    clean: bool = False
-
-    def result_settings(self) -> dict[str, Any]:
-        return {
-            "commit_every_rows": self.commit_every_rows,
-            "commit_every_seconds": self.commit_every_seconds,
-            "max_errors": self.max_errors,
-            "drain_timeout": self.drain_timeout,
-            "max_in_flight": self.max_in_flight,
-        }
 
 
 @dataclass(frozen=True)
