@@ -36,6 +36,26 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+// tanh(x) within ~2 ulp: an odd polynomial below |x| = 0.625 (where 1 - 2 / (e^2x + 1) would
+// cancel), else that form through fast_exp (which saturates to +-1 for large |x|).
+#pragma omp declare simd
+inline float fast_tanh(float x) {
+  const float a = x < 0.0f ? -x : x;
+  if (a < 0.625f) {
+    const float z = x * x;
+    return ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z +
+             1.33314422036e-1f) * z - 3.33332819422e-1f) * z * x + x;
+  }
+  const float r = 1.0f - 2.0f / (fast_exp(2.0f * a) + 1.0f);
+  return x < 0.0f ? -r : r;
+}
+
+// Attention logit soft-capping (Gemma 2): cap * tanh(s / cap) on n scores, in place.
+inline void softcap_scores(float* scores, int64_t n, float cap) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) scores[i] = cap * fast_tanh(scores[i] / cap);
+}
+
 // sum(a[i] * b[i]); SIMD with one horizontal reduction at the end (an `omp simd` reduction
 // compiles to a chain of scalar adds here, which dominated the attention scores).
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -117,6 +137,12 @@ inline Lanes lanes_fill_first(Lanes x, int64_t n, float value) {
   return _mm512_mask_mov_ps(x, mask, _mm512_set1_ps(value));
 }
 
+// x with its lanes from `n` on (0 <= n <= kNumLanes) set to `value`.
+inline Lanes lanes_fill_from(Lanes x, int64_t n, float value) {
+  const __mmask16 keep = n >= kNumLanes ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+  return _mm512_mask_mov_ps(x, static_cast<__mmask16>(~keep), _mm512_set1_ps(value));
+}
+
 inline Lanes lanes_min(Lanes a, Lanes b) { return _mm512_min_ps(a, b); }
 // c - a * b
 inline Lanes lanes_fnmadd(Lanes a, Lanes b, Lanes c) { return _mm512_fnmadd_ps(a, b, c); }
@@ -145,6 +171,13 @@ inline Lanes lanes_fmadd(Lanes a, Lanes b, Lanes c) { return _mm256_fmadd_ps(a, 
 inline Lanes lanes_fill_first(Lanes x, int64_t n, float value) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n)), lane);
+  return _mm256_blendv_ps(x, _mm256_set1_ps(value), _mm256_castsi256_ps(mask));
+}
+
+inline Lanes lanes_fill_from(Lanes x, int64_t n, float value) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  // lane >= n, as lane > n - 1
+  const __m256i mask = _mm256_cmpgt_epi32(lane, _mm256_set1_epi32(static_cast<int32_t>(n - 1)));
   return _mm256_blendv_ps(x, _mm256_set1_ps(value), _mm256_castsi256_ps(mask));
 }
 
@@ -194,6 +227,9 @@ inline Lanes lanes_fmadd(const Lanes& a, const Lanes& b, const Lanes& c) {
 inline Lanes lanes_fill_first(const Lanes& x, int64_t n, float value) {
   return lanes_map([&](int64_t i) { return i < n ? value : x.v[i]; });
 }
+inline Lanes lanes_fill_from(const Lanes& x, int64_t n, float value) {
+  return lanes_map([&](int64_t i) { return i >= n ? value : x.v[i]; });
+}
 inline Lanes lanes_exp(const Lanes& x) {
   return lanes_map([&](int64_t i) { return fast_exp(x.v[i]); });
 }
@@ -212,5 +248,13 @@ inline Lanes lanes_exp(Lanes x) {
   return lanes_mul(p, lanes_pow2(n));
 }
 #endif
+
+// cap * tanh(x / cap) on every lane.
+inline Lanes lanes_softcap(Lanes x, float cap) {
+  alignas(64) float buf[kNumLanes];
+  lanes_store(buf, x);
+  softcap_scores(buf, kNumLanes, cap);
+  return lanes_load(buf);
+}
 
 }  // namespace vbatch

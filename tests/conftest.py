@@ -1,4 +1,5 @@
-"""Shared fixtures: the default SmolLM2 model, a tiny random Llama directory, the gpu marker."""
+"""Shared fixtures: the default SmolLM2 model, tiny random models (a Llama directory, one model
+per supported family), the greedy check against transformers, the gpu marker."""
 
 from __future__ import annotations
 
@@ -6,11 +7,11 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from benchmarks.tiny_model import write_tiny_llama
+from benchmarks.tiny_model import tiny_family_configs, write_tiny_family, write_tiny_llama
 from vbatch.models.loader import ResolvedModel, resolve_model
 
 if TYPE_CHECKING:
@@ -57,6 +58,16 @@ def smollm2() -> ResolvedModel:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2: ResolvedModel) -> Path:
     """A random-weight 2-layer Llama sharing SmolLM2's tokenizer (vocab 49152, tied)."""
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2.hf_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Path]]:
+    """Every family's tiny random model (benchmarks/tiny_model.py): name → (the transformers
+    model, float32 with eager attention, and the directory it was saved to)."""
+    root = tmp_path_factory.mktemp("tiny-families")
+    return {
+        name: (write_tiny_family(name, root / name), root / name) for name in tiny_family_configs()
+    }
 
 
 def build_attention_metadata(
@@ -139,16 +150,30 @@ def assert_greedy_matches_hf(smollm2: ResolvedModel) -> Callable[..., None]:
     hf_model = LlamaForCausalLM.from_pretrained(smollm2.hf_dir, dtype=torch.float32).eval()
 
     def check(prompts: list[list[int]], got: list[list[int]]) -> None:
-        for i, (ids, tokens) in enumerate(zip(prompts, got)):
-            with torch.inference_mode():
-                logits = hf_model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1]
-            best = logits.argmax(-1).tolist()
-            for pos, (ours, ref) in enumerate(zip(tokens, best)):
-                if ours != ref:
-                    gap = float(logits[pos, ref] - logits[pos, ours])
-                    assert gap <= TIE_TOLERANCE, (
-                        f"prompt {i} token {pos}: vbatch chose {ours}, transformers {ref}, "
-                        f"whose logit is higher by {gap}"
-                    )
+        check_greedy_against(hf_model, prompts, got)
 
     return check
+
+
+@pytest.fixture(scope="session")
+def greedy_check() -> Callable[[Any, list[list[int]], list[list[int]]], None]:
+    """check_greedy_against(hf_model, prompts, got), for any transformers model."""
+    return check_greedy_against
+
+
+def check_greedy_against(hf_model: Any, prompts: list[list[int]], got: list[list[int]]) -> None:
+    """Every token of got[i] is transformers' greedy choice after prompts[i] and the tokens
+    before it, or within TIE_TOLERANCE of it (one teacher-forced full forward per prompt)."""
+    import torch
+
+    for i, (ids, tokens) in enumerate(zip(prompts, got, strict=True)):
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1]
+        best = logits.argmax(-1).tolist()
+        for pos, (ours, ref) in enumerate(zip(tokens, best, strict=True)):
+            if ours != ref:
+                gap = float(logits[pos, ref] - logits[pos, ours])
+                assert gap <= TIE_TOLERANCE, (
+                    f"prompt {i} token {pos}: vbatch chose {ours}, transformers {ref}, "
+                    f"whose logit is higher by {gap}"
+                )

@@ -17,17 +17,29 @@ from vbatch.layers.attention import (
 
 
 def dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention for one sequence whose queries are its last q.shape[0] positions."""
+    """Causal attention for one sequence whose queries are its last q.shape[0] positions; a
+    query at position p sees keys in (p - sliding_window, p]; scores soft-capped if asked."""
     query_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
     k = k.double().repeat_interleave(group, dim=1)
     v = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     query_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
-    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
+    key_pos = torch.arange(seq_len)[None, :]
+    is_masked = key_pos > query_pos
+    if sliding_window is not None:
+        is_masked |= key_pos <= query_pos - sliding_window
+    scores = scores.masked_fill(is_masked, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -41,12 +53,17 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize(
+    ("sliding_window", "softcap"), [(None, None), (5, None), (1, None), (3, 1.5)]
+)
 @pytest.mark.parametrize(("block_size", "num_heads", "num_kv_heads", "specs"), CASES)
 def test_torch_backend_matches_dense(
     block_size: int,
     num_heads: int,
     num_kv_heads: int,
     specs: list[tuple[int, int]],
+    sliding_window: int | None,
+    softcap: float | None,
     make_attention_metadata: Callable,
 ) -> None:
     rng = random.Random(block_size * 100 + num_heads)
@@ -76,11 +93,13 @@ def test_torch_backend_matches_dense(
         [seq_v[num_cached:] for seq_v, (num_cached, _) in zip(full_v, specs, strict=True)]
     )
     meta = make_attention_metadata(query_lens, seq_lens, block_tables, block_size)
-    out = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, scale)
+    rule = (sliding_window, softcap)
+    out = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, scale, *rule)
     assert out.shape == q.shape
     starts = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
     for i in range(len(specs)):
-        expected = dense_attention(q[starts[i] : starts[i + 1]], full_k[i], full_v[i], scale)
+        rows = q[starts[i] : starts[i + 1]]
+        expected = dense_attention(rows, full_k[i], full_v[i], scale, *rule)
         torch.testing.assert_close(
             out[starts[i] : starts[i + 1]].double(), expected, atol=1e-5, rtol=0
         )

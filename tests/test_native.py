@@ -87,12 +87,16 @@ def reference_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Dense causal attention in float64, one sequence at a time, through the block tables."""
+    """Dense causal attention in float64, one sequence at a time, through the block tables;
+    a query at position p sees keys in (p - sliding_window, p]; scores soft-capped if asked."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
-    flat_k = k_cache.reshape(-1, num_kv_heads, head_dim).double().cpu()
-    flat_v = v_cache.reshape(-1, num_kv_heads, head_dim).double().cpu()
+    # NOTE: NaN marks slots no query may read; masked out here, they must not poison the sums.
+    flat_k = k_cache.reshape(-1, num_kv_heads, head_dim).double().cpu().nan_to_num()
+    flat_v = v_cache.reshape(-1, num_kv_heads, head_dim).double().cpu().nan_to_num()
     block_tables = meta.block_tables.cpu().long()
     out = torch.empty(q.shape, dtype=torch.float64)
     start = 0
@@ -105,22 +109,34 @@ def reference_attention(
         values = flat_v[slots].repeat_interleave(group, dim=1)
         queries = q[start : start + query_len].double().cpu()
         scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         query_pos = torch.arange(seq_len - query_len, seq_len)
-        scores.masked_fill_(pos[None, None, :] > query_pos[None, :, None], float("-inf"))
+        is_masked = pos[None, None, :] > query_pos[None, :, None]
+        if sliding_window is not None:
+            is_masked |= pos[None, None, :] <= query_pos[None, :, None] - sliding_window
+        scores.masked_fill_(is_masked, float("-inf"))
         out[start : start + query_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
         start += query_len
     return out
 
 
 def run_native_and_reference(
-    batch: tuple, scale: float = 0.125
+    batch: tuple,
+    scale: float = 0.125,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v, k_cache, v_cache, meta = batch
     ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
     write_kv_cache(k, v, ref_k_cache, ref_v_cache, meta.slot_mapping)
-    out = native.NativeAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, scale)
-    assert torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
-    return out, reference_attention(q, ref_k_cache, ref_v_cache, meta, scale)
+    out = native.NativeAttentionBackend().forward(
+        q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap
+    )
+    for cache, ref_cache in ((k_cache, ref_k_cache), (v_cache, ref_v_cache)):
+        torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0, equal_nan=True)
+    ref = reference_attention(q, ref_k_cache, ref_v_cache, meta, scale, sliding_window, softcap)
+    return out, ref
 
 
 @pytest.mark.parametrize("heads", [SMOLLM2_HEADS, MHA_HEADS])
@@ -193,13 +209,17 @@ def test_tiled_prefill_reads_no_slot_past_the_context(ops: None) -> None:
     assert (out.double() - reference_attention(q, k_cache, v_cache, meta, 0.125)).abs().max() < 1e-5
 
 
-def fill_unused_slots_with_nan(batch: tuple) -> None:
-    """Writes NaN to every cache slot outside the contexts (block padding, spare blocks)."""
+def fill_unused_slots_with_nan(batch: tuple, sliding_window: int | None = None) -> None:
+    """Writes NaN to every cache slot outside the contexts (block padding, spare blocks), and
+    with a window, before every query's window (blocks that could be freed)."""
     _, _, _, k_cache, v_cache, meta = batch
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     is_used = torch.zeros(k_cache.shape[0] * block_size, dtype=torch.bool)
-    for i, seq_len in enumerate(meta.seq_lens_cpu.tolist()):
-        pos = torch.arange(seq_len)
+    for i, (seq_len, query_len) in enumerate(
+        zip(meta.seq_lens_cpu.tolist(), meta.query_lens_cpu, strict=True)
+    ):
+        first = 0 if sliding_window is None else max(0, seq_len - query_len - sliding_window + 1)
+        pos = torch.arange(first, seq_len)
         slots = meta.block_tables[i, pos // block_size].long() * block_size + pos % block_size
         is_used[slots] = True
     k_cache.view(-1, num_kv_heads, head_dim)[~is_used] = float("nan")
@@ -225,6 +245,50 @@ def test_long_decode_contexts_match_reference(
     out = native.NativeAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, scale)
     ref = reference_attention(q, k_cache, v_cache, meta, scale)
     assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+# Decodes, short chunks (per-token path) and long chunks (tiled) whose contexts outrun the window.
+WINDOW_SPECS = [(1, 1), (5, 1), (40, 1), (300, 1), (9, 4), (77, 8), (16, 16), (70, 33), (200, 150)]
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "block_size"),
+    [(SMOLLM2_HEADS, 16), ((8, 2, 128), 5), ((6, 3, 40), 1), ((4, 1, 192), 16)],
+    ids=["gqa-d64-bs16", "gqa-d128-bs5", "gqa-d40-bs1", "d192-per-token-bs16"],
+)
+@pytest.mark.parametrize(
+    ("sliding_window", "softcap"),
+    [(1, None), (7, None), (16, None), (50, 2.0), (None, 0.7), (1000, None)],
+)
+def test_sliding_window_and_softcap_match_reference(
+    ops: None,
+    cache_dtype: torch.dtype,
+    heads: tuple[int, int, int],
+    block_size: int,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> None:
+    """Every kernel path keeps each query to its window and soft-caps its scores, reading no
+    slot before the window (NaN there); windows from 1 to wider than any context."""
+    batch = narrow_caches(make_batch(WINDOW_SPECS, heads, block_size, seed=13), cache_dtype)
+    fill_unused_slots_with_nan(batch, sliding_window)
+    out, ref = run_native_and_reference(batch, heads[2] ** -0.5, sliding_window, softcap)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize(("sliding_window", "softcap"), [(6, None), (20, 1.5), (None, 3.0)])
+def test_sliding_window_and_softcap_agree_with_torch_backend(
+    ops: None, sliding_window: int | None, softcap: float | None
+) -> None:
+    q, k, v, k_cache, v_cache, meta = make_batch(WINDOW_SPECS, SMOLLM2_HEADS, seed=17)
+    torch_k_cache, torch_v_cache = k_cache.clone(), v_cache.clone()
+    args = (meta, 0.125, sliding_window, softcap)
+    out = native.NativeAttentionBackend().forward(q, k, v, k_cache, v_cache, *args)
+    expected = TorchAttentionBackend().forward(q, k, v, torch_k_cache, torch_v_cache, *args)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    ref = reference_attention(q, k_cache, v_cache, *args)
+    assert (expected.double() - ref).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -10,6 +10,10 @@
 // keys past the tile's last position are skipped (causal). A float32 model may keep a bfloat16
 // or float16 cache: rows widen to float32 a block at a time, which halves the bytes each decode
 // step streams from memory.
+//
+// Per layer, a sliding window limits each query to its last `window` positions (the decode paths
+// start at the window; the tiled path masks per lane), and a soft cap maps every scaled score s to
+// cap * tanh(s / cap) before the softmax (Gemma 2).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -91,6 +95,20 @@ inline AttentionShape attention_shape(const at::Tensor& q, const at::Tensor& k_c
           q.stride(0), q.stride(1), row_stride, block_size * row_stride};
 }
 
+// What a layer adds to plain causal attention: `window` > 0 limits each query to the last
+// `window` positions up to itself (transformers' sliding_window: key k is seen from query q when
+// q - window < k <= q); `softcap` > 0 maps each scaled score s to softcap * tanh(s / softcap).
+struct ScoreRule {
+  float scale;
+  int64_t window;
+  float softcap;
+};
+
+// The first position a query attends to when its context holds `context_len` positions.
+inline int64_t window_start(int64_t context_len, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
+}
+
 // How many positions query row `token` of sequence `seq` attends to: its sequence's cached
 // prefix and its own chunk up to and including itself.
 inline int64_t causal_context_len(int64_t token, int64_t seq, const int32_t* query_start_loc,
@@ -106,8 +124,8 @@ void per_token_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
                               const at::Tensor& v_cache, const std::vector<int64_t>& tokens,
                               const std::vector<int64_t>& token_seq,
                               const int32_t* query_start_loc, const int32_t* seq_lens,
-                              const int32_t* block_tables, int64_t max_num_blocks, float scale,
-                              at::Tensor& out) {
+                              const int32_t* block_tables, int64_t max_num_blocks,
+                              const ScoreRule& rule, at::Tensor& out) {
   const int64_t num_tokens = static_cast<int64_t>(tokens.size());
   if (num_tokens == 0) return;
   const auto [num_heads, head_dim, block_size, num_kv_heads, group, q_token_stride,
@@ -116,6 +134,7 @@ void per_token_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
   const cache_t* k_data = k_cache.const_data_ptr<cache_t>();
   const cache_t* v_data = v_cache.const_data_ptr<cache_t>();
   scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
+  const float scale = rule.scale;
   const int num_threads = at::get_num_threads();
 
 #pragma omp parallel num_threads(num_threads)
@@ -142,13 +161,18 @@ void per_token_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
       std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(running_sum.begin(), running_sum.end(), 0.0f);
 
-      for (int64_t start = 0; start < context_len; start += block_size) {
-        const int64_t num_rows = std::min(block_size, context_len - start);
+      // NOTE: each step takes the rest of one block; only a window's first block starts mid-way.
+      for (int64_t start = window_start(context_len, rule.window), num_rows = 0;
+           start < context_len; start += num_rows) {
+        const int64_t first_row = start % block_size;
+        num_rows = std::min(block_size - first_row, context_len - start);
         // NOTE: a block holds all KV heads of its rows contiguously, so reading every head of
         // a row at once streams the block front to back.
-        const cache_t* k_block = k_data + block_table[start / block_size] * block_stride;
-        const cache_t* v_block = v_data + block_table[start / block_size] * block_stride;
-        const bool has_next = start + block_size < context_len;
+        const int64_t offset =
+            block_table[start / block_size] * block_stride + first_row * row_stride;
+        const cache_t* k_block = k_data + offset;
+        const cache_t* v_block = v_data + offset;
+        const bool has_next = start + num_rows < context_len;
         const int64_t next = has_next ? block_table[start / block_size + 1] * block_stride : 0;
 
         const float* k_rows = as_float(k_block, num_rows * row_stride, kv_buf.data());
@@ -161,6 +185,11 @@ void per_token_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
           for (int64_t h = 0; h < num_heads; ++h) {
             const float* q_h = q_buf.data() + h * head_dim;
             scores[h * block_size + j] = dot(q_h, k_row + (h / group) * head_dim, head_dim);
+          }
+        }
+        if (rule.softcap > 0.0f) {
+          for (int64_t h = 0; h < num_heads; ++h) {
+            softcap_scores(scores.data() + h * block_size, num_rows, rule.softcap);
           }
         }
 
@@ -253,12 +282,12 @@ class LinePrefetcher {
 
 // Scores of NH query heads (sharing one KV head) against one step's K rows.
 // q: [NH, NC * 16] scaled, zero past head_dim; k_rows: num_rows rows `stride` apart; masks: the
-// valid lanes of each 16-float chunk of a row. scores: NH vectors of 16, `scores_stride` apart;
-// lanes past num_rows are -inf.
+// valid lanes of each 16-float chunk of a row; softcap > 0 caps the scores. scores: NH vectors
+// of 16, `scores_stride` apart; lanes past num_rows are -inf.
 template <int NC, int NH>
 inline void step_scores(const float* q, const float* k_rows, int64_t stride, int64_t num_rows,
-                        const __mmask16* masks, float* scores, int64_t scores_stride,
-                        LinePrefetcher& prefetcher) {
+                        const __mmask16* masks, float softcap, float* scores,
+                        int64_t scores_stride, LinePrefetcher& prefetcher) {
   __m512 partial[NH][kStepRows];  // per head and row: 16 partial sums of the dot product
   for (int64_t j = 0; j < kStepRows; ++j) {
     __m512 sum[NH];
@@ -277,8 +306,9 @@ inline void step_scores(const float* q, const float* k_rows, int64_t stride, int
   const __mmask16 row_mask = static_cast<__mmask16>((1u << num_rows) - 1);
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int h = 0; h < NH; ++h) {
-    _mm512_storeu_ps(scores + h * scores_stride,
-                     _mm512_mask_mov_ps(minus_inf, row_mask, transpose_sum16(partial[h])));
+    __m512 sums = transpose_sum16(partial[h]);
+    if (softcap > 0.0f) sums = lanes_softcap(sums, softcap);
+    _mm512_storeu_ps(scores + h * scores_stride, _mm512_mask_mov_ps(minus_inf, row_mask, sums));
   }
 }
 
@@ -330,12 +360,13 @@ void two_phase_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
                               const at::Tensor& v_cache, const std::vector<int64_t>& tokens,
                               const std::vector<int64_t>& token_seq,
                               const int32_t* query_start_loc, const int32_t* seq_lens,
-                              const int32_t* block_tables, int64_t max_num_blocks, float scale,
-                              at::Tensor& out) {
+                              const int32_t* block_tables, int64_t max_num_blocks,
+                              const ScoreRule& rule, at::Tensor& out) {
   const int64_t num_tokens = static_cast<int64_t>(tokens.size());
   if (num_tokens == 0) return;
   const auto [num_heads, head_dim, block_size, num_kv_heads, group, q_token_stride,
               q_head_stride, row_stride, block_stride] = attention_shape(q, k_cache);
+  const float scale = rule.scale;
   constexpr int64_t kPadded = NC * 16;
   constexpr int64_t kScoresStride = kMaxChunkSteps * kStepRows;
   // NOTE: step_values keeps [heads, chunks] accumulators in registers; 16 of 32 at most.
@@ -399,7 +430,8 @@ void two_phase_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
       std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(running_sum.begin(), running_sum.end(), 0.0f);
 
-      for (int64_t chunk_start = 0; chunk_start < context_len;) {
+      for (int64_t chunk_start = window_start(context_len, rule.window);
+           chunk_start < context_len;) {
         int64_t num_steps = 0, chunk_end = chunk_start;
         for (; chunk_end < context_len && num_steps < kMaxChunkSteps; ++num_steps) {
           step_offset[num_steps] = step_at(chunk_end, &step_rows[num_steps]);
@@ -418,8 +450,8 @@ void two_phase_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
           for_head_batches([&](int64_t h, int64_t kv_head, auto heads) {
             step_scores<NC, decltype(heads)::value>(
                 q_buf.data() + h * kPadded, k_rows + kv_head * head_dim, row_stride, num_rows,
-                masks, scores.data() + h * kScoresStride + t * kStepRows, kScoresStride,
-                prefetcher);
+                masks, rule.softcap, scores.data() + h * kScoresStride + t * kStepRows,
+                kScoresStride, prefetcher);
           });
         }
 
@@ -485,14 +517,14 @@ template <typename scalar_t, typename cache_t>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const std::vector<int64_t>& tokens, const std::vector<int64_t>& token_seq,
                       const int32_t* query_start_loc, const int32_t* seq_lens,
-                      const int32_t* block_tables, int64_t max_num_blocks, float scale,
-                      at::Tensor& out) {
+                      const int32_t* block_tables, int64_t max_num_blocks,
+                      const ScoreRule& rule, at::Tensor& out) {
 #if defined(__AVX512F__)
   const int64_t head_dim = q.size(2);
   auto two_phase = [&](auto num_chunks) {
     two_phase_attention_impl<decltype(num_chunks)::value, scalar_t, cache_t>(
         q, k_cache, v_cache, tokens, token_seq, query_start_loc, seq_lens, block_tables,
-        max_num_blocks, scale, out);
+        max_num_blocks, rule, out);
   };
   if (head_dim <= 16) return two_phase(std::integral_constant<int, 1>{});
   if (head_dim <= 32) return two_phase(std::integral_constant<int, 2>{});
@@ -501,7 +533,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 #endif
   per_token_attention_impl<scalar_t, cache_t>(q, k_cache, v_cache, tokens, token_seq,
                                               query_start_loc, seq_lens, block_tables,
-                                              max_num_blocks, scale, out);
+                                              max_num_blocks, rule, out);
 }
 
 // Sequences with more query rows than this (long prefill chunks) attend by tiles.
@@ -517,14 +549,20 @@ struct Tile {
   int64_t context_len;  // keys the tile's last row sees
 };
 
+// The score a masked key gets in the tiled kernel: finite, so that a lane whose every key in a
+// step is masked (before its sliding window starts) keeps a finite running max; its weight
+// exp(kMaskedScore - max) underflows to ~0 as soon as the lane sees a real key.
+constexpr float kMaskedScore = -1e30f;
+
 // Online-softmax step of one query head's tile over kNumLanes keys, all in registers.
 // q_t: [head_dim, kNumLanes] (scaled), o_t: [head_dim, kNumLanes] unnormalised output; k_rows
-// and v_rows: kNumLanes rows of head_dim floats, `stride` apart. The first `num_masked[j]`
-// lanes may not see key j.
+// and v_rows: kNumLanes rows of head_dim floats, `stride` apart. With `seen_from` given, key j
+// is seen only by lanes [seen_from[j], seen_to[j]); softcap > 0 caps the scores.
 // running_max and running_sum: kNumLanes floats each, carried from step to step.
 inline void tile_step(const float* q_t, float* o_t, float* running_max, float* running_sum,
                       const float* k_rows, const float* v_rows, int64_t stride,
-                      int64_t head_dim, const int64_t* num_masked) {
+                      int64_t head_dim, float softcap, const int64_t* seen_from,
+                      const int64_t* seen_to) {
   Lanes s[kNumLanes];
 #pragma GCC unroll 16
   for (int64_t j = 0; j < kNumLanes; ++j) s[j] = lanes_zero();
@@ -535,10 +573,14 @@ inline void tile_step(const float* q_t, float* o_t, float* running_max, float* r
       s[j] = lanes_fmadd(lanes_set1(k_rows[j * stride + d]), q_d, s[j]);
     }
   }
-  if (num_masked != nullptr) {
+  if (softcap > 0.0f) {
+    for (int64_t j = 0; j < kNumLanes; ++j) s[j] = lanes_softcap(s[j], softcap);
+  }
+  if (seen_from != nullptr) {
 #pragma GCC unroll 16
     for (int64_t j = 0; j < kNumLanes; ++j) {
-      s[j] = lanes_fill_first(s[j], num_masked[j], -std::numeric_limits<float>::infinity());
+      s[j] = lanes_fill_from(lanes_fill_first(s[j], seen_from[j], kMaskedScore), seen_to[j],
+                             kMaskedScore);
     }
   }
   Lanes block_max = s[0];
@@ -567,12 +609,13 @@ inline void tile_step(const float* q_t, float* o_t, float* running_max, float* r
 
 // Attends every tile: per tile, each kNumLanes-key step of its context loads K/V once for the
 // tile's tokens and the group's heads. Keys come straight from a float32 cache when a step's
-// keys share a block, else they are copied (widened, zero-padded) into a scratch block.
+// keys share a block, else they are copied (widened, zero-padded) into a scratch block. No slot
+// outside the context, or before the tile's first query's window, is read.
 template <typename scalar_t, typename cache_t>
 void tiled_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const std::vector<Tile>& tiles,
-                          const int32_t* block_tables, int64_t max_num_blocks, float scale,
-                          at::Tensor& out) {
+                          const int32_t* block_tables, int64_t max_num_blocks,
+                          const ScoreRule& rule, at::Tensor& out) {
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   if (num_tiles == 0) return;
   const auto [num_heads, head_dim, block_size, num_kv_heads, group, q_token_stride,
@@ -582,6 +625,7 @@ void tiled_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
   const cache_t* k_data = k_cache.const_data_ptr<cache_t>();
   const cache_t* v_data = v_cache.const_data_ptr<cache_t>();
   scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
+  const float scale = rule.scale;
   const int num_threads = at::get_num_threads();
 
 #pragma omp parallel num_threads(num_threads)
@@ -592,7 +636,7 @@ void tiled_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
     std::vector<float> k_buf(kNumLanes * head_dim), v_buf(kNumLanes * head_dim);
     // [group, kNumLanes] each
     std::vector<float> running_max(group * kNumLanes), running_sum(group * kNumLanes);
-    int64_t num_masked[kNumLanes];
+    int64_t seen_from[kNumLanes], seen_to[kNumLanes];
 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_tiles; ++i) {
@@ -616,12 +660,17 @@ void tiled_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
         }
       }
 
-      for (int64_t start = 0; start < tile.context_len; start += kNumLanes) {
+      // NOTE: steps stay kNumLanes-aligned (a float32 cache is read in place); with a window
+      // they start at lane 0's first key, and a later lane's earlier keys are masked.
+      const int64_t first_key = window_start(first_pos + 1, rule.window);
+      for (int64_t start = first_key - first_key % kNumLanes; start < tile.context_len;
+           start += kNumLanes) {
         const int64_t num_keys = std::min(kNumLanes, tile.context_len - start);
         const float* k_rows;
         const float* v_rows;
         int64_t stride;
-        if (is_direct && num_keys == kNumLanes) {
+        // NOTE: keys before lane 0's window are no lane's; they are zeros, never read.
+        if (is_direct && num_keys == kNumLanes && start >= first_key) {
           const int64_t offset = block_table[start / block_size] * block_stride +
                                  (start % block_size) * row_stride + tile.kv_head * head_dim;
           k_rows = reinterpret_cast<const float*>(k_data + offset);
@@ -631,7 +680,7 @@ void tiled_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
           for (int64_t j = 0; j < kNumLanes; ++j) {
             float* k_dst = k_buf.data() + j * head_dim;
             float* v_dst = v_buf.data() + j * head_dim;
-            if (j < num_keys) {
+            if (j < num_keys && start + j >= first_key) {
               const int64_t pos = start + j;
               const int64_t offset = block_table[pos / block_size] * block_stride +
                                      (pos % block_size) * row_stride + tile.kv_head * head_dim;
@@ -646,17 +695,26 @@ void tiled_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
           v_rows = v_buf.data();
           stride = head_dim;
         }
-        // NOTE: only steps reaching past the tile's first position need the causal mask.
-        const bool is_masked = start + kNumLanes - 1 > first_pos;
+        // NOTE: only steps reaching past the tile's first position need the causal mask, and
+        // only steps before its last lane's window start need the window's.
+        const bool is_masked =
+            start + kNumLanes - 1 > first_pos ||
+            (rule.window > 0 && start < first_pos + kNumLanes - rule.window);
         if (is_masked) {
+          // Key start + j is seen by lanes l with start + j <= first_pos + l (causal) and
+          // first_pos + l - window < start + j (window).
           for (int64_t j = 0; j < kNumLanes; ++j) {
-            num_masked[j] = std::clamp<int64_t>(start + j - first_pos, 0, kNumLanes);
+            seen_from[j] = std::clamp<int64_t>(start + j - first_pos, 0, kNumLanes);
+            seen_to[j] = rule.window > 0 ? std::clamp<int64_t>(start + j - first_pos + rule.window,
+                                                               0, kNumLanes)
+                                         : kNumLanes;
           }
         }
         for (int64_t g = 0; g < group; ++g) {
           tile_step(q_t.data() + g * head_dim * kNumLanes, o_t.data() + g * head_dim * kNumLanes,
                     running_max.data() + g * kNumLanes, running_sum.data() + g * kNumLanes,
-                    k_rows, v_rows, stride, head_dim, is_masked ? num_masked : nullptr);
+                    k_rows, v_rows, stride, head_dim, rule.softcap,
+                    is_masked ? seen_from : nullptr, seen_to);
         }
       }
 
@@ -679,9 +737,12 @@ void tiled_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
 at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& query_start_loc,
                                const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                               double scale) {
+                               double scale, int64_t sliding_window, double softcap) {
   check_paged_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                              /*can_cache_be_16bit=*/true);
+  TORCH_CHECK(sliding_window >= 0 && softcap >= 0.0,
+              "sliding_window and softcap must be >= 0 (0: off)");
+  const ScoreRule rule{static_cast<float>(scale), sliding_window, static_cast<float>(softcap)};
   const int64_t num_tokens = q.size(0), num_seqs = seq_lens.size(0);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
   const int64_t max_num_blocks = block_tables.size(1);
@@ -725,17 +786,16 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
   const bool is_widened = q.scalar_type() != k_cache.scalar_type();
   VBATCH_DISPATCH_KV_TYPES(k_cache.scalar_type(), "paged_attention_cpu", [&] {
     using cache_t = scalar_t;
-    const float scale_f = static_cast<float>(scale);
     if (is_widened) {
       tiled_attention_impl<float, cache_t>(q, k_cache, v_cache, tiles, tables, max_num_blocks,
-                                           scale_f, out);
+                                           rule, out);
       decode_attention<float, cache_t>(q, k_cache, v_cache, tokens, token_seq, starts, lens,
-                                       tables, max_num_blocks, scale_f, out);
+                                       tables, max_num_blocks, rule, out);
     } else {
       tiled_attention_impl<cache_t, cache_t>(q, k_cache, v_cache, tiles, tables, max_num_blocks,
-                                             scale_f, out);
+                                             rule, out);
       decode_attention<cache_t, cache_t>(q, k_cache, v_cache, tokens, token_seq, starts, lens,
-                                         tables, max_num_blocks, scale_f, out);
+                                         tables, max_num_blocks, rule, out);
     }
   });
   return out;

@@ -3,7 +3,8 @@
 // Attention runs one thread block per (token, head). Each warp walks every kNumWarps-th context
 // position, reading the K/V row through the block table (lanes split head_dim, so loads are
 // coalesced) and keeping an online softmax in registers; the warps merge their partial
-// (max, sum, acc) states through shared memory at the end.
+// (max, sum, acc) states through shared memory at the end. A sliding window (> 0) starts the
+// walk at the query's window; a soft cap (> 0) maps each scaled score s to cap * tanh(s / cap).
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -51,7 +52,7 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
     const int32_t* __restrict__ query_start_loc, const int32_t* __restrict__ seq_lens,
     const int32_t* __restrict__ block_tables, int num_seqs, int max_num_blocks, int num_heads,
     int num_kv_heads, int head_dim, int block_size, int64_t q_token_stride,
-    int64_t q_head_stride, float scale) {
+    int64_t q_head_stride, float scale, int sliding_window, float softcap) {
   __shared__ float q_s[kMaxHeadDim];
   __shared__ float acc_s[kNumWarps][kMaxHeadDim];
   __shared__ float max_s[kNumWarps];
@@ -77,7 +78,9 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
 #pragma unroll
   for (int i = 0; i < kDimsPerLane; ++i) acc[i] = 0.0f;
 
-  for (int pos = warp; pos < context_len; pos += kNumWarps) {
+  // NOTE: transformers' sliding window: key k is seen from query q when q - window < k <= q.
+  const int first_pos = sliding_window > 0 ? max(0, context_len - sliding_window) : 0;
+  for (int pos = first_pos + warp; pos < context_len; pos += kNumWarps) {
     const int64_t slot =
         static_cast<int64_t>(block_table[pos / block_size]) * block_size + pos % block_size;
     const int64_t row = slot * row_stride + static_cast<int64_t>(kv_head) * head_dim;
@@ -87,7 +90,8 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
       const int d = lane + i * kWarpSize;
       if (d < head_dim) dot += q_s[d] * static_cast<float>(k_cache[row + d]);
     }
-    const float score = warp_sum(dot);
+    float score = warp_sum(dot);
+    if (softcap > 0.0f) score = softcap * tanhf(score / softcap);
     const float new_max = fmaxf(running_max, score);
     const float correction = expf(running_max - new_max);
     const float p = expf(score - new_max);
@@ -155,8 +159,10 @@ __global__ void reshape_and_cache_kernel(const scalar_t* __restrict__ k,
 at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& query_start_loc,
                                 const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                                double scale) {
+                                double scale, int64_t sliding_window, double softcap) {
   check_paged_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables);
+  TORCH_CHECK(sliding_window >= 0 && sliding_window <= INT32_MAX && softcap >= 0.0,
+              "sliding_window and softcap must be >= 0 (0: off)");
   TORCH_CHECK(q.size(2) <= kMaxHeadDim, "head_dim above ", kMaxHeadDim, " is not supported");
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = at::empty(q.sizes(), q.options());
@@ -170,7 +176,7 @@ at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
         query_start_loc.const_data_ptr<int32_t>(), seq_lens.const_data_ptr<int32_t>(),
         block_tables.const_data_ptr<int32_t>(), seq_lens.size(0), block_tables.size(1),
         q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), q.stride(0), q.stride(1),
-        static_cast<float>(scale));
+        static_cast<float>(scale), static_cast<int>(sliding_window), static_cast<float>(softcap));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;

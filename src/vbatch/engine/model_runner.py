@@ -127,11 +127,13 @@ class ModelRunner:
         self._logits = torch.empty(0, model_config.vocab_size)
         self.graph_runner: DecodeGraphRunner | None = None
         # NOTE: the torch backend's decode gathers max_seq_len positions a row, which a graph
-        # fixes at the model's whole length; the native op reads only each row's context.
+        # fixes at the model's whole length; the native op reads only each row's context. MoE
+        # routing sizes its expert batches on the host, which a graph cannot capture.
         if (
             self.device.type == "cuda"
             and not config.enforce_eager
             and self.attn_backend.name == "native"
+            and self.model.supports_cuda_graphs
         ):
             progress("capturing CUDA graphs")
             max_position = model_config.max_position_embeddings

@@ -48,6 +48,10 @@ class AttentionBackend(abc.ABC):
     [num_tokens, num_heads, head_dim] in q's dtype. num_heads is a multiple of num_kv_heads
     (GQA). The caches may hold a narrower dtype than q (a 16-bit cache under a float32 model):
     K/V round to it on write and widen back to q's dtype on read.
+
+    Per layer: `sliding_window` W limits a query at position p to keys in (p - W, p], as
+    transformers' sliding_window; `softcap` c maps each scaled score s to c * tanh(s / c) before
+    the softmax (Gemma 2's attention logit soft-capping). None means off.
     """
 
     name: str = "abstract"
@@ -62,6 +66,8 @@ class AttentionBackend(abc.ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -141,33 +147,70 @@ def attend_long_chunks(
     plan: BatchPlan,
     out: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
-    """SDPA over each long prefill chunk's gathered context, causal from its cached prefix."""
+    """SDPA over each long prefill chunk's gathered context, causal from its cached prefix;
+    with a sliding window, only from the block holding the chunk's first query's first key."""
     block_size = k_cache.shape[1]
     for seq_index, start, query_len, seq_len in plan.long_chunks:
+        first_key = 0
+        if sliding_window is not None:
+            first_key = max(0, seq_len - query_len - sliding_window + 1)
+        first_block = first_key // block_size
+        offset = first_block * block_size  # the position of the first gathered key
         num_blocks = -(-seq_len // block_size)
-        block_table = plan.meta.block_tables[seq_index, :num_blocks].long()
-        # [1, num_kv_heads, seq_len, head_dim]
-        seq_k = k_cache.index_select(0, block_table).flatten(0, 1)[:seq_len].to(q.dtype)
-        seq_v = v_cache.index_select(0, block_table).flatten(0, 1)[:seq_len].to(q.dtype)
-        seq_k, seq_v = seq_k.transpose(0, 1)[None], seq_v.transpose(0, 1)[None]
+        block_table = plan.meta.block_tables[seq_index, first_block:num_blocks].long()
+        # [1, num_kv_heads, seq_len - offset, head_dim]
+        seq_k = k_cache.index_select(0, block_table).flatten(0, 1)[: seq_len - offset]
+        seq_v = v_cache.index_select(0, block_table).flatten(0, 1)[: seq_len - offset]
+        seq_k = seq_k.to(q.dtype).transpose(0, 1)[None]
+        seq_v = seq_v.to(q.dtype).transpose(0, 1)[None]
         seq_q = q[start : start + query_len].transpose(0, 1)[None]
         mask = None
-        if query_len != seq_len:
-            key_pos = torch.arange(seq_len, device=q.device)
+        if query_len != seq_len or sliding_window is not None or softcap is not None:
+            key_pos = torch.arange(offset, seq_len, device=q.device)
             query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
-            mask = key_pos[None, :] <= query_pos[:, None]
-        # NOTE: 4-D inputs reach the fused CPU kernel; 3-D ones fall back to the math path.
-        seq_out = F.scaled_dot_product_attention(
-            seq_q,
-            seq_k,
-            seq_v,
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )
+            mask = _causal_mask(query_pos, key_pos, sliding_window)
+        seq_out = _attend(seq_q, seq_k, seq_v, mask, scale, softcap)
         out[start : start + query_len] = seq_out[0].transpose(0, 1)
+
+
+def _causal_mask(
+    query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor:
+    """[num_queries, num_keys] bool: which keys each query sees."""
+    mask = key_pos[None, :] <= query_pos[:, None]
+    if sliding_window is not None:
+        mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
+    return mask
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention over [batch, heads, len, head_dim] inputs (GQA: k and v may have fewer heads);
+    `mask` None means causal. A soft cap needs the scores, so it runs the eager math, which
+    rounds like transformers' eager attention."""
+    if softcap is None:
+        # NOTE: 4-D inputs reach the fused CPU kernel; 3-D ones fall back to the math path.
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+    assert mask is not None, "the soft-capped path takes an explicit mask"
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -192,11 +235,21 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode_only:
             return _paged_decode(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.max_seq_len,
+                scale,
+                sliding_window,
+                softcap,
             )
         plan = self._planner.plan(meta)
         out = torch.empty_like(q)
@@ -210,8 +263,10 @@ class TorchAttentionBackend(AttentionBackend):
                 plan.short_seq_lens,
                 plan.max_short_seq_len,
                 scale,
+                sliding_window,
+                softcap,
             )
-        attend_long_chunks(q, k_cache, v_cache, plan, out, scale)
+        attend_long_chunks(q, k_cache, v_cache, plan, out, scale, sliding_window, softcap)
         return out
 
 
@@ -223,6 +278,8 @@ def _paged_decode(
     seq_lens: torch.Tensor,
     max_seq_len: int,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query row per sequence: q [num_seqs, num_heads, head_dim] → same shape."""
     num_seqs = q.shape[0]
@@ -236,15 +293,9 @@ def _paged_decode(
     keys, values = keys.to(q.dtype), values.to(q.dtype)
     key_pos = torch.arange(max_len, device=q.device)
     # [num_seqs, 1, 1, max_len]
-    mask = (key_pos[None, :] < seq_lens[:, None]).view(num_seqs, 1, 1, max_len)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=True,
-    )
+    mask = _causal_mask(seq_lens - 1, key_pos, sliding_window).view(num_seqs, 1, 1, max_len)
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+    out = _attend(q.unsqueeze(2), keys, values, mask, scale, softcap)
     return out.squeeze(2)
 
 

@@ -120,6 +120,8 @@ def _register_fakes() -> None:
         seq_lens: torch.Tensor,
         block_tables: torch.Tensor,
         scale: float,
+        sliding_window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         return q.new_empty(q.shape)
 
@@ -233,12 +235,24 @@ class NativeAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         torch.ops.vbatch.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        # NOTE: the ops take 0 for "no window" and "no soft cap".
+        window, cap = sliding_window or 0, softcap or 0.0
         if meta.max_query_len <= MAX_NATIVE_QUERY_LEN or q.device.type == "cpu":
             # [num_tokens, num_heads, head_dim]
             return torch.ops.vbatch.paged_attention(
-                q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale
+                q,
+                k_cache,
+                v_cache,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.block_tables,
+                scale,
+                window,
+                cap,
             )
         plan = self._planner.plan(meta)
         out = torch.empty_like(q)
@@ -251,6 +265,8 @@ class NativeAttentionBackend(AttentionBackend):
                 plan.short_seq_lens,
                 plan.short_block_tables,
                 scale,
+                window,
+                cap,
             )
-        attend_long_chunks(q, k_cache, v_cache, plan, out, scale)
+        attend_long_chunks(q, k_cache, v_cache, plan, out, scale, sliding_window, softcap)
         return out

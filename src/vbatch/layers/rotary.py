@@ -1,4 +1,5 @@
-"""Rotary position embeddings: inverse frequencies (default, linear, llama3) and a cos/sin cache."""
+"""Rotary position embeddings: inverse frequencies (default, linear, llama3, longrope) and a
+cos/sin cache; partial rotary rotates only a head's leading dims."""
 
 from __future__ import annotations
 
@@ -10,13 +11,19 @@ import torch
 
 
 def rope_inv_freq(
-    head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None
+    head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None, long: bool = False
 ) -> torch.Tensor:
-    """The per-pair rotation frequencies, [head_dim // 2] float32, scaled as the config says."""
+    """The per-pair rotation frequencies, [head_dim // 2] float32, scaled as the config says;
+    `long` picks longrope's long factors (for positions past the pre-training length)."""
     # NOTE: always on CPU, so a model built under `torch.device("meta")` still gets real values.
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (rope_theta**exponents)
     rope_type = (rope_scaling or {}).get("rope_type", "default")
+    if rope_type == "longrope":
+        assert rope_scaling is not None
+        factors = rope_scaling["long_factor" if long else "short_factor"]
+        factors_t = torch.tensor(factors, dtype=torch.float32, device="cpu")
+        return 1.0 / (factors_t * rope_theta**exponents)
+    inv_freq = 1.0 / (rope_theta**exponents)
     if rope_type == "default":
         return inv_freq
     assert rope_scaling is not None
@@ -47,19 +54,30 @@ def _llama3_inv_freq(
 class RotaryEmbedding:
     """A cos/sin table for positions [0, max_positions), built lazily per (device, dtype).
 
-    Invariant: the tables are [max_positions, head_dim // 2], computed in float32 (as
-    transformers does) and cast to the requested dtype.
+    Invariant: the tables are [max_positions, rotary_dim // 2], computed in float32 (as
+    transformers does) and cast to the requested dtype. Longrope (Phi-3) rotates positions
+    before its pre-training length with the short factors and later ones with the long factors,
+    all scaled by its attention factor. transformers instead picks one set per forward pass from
+    the longest position in it, so the two agree while a sequence stays within that length.
     """
 
     def __init__(
         self,
-        head_dim: int,
+        rotary_dim: int,
         max_positions: int,
         rope_theta: float,
         rope_scaling: dict[str, Any] | None,
     ) -> None:
         self.max_positions = max_positions
-        self.inv_freq = rope_inv_freq(head_dim, rope_theta, rope_scaling)
+        self.inv_freq = rope_inv_freq(rotary_dim, rope_theta, rope_scaling)
+        self.long_inv_freq: torch.Tensor | None = None
+        self.long_from = max_positions
+        self.attention_factor = 1.0
+        if (rope_scaling or {}).get("rope_type") == "longrope":
+            assert rope_scaling is not None
+            self.long_inv_freq = rope_inv_freq(rotary_dim, rope_theta, rope_scaling, long=True)
+            self.long_from = int(rope_scaling["original_max_position_embeddings"])
+            self.attention_factor = float(rope_scaling["attention_factor"])
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def for_positions(
@@ -78,15 +96,21 @@ class RotaryEmbedding:
 
     def _build(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(self.max_positions, device=device, dtype=torch.int64)
-        # [max_positions, head_dim // 2]
+        # [max_positions, rotary_dim // 2]
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(device)[None, :]
-        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+        if self.long_inv_freq is not None and self.long_from < self.max_positions:
+            long_positions = positions[self.long_from :].to(torch.float32)[:, None]
+            freqs[self.long_from :] = long_positions * self.long_inv_freq.to(device)[None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the two halves of each head (HF's rotate_half layout).
 
-    x [num_tokens, num_heads, head_dim]; cos, sin [num_tokens, head_dim // 2].
+    x [num_tokens, num_heads, rotary_dim]; cos, sin [num_tokens, rotary_dim // 2].
     """
     x1, x2 = x.chunk(2, dim=-1)
     cos = cos.unsqueeze(1)
@@ -96,16 +120,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 @dataclass
 class RotaryBatch:
-    """One step's rotation: per-token cos/sin rows, or (native) the whole tables and positions."""
+    """One step's rotation: per-token cos/sin rows, or (native) the whole tables and positions.
+    The tables' width sets how many leading dims of each head rotate (2 * cos.shape[-1])."""
 
     positions: torch.Tensor  # [num_tokens] int64
-    cos: torch.Tensor  # [num_tokens, head_dim // 2], or [max_positions, head_dim // 2] if native
+    cos: torch.Tensor  # [num_tokens, rotary_dim // 2], or [max_positions, rotary_dim // 2]
     sin: torch.Tensor
     is_native: bool
 
     def rotate(self, qk: torch.Tensor) -> torch.Tensor:
         """Rotated qk [num_tokens, num_heads, head_dim]; the native path rotates qk in place."""
+        rotary_dim = 2 * self.cos.shape[-1]
+        is_partial = rotary_dim != qk.shape[-1]
         if self.is_native:
-            torch.ops.vbatch.rotary_embedding(self.positions, qk, self.cos, self.sin)
+            # NOTE: the op takes a strided view, so a partial rotation is a slice of qk.
+            target = qk[..., :rotary_dim] if is_partial else qk
+            torch.ops.vbatch.rotary_embedding(self.positions, target, self.cos, self.sin)
             return qk
+        if is_partial:
+            rotated = apply_rotary(qk[..., :rotary_dim], self.cos, self.sin)
+            return torch.cat((rotated, qk[..., rotary_dim:]), dim=-1)
         return apply_rotary(qk, self.cos, self.sin)

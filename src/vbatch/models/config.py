@@ -1,22 +1,32 @@
-"""ModelConfig: the architecture facts vbatch needs, read from an HF config.json."""
+"""ModelConfig: the architecture facts vbatch needs, read from an HF config.json.
+
+The fields common to every family are read here; what a family adds to the Llama decoder (q/k
+norms, Gemma's norms and soft caps, sliding windows, experts, ...) comes from its reader in
+models/families.py, which also defines the supported architectures.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vbatch.errors import ModelLoadError
+from vbatch.models import families
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ARCHITECTURES = families.SUPPORTED_ARCHITECTURES
+SUPPORTED_ROPE_TYPES = families.SUPPORTED_ROPE_TYPES
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder. Invariants: num_attention_heads % num_key_value_heads == 0;
-    head_dim is even; rope_scaling is None or has a rope_type in SUPPORTED_ROPE_TYPES.
+    """A Llama-family decoder and the family hooks it takes.
+
+    Invariants: num_attention_heads % num_key_value_heads == 0; head_dim and rotary_dim are
+    even, rotary_dim <= head_dim; rope_scaling (and sliding_rope_scaling) is None or has a
+    rope_type in SUPPORTED_ROPE_TYPES; sliding_windows and moe_layers have one entry per layer.
+    Every hook's default is the plain Llama behaviour.
     """
 
     architecture: str
@@ -32,9 +42,45 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # on the q, k and v projections
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # --- family hooks ---
+    o_proj_bias: bool = False
+    hidden_act: str = "silu"  # of the gated MLP: silu, or gelu_pytorch_tanh (GeGLU)
+    qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma 3)
+    norm_weight_offset: float = 0.0  # added to every RMSNorm weight at load (Gemma: 1)
+    sandwich_norms: bool = False  # norms after attention and MLP too (Gemma 2/3)
+    embedding_multiplier: float | None = None  # embeddings times this (Gemma: sqrt(hidden))
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma)
+    attn_logit_softcapping: float | None = None  # cap * tanh(score / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # the same on the logits (Gemma 2)
+    rotary_dim: int = 0  # the leading dims of each head that rotate (all but with Phi-4-mini)
+    sliding_windows: tuple[int | None, ...] = ()  # per layer; () means none anywhere
+    # Rope base and scaling of the sliding-window layers where they differ (Gemma 3).
+    sliding_rope_theta: float | None = None
+    sliding_rope_scaling: dict[str, Any] | None = None
+    # Mixture of experts (Mixtral, Qwen3-MoE): top-k of num_experts per token.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
+    moe_layers: tuple[bool, ...] = field(default=())  # per layer; () means no MoE layer
+
+    @property
+    def attention_scale(self) -> float:
+        base = self.query_pre_attn_scalar or self.head_dim
+        return float(base) ** -0.5
+
+    def sliding_window(self, layer: int) -> int | None:
+        """The window of layer `layer`'s attention, None for full attention."""
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
+
+    def uses_sliding_rope(self, layer: int) -> bool:
+        return self.sliding_rope_theta is not None and self.sliding_window(layer) is not None
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> ModelConfig:
@@ -78,8 +124,7 @@ class ModelConfig:
                 f"bad attention shape: {num_heads} heads, {num_kv_heads} kv heads, "
                 f"head_dim {head_dim}"
             )
-        rope_theta, rope_scaling = _rope_settings(raw)
-        return cls(
+        base: dict[str, Any] = dict(
             architecture=architecture,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden_size,
@@ -89,31 +134,34 @@ class ModelConfig:
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=architecture == "Qwen2ForCausalLM"
-            or bool(raw.get("attention_bias", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
             bos_token_id=raw.get("bos_token_id", (generation or {}).get("bos_token_id")),
             eos_token_ids=_eos_token_ids(raw, generation or {}),
         )
+        # NOTE: the family reader sees the common fields and returns what it adds or overrides,
+        # rope included (its parameters live in family-specific places).
+        hooks = families.read_family(architecture, raw, base)
+        config = cls(**{**base, **hooks})
+        config._check()
+        return config
 
-
-def _rope_settings(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    # NOTE: transformers 5 writes `rope_parameters`; older configs use rope_theta + rope_scaling.
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    rope_theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(
-            f"unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    if rope_type == "default":
-        return rope_theta, None
-    params["rope_type"] = rope_type
-    params.pop("type", None)
-    return rope_theta, params
+    def _check(self) -> None:
+        if self.rotary_dim <= 0 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ModelLoadError(f"bad rotary_dim {self.rotary_dim} for head_dim {self.head_dim}")
+        for name in ("sliding_windows", "moe_layers"):
+            value = getattr(self, name)
+            if value and len(value) != self.num_hidden_layers:
+                raise ModelLoadError(
+                    f"{name} has {len(value)} entries for {self.num_hidden_layers} layers"
+                )
+        if any(window is not None and window < 1 for window in self.sliding_windows):
+            raise ModelLoadError(f"bad sliding window in {self.sliding_windows}")
+        if self.moe_layers and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(
+                f"bad experts: top {self.num_experts_per_tok} of {self.num_experts}"
+            )
 
 
 def _eos_token_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:

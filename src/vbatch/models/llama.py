@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) over a paged KV cache."""
+"""The Llama-family decoder over a paged KV cache: Llama 2/3, SmolLM, Mistral, Qwen2/3, Phi-3/4,
+Gemma 2/3, Mixtral and Qwen3-MoE, each a set of ModelConfig hooks (see models/families.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from vbatch.errors import ConfigError, ModelLoadError
+from vbatch.layers.activation import ACTIVATIONS
 from vbatch.layers.attention import AttentionBackend, AttentionMetadata
 from vbatch.layers.greedy_screen import Int8GreedyScreen
 from vbatch.layers.native import has_fused_ops
@@ -18,6 +20,8 @@ from vbatch.layers.quantization import has_int8_kernels, quantize_linears
 from vbatch.layers.rotary import RotaryBatch, RotaryEmbedding
 from vbatch.models.config import ModelConfig
 from vbatch.models.loader import ResolvedModel
+from vbatch.models.moe import SparseMoeBlock
+from vbatch.models.weights import param_target, prepare
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 LM_HEAD_CHUNK = 3072
@@ -32,18 +36,34 @@ def _is_cpu_float32_linear(layer: nn.Module, x: torch.Tensor) -> bool:
 
 
 class LlamaAttention(nn.Module):
-    """Fused QKV projection, rotary on Q and K together, paged attention, output projection."""
+    """Fused QKV projection, per-head q/k norms (Qwen3, Gemma 3), rotary on Q and K together,
+    paged attention with the layer's window and soft cap, output projection."""
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        attn_backend: AttentionBackend,
+        use_native_ops: bool,
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale
+        self.sliding_window = config.sliding_window(layer)
+        self.softcap = config.attn_logit_softcapping
         self.attn_backend = attn_backend
         qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(
+            self.num_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias
+        )
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, use_native_ops)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, use_native_ops)
 
     def forward(
         self, x: torch.Tensor, rotary: RotaryBatch, kv_cache: KVCache, meta: AttentionMetadata
@@ -52,27 +72,41 @@ class LlamaAttention(nn.Module):
         num_qk_heads = self.num_heads + self.num_kv_heads
         # [num_tokens, num_heads + 2 * num_kv_heads, head_dim]
         qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)
-        qk = rotary.rotate(qkv[:, :num_qk_heads])
+        qk = qkv[:, :num_qk_heads]
+        if self.q_norm is not None and self.k_norm is not None:
+            q = _norm_heads(self.q_norm, qk[:, : self.num_heads])
+            k = _norm_heads(self.k_norm, qk[:, self.num_heads :])
+            qk = torch.cat((q, k), dim=1)
+        qk = rotary.rotate(qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, num_qk_heads:]
-        out = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = self.attn_backend.forward(
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window, self.softcap
+        )
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
-class LlamaMLP(nn.Module):
-    """SwiGLU with gate and up fused into one projection."""
+def _norm_heads(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm over each head of x [num_tokens, num_heads, head_dim]."""
+    return norm(x.reshape(-1, x.shape[-1])).view(x.shape)
 
-    def __init__(self, config: ModelConfig) -> None:
+
+class LlamaMLP(nn.Module):
+    """A gated MLP (SwiGLU; GeGLU for Gemma) with gate and up fused into one projection."""
+
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.intermediate_size = intermediate_size or config.intermediate_size
+        size = self.intermediate_size
+        self.act = ACTIVATIONS[config.hidden_act]
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * size, bias=False)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= MAX_TRANSPOSED_ROWS and _is_cpu_float32_linear(self.gate_up_proj, x):
             return self._forward_transposed(x)
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
     def _forward_transposed(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: for few rows MKL runs W @ x^T 1.3-1.4x faster than x @ W^T (measured at 16-128
@@ -85,23 +119,39 @@ class LlamaMLP(nn.Module):
         size = self.intermediate_size
         # [2 * intermediate_size, padded num_tokens]
         gate_up = torch.mm(self.gate_up_proj.weight, x.t())
-        act = F.silu(gate_up[:size]).mul_(gate_up[size:])
+        act = self.act(gate_up[:size]).mul_(gate_up[size:])
         return torch.mm(self.down_proj.weight, act)[:, :num_tokens].t().contiguous()
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention block then pre-norm MLP block; each residual add is fused into the
-    next norm, so a layer takes and returns (block output, residual stream before it)."""
+    next norm, so a layer takes and returns (block output, residual stream before it).
+
+    With sandwich norms (Gemma 2/3) each block's output is normed too before it joins the
+    residual: post_attention_layernorm then takes the attention output alone, and the MLP's
+    input norm is pre_feedforward_layernorm. The MLP is a SparseMoeBlock on MoE layers.
+    """
 
     def __init__(
-        self, config: ModelConfig, attn_backend: AttentionBackend, use_native_ops: bool
+        self,
+        config: ModelConfig,
+        layer: int,
+        attn_backend: AttentionBackend,
+        use_native_ops: bool,
     ) -> None:
         super().__init__()
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, use_native_ops)
-        self.self_attn = LlamaAttention(config, attn_backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, use_native_ops)
-        self.mlp = LlamaMLP(config)
+        hidden_size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden_size, eps, use_native_ops)
+        self.self_attn = LlamaAttention(config, layer, attn_backend, use_native_ops)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, use_native_ops)
+        self.mlp: nn.Module = (
+            SparseMoeBlock(config) if config.is_moe_layer(layer) else LlamaMLP(config)
+        )
+        self.pre_feedforward_layernorm: RMSNorm | None = None
+        self.post_feedforward_layernorm: RMSNorm | None = None
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(hidden_size, eps, use_native_ops)
+            self.post_feedforward_layernorm = RMSNorm(hidden_size, eps, use_native_ops)
 
     def forward(
         self,
@@ -117,16 +167,22 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.self_attn(hidden, rotary, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
-        return self.mlp(hidden), residual
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+            return self.mlp(hidden), residual
+        hidden = self.post_attention_layernorm(hidden)
+        hidden, residual = self.pre_feedforward_layernorm.add_and_norm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
 class LlamaForCausalLM(nn.Module):
     """A flat token batch (prefill chunks and decodes mixed) in, final-normed hidden states out.
 
-    Invariants: parameter names mirror HF's except the fused `qkv_proj` and `gate_up_proj`;
+    Invariants: parameter names mirror HF's except the fused ones (see models/weights.py);
     with tied embeddings there is no lm_head parameter and logits use the embedding matrix.
     `use_native_ops` (fused RMSNorm and rotary kernels) only where has_fused_ops(device).
+    Layers whose config gives them the sliding rope (Gemma 3's local layers) rotate by
+    `sliding_rotary`, the rest by `rotary`.
     """
 
     def __init__(
@@ -143,8 +199,8 @@ class LlamaForCausalLM(nn.Module):
             _weight=torch.empty(config.vocab_size, config.hidden_size),
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attn_backend, use_native_ops)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, layer, attn_backend, use_native_ops)
+            for layer in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_native_ops)
         self.lm_head = (
@@ -153,12 +209,29 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary = RotaryEmbedding(
-            config.head_dim,
+            config.rotary_dim,
             config.max_position_embeddings,
             config.rope_theta,
             config.rope_scaling,
         )
+        self.sliding_rotary: RotaryEmbedding | None = None
+        if config.sliding_rope_theta is not None:
+            self.sliding_rotary = RotaryEmbedding(
+                config.rotary_dim,
+                config.max_position_embeddings,
+                config.sliding_rope_theta,
+                config.sliding_rope_scaling,
+            )
+        self._uses_sliding_rope = [
+            config.uses_sliding_rope(layer) for layer in range(config.num_hidden_layers)
+        ]
+        self._embedding_multipliers: dict[torch.dtype, float] = {}
         self.greedy_screen: Int8GreedyScreen | None = None
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """False with MoE layers: routing sizes each expert's batch on the host."""
+        return not any(self.config.moe_layers)
 
     def forward(
         self,
@@ -169,12 +242,31 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         # [num_tokens, hidden_size]
         hidden = self.embed_tokens(input_ids)
+        if self.config.embedding_multiplier is not None:
+            hidden = hidden * self._embedding_multiplier(hidden.dtype)
         rotary = self.rotary.for_positions(positions, hidden.dtype, self.use_native_ops)
+        sliding_rotary = rotary
+        if self.sliding_rotary is not None:
+            sliding_rotary = self.sliding_rotary.for_positions(
+                positions, hidden.dtype, self.use_native_ops
+            )
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, rotary, kv_cache, meta)
+        for layer, kv_cache, uses_sliding_rope in zip(
+            self.layers, kv_caches, self._uses_sliding_rope, strict=True
+        ):
+            layer_rotary = sliding_rotary if uses_sliding_rope else rotary
+            hidden, residual = layer(hidden, residual, layer_rotary, kv_cache, meta)
         assert residual is not None, "a model has at least one layer"
         return self.norm.add_and_norm(hidden, residual)[0]
+
+    def _embedding_multiplier(self, dtype: torch.dtype) -> float:
+        # NOTE: transformers rounds the multiplier to the model's dtype before multiplying.
+        multiplier = self._embedding_multipliers.get(dtype)
+        if multiplier is None:
+            assert self.config.embedding_multiplier is not None
+            multiplier = float(torch.tensor(self.config.embedding_multiplier, dtype=dtype))
+            self._embedding_multipliers[dtype] = multiplier
+        return multiplier
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -182,8 +274,16 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """[n, hidden_size] → [n, vocab_size] float32 logits; on CPU written into `out` if given
-        (a reused buffer: a fresh one this large is mmap'd and page-faulted in every step)."""
+        """[n, hidden_size] → [n, vocab_size] float32 logits, soft-capped where the model says
+        (Gemma 2); on CPU written into `out` if given (a reused buffer: a fresh one this large
+        is mmap'd and page-faulted in every step)."""
+        logits = self._raw_logits(hidden, out)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits.div_(cap).tanh_().mul_(cap)
+        return logits
+
+    def _raw_logits(self, hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         weight = self.lm_head_weight
         vocab_size = weight.shape[0]
         if hidden.device.type != "cpu" or hidden.dtype != torch.float32:
@@ -202,7 +302,11 @@ class LlamaForCausalLM(nn.Module):
 
     def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n] int64 argmax token ids, the first on ties, as
-        compute_logits(hidden).argmax(-1); on CPU without materialising the [n, vocab] logits."""
+        compute_logits(hidden).argmax(-1); on CPU without materialising the [n, vocab] logits.
+
+        NOTE: the final soft cap is increasing, so the argmax skips it; only logits it would
+        saturate to the same float (far above the cap) could tie there and not here.
+        """
         weight = self.lm_head_weight
         if hidden.device.type != "cpu" or hidden.dtype != torch.float32:
             return F.linear(hidden, weight).argmax(dim=-1)
@@ -261,28 +365,31 @@ def load_model(
         try:
             with safe_open(str(path), framework="pt", device=str(device)) as f:
                 for hf_name in f.keys():  # noqa: SIM118
-                    target = _param_target(hf_name, config)
+                    target = param_target(hf_name, config)
                     if target is None:
                         continue
-                    name, row_start = target
-                    if name not in params:
+                    if target.name not in params:
                         raise ModelLoadError(f"{path}: unexpected tensor {hf_name}")
-                    tensor = f.get_tensor(hf_name)
-                    rows = params[name].data[row_start : row_start + tensor.shape[0]]
+                    tensor = prepare(target, f.get_tensor(hf_name), config)
+                    param = params[target.name].data
+                    if target.expert is not None:
+                        param = param[target.expert]
+                    rows = param[target.row_start : target.row_start + tensor.shape[0]]
                     if rows.shape != tensor.shape:
                         raise ModelLoadError(
                             f"{path}: tensor {hf_name} has shape {tuple(tensor.shape)}, "
                             f"expected {tuple(rows.shape)}"
                         )
                     rows.copy_(tensor)
-                    num_loaded[name] += tensor.numel()
+                    num_loaded[target.name] += tensor.numel()
         except (OSError, RuntimeError) as e:
             raise ModelLoadError(f"cannot read weights {path}: {e}") from e
     missing = [name for name, param in params.items() if num_loaded[name] != param.numel()]
     if missing:
         raise ModelLoadError(f"model in {hf_dir} lacks weights for {', '.join(missing[:5])}")
     if quantization is not None:
-        quantize_linears(llm.layers)
+        # NOTE: the MoE router stays float32: a rounding there changes which experts run.
+        quantize_linears(llm.layers, skip=("lm_head", "mlp.gate"))
     return llm.eval()
 
 
@@ -295,23 +402,3 @@ def check_quantization(quantization: str, device: torch.device, dtype: torch.dty
         )
     if not has_int8_kernels():
         raise ConfigError("int8 quantization needs torch's x86 int8 kernels (fbgemm or oneDNN)")
-
-
-def _param_target(hf_name: str, config: ModelConfig) -> tuple[str, int] | None:
-    """Our parameter name and first row for an HF tensor; None for tensors we do not use."""
-    if hf_name.endswith("rotary_emb.inv_freq"):
-        return None
-    if hf_name == "lm_head.weight":
-        return None if config.tie_word_embeddings else ("lm_head.weight", 0)
-    name = hf_name.removeprefix("model.")
-    prefix, _, leaf = name.rpartition(".")
-    block, _, proj = prefix.rpartition(".")
-    q_size = config.num_attention_heads * config.head_dim
-    kv_size = config.num_key_value_heads * config.head_dim
-    qkv_rows = {"q_proj": 0, "k_proj": q_size, "v_proj": q_size + kv_size}
-    if proj in qkv_rows:
-        return f"{block}.qkv_proj.{leaf}", qkv_rows[proj]
-    gate_up_rows = {"gate_proj": 0, "up_proj": config.intermediate_size}
-    if proj in gate_up_rows:
-        return f"{block}.gate_up_proj.{leaf}", gate_up_rows[proj]
-    return name, 0

@@ -1,0 +1,280 @@
+"""What each supported architecture adds to the Llama decoder, read from its config.json.
+
+One reader per architecture returns the ModelConfig family hooks (see models/config.py) it
+sets; everything not returned keeps the Llama default. Each reader follows the transformers
+5 model of the same name, including how it reads older hub configs (rope_scaling, rope_theta and
+partial_rotary_factor at the top level; no layer_types).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from vbatch.errors import ModelLoadError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+# NOTE: the keys of layers/activation.py's ACTIVATIONS; this module stays torch-free (the
+# client resolves models).
+SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh")
+GEMMA_DEFAULT_QUERY_PRE_ATTN_SCALAR = 256
+GEMMA3_DEFAULT_SLIDING_PATTERN = 6
+
+Raw = dict[str, Any]
+Hooks = dict[str, Any]
+
+
+def read_family(architecture: str, raw: Raw, base: dict[str, Any]) -> Hooks:
+    """The hooks of `architecture` (one of SUPPORTED_ARCHITECTURES): rope settings, then the
+    family's own."""
+    hooks = _rope_hooks(raw.get("rope_parameters") or raw.get("rope_scaling") or {}, raw, base)
+    hooks["hidden_act"] = raw.get("hidden_act") or "silu"
+    hooks.update(_READERS[architecture](raw, base))
+    if hooks["hidden_act"] not in SUPPORTED_ACTIVATIONS:
+        raise ModelLoadError(
+            f"unsupported activation {hooks['hidden_act']!r}; "
+            f"supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
+        )
+    return hooks
+
+
+# --- rope ---
+
+
+def _rope_hooks(params: dict[str, Any], raw: Raw, base: dict[str, Any]) -> Hooks:
+    theta, scaling, rotary_dim = rope_settings(params, raw, base)
+    return {"rope_theta": theta, "rope_scaling": scaling, "rotary_dim": rotary_dim}
+
+
+def rope_settings(
+    params: dict[str, Any], raw: Raw, base: dict[str, Any]
+) -> tuple[float, dict[str, Any] | None, int]:
+    """(rope_theta, rope_scaling or None for plain rope, rotary_dim) from one rope parameter
+    dict; a longrope one comes back with its attention_factor and switch-over length filled in.
+    """
+    # NOTE: transformers 5 writes `rope_parameters`; older configs use rope_theta + rope_scaling.
+    params = dict(params)
+    theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    partial = float(params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    rotary_dim = int(base["head_dim"] * partial)
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type == "su":  # the old name of longrope (Phi-3)
+        rope_type = "longrope"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return theta, None, rotary_dim
+    if rope_type == "longrope":
+        params = _longrope_params(params, raw, base, rotary_dim)
+    return theta, {"rope_type": rope_type, **params}, rotary_dim
+
+
+def _longrope_params(
+    params: dict[str, Any], raw: Raw, base: dict[str, Any], rotary_dim: int
+) -> dict[str, Any]:
+    # NOTE: as transformers: Phi-3 keeps the pre-training length at the top level, and that
+    # copy wins; `factor` defaults to the ratio of the lengths.
+    original = int(
+        raw.get("original_max_position_embeddings") or params["original_max_position_embeddings"]
+    )
+    factor = params.get("factor") or base["max_position_embeddings"] / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0
+        if factor > 1.0:
+            attention_factor = math.sqrt(1 + math.log(factor) / math.log(original))
+    for name in ("short_factor", "long_factor"):
+        if len(params[name]) != rotary_dim // 2:
+            raise ModelLoadError(
+                f"longrope {name} has {len(params[name])} entries, expected {rotary_dim // 2}"
+            )
+    return {
+        "short_factor": [float(x) for x in params["short_factor"]],
+        "long_factor": [float(x) for x in params["long_factor"]],
+        "original_max_position_embeddings": original,
+        "attention_factor": float(attention_factor),
+    }
+
+
+# --- sliding windows ---
+
+
+def _window(raw: Raw, base: dict[str, Any]) -> int | None:
+    """The config's window, None when it has none or it can never bind."""
+    window = raw.get("sliding_window")
+    if not window or int(window) >= base["max_position_embeddings"]:
+        return None
+    return int(window)
+
+
+def _window_on_every_layer(raw: Raw, base: dict[str, Any]) -> tuple[int | None, ...]:
+    window = _window(raw, base)
+    return () if window is None else (window,) * base["num_hidden_layers"]
+
+
+def _window_by_layer_type(
+    raw: Raw, base: dict[str, Any], is_sliding: Callable[[int], bool]
+) -> tuple[int | None, ...]:
+    """The window on the layers that `layer_types` (else `is_sliding(layer)`) calls sliding."""
+    window = _window(raw, base)
+    if window is None:
+        return ()
+    num_layers = base["num_hidden_layers"]
+    types = raw.get("layer_types") or [
+        "sliding_attention" if is_sliding(i) else "full_attention" for i in range(num_layers)
+    ]
+    if len(types) != num_layers:
+        raise ModelLoadError(f"layer_types has {len(types)} entries for {num_layers} layers")
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def _qwen_windows(raw: Raw, base: dict[str, Any]) -> tuple[int | None, ...]:
+    # NOTE: Qwen2/Qwen3 slide only with use_sliding_window, on layers from max_window_layers on.
+    if not raw.get("use_sliding_window", False):
+        return ()
+    first = int(raw.get("max_window_layers", 28))
+    return _window_by_layer_type(raw, base, lambda i: i >= first)
+
+
+# --- the families ---
+
+
+def _llama(raw: Raw, base: dict[str, Any]) -> Hooks:
+    return {"o_proj_bias": base["attention_bias"]}
+
+
+def _mistral(raw: Raw, base: dict[str, Any]) -> Hooks:
+    return {"attention_bias": False, "sliding_windows": _window_on_every_layer(raw, base)}
+
+
+def _qwen2(raw: Raw, base: dict[str, Any]) -> Hooks:
+    return {"attention_bias": True, "sliding_windows": _qwen_windows(raw, base)}
+
+
+def _qwen3(raw: Raw, base: dict[str, Any]) -> Hooks:
+    return {
+        "o_proj_bias": base["attention_bias"],
+        "qk_norm": True,
+        "sliding_windows": _qwen_windows(raw, base),
+    }
+
+
+def _phi3(raw: Raw, base: dict[str, Any]) -> Hooks:
+    # NOTE: Phi-3 checkpoints already hold the fused qkv_proj and gate_up_proj the decoder uses.
+    return {"attention_bias": False, "sliding_windows": _window_on_every_layer(raw, base)}
+
+
+def _gemma_common(raw: Raw, base: dict[str, Any]) -> Hooks:
+    hidden_act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    return {
+        "o_proj_bias": base["attention_bias"],
+        "hidden_act": hidden_act,
+        "norm_weight_offset": 1.0,
+        "sandwich_norms": True,
+        "embedding_multiplier": base["hidden_size"] ** 0.5,
+        "query_pre_attn_scalar": float(
+            raw.get("query_pre_attn_scalar", GEMMA_DEFAULT_QUERY_PRE_ATTN_SCALAR)
+        ),
+    }
+
+
+def _gemma2(raw: Raw, base: dict[str, Any]) -> Hooks:
+    return {
+        **_gemma_common(raw, base),
+        "attn_logit_softcapping": raw.get("attn_logit_softcapping", 50.0),
+        "final_logit_softcapping": raw.get("final_logit_softcapping", 30.0),
+        # NOTE: even layers slide, odd ones attend globally.
+        "sliding_windows": _window_by_layer_type(raw, base, lambda i: (i + 1) % 2 == 1),
+    }
+
+
+def _gemma3(raw: Raw, base: dict[str, Any]) -> Hooks:
+    if raw.get("use_bidirectional_attention"):
+        raise ModelLoadError("Gemma 3 with bidirectional attention is not a causal LM")
+    pattern = int(raw.get("sliding_window_pattern", GEMMA3_DEFAULT_SLIDING_PATTERN))
+    hooks = {
+        **_gemma_common(raw, base),
+        # NOTE: transformers 5 applies no attention soft cap to Gemma 3, whatever the config says.
+        "final_logit_softcapping": raw.get("final_logit_softcapping"),
+        "qk_norm": True,
+        # NOTE: five local layers, then one global (pattern 6), unless layer_types says.
+        "sliding_windows": _window_by_layer_type(raw, base, lambda i: (i + 1) % pattern != 0),
+    }
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = params.get("full_attention") or {}
+        local = params.get("sliding_attention") or {}
+    else:
+        # NOTE: older configs: rope_scaling and rope_theta (global), rope_local_base_freq.
+        full = {**(raw.get("rope_scaling") or {}), "rope_theta": raw.get("rope_theta", 1e6)}
+        local = {"rope_theta": raw.get("rope_local_base_freq", 10000.0)}
+    full.setdefault("rope_theta", 1e6)
+    local.setdefault("rope_theta", 10000.0)
+    hooks.update(_rope_hooks(full, {}, base))
+    hooks["sliding_rope_theta"], hooks["sliding_rope_scaling"], _ = rope_settings(local, {}, base)
+    return hooks
+
+
+def _moe_hooks(num_experts: int, top_k: int, intermediate: int, renormalise: bool) -> Hooks:
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": intermediate,
+        "norm_topk_prob": renormalise,
+    }
+
+
+def _mixtral(raw: Raw, base: dict[str, Any]) -> Hooks:
+    num_layers = base["num_hidden_layers"]
+    return {
+        **_mistral(raw, base),
+        # NOTE: Mixtral always renormalises its top-k weights; every layer is sparse.
+        **_moe_hooks(
+            int(raw["num_local_experts"]),
+            int(raw["num_experts_per_tok"]),
+            base["intermediate_size"],
+            renormalise=True,
+        ),
+        "moe_layers": (True,) * num_layers,
+    }
+
+
+def _qwen3_moe(raw: Raw, base: dict[str, Any]) -> Hooks:
+    num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    dense = set(raw.get("mlp_only_layers") or [])
+    step = int(raw.get("decoder_sparse_step", 1))
+    moe_layers = tuple(
+        i not in dense and num_experts > 0 and (i + 1) % step == 0
+        for i in range(base["num_hidden_layers"])
+    )
+    windows = _window_on_every_layer(raw, base) if raw.get("use_sliding_window") else ()
+    return {
+        **_qwen3(raw, base),
+        # NOTE: unlike Qwen3, every layer slides when use_sliding_window is set.
+        "sliding_windows": windows,
+        **_moe_hooks(
+            num_experts,
+            int(raw["num_experts_per_tok"]),
+            int(raw["moe_intermediate_size"]),
+            renormalise=bool(raw.get("norm_topk_prob", False)),
+        ),
+        "moe_layers": moe_layers,
+    }
+
+
+_READERS: dict[str, Callable[[Raw, dict[str, Any]], Hooks]] = {
+    "LlamaForCausalLM": _llama,
+    "MistralForCausalLM": _mistral,
+    "Qwen2ForCausalLM": _qwen2,
+    "Qwen3ForCausalLM": _qwen3,
+    "Gemma2ForCausalLM": _gemma2,
+    "Gemma3ForCausalLM": _gemma3,
+    "Phi3ForCausalLM": _phi3,
+    "MixtralForCausalLM": _mixtral,
+    "Qwen3MoeForCausalLM": _qwen3_moe,
+}
+SUPPORTED_ARCHITECTURES = tuple(_READERS)
