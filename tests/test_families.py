@@ -5,6 +5,7 @@ chunked prefill, preemption, prefix caching). Contexts run past every sliding wi
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -344,3 +345,26 @@ def test_gemma_norm_offset_is_in_the_weights(tiny_families: dict) -> None:
     torch.testing.assert_close(model.layers[0].self_attn.q_norm.weight, 1.0 + hf_weight)
     raw = json.loads((model_dir / "config.json").read_text())
     assert raw["architectures"] == ["Gemma3ForCausalLM"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfloat16_tracks_transformers(
+    family: str, tiny_families: dict, make_attention_metadata: Callable
+) -> None:
+    """Loaded straight into bfloat16 (Gemma's norm offset added before the rounding), every
+    family stays close to transformers run in bfloat16 too. (Against float32 an MoE model can
+    route a token differently: transformers' own bfloat16 run does.)"""
+    reference, model_dir = tiny_families[family]
+    model = load_model(model_dir, torch.device("cpu"), torch.bfloat16, TorchAttentionBackend())
+    ids = list(range(3, 40))
+    meta = make_attention_metadata([len(ids)], [len(ids)], [list(range(5))], 8)
+    kv_caches = [
+        (k.to(torch.bfloat16), v.to(torch.bfloat16)) for k, v in make_kv_caches(model.config, 5, 8)
+    ]
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)), kv_caches, meta)
+        logits = model.compute_logits(hidden)
+        expected = copy.deepcopy(reference).to(torch.bfloat16)(torch.tensor([ids])).logits[0]
+    assert hidden.dtype == torch.bfloat16 and logits.dtype == torch.float32
+    similarity = torch.nn.functional.cosine_similarity(logits, expected.float(), dim=-1)
+    assert similarity.min() > 0.999, similarity.min()

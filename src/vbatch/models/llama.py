@@ -94,13 +94,12 @@ def _norm_heads(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 class LlamaMLP(nn.Module):
     """A gated MLP (SwiGLU; GeGLU for Gemma) with gate and up fused into one projection."""
 
-    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size or config.intermediate_size
-        size = self.intermediate_size
+        self.intermediate_size = config.intermediate_size
         self.act = ACTIVATIONS[config.hidden_act]
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * size, bias=False)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= MAX_TRANSPOSED_ROWS and _is_cpu_float32_linear(self.gate_up_proj, x):

@@ -26,13 +26,13 @@ class MoeExperts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """softmax(router logits) in float32, the top k experts per token (torch.topk's order and
-    ties, as transformers), their weights renormalised to sum 1 where the family says
-    (norm_topk_prob; Mixtral always), then the weighted sum of those experts' outputs.
+    """softmax(router logits) in float32, the top k experts per token (torch.topk's choice, as
+    transformers), their weights renormalised to sum 1 where the family says (norm_topk_prob;
+    Mixtral always), then the weighted sum of those experts' outputs.
 
     Experts run grouped: the (token, expert) pairs are sorted by expert, and each expert with
-    tokens runs two GEMMs over all of its rows. Its outputs are added into each token in
-    expert order, the order of transformers' loop, so the sums round alike.
+    tokens runs two GEMMs over all of its rows. Each token then sums its k outputs in ascending
+    expert order, the order transformers adds them in, so the sums round alike.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -46,32 +46,42 @@ class SparseMoeBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        num_tokens, hidden_size = x.shape
+        top_k = self.top_k
         # [num_tokens, num_experts]
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         # [num_tokens, top_k] each
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        weights, experts = torch.topk(probs, top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        flat_experts = experts.flatten()
+        experts, by_expert = experts.sort(dim=-1)
+        # [num_tokens * top_k]: pair p is token p // top_k's (p % top_k)-th lowest expert
+        pair_weights = weights.gather(-1, by_expert).to(x.dtype).flatten()
+        pair_experts = experts.flatten()
         # NOTE: a stable sort keeps each expert's pairs in token order.
-        order = torch.argsort(flat_experts, stable=True)
-        tokens = order // self.top_k
-        pair_weights = weights.flatten().index_select(0, order)
+        order = torch.argsort(pair_experts, stable=True)
         # NOTE: one host sync per layer (as transformers); the engine runs MoE models without
         # CUDA graphs for it.
-        counts = torch.bincount(flat_experts, minlength=self.experts.gate_up_proj.shape[0])
-        out = torch.zeros_like(x)
+        counts = torch.bincount(pair_experts, minlength=self.experts.gate_up_proj.shape[0])
+        # NOTE: index_copy_, not index_add_: on CPU index_add_ costs milliseconds a call when
+        # threads are oversubscribed, and each pair is written once.
+        pair_out = x.new_empty(num_tokens * top_k, hidden_size)
         size = self.experts.intermediate_size
         start = 0
         for expert, count in enumerate(counts.tolist()):
             if count == 0:
                 continue
-            rows = tokens[start : start + count]
+            pairs = order[start : start + count]
             # [count, 2 * intermediate]
-            gate_up = F.linear(x.index_select(0, rows), self.experts.gate_up_proj[expert])
-            hidden = self.act(gate_up[:, :size]) * gate_up[:, size:]
-            y = F.linear(hidden, self.experts.down_proj[expert])
-            out.index_add_(0, rows, y * pair_weights[start : start + count, None])
+            gate_up = F.linear(x.index_select(0, pairs // top_k), self.experts.gate_up_proj[expert])
+            y = F.linear(
+                self.act(gate_up[:, :size]) * gate_up[:, size:], self.experts.down_proj[expert]
+            )
+            pair_out.index_copy_(0, pairs, y * pair_weights.index_select(0, pairs)[:, None])
             start += count
+        # [num_tokens, top_k, hidden_size]
+        per_token = pair_out.view(num_tokens, top_k, hidden_size)
+        out = per_token[:, 0]
+        for j in range(1, top_k):
+            out = out + per_token[:, j]
         return out
