@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from job_helpers import SharedLLM
 
 from benchmarks.tiny_model import tiny_family_configs, write_tiny_family, write_tiny_llama
 from vbatch.models.loader import ResolvedModel, resolve_model
@@ -177,3 +178,12 @@ def check_greedy_against(hf_model: Any, prompts: list[list[int]], got: list[list
                     f"prompt {i} token {pos}: vbatch chose {ours}, transformers {ref}, "
                     f"whose logit is higher by {gap}"
                 )
+
+
+@pytest.fixture(scope="module")
+def shared_llm(tiny_model_dir: Path) -> Iterator[Callable[..., Any]]:
+    from vbatch.llm import LLM
+
+    llm = LLM(str(tiny_model_dir), num_threads=1, max_num_seqs=16)
+    yield lambda *args, **kwargs: SharedLLM(llm)
+    llm.shutdown()

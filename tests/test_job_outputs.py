@@ -7,15 +7,15 @@ import contextlib
 import datetime as dt
 import json
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from job_helpers import read_jsonl, write_jsonl
 
 from vbatch.errors import JobStateError
 from vbatch.job.rows import ColumnOptions
@@ -23,37 +23,6 @@ from vbatch.job.runner import JobSpec, RunOptions, job_dir_for, resume_job, star
 
 QUIET = RunOptions(display="quiet", commit_every_rows=2)
 SAMPLING = {"max_tokens": 3, "temperature": 0.0}
-
-
-class SharedLLM:
-    """The real engine, started once for this module; a job's shutdown() leaves it running."""
-
-    def __init__(self, llm: Any) -> None:
-        self._llm = llm
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._llm, name)
-
-    def shutdown(self) -> None:
-        pass
-
-
-@pytest.fixture(scope="module")
-def shared_llm(tiny_model_dir: Path) -> Iterator[Callable[..., Any]]:
-    from vbatch.llm import LLM
-
-    llm = LLM(str(tiny_model_dir), num_threads=1, max_num_seqs=16)
-    yield lambda *args, **kwargs: SharedLLM(llm)
-    llm.shutdown()
-
-
-def write_jsonl(path: Path, records: list[Any]) -> Path:
-    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
-    return path
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
 
 
 def run(

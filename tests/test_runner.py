@@ -13,6 +13,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from job_helpers import SharedLLM, write_jsonl
 
 from vbatch.errors import ConfigError, InputError, JobStateError, ModelLoadError
 from vbatch.job.rows import ColumnOptions
@@ -20,33 +21,6 @@ from vbatch.job.runner import JobSpec, RunOptions, job_dir_for, job_status, resu
 
 QUIET = RunOptions(display="quiet", commit_every_rows=5)
 SAMPLING = {"max_tokens": 4, "temperature": 0.0}
-
-
-class SharedLLM:
-    """The real engine, started once for this module; a job's shutdown() leaves it running."""
-
-    def __init__(self, llm: Any) -> None:
-        self._llm = llm
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._llm, name)
-
-    def shutdown(self) -> None:
-        pass
-
-
-@pytest.fixture(scope="module")
-def shared_llm(tiny_model_dir: Path) -> Iterator[Callable[..., Any]]:
-    from vbatch.llm import LLM
-
-    llm = LLM(str(tiny_model_dir), num_threads=1, max_num_seqs=16)
-    yield lambda *args, **kwargs: SharedLLM(llm)
-    llm.shutdown()
-
-
-def write_jsonl(path: Path, records: list[Any]) -> Path:
-    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
-    return path
 
 
 def read_output(path: Path) -> list[dict[str, Any]]:
