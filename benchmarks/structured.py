@@ -221,6 +221,10 @@ def end_to_end() -> None:
         )
         schema = workdir / "schema.json"
         schema.write_text(json.dumps(NESTED["properties"]["people"]["items"]))
+        # NOTE: a first run may build the native kernels and convert the GGUF; keep that out.
+        warm = workdir / "warm.jsonl"
+        warm.write_text(rows.read_text().splitlines()[0] + "\n")
+        run_job(workdir, warm, ["--json-schema", str(schema)])
         plain_s, plain_tokens = run_job(workdir, rows, [])
         json_s, json_tokens = run_job(workdir, rows, ["--json-schema", str(schema)])
     plain_rate, json_rate = plain_tokens / plain_s, json_tokens / json_s
