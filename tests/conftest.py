@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from job_helpers import SharedLLM
+from helpers import SharedLLM
 
 from benchmarks.tiny_model import tiny_family_configs, write_tiny_family, write_tiny_llama
 from vbatch.models.loader import ResolvedModel, resolve_model

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from helpers import wait_gone
 
 from vbatch.client.core_client import EngineCoreClient
 from vbatch.config import EngineConfig
@@ -34,19 +35,6 @@ def tiny_config(model_dir: Path, **overrides: object) -> EngineConfig:
     )
     values.update(overrides)
     return EngineConfig(**values).validate()
-
-
-def wait_gone(pid: int, timeout: float) -> bool:
-    """True once `pid` has exited (a zombie awaiting a reaper counts as exited)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def live_children() -> list[psutil.Process]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 import pytest
-from job_helpers import SharedLLM, read_jsonl, write_jsonl
+from helpers import SharedLLM, read_jsonl, write_jsonl
 from typer.testing import CliRunner
 
 from vbatch.cli import app

@@ -15,7 +15,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from job_helpers import read_jsonl, write_jsonl
+from helpers import read_jsonl, write_jsonl
 
 from vbatch.errors import JobStateError
 from vbatch.job.rows import ColumnOptions

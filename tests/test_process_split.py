@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
-import psutil
 import pytest
+from helpers import wait_gone
 
 from vbatch import LLM, SamplingParams
 from vbatch.client.tokenizer import TextTokenizer
@@ -35,18 +35,6 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 RAISE, FATAL, BUSY, HANG = 40001, 40002, 40003, 40004
 BUSY_STEP_S = 8.0
 HEARTBEAT_TIMEOUT_S = 12.0
-
-
-def wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def faulty(token_id: int, max_tokens: int = 4) -> Request:

@@ -13,7 +13,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from job_helpers import SharedLLM, write_jsonl
+from helpers import SharedLLM, write_jsonl
 
 from vbatch.errors import ConfigError, InputError, JobStateError, ModelLoadError
 from vbatch.job.rows import ColumnOptions

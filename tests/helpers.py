@@ -1,11 +1,14 @@
-"""Helpers shared by the job-layer tests: a shared real engine, JSONL files in and out."""
+"""Helpers shared by several test modules: a shared real engine for jobs, JSONL files, process
+exits."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import orjson
+import psutil
 
 
 class SharedLLM:
@@ -28,3 +31,16 @@ def write_jsonl(path: Path, records: list[Any]) -> Path:
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    """True once `pid` has exited (a zombie awaiting a reaper counts as exited)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
