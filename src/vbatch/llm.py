@@ -21,6 +21,7 @@ from vbatch.client.outputs import (
 )
 from vbatch.client.tokenizer import TextTokenizer
 from vbatch.config import EngineConfig
+from vbatch.engines import EngineReport, EngineState
 from vbatch.errors import SamplingParamsError, VbatchError
 from vbatch.protocol import (
     AddRequest,
@@ -95,6 +96,7 @@ class LLM:
         self.max_in_flight = max(1, max_in_flight if max_in_flight is not None else default)
         self._request_ids = itertools.count()
         self._is_streaming = False
+        self._live: dict[str, RequestState] = {}
 
     @property
     def latest_stats(self) -> SchedulerStats | None:
@@ -102,6 +104,10 @@ class LLM:
 
     def get_stats(self) -> SchedulerStats:
         return self._client.get_stats()
+
+    def engine_reports(self) -> list[EngineReport]:
+        stats = self._client.latest_stats
+        return [EngineReport("core 0", EngineState.LIVE, stats, len(self._live))]
 
     def generate(
         self,
@@ -168,6 +174,7 @@ class LLM:
         self._is_streaming = True
         source = enumerate(inputs)
         live: dict[str, RequestState] = {}
+        self._live = live
         ready: list[tuple[int, RequestOutput]] = []
         callbacks = _CallbackThread(on_output, self.max_in_flight) if on_output else None
         is_exhausted = False

@@ -1,0 +1,83 @@
+"""The interface the job layer drives: a set of engines behind one `stream`.
+
+One engine core (`LLM`), N cores on this machine (`-dp N`) and N Ray replicas (`--ray`) all
+implement `EngineSet`; the job layer (`job/execution.py`) does not know which one it drives.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from vbatch.protocol import Ready, SchedulerStats
+
+if TYPE_CHECKING:
+    from vbatch.client.outputs import Request, RequestOutput
+    from vbatch.client.tokenizer import TextTokenizer
+    from vbatch.sampling_params import SamplingParams
+
+
+class EngineState(enum.Enum):
+    STARTING = "starting"
+    LIVE = "live"
+    RESTARTING = "restarting"
+    DEAD = "dead"
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """One engine of a set, as the dashboard shows it: `name` is e.g. "core 1" or "replica 0"."""
+
+    name: str
+    state: EngineState
+    stats: SchedulerStats | None
+    num_in_flight: int
+
+
+class EngineSet(Protocol):
+    """What the job layer needs from its engines.
+
+    `stream` yields finished requests in completion order (None on an idle tick with `idle_s`),
+    each `RequestOutput.index` being the position of its input in `inputs`. `latest_stats` is
+    the sum over the set's engines; `engine_reports` lists them one by one.
+    """
+
+    engine_info: Ready
+    tokenizer: TextTokenizer
+
+    @property
+    def latest_stats(self) -> SchedulerStats | None: ...
+
+    def engine_reports(self) -> list[EngineReport]: ...
+
+    def stream(
+        self,
+        inputs: Iterable[str | list[dict] | Request],
+        sampling_params: SamplingParams | None = None,
+        *,
+        on_output: Callable[[RequestOutput], None] | None = None,
+        idle_s: float | None = None,
+    ) -> Iterator[RequestOutput | None]: ...
+
+    def shutdown(self) -> None: ...
+
+
+def sum_stats(stats: Sequence[SchedulerStats | None]) -> SchedulerStats | None:
+    """The engines' stats added field by field (`kv_usage` averaged over KV blocks)."""
+    known = [s for s in stats if s is not None]
+    if not known:
+        return None
+    if len(known) == 1:
+        return known[0]
+    total = SchedulerStats()
+    for field in SchedulerStats.__struct_fields__:
+        setattr(total, field, sum(getattr(s, field) for s in known))
+    blocks = total.num_kv_blocks
+    total.kv_usage = (
+        sum(s.kv_usage * s.num_kv_blocks for s in known) / blocks
+        if blocks
+        else sum(s.kv_usage for s in known) / len(known)
+    )
+    return total
