@@ -10,8 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from vbatch.job import finalize as finalize_module
-from vbatch.job.finalize import finalize, finish_completion, tmp_output_path
+from vbatch.job.finalize import finalize, finish_completion
 from vbatch.job.journal import Journal
+from vbatch.job.paths import tmp_output_path
 from vbatch.job.results import error_row, parquet_schema
 from vbatch.job.rows import InputRow
 from vbatch.job.writer import JsonlWriter, OutputWriter, ParquetWriter

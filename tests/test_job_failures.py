@@ -31,8 +31,9 @@ import pyarrow.parquet as pq
 import pytest
 
 import vbatch
-from vbatch.job.finalize import finalize, tmp_output_path
+from vbatch.job.finalize import finalize
 from vbatch.job.journal import Journal
+from vbatch.job.paths import tmp_output_path
 from vbatch.job.results import error_row, parquet_schema
 from vbatch.job.rows import InputRow
 from vbatch.job.writer import ParquetWriter

@@ -26,7 +26,8 @@ from typer.testing import CliRunner
 from vbatch.cli import app
 from vbatch.errors import InputError, JobStateError
 from vbatch.job.journal import JOURNAL_NAME, read_journal
-from vbatch.job.runner import JobSpec, RunOptions, job_dir_for, resume_job, start_job
+from vbatch.job.paths import job_dir_for
+from vbatch.job.runner import JobSpec, RunOptions, resume_job, start_job
 
 TIMEOUT_S = 240
 SAMPLING = {"max_tokens": 4, "temperature": 0.0}

@@ -18,8 +18,9 @@ import pytest
 from helpers import read_jsonl, write_jsonl
 
 from vbatch.errors import JobStateError
+from vbatch.job.paths import job_dir_for
 from vbatch.job.rows import ColumnOptions
-from vbatch.job.runner import JobSpec, RunOptions, job_dir_for, resume_job, start_job
+from vbatch.job.runner import JobSpec, RunOptions, resume_job, start_job
 
 QUIET = RunOptions(display="quiet", commit_every_rows=2)
 SAMPLING = {"max_tokens": 3, "temperature": 0.0}

@@ -16,8 +16,9 @@ import pytest
 from helpers import SharedLLM, write_jsonl
 
 from vbatch.errors import ConfigError, InputError, JobStateError, ModelLoadError
+from vbatch.job.paths import job_dir_for
 from vbatch.job.rows import ColumnOptions
-from vbatch.job.runner import JobSpec, RunOptions, job_dir_for, job_status, resume_job, start_job
+from vbatch.job.runner import JobSpec, RunOptions, job_status, resume_job, start_job
 
 QUIET = RunOptions(display="quiet", commit_every_rows=5)
 SAMPLING = {"max_tokens": 4, "temperature": 0.0}

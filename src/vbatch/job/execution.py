@@ -18,6 +18,7 @@ from vbatch.errors import (
 from vbatch.job.finalize import finalize
 from vbatch.job.journal import Journal
 from vbatch.job.manifest import Manifest
+from vbatch.job.paths import resume_command
 from vbatch.job.reader import InputReader
 from vbatch.job.results import TokenStrings, error_row, openai_line, parquet_schema, result_row
 from vbatch.job.rows import ColumnOptions, InputRow, RowParser
@@ -120,8 +121,6 @@ class JobExecution:
                 raise
 
     def _run(self, output: Path) -> tuple[int, str]:
-        from vbatch.job.runner import resume_command
-
         # NOTE: outside the engine loop (finalize above all) a signal stops the run at once;
         # what is committed stays committed, and resume redoes the rest.
         try:
@@ -137,8 +136,6 @@ class JobExecution:
             )
 
     def _run_job(self, output: Path) -> tuple[int, str]:
-        from vbatch.job.runner import resume_command
-
         with self.stop:
             try:
                 if len(self.journal.state.committed) < self.manifest.num_rows:
@@ -181,8 +178,6 @@ class JobExecution:
 
         With `commit`, finished rows are committed first: every row handed to the writer is
         complete, so that is safe (a writer whose own write failed refuses; its rows rerun)."""
-        from vbatch.job.runner import resume_command
-
         note = ""
         if commit:
             try:

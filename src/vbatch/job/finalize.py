@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from vbatch.errors import StorageError, is_storage_failure, storage_error
-from vbatch.job.journal import JobState, Journal, fsync_dir
+from vbatch.job.journal import JobState, Journal
+from vbatch.job.paths import fsync_dir, tmp_output_path
 from vbatch.job.results import line_index
 from vbatch.job.writer import PARTS_DIR
 
@@ -24,10 +25,6 @@ MAX_FAN_IN = 64
 RUN_BYTES = 64 << 20
 BATCH_ROWS = 4096
 ROW_GROUP_ROWS = 65536
-
-
-def tmp_output_path(output: Path) -> Path:
-    return output.with_name(f".{output.name}.vbatch-tmp")
 
 
 def finalize(

@@ -14,6 +14,7 @@ import numpy as np
 import orjson
 
 from vbatch.errors import JobStateError, StorageError, storage_error
+from vbatch.job.paths import fsync_dir
 
 JOURNAL_NAME = "journal.jsonl"
 
@@ -242,12 +243,3 @@ def write_all(fd: int, data: bytes) -> None:
         while written < len(whole):
             with whole[written:] as rest:
                 written += os.write(fd, rest)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a file creation inside `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

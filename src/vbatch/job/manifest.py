@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vbatch.errors import JobStateError, ModelLoadError
+from vbatch.job.paths import write_atomic
 
 MANIFEST_NAME = "manifest.json"
 # NOTE: version 2 added model["files"] (hashes of the tokenizer, template and config files).
@@ -143,22 +142,3 @@ class Manifest:
         if not changes:
             return []
         return [f"model files changed ({source}: {', '.join(changes)})"]
-
-
-def write_atomic(path: Path, data: bytes, *, sync_dir: bool = True) -> None:
-    """Write to a temp file in the same directory, fsync, rename, then fsync the directory
-    unless `sync_dir` is false (a reader then sees the old or the new file, whole)."""
-    from vbatch.job.journal import fsync_dir
-
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    if sync_dir:
-        fsync_dir(path.parent)

@@ -15,8 +15,8 @@ from rich.live import Live
 
 from vbatch.dashboard import plain_line, render_dashboard, render_summary
 from vbatch.errors import ConfigError
-from vbatch.job.manifest import write_atomic
 from vbatch.job.metrics import JobMetrics, JobSnapshot
+from vbatch.job.paths import write_atomic
 
 MODES = ("auto", "live", "plain", "quiet")
 METRICS_FILE_PERIOD_S = 1.0

@@ -15,16 +15,17 @@ from typing import Any
 
 from vbatch.config import EngineConfig
 from vbatch.errors import InputError, JobStateError, is_storage_failure, storage_error
-from vbatch.job.finalize import finish_completion, tmp_output_path
+from vbatch.job.execution import JobExecution
+from vbatch.job.finalize import finish_completion
 from vbatch.job.journal import JOURNAL_NAME, JobState, Journal, read_journal
 from vbatch.job.manifest import MANIFEST_NAME, Manifest, input_fingerprint, model_identity
 from vbatch.job.options import RunOptions
+from vbatch.job.paths import job_dir_for, resume_command, tmp_output_path
 from vbatch.job.reader import InputReader, scan_input
 from vbatch.job.results import OUTPUT_COLUMNS
 from vbatch.job.rows import ColumnOptions, RowParser
 from vbatch.sampling_params import SamplingParams
 
-JOB_DIR_SUFFIX = ".vbatch"
 OUTPUT_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 # NOTE: kept input columns may not shadow output fields (vbatch rows or OpenAI Batch lines).
 RESERVED_COLUMNS = frozenset(OUTPUT_COLUMNS) | {"custom_id", "response"}
@@ -58,10 +59,6 @@ class Outcome:
     status: dict[str, Any]
 
 
-def job_dir_for(output: Path) -> Path:
-    return output.with_name(output.name + JOB_DIR_SUFFIX)
-
-
 def output_format(output: Path) -> str:
     fmt = OUTPUT_FORMATS.get(output.suffix.lower())
     if fmt is None:
@@ -69,10 +66,6 @@ def output_format(output: Path) -> str:
             f"cannot tell the output format of {output}; use one of {', '.join(OUTPUT_FORMATS)}"
         )
     return fmt
-
-
-def resume_command(output: Path) -> str:
-    return f"vbatch resume {shlex.quote(str(output))}"
 
 
 class JobLock:
@@ -375,8 +368,6 @@ def _execute(
     """Run the job under its `lock` (released here); `output` is the path as the user wrote it
     (for messages)."""
     try:
-        from vbatch.job.execution import JobExecution
-
         journal = Journal(job_dir)
         if journal.state.complete is None:
             if retry_errors and len(journal.state.errors):

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from vbatch.errors import JobStateError, StorageError, storage_error
 from vbatch.job.encoding import KeptJson, table_from_rows
-from vbatch.job.journal import Journal, fsync_dir, to_ranges, write_all
+from vbatch.job.journal import Journal, to_ranges, write_all
+from vbatch.job.paths import fsync_dir
 from vbatch.job.results import jsonl_bytes, parquet_values
 
 if TYPE_CHECKING:
