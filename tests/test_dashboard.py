@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from rich.console import Console, RenderableType
 
-from vbatch.dashboard import (
+from vbatch.job.dashboard import (
     Sparkline,
     fmt_bytes,
     fmt_duration,

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from vbatch.dashboard import render_dashboard
 from vbatch.errors import ConfigError
+from vbatch.job.dashboard import render_dashboard
 from vbatch.job.metrics import JobMetrics
 from vbatch.job.progress import ProgressDisplay, write_json_atomic
 from vbatch.protocol import SchedulerStats

@@ -13,8 +13,8 @@ import orjson
 from rich.console import Console
 from rich.live import Live
 
-from vbatch.dashboard import plain_line, render_dashboard, render_summary
 from vbatch.errors import ConfigError
+from vbatch.job.dashboard import plain_line, render_dashboard, render_summary
 from vbatch.job.metrics import JobMetrics, JobSnapshot
 from vbatch.job.paths import write_atomic
 
