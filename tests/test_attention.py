@@ -10,10 +10,8 @@ import pytest
 import torch
 
 from vbatch.errors import ConfigError
-from vbatch.layers.attention import (
-    TorchAttentionBackend,
-    get_attention_backend,
-)
+from vbatch.layers import get_attention_backend
+from vbatch.layers.attention import TorchAttentionBackend
 
 
 def dense_attention(
@@ -165,7 +163,7 @@ def test_get_attention_backend(
         assert get_attention_backend("native", cpu).name == "native"
         assert get_attention_backend("auto", cpu).name == "native"
     monkeypatch.setattr(native_module, "is_available", lambda: False)
-    with caplog.at_level(logging.WARNING, logger="vbatch.layers.attention"):
+    with caplog.at_level(logging.WARNING, logger="vbatch.layers"):
         fallback = get_attention_backend("native", cpu)
     assert isinstance(fallback, TorchAttentionBackend)
     assert "native attention backend unavailable" in caplog.text

@@ -30,7 +30,8 @@ from vbatch.engine.sampler import Sampler, SamplerOutput
 from vbatch.engine.sampling_metadata import SamplingMetadata, free_generators
 from vbatch.engine.sequence import Sequence
 from vbatch.engine.steps import SchedulerOutput
-from vbatch.layers.attention import AttentionMetadata, get_attention_backend
+from vbatch.layers import get_attention_backend
+from vbatch.layers.attention import AttentionMetadata
 from vbatch.layers.greedy_screen import can_use_greedy_screen
 from vbatch.layers.native import has_fused_ops
 from vbatch.models.config import ModelConfig

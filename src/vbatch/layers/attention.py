@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import abc
 import itertools
-import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-from vbatch.errors import ConfigError
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -297,22 +292,3 @@ def _paged_decode(
     keys, values = keys.transpose(1, 2), values.transpose(1, 2)
     out = _attend(q.unsqueeze(2), keys, values, mask, scale, softcap)
     return out.squeeze(2)
-
-
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend for `name` (auto|torch|native); native falls back to torch when unusable."""
-    if name not in ("auto", "torch", "native"):
-        raise ConfigError(f"attention backend must be auto, torch or native, got {name!r}")
-    if name == "torch":
-        return TorchAttentionBackend()
-    try:
-        from vbatch.layers import native
-
-        if native.is_available():
-            return native.NativeAttentionBackend()
-        reason = "its kernels are not built for this machine"
-    except Exception as e:
-        reason = f"{type(e).__name__}: {e}"
-    log = logger.warning if name == "native" else logger.info
-    log("native attention backend unavailable on %s (%s); using torch", device, reason)
-    return TorchAttentionBackend()
