@@ -56,7 +56,9 @@ def prefilled_seqs(runner: ModelRunner) -> list[Sequence]:
         seq = Sequence(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=8))
         seq.block_table.extend(range(4 * i, 4 * i + 4))
         seqs.append(seq)
-    token_ids, _ = runner.execute(SchedulerOutput(seqs, [len(p) for p in PROMPTS]))
+    token_ids, _ = runner.execute(
+        SchedulerOutput(seqs=seqs, num_new_tokens=[len(p) for p in PROMPTS])
+    )
     for seq, token_id in zip(seqs, token_ids, strict=True):
         seq.num_computed_tokens = seq.num_tokens
         seq.append_token(token_id)
@@ -64,7 +66,7 @@ def prefilled_seqs(runner: ModelRunner) -> list[Sequence]:
 
 
 def decode_inputs(runner: ModelRunner, seqs: list[Sequence]) -> StepInputs:
-    return runner.prepare(SchedulerOutput(seqs, [1] * len(seqs)))
+    return runner.prepare(SchedulerOutput(seqs=seqs, num_new_tokens=[1] * len(seqs)))
 
 
 @torch.inference_mode()
@@ -167,7 +169,9 @@ def test_only_decode_steps_that_fit_can_run(tiny_model_dir: Path) -> None:
     assert not graphs.can_run(decode_inputs(runner, seqs).meta)  # 3 seqs > 2
     prefill = Sequence("p", [1, 2, 3], SamplingParams())
     prefill.block_table.append(20)
-    assert not graphs.can_run(runner.prepare(SchedulerOutput([prefill], [3])).meta)
+    assert not graphs.can_run(
+        runner.prepare(SchedulerOutput(seqs=[prefill], num_new_tokens=[3])).meta
+    )
     long_seq = Sequence("l", list(range(40)), SamplingParams())
     long_seq.num_computed_tokens = 39
     long_seq.block_table.extend(range(10))  # 10 blocks > MAX_BLOCKS_PER_SEQ
@@ -216,7 +220,9 @@ def test_cuda_runner_decodes_like_eager_runner(tiny_model_dir: Path) -> None:
         tokens = []
         for batch in ([0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [1, 3], [0, 1, 2]):
             step_seqs = [seqs[i] for i in batch]
-            token_ids, _ = runner.execute(SchedulerOutput(step_seqs, [1] * len(step_seqs)))
+            token_ids, _ = runner.execute(
+                SchedulerOutput(seqs=step_seqs, num_new_tokens=[1] * len(step_seqs))
+            )
             advance(step_seqs, token_ids)
             tokens.append(token_ids)
         outputs.append(tokens)

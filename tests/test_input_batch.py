@@ -40,7 +40,7 @@ def one_token_batch() -> tuple[SchedulerOutput, BlockManager]:
     bm.allocate(chunk, 3)
     chunk.num_computed_tokens = 2
     seqs.append(chunk)
-    out = SchedulerOutput(seqs, [1] * len(seqs))
+    out = SchedulerOutput(seqs=seqs, num_new_tokens=[1] * len(seqs))
     return out, bm
 
 
@@ -74,7 +74,7 @@ def test_block_manager_rows_match_the_seqs_lists() -> None:
     prompts = [Sequence("p", list(range(3, 3 + n)), SamplingParams()) for n in (8, 6)]
     for seq in prompts:
         bm.allocate(seq, seq.num_tokens)
-    prefill = SchedulerOutput(prompts, [8, 6])
+    prefill = SchedulerOutput(seqs=prompts, num_new_tokens=[8, 6])
     with_rows = dataclasses.replace(
         prefill, block_tables=bm.tables, block_rows=[s.block_row for s in prompts]
     )
@@ -86,8 +86,8 @@ def test_decode_steps_reuse_the_gathered_tables_until_the_rows_change() -> None:
 
     def with_rows(seqs: list[Sequence]) -> SchedulerOutput:
         return SchedulerOutput(
-            seqs,
-            [1] * len(seqs),
+            seqs=seqs,
+            num_new_tokens=[1] * len(seqs),
             block_tables=bm.tables,
             block_rows=[s.block_row for s in seqs],
             block_tables_version=bm.tables_version,
@@ -102,7 +102,9 @@ def test_decode_steps_reuse_the_gathered_tables_until_the_rows_change() -> None:
     assert bm.append_slots(grown, 2) and len(grown.block_table) == 2
     after = build_host_batch(with_rows(out.seqs), BLOCK_SIZE, gathered)
     assert after.block_tables[2, :2].tolist() == grown.block_table
-    assert_same(after, build_host_batch(SchedulerOutput(out.seqs, [1] * 5), BLOCK_SIZE))
+    assert_same(
+        after, build_host_batch(SchedulerOutput(seqs=out.seqs, num_new_tokens=[1] * 5), BLOCK_SIZE)
+    )
 
 
 def advance_natively(host: HostBatch, token_ids: list[int]) -> None:

@@ -39,7 +39,7 @@ def mixed_batch() -> SchedulerOutput:
     decode = make_seq([5, 6, 7, 8, 9, 10], 5, [9, 3])
     last_chunk = make_seq([11, 12, 13, 14, 15], 2, [7, 1])
     first_chunk = make_seq(list(range(20, 30)), 0, [4])
-    return SchedulerOutput([decode, last_chunk, first_chunk], [1, 3, 4])
+    return SchedulerOutput(seqs=[decode, last_chunk, first_chunk], num_new_tokens=[1, 3, 4])
 
 
 def test_prepare_builds_flat_batch(tiny_model_dir: Path) -> None:
@@ -62,12 +62,12 @@ def test_prepare_builds_flat_batch(tiny_model_dir: Path) -> None:
 def test_execute_decode_batch_samples_each_seq(tiny_model_dir: Path) -> None:
     runner = make_runner(tiny_model_dir)
     seqs = [make_seq([3, 4, 5], 0, [i]) for i in range(3)]
-    token_ids, _ = runner.execute(SchedulerOutput(seqs, [3, 3, 3]))
+    token_ids, _ = runner.execute(SchedulerOutput(seqs=seqs, num_new_tokens=[3, 3, 3]))
     assert len(token_ids) == 3 and len(set(token_ids)) == 1
     for seq, token_id in zip(seqs, token_ids, strict=True):
         seq.num_computed_tokens = 3
         seq.append_token(token_id)
-    decoded, _ = runner.execute(SchedulerOutput(seqs, [1, 1, 1]))
+    decoded, _ = runner.execute(SchedulerOutput(seqs=seqs, num_new_tokens=[1, 1, 1]))
     assert len(decoded) == 3 and len(set(decoded)) == 1
 
 
@@ -103,8 +103,10 @@ def test_16bit_kv_cache_stays_close_to_float32(
     num_new = [len(p) for p in prompts]
     tolerance = 5e-3 if kv_cache_dtype == "bfloat16" else 1e-3
     for _ in range(4):
-        logits = step_logits(exact, SchedulerOutput(seqs["exact"], num_new))
-        narrow_logits = step_logits(narrow, SchedulerOutput(seqs["narrow"], num_new))
+        logits = step_logits(exact, SchedulerOutput(seqs=seqs["exact"], num_new_tokens=num_new))
+        narrow_logits = step_logits(
+            narrow, SchedulerOutput(seqs=seqs["narrow"], num_new_tokens=num_new)
+        )
         scale = logits.abs().max().item()
         assert (narrow_logits - logits).abs().max().item() < tolerance * scale
         for name in seqs:
@@ -114,7 +116,7 @@ def test_16bit_kv_cache_stays_close_to_float32(
                 seq.num_computed_tokens += n
                 seq.append_token(token_id)
         num_new = [1, 1]
-    token_ids, _ = narrow.execute(SchedulerOutput(seqs["narrow"], num_new))
+    token_ids, _ = narrow.execute(SchedulerOutput(seqs=seqs["narrow"], num_new_tokens=num_new))
     assert len(token_ids) == 2
 
 
@@ -135,6 +137,8 @@ def test_cuda_step_matches_cpu(tiny_model_dir: Path) -> None:
     assert inputs.logits_rows.tolist() == cpu.prepare(batch).logits_rows.tolist()
     # NOTE: a second step reuses the pinned staging buffers; its inputs must be its own.
     decode = make_seq([1, 2, 3], 2, [5])
-    assert cuda.prepare(SchedulerOutput([decode], [1])).input_ids.tolist() == [3]
+    assert cuda.prepare(SchedulerOutput(seqs=[decode], num_new_tokens=[1])).input_ids.tolist() == [
+        3
+    ]
     token_ids, _ = cuda.execute(mixed_batch())
     assert len(token_ids) == 2

@@ -375,7 +375,7 @@ def test_a_hand_built_decode_step_leaves_a_prefilling_seq_chunked() -> None:
     step(sched)
     step(sched)
     num_computed = b.num_computed_tokens
-    sched.update(SchedulerOutput([a], [1]), [fake_token(a)])
+    sched.update(SchedulerOutput(seqs=[a], num_new_tokens=[1]), [fake_token(a)])
     out, _ = step(sched)
     assert out.seqs == [a, b] and out.num_new_tokens == [1, 7]
     assert b.num_computed_tokens == num_computed + 7

@@ -147,14 +147,14 @@ class Scheduler:
         else:
             block_rows = [seq.block_row for seq in seqs]
         out = SchedulerOutput(
-            seqs,
-            num_new_tokens,
-            preempted,
-            sampling_mask,
-            self.block_manager.tables,
-            block_rows,
-            self.block_manager.tables_version,
-            continues_step,
+            seqs=seqs,
+            num_new_tokens=num_new_tokens,
+            preempted=preempted,
+            sampling_mask=sampling_mask,
+            block_tables=self.block_manager.tables,
+            block_rows=block_rows,
+            block_tables_version=self.block_manager.tables_version,
+            continues_step=continues_step,
         )
         self._last_output = out
         return out
@@ -194,14 +194,13 @@ class Scheduler:
         self.num_steps += 1
         self.num_scheduled_tokens += num_seqs
         out = SchedulerOutput(
-            last.seqs,
-            last.num_new_tokens,
-            [],
-            last.sampling_mask,
-            self.block_manager.tables,
-            last.block_rows,
-            self.block_manager.tables_version,
-            last.step_id,
+            seqs=last.seqs,
+            num_new_tokens=last.num_new_tokens,
+            sampling_mask=last.sampling_mask,
+            block_tables=self.block_manager.tables,
+            block_rows=last.block_rows,
+            block_tables_version=self.block_manager.tables_version,
+            continues_step=last.step_id,
         )
         self._last_output = out
         return out

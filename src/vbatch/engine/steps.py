@@ -1,5 +1,4 @@
-"""One step's plan and what applying it did (SchedulerOutput, StepUpdate), and the DecodeRun that
-applies decode steps continuing one another (torch-free)."""
+"""One step's plan and what applying it did: SchedulerOutput and StepUpdate (torch-free)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from vbatch.protocol import TokenLogprobs
 _step_ids = itertools.count()
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SchedulerOutput:
     """One step's batch: `seqs[i]` computes `num_new_tokens[i]` tokens from its num_computed_tokens.
 
@@ -69,55 +68,3 @@ class StepUpdate:
     logprobs: list[TokenLogprobs | None] | None
     finished: list[Sequence]
     started: list[Sequence]
-
-
-class DecodeRun:
-    """Decode steps that continue one another, and what lets update() apply one of them without
-    visiting every seq: a decode step changes a seq's token list only (see Sequence).
-
-    Invariants: `token_lists[i]` is `seqs[i].token_ids`, which has taken one token in each of
-    the run's `num_steps` steps; no seq can reach its length limit before step `num_safe_steps`,
-    nor finish on a token outside `finish_ids`; `rows_by_offset[r]` holds the rows whose token
-    count was r modulo block_size when the run started.
-    """
-
-    __slots__ = (
-        "finish_ids",
-        "num_safe_steps",
-        "num_steps",
-        "rows_by_offset",
-        "seqs",
-        "step_id",
-        "token_lists",
-    )
-
-    def __init__(self, seqs: list[Sequence], block_size: int) -> None:
-        self.seqs = seqs
-        self.step_id = -1
-        self.num_steps = 0
-        self.token_lists = [seq.token_ids for seq in seqs]
-        start_lengths = [len(token_ids) for token_ids in self.token_lists]
-        finish_sets = {id(seq.finish_token_ids): seq.finish_token_ids for seq in seqs}
-        self.finish_ids: frozenset[int] = frozenset().union(*finish_sets.values())
-        self.num_safe_steps = min(
-            seq.max_num_tokens - length for seq, length in zip(seqs, start_lengths, strict=True)
-        )
-        self.rows_by_offset: list[list[int]] = [[] for _ in range(block_size)]
-        for row, length in enumerate(start_lengths):
-            self.rows_by_offset[length % block_size].append(row)
-
-    def take(self, step_id: int, token_ids: list[int]) -> list[Sequence] | None:
-        """Append a step's tokens, one per seq, if none of them can finish a seq; returns the
-        seqs whose next token opens a block, or None (nothing appended) if one might finish."""
-        step = self.num_steps + 1
-        if step >= self.num_safe_steps or not self.finish_ids.isdisjoint(token_ids):
-            return None
-        for token_ids_of_seq, token_id in zip(self.token_lists, token_ids):
-            token_ids_of_seq.append(token_id)
-        self.num_steps = step
-        self.step_id = step_id
-        # NOTE: seq i computed position start + step - 1; its new token opens a block when the
-        # step's length before the append, start + step - 1, is a multiple of block_size.
-        seqs = self.seqs
-        rows_by_offset = self.rows_by_offset
-        return [seqs[row] for row in rows_by_offset[(1 - step) % len(rows_by_offset)]]
