@@ -1,14 +1,28 @@
 """The import graph of src/vbatch, read with ast: no module imports itself through others, counting
-imports inside functions (which hide a cycle from import time) but not those under TYPE_CHECKING."""
+imports inside functions (which hide a cycle from import time) but not those under TYPE_CHECKING;
+and the modules of the user's process and the scheduler import neither torch nor transformers."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import vbatch
 
 SRC = Path(vbatch.__file__).parent
+# NOTE: the client and the job's display run in the user's process, which must start fast; the
+# scheduler and its parts are tested without torch.
+TORCH_FREE = (
+    "vbatch.client.tokenizer",
+    "vbatch.client.detokenizer",
+    "vbatch.job.progress",
+    "vbatch.engine.block_manager",
+    "vbatch.engine.scheduler",
+    "vbatch.engine.applier",
+    "vbatch.models.families",
+)
 
 
 def module_names(package_dir: Path) -> dict[str, Path]:
@@ -104,3 +118,15 @@ def test_a_cycle_through_an_import_inside_a_function_is_found(tmp_path: Path) ->
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import c\n"
     )
     assert import_cycles(package) == []
+
+
+def test_torch_free_modules_import_neither_torch_nor_transformers() -> None:
+    code = (
+        "import importlib, sys\n"
+        f"for name in {TORCH_FREE!r}:\n"
+        "    importlib.import_module(name)\n"
+        "    heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+        "    assert not heavy, f'{name} imports {heavy}'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
