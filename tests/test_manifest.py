@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from vbatch import __version__
 from vbatch.errors import JobStateError
-from vbatch.job.manifest import Manifest, input_fingerprint, model_identity
+from vbatch.job.manifest import (
+    JobOptions,
+    Manifest,
+    ModelIdentity,
+    input_fingerprint,
+    model_identity,
+)
+from vbatch.job.options import RunOptions
+from vbatch.job.rows import ColumnOptions
 
 
 def make_manifest(input_path: Path, weights_hash: str = "w1") -> Manifest:
@@ -22,10 +32,10 @@ def make_manifest(input_path: Path, weights_hash: str = "w1") -> Manifest:
         id_kind="int",
         output_path="/tmp/out.jsonl",
         output_format="jsonl",
-        model={"source": "/m", "name": "m", "weights_hash": weights_hash, "files": {}},
+        model=ModelIdentity(source="/m", name="m", weights_hash=weights_hash, files={}),
         engine={},
         sampling={"max_tokens": 4},
-        options={},
+        options=JobOptions(),
     )
 
 
@@ -35,16 +45,16 @@ def test_fingerprint_ignores_mtime_but_sees_content(tmp_path: Path) -> None:
     path.write_bytes(data)
     first = input_fingerprint(path)
     os.utime(path, (1, 1))
-    assert input_fingerprint(path)["sampled_sha256"] == first["sampled_sha256"]
+    assert input_fingerprint(path).sampled_sha256 == first.sampled_sha256
     data[100] ^= 1
     path.write_bytes(data)
-    assert input_fingerprint(path)["sampled_sha256"] != first["sampled_sha256"]
+    assert input_fingerprint(path).sampled_sha256 != first.sampled_sha256
     data[100] ^= 1
     data[-5] ^= 1
     path.write_bytes(data)
-    assert input_fingerprint(path)["sampled_sha256"] != first["sampled_sha256"]
+    assert input_fingerprint(path).sampled_sha256 != first.sampled_sha256
     path.write_bytes(data + b"\n")
-    assert input_fingerprint(path)["size"] == first["size"] + 1
+    assert input_fingerprint(path).size == first.size + 1
 
 
 def test_save_load_round_trip_and_mismatches(tmp_path: Path) -> None:
@@ -54,10 +64,11 @@ def test_save_load_round_trip_and_mismatches(tmp_path: Path) -> None:
     manifest.save(tmp_path)
     loaded = Manifest.load(tmp_path)
     assert loaded == manifest
-    same_model = {"weights_hash": "w1", "files": {}}
+    same_model = ModelIdentity(source="/m", name="m", weights_hash="w1", files={})
     assert loaded.mismatches(input_fingerprint(input_path), same_model) == []
     input_path.write_text('{"prompt": "b"}\n')
-    reasons = loaded.mismatches(input_fingerprint(input_path), {"weights_hash": "w2", "files": {}})
+    other_model = ModelIdentity(source="/m", name="m", weights_hash="w2", files={})
+    reasons = loaded.mismatches(input_fingerprint(input_path), other_model)
     assert len(reasons) == 2
     assert "changed content" in reasons[0] and "model weights changed" in reasons[1]
     input_path.write_text('{"prompt": "bb"}\n')
@@ -72,13 +83,77 @@ def test_load_errors(tmp_path: Path) -> None:
         Manifest.load(tmp_path)
 
 
+# NOTE: as vbatch 0.1.0 wrote it at manifest version 2, before the manifest was typed.
+VERSION_2_MANIFEST = {
+    "vbatch_version": "0.1.0",
+    "input_path": "/data/in.jsonl",
+    "input_format": "jsonl",
+    "input": {"size": 17, "mtime_ns": 1764600000000000000, "sampled_sha256": "ab" * 32},
+    "num_rows": 1,
+    "id_kind": "int",
+    "output_path": "/data/out.jsonl",
+    "output_format": "jsonl",
+    "model": {
+        "source": "/models/tiny",
+        "name": "tiny",
+        "weights_hash": "cd" * 32,
+        "files": {"config.json": "ef" * 32},
+    },
+    "engine": {"max_num_seqs": 8},
+    "sampling": {"max_tokens": 4},
+    "options": {
+        "columns": {
+            "prompt_column": "text",
+            "messages_column": None,
+            "id_column": None,
+            "keep_columns": ["a"],
+            "keep_all_columns": False,
+        },
+        "ordered": True,
+        "include_token_ids": True,
+        "parse_json": False,
+        "openai_output": False,
+        "commit_every_rows": 7,
+        "commit_every_seconds": 5.0,
+        "max_errors": 0.5,
+        "drain_timeout": 30.0,
+        "max_in_flight": None,
+    },
+    "created": 1764600000.5,
+    "manifest_version": 2,
+}
+
+
+def test_a_version_2_manifest_loads_typed_and_saves_unchanged(tmp_path: Path) -> None:
+    (tmp_path / "manifest.json").write_text(json.dumps(VERSION_2_MANIFEST))
+    manifest = Manifest.load(tmp_path)
+    assert manifest.options.columns == ColumnOptions(prompt_column="text", keep_columns=("a",))
+    assert manifest.options.ordered and manifest.options.include_token_ids
+    assert manifest.model.name == "tiny" and manifest.input.size == 17
+    options = manifest.options.run_options({"max_in_flight": 3})
+    assert options == RunOptions(commit_every_rows=7, max_errors=0.5, max_in_flight=3)
+    manifest.save(tmp_path)
+    assert json.loads((tmp_path / "manifest.json").read_text()) == VERSION_2_MANIFEST
+
+
+def test_a_manifest_it_cannot_read_is_refused_with_the_reason(tmp_path: Path) -> None:
+    path = tmp_path / "manifest.json"
+    path.write_text(json.dumps({**VERSION_2_MANIFEST, "manifest_version": 3}))
+    with pytest.raises(JobStateError, match="written by a newer vbatch \\(manifest version 3"):
+        Manifest.load(tmp_path)
+    bad = {**VERSION_2_MANIFEST, "options": {**VERSION_2_MANIFEST["options"], "ordered": "yes"}}
+    path.write_text(json.dumps(bad))
+    with pytest.raises(JobStateError, match=r"unreadable .*Expected `bool`.*options.ordered"):
+        Manifest.load(tmp_path)
+
+
 def test_model_identity_hashes_safetensors_of_a_directory(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"weights-1")
     first = model_identity(str(tmp_path))
-    assert first["source"] == str(tmp_path) and first["name"] == tmp_path.name
+    assert first.source == str(tmp_path) and first.name == tmp_path.name
     (tmp_path / "model.safetensors").write_bytes(b"weights-two")
-    assert model_identity(str(tmp_path))["weights_hash"] != first["weights_hash"]
+    assert model_identity(str(tmp_path)).weights_hash != first.weights_hash
 
 
 def test_model_identity_covers_tokenizer_template_and_configs(tmp_path: Path) -> None:
@@ -91,7 +166,7 @@ def test_model_identity_covers_tokenizer_template_and_configs(tmp_path: Path) ->
     (tmp_path / "additional_chat_templates").mkdir()
     (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
     first = model_identity(str(tmp_path))
-    assert sorted(first["files"]) == [
+    assert sorted(first.files or {}) == [
         "additional_chat_templates/tool_use.jinja",
         "chat_template.jinja",
         "config.json",
@@ -100,7 +175,7 @@ def test_model_identity_covers_tokenizer_template_and_configs(tmp_path: Path) ->
     ]
     input_path = tmp_path / "in.jsonl"
     input_path.write_text('{"prompt": "a"}\n')
-    manifest = make_manifest(input_path, first["weights_hash"])
+    manifest = make_manifest(input_path, first.weights_hash)
     manifest.model = first
     fingerprint = input_fingerprint(input_path)
     (tmp_path / "README.md").write_text("edited")
@@ -116,7 +191,7 @@ def test_model_identity_covers_tokenizer_template_and_configs(tmp_path: Path) ->
     )
 
     # NOTE: a manifest written before model files were recorded is read, and asks for --force.
-    del manifest.model["files"]
+    manifest.model = msgspec.structs.replace(first, files=None)
     manifest.save(tmp_path)
     (reason,) = Manifest.load(tmp_path).mismatches(fingerprint, first)
     assert "did not record the model's tokenizer, chat template and generation config" in reason
@@ -125,4 +200,4 @@ def test_model_identity_covers_tokenizer_template_and_configs(tmp_path: Path) ->
 def test_model_identity_of_a_gguf_file_is_its_hash(tmp_path: Path) -> None:
     path = tmp_path / "m.gguf"
     path.write_bytes(b"GGUF")
-    assert model_identity(str(path))["files"] == {}
+    assert model_identity(str(path)).files == {}

@@ -18,10 +18,11 @@ from vbatch.errors import (
 from vbatch.job.finalize import finalize
 from vbatch.job.journal import Journal
 from vbatch.job.manifest import Manifest
+from vbatch.job.options import RunOptions
 from vbatch.job.paths import resume_command
 from vbatch.job.reader import InputReader
 from vbatch.job.results import TokenStrings, error_row, openai_line, parquet_schema, result_row
-from vbatch.job.rows import ColumnOptions, InputRow, RowParser
+from vbatch.job.rows import InputRow, RowParser
 from vbatch.job.stopping import StopControl, StopNow, StopOnSignal
 from vbatch.job.writer import open_writer
 from vbatch.sampling_params import SamplingParams
@@ -49,7 +50,7 @@ class JobExecution:
         job_dir: Path,
         manifest: Manifest,
         journal: Journal,
-        options: Any,
+        options: RunOptions,
         llm_factory: Callable[..., Any] | None,
     ) -> None:
         self.job_dir = job_dir
@@ -57,10 +58,7 @@ class JobExecution:
         self.journal = journal
         self.options = options
         self.llm_factory = llm_factory or _make_llm
-        settings = manifest.options
-        column_values = dict(settings["columns"])
-        column_values["keep_columns"] = tuple(column_values["keep_columns"])
-        self.columns = ColumnOptions(**column_values)
+        self.columns = manifest.options.columns
         self.defaults = SamplingParams.from_dict(manifest.sampling)
         self.reader = InputReader(Path(manifest.input_path), manifest.input_format, self.columns)
         self.parser = RowParser(self.columns, self.defaults)
@@ -68,7 +66,7 @@ class JobExecution:
         if manifest.output_format == "parquet":
             kept = self.columns.keep_columns
             self.schema = parquet_schema(
-                manifest.id_kind, kept, self.reader.arrow_schema, self._parse_json
+                manifest.id_kind, kept, self.reader.arrow_schema, manifest.options.parse_json
             )
         self.writer = open_writer(job_dir, journal, manifest, self.schema)
         self.in_flight: dict[int, InputRow] = {}
@@ -102,7 +100,7 @@ class JobExecution:
             total_rows=self.manifest.num_rows,
             rows_done_before=len(state.committed),
             rows_errored_before=len(state.errors),
-            model=self.manifest.model["name"],
+            model=self.manifest.model.name,
             input_path=self.manifest.input_path,
             output_path=str(output),
         )
@@ -161,7 +159,7 @@ class JobExecution:
                     Path(self.manifest.output_path),
                     self.journal,
                     self.schema,
-                    ordered=self.manifest.options["ordered"],
+                    ordered=self.manifest.options.ordered,
                 )
             except Exception as e:
                 raise self._resumable(e, output, commit=False) from e
@@ -202,7 +200,7 @@ class JobExecution:
         self.stop.is_waiting = True
         try:
             llm = self.llm_factory(
-                self.manifest.model["source"],
+                self.manifest.model.source,
                 max_in_flight=self.options.max_in_flight,
                 on_progress=self.metrics.set_startup_stage,
                 **engine_args,
@@ -247,7 +245,10 @@ class JobExecution:
                 if result.error is None and any(o.finish_reason == "abort" for o in result.outputs):
                     continue
                 values = result_row(
-                    row, result, include_token_ids=self._token_ids, parse_json=self._parse_json
+                    row,
+                    result,
+                    include_token_ids=self.manifest.options.include_token_ids,
+                    parse_json=self.manifest.options.parse_json,
                 )
                 self._emit(row, values)
         except StopNow:
@@ -255,14 +256,6 @@ class JobExecution:
         finally:
             self.stop.is_waiting = False
             stream.close()
-
-    @property
-    def _token_ids(self) -> bool:
-        return bool(self.manifest.options["include_token_ids"])
-
-    @property
-    def _parse_json(self) -> bool:
-        return bool(self.manifest.options.get("parse_json", False))
 
     def _requests(self) -> Iterator[Any]:
         from vbatch.llm import Request
@@ -288,9 +281,9 @@ class JobExecution:
 
     def _emit(self, row: InputRow, values: dict[str, Any]) -> None:
         line = None
-        if self.manifest.options["openai_output"]:
+        if self.manifest.options.openai_output:
             line = openai_line(
-                row, values, self.manifest.model["name"], self.token_text, self.token_bytes
+                row, values, self.manifest.model.name, self.token_text, self.token_bytes
             )
         self.writer.add(values, row.kept, line)
         is_error = values["error"] is not None

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from vbatch.errors import JobStateError, ModelLoadError
+from vbatch.job.options import RunOptions
 from vbatch.job.paths import write_atomic
+from vbatch.job.rows import ColumnOptions
 
 MANIFEST_NAME = "manifest.json"
 # NOTE: version 2 added model["files"] (hashes of the tokenizer, template and config files).
@@ -20,7 +23,47 @@ _NUM_MIDDLE_SAMPLES = 16
 _MIDDLE_SAMPLE_BYTES = 1 << 16
 
 
-def input_fingerprint(path: Path) -> dict[str, Any]:
+class InputFingerprint(msgspec.Struct, frozen=True, kw_only=True):
+    """The input file as `input_fingerprint` saw it; `mtime_ns` is for information only."""
+
+    size: int
+    mtime_ns: int
+    sampled_sha256: str
+
+
+class ModelIdentity(msgspec.Struct, frozen=True, kw_only=True):
+    """The model as the user named it (`source`), the hash of its weights, and a hash of each
+    other file that changes its output; `files` is None in a manifest of version 1."""
+
+    source: str
+    name: str
+    weights_hash: str
+    files: dict[str, str] | None = None
+
+
+class JobOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """How the job's rows are read and written, fixed for its life, then the run options a resume
+    starts from (`RunOptions.result_settings`). A field added here needs a default, so that a
+    manifest written before it still loads."""
+
+    columns: ColumnOptions = ColumnOptions()
+    ordered: bool = False
+    include_token_ids: bool = False
+    parse_json: bool = False
+    openai_output: bool = False
+    commit_every_rows: int = RunOptions.commit_every_rows
+    commit_every_seconds: float = RunOptions.commit_every_seconds
+    max_errors: float | None = RunOptions.max_errors
+    drain_timeout: float = RunOptions.drain_timeout
+    max_in_flight: int | None = RunOptions.max_in_flight
+
+    def run_options(self, overrides: dict[str, Any] | None = None) -> RunOptions:
+        """The saved run options, with `overrides` (RunOptions fields) replacing some."""
+        saved = {name: getattr(self, name) for name in RunOptions().result_settings()}
+        return replace(RunOptions(**saved), **(overrides or {}))
+
+
+def input_fingerprint(path: Path) -> InputFingerprint:
     """Size plus a sha256 over the first and last MiB and 16 evenly spaced 64 KiB samples.
 
     NOTE: a sampled hash keeps `vbatch resume` on a 100 GB input instant; it catches any
@@ -41,10 +84,10 @@ def input_fingerprint(path: Path) -> dict[str, Any]:
         for offset, length in zip(offsets, lengths, strict=False):
             f.seek(offset)
             digest.update(f.read(length))
-    return {"size": size, "mtime_ns": stat.st_mtime_ns, "sampled_sha256": digest.hexdigest()}
+    return InputFingerprint(size=size, mtime_ns=stat.st_mtime_ns, sampled_sha256=digest.hexdigest())
 
 
-def model_identity(model: str | None) -> dict[str, Any]:
+def model_identity(model: str | None) -> ModelIdentity:
     """The model as the user named it, a hash of its weights (memoized by size and mtime) and a
     hash of each other file that changes its output (tokenizer, chat template, configs)."""
     from vbatch.models.loader import default_model_path, hash_files, model_file_hashes
@@ -58,76 +101,89 @@ def model_identity(model: str | None) -> dict[str, Any]:
             f"{path} is not a model: give a GGUF file or a Hugging Face directory with "
             "config.json and *.safetensors"
         )
-    return {
-        "source": str(path),
-        "name": path.stem if path.is_file() else path.name,
-        "weights_hash": hash_files(files),
-        "files": model_file_hashes(path),
-    }
+    return ModelIdentity(
+        source=str(path),
+        name=path.stem if path.is_file() else path.name,
+        weights_hash=hash_files(files),
+        files=model_file_hashes(path),
+    )
 
 
-@dataclass
-class Manifest:
-    """Everything that decides a job's result. Invariant: written once, atomically, at job start;
-    `resume` compares `input`, `model` and `vbatch_version` against the world as it is now."""
+class Manifest(msgspec.Struct, kw_only=True):
+    """Everything that decides a job's result. Invariant: written once, atomically, at job start
+    (and again by `resume --force`); `resume` compares `input`, `model` and `vbatch_version`
+    against the world as it is now. `engine` holds EngineConfig fields, `sampling` the default
+    SamplingParams as a dict."""
 
     vbatch_version: str
     input_path: str
     input_format: str
-    input: dict[str, Any]
+    input: InputFingerprint
     num_rows: int
     id_kind: str
     output_path: str
     output_format: str
-    model: dict[str, Any]
+    model: ModelIdentity
     engine: dict[str, Any]
     sampling: dict[str, Any]
-    options: dict[str, Any]
-    created: float = field(default_factory=time.time)
+    options: JobOptions
+    created: float = msgspec.field(default_factory=time.time)
     manifest_version: int = MANIFEST_VERSION
 
     def save(self, job_dir: Path) -> None:
-        write_atomic(job_dir / MANIFEST_NAME, json.dumps(asdict(self), indent=2).encode())
+        write_atomic(job_dir / MANIFEST_NAME, msgspec.json.format(msgspec.json.encode(self)))
 
     @classmethod
     def load(cls, job_dir: Path) -> Manifest:
         path = job_dir / MANIFEST_NAME
         try:
-            values = json.loads(path.read_text())
-            return cls(**values)
+            data = path.read_bytes()
         except FileNotFoundError:
             raise JobStateError(
                 f"{job_dir} has no {MANIFEST_NAME}; it is not a vbatch job"
             ) from None
-        except (ValueError, TypeError) as e:
+        try:
+            version = msgspec.json.decode(data, type=_Versioned).manifest_version
+        except msgspec.DecodeError:
+            version = None
+        if version is not None and version > MANIFEST_VERSION:
+            raise JobStateError(
+                f"{path} was written by a newer vbatch (manifest version {version}; this one "
+                f"reads up to {MANIFEST_VERSION}); resume the job with that vbatch"
+            )
+        try:
+            return msgspec.json.decode(data, type=cls)
+        except msgspec.DecodeError as e:
             raise JobStateError(f"{path} is unreadable ({e})") from None
 
-    def mismatches(self, current_input: dict[str, Any], current_model: dict[str, Any]) -> list[str]:
+    def mismatches(
+        self, current_input: InputFingerprint, current_model: ModelIdentity
+    ) -> list[str]:
         """Human-readable reasons why resuming would not reproduce the original job."""
         from vbatch import __version__
 
         reasons = []
-        if current_input["size"] != self.input["size"]:
+        if current_input.size != self.input.size:
             reasons.append(
                 f"input {self.input_path} changed size "
-                f"({self.input['size']} -> {current_input['size']} bytes)"
+                f"({self.input.size} -> {current_input.size} bytes)"
             )
-        elif current_input["sampled_sha256"] != self.input["sampled_sha256"]:
+        elif current_input.sampled_sha256 != self.input.sampled_sha256:
             reasons.append(f"input {self.input_path} changed content")
-        if current_model["weights_hash"] != self.model["weights_hash"]:
+        if current_model.weights_hash != self.model.weights_hash:
             reasons.append(
-                f"model weights changed ({self.model['source']}: "
-                f"{self.model['weights_hash']} -> {current_model['weights_hash']})"
+                f"model weights changed ({self.model.source}: "
+                f"{self.model.weights_hash} -> {current_model.weights_hash})"
             )
-        reasons += self._model_file_changes(current_model.get("files", {}))
+        reasons += self._model_file_changes(current_model.files or {})
         if __version__ != self.vbatch_version:
             reasons.append(f"vbatch version changed ({self.vbatch_version} -> {__version__})")
         return reasons
 
     def _model_file_changes(self, current: dict[str, str]) -> list[str]:
         """Which tokenizer, template and config files differ from those the job started with."""
-        source = self.model["source"]
-        recorded = self.model.get("files")
+        source = self.model.source
+        recorded = self.model.files
         if recorded is None:
             return [
                 f"this job was started by an older vbatch that did not record the model's "
@@ -142,3 +198,7 @@ class Manifest:
         if not changes:
             return []
         return [f"model files changed ({source}: {', '.join(changes)})"]
+
+
+class _Versioned(msgspec.Struct):
+    manifest_version: int | None = None

@@ -8,17 +8,27 @@ import shlex
 import shutil
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from vbatch.config import EngineConfig
 from vbatch.errors import InputError, JobStateError, is_storage_failure, storage_error
 from vbatch.job.execution import JobExecution
 from vbatch.job.finalize import finish_completion
 from vbatch.job.journal import JOURNAL_NAME, JobState, Journal, read_journal
-from vbatch.job.manifest import MANIFEST_NAME, Manifest, input_fingerprint, model_identity
+from vbatch.job.manifest import (
+    MANIFEST_NAME,
+    InputFingerprint,
+    JobOptions,
+    Manifest,
+    ModelIdentity,
+    input_fingerprint,
+    model_identity,
+)
 from vbatch.job.options import RunOptions
 from vbatch.job.paths import job_dir_for, resume_command, tmp_output_path
 from vbatch.job.reader import InputReader, scan_input
@@ -227,14 +237,14 @@ def _prepare_job(
         model=model_identity(spec.model),
         engine=dict(spec.engine_args),
         sampling=defaults.to_dict(),
-        options={
-            "columns": asdict(columns),
-            "ordered": spec.ordered,
-            "include_token_ids": spec.include_token_ids,
-            "parse_json": spec.parse_json,
-            "openai_output": scan.is_openai and fmt == "jsonl",
+        options=JobOptions(
+            columns=columns,
+            ordered=spec.ordered,
+            include_token_ids=spec.include_token_ids,
+            parse_json=spec.parse_json,
+            openai_output=scan.is_openai and fmt == "jsonl",
             **options.result_settings(),
-        },
+        ),
     )
     _remove_job(job_dir, output)
     try:
@@ -286,7 +296,7 @@ def _resume_locked(
     if not input_path.is_file():
         raise InputError(f"the job's input file {input_path} no longer exists")
     fingerprint = input_fingerprint(input_path)
-    identity = model_identity(manifest.model["source"])
+    identity = model_identity(manifest.model.source)
     mismatches = manifest.mismatches(fingerprint, identity)
     if mismatches and not force:
         raise JobStateError(
@@ -297,10 +307,9 @@ def _resume_locked(
     if mismatches:
         old_input, old_rows = manifest.input, manifest.num_rows
         _accept_changes(job_dir, manifest, fingerprint, identity)
-        if old_input["sampled_sha256"] != fingerprint["sampled_sha256"]:
+        if old_input.sampled_sha256 != fingerprint.sampled_sha256:
             _warn_index_matching(job_dir, output, old_rows, manifest.num_rows)
-    saved = {k: manifest.options[k] for k in RunOptions().result_settings()}
-    options = RunOptions(**{**saved, **(overrides or {})})
+    options = manifest.options.run_options(overrides)
     return _execute(
         output, job_dir, manifest, options, llm_factory, retry_errors=retry_errors, lock=lock
     )
@@ -323,12 +332,12 @@ def _warn_index_matching(job_dir: Path, output: Path, old_rows: int, new_rows: i
 
 
 def _accept_changes(
-    job_dir: Path, manifest: Manifest, fingerprint: dict[str, Any], identity: dict[str, Any]
+    job_dir: Path, manifest: Manifest, fingerprint: InputFingerprint, identity: ModelIdentity
 ) -> None:
     """--force: adopt the changed input and model, so later resumes check against them."""
     from vbatch import __version__
 
-    columns = ColumnOptions(**{**manifest.options["columns"], "keep_all_columns": False})
+    columns = replace(manifest.options.columns, keep_all_columns=False)
     reader = InputReader(Path(manifest.input_path), manifest.input_format, columns)
     scan = scan_input(reader, RowParser(columns, SamplingParams.from_dict(manifest.sampling)))
     if scan.duplicate is not None:
@@ -430,9 +439,9 @@ def _status(job_dir: Path, manifest: Manifest, state: JobState) -> dict[str, Any
         "last_commit": datetime.fromtimestamp(last).isoformat(timespec="seconds") if last else None,
         "created": datetime.fromtimestamp(manifest.created).isoformat(timespec="seconds"),
         "input": manifest.input_path,
-        "model": manifest.model,
+        "model": msgspec.to_builtins(manifest.model),
         "engine": manifest.engine,
         "sampling": manifest.sampling,
-        "options": manifest.options,
+        "options": msgspec.to_builtins(manifest.options),
         "vbatch_version": manifest.vbatch_version,
     }

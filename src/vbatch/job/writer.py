@@ -243,13 +243,13 @@ def open_writer(
         schema,
         id_kind=manifest.id_kind,
         json_kept=manifest.input_format == "jsonl",
-        ordered=manifest.options["ordered"],
+        ordered=manifest.options.ordered,
     )
 
 
 def _kept_json(manifest: Manifest) -> KeptJson | None:
     """The JSON formatter for the kept columns of a Parquet input (None when none needs one)."""
-    keep_columns = manifest.options["columns"]["keep_columns"]
+    keep_columns = manifest.options.columns.keep_columns
     if manifest.input_format != "parquet" or not keep_columns:
         return None
     import pyarrow.parquet as pq
