@@ -22,8 +22,8 @@ class Applied:
 
 
 class DecodeRun:
-    """Decode steps that continue one another, and what lets update() apply one of them without
-    visiting every seq: a decode step changes a seq's token list only (see Sequence).
+    """Decode steps that continue one another (see SchedulerOutput), and what lets update() apply
+    one of them without visiting every seq.
 
     Invariants: `token_lists[i]` is `seqs[i].token_ids`, which has taken one token in each of
     the run's `num_steps` steps; no seq can reach its length limit before step `num_safe_steps`,

@@ -225,10 +225,10 @@ class EngineCore:
     def step(self) -> EngineOutputs:
         """Schedule, run and apply one step; an empty EngineOutputs when nothing could run.
 
-        With `async_scheduling`, a decode step that continues this one is launched before this
-        one's tokens reach the host, so the device computes it while they are applied; the
-        next call applies it. A seq that finishes meanwhile has its token of that step dropped.
-        A step that raises ends its requests with an ERROR finish (see the class docstring).
+        Without `async_scheduling` a step is scheduled, run and applied in turn
+        (`_normal_step`); with it, `_overlap_step` launches a decode step that continues this
+        one before this one's tokens reach the host. A step that raises ends its requests with
+        an ERROR finish (see the class docstring).
         """
         # NOTE: the outputs of this step (and of the one launched ahead of it), for the except.
         planned: list[SchedulerOutput] = []
@@ -253,31 +253,57 @@ class EngineCore:
         errors = self._admit_compiled(
             block=self._ahead is None and not self.scheduler.has_unfinished()
         )
+        run_step = self._overlap_step if self.config.async_scheduling else self._normal_step
+        outputs = run_step(planned)
+        if outputs is None:
+            return EngineOutputs(finished=errors)
+        outputs.finished = errors + outputs.finished
+        self._step_time += time.perf_counter() - start
+        return outputs
+
+    def _normal_step(self, planned: list[SchedulerOutput]) -> EngineOutputs | None:
+        """Schedule a step, run it and apply its tokens; None when nothing could be scheduled."""
+        out = self._schedule(planned)
+        if out is None:
+            return None
+        return self._apply(out, self._launch(out))
+
+    def _overlap_step(self, planned: list[SchedulerOutput]) -> EngineOutputs | None:
+        """Apply the step the last call launched ahead (or schedule and launch one), after
+        launching the decode step that continues it, so the device computes that one while this
+        one's tokens are applied; the next call applies it. A seq that finishes meanwhile has
+        its token of that step dropped. None when nothing could be scheduled."""
         if self._ahead is not None:
             out, sampled = self._ahead
             self._ahead = None
             planned.append(out)
         else:
-            out = self.scheduler.schedule()
-            if out.is_empty:
-                return EngineOutputs(finished=errors)
-            planned.append(out)
-            if self._faults is not None:
-                _inject_fault(self._faults, out)
+            out = self._schedule(planned)
+            if out is None:
+                return None
             sampled = self._launch(out)
-        if self.config.async_scheduling:
-            ahead = self.scheduler.schedule_ahead(out)
-            if ahead is not None:
-                planned.append(ahead)
-                self._ahead = (ahead, self._launch(ahead))
+        ahead = self.scheduler.schedule_ahead(out)
+        if ahead is not None:
+            planned.append(ahead)
+            self._ahead = (ahead, self._launch(ahead))
+        return self._apply(out, sampled)
+
+    def _schedule(self, planned: list[SchedulerOutput]) -> SchedulerOutput | None:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return None
+        planned.append(out)
+        if self._faults is not None:
+            _inject_fault(self._faults, out)
+        return out
+
+    def _apply(self, out: SchedulerOutput, sampled: SamplerOutput | None) -> EngineOutputs:
+        """Wait for `out`'s tokens, apply them, and build the step's EngineOutputs."""
         collect_start = time.perf_counter()
         token_ids, logprobs = self.runner.collect(sampled)
         self._forward_time += time.perf_counter() - collect_start
         update = self.scheduler.update(out, token_ids, logprobs)
-        outputs = self._outputs(out, update)
-        outputs.finished = errors + outputs.finished
-        self._step_time += time.perf_counter() - start
-        return outputs
+        return self._outputs(out, update)
 
     def _fail_step(self, planned: list[SchedulerOutput], message: str) -> EngineOutputs:
         """End every request with a seq in `planned` with an ERROR finish; reset the state that

@@ -109,7 +109,8 @@ def advance_host_arrays(host: HostBatch, block_size: int) -> None:
 
 
 class DecodeBatch:
-    """A decode step's HostBatch, kept and advanced in place by the steps that continue it.
+    """A decode step's HostBatch, kept and advanced in place by the steps that continue it (see
+    SchedulerOutput).
 
     Invariants: when `host` is set it is the batch of output `step_id`, in which every seq
     computes one token and samples; `next_token_ids` is what that step sampled once the runner

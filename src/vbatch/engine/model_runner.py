@@ -297,7 +297,8 @@ class ModelRunner:
         return sampled
 
     def _advance_native(self, host: HostBatch, token_ids: torch.Tensor) -> None:
-        """DecodeBatch's array update in one native call, on the kept step's tensor views."""
+        """DecodeBatch's array update in one native call, on the kept step's tensor views (see
+        SchedulerOutput, continuing decode steps)."""
         kept = self._kept_inputs
         assert kept is not None and kept[0] is host, "the advanced batch is the kept one"
         inputs = kept[1]

@@ -188,7 +188,8 @@ class Scheduler:
         return self._continue(out)
 
     def _continue(self, last: SchedulerOutput) -> SchedulerOutput:
-        """The output continuing `last`: the same seqs, one token each, nothing to admit."""
+        """The output continuing `last` (see SchedulerOutput): the same seqs, one token each,
+        nothing to admit."""
         # NOTE: its lists are last's; no output's lists are changed once it is returned.
         num_seqs = len(last.seqs)
         self.num_steps += 1

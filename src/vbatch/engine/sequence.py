@@ -32,9 +32,9 @@ class Sequence:
     `max_num_tokens` and `finish_token_ids` (set by the scheduler on add) bound the cheap test for
     whether a new token may finish it.
 
-    What is stored is `num_uncomputed_tokens`; `num_computed_tokens` is derived from it. So a
-    decode step, which computes one token and appends the one it sampled, changes nothing but
-    the token list. append_token() appends a token that is not computed yet.
+    What is stored is `num_uncomputed_tokens`; `num_computed_tokens` is derived from it, so a
+    decode step changes nothing but the token list (see SchedulerOutput, continuing decode
+    steps). append_token() appends a token that is not computed yet.
     """
 
     __slots__ = (

@@ -21,10 +21,24 @@ class SchedulerOutput:
     fixed at construction, so it stays right after update() has moved the seqs on. When
     `block_tables` is set, seq i's block table is row `block_rows[i]` of it (the BlockManager's
     rows, unchanged while `block_tables_version` is); an output built by hand leaves it None and
-    the runner reads the seqs' lists. `step_id` is unique to this output; `continues_step`, when
+    the runner reads the seqs' lists. `step_id` is unique to this output.
+
+    Continuing decode steps (the fast path every part below refers to): `continues_step`, when
     not -1, is the step_id of the previous output, whose seqs these are, in the same order, each
     having computed its one token there and taken exactly the token it sampled (a decode-only
-    step following one), so a runner may advance that step's batch instead of building a new one.
+    step following one). Such a step is planned, built and applied from the last one instead of
+    from the seqs:
+    - Sequence stores its uncomputed token count, so a decode step changes only its token list;
+    - Scheduler._continue reuses the last output's lists (schedule_ahead plans one before the
+      last one's tokens are known, under async scheduling);
+    - StepApplier applies it through a DecodeRun: one append per seq, the general path only
+      when a token or the step count might finish a seq;
+    - the ModelRunner's DecodeBatch advances the kept HostBatch in place (the native
+      `vbatch::advance_decode` op on CPU, else advance_host_arrays plus a device copy of the
+      sampled ids), and a plain-greedy SamplingMetadata is reused;
+    - EngineCore._outputs reuses the last step's request id and index columns.
+    Any other step (an admission, a prefill chunk, a preemption, a finish) ends the run, and the
+    next step is built afresh.
     """
 
     seqs: list[Sequence]
