@@ -1,4 +1,4 @@
-"""Tests for EngineConfig: defaults, validation and from_dict."""
+"""Tests for EngineConfig: validation at each limit and from_dict."""
 
 from __future__ import annotations
 
@@ -8,9 +8,23 @@ from vbatch.config import EngineConfig
 from vbatch.errors import ConfigError
 
 
-def test_defaults_validate_and_capture_graphs() -> None:
-    config = EngineConfig().validate()
-    assert not config.enforce_eager and config.max_graph_batch_size == 256
+def test_the_defaults_validate_and_each_limit_accepts_its_boundary() -> None:
+    EngineConfig().validate()
+    edge = {
+        "device": "cpu",
+        "quantization": "int8",
+        "block_size": 16,
+        "max_num_batched_tokens": 16,
+        "max_num_seqs": 1,
+        "max_graph_batch_size": 1,
+        "max_model_len": 1,
+        "num_kv_blocks": 2,
+        "gpu_memory_utilization": 1.0,
+        "startup_timeout_s": 1,
+        "heartbeat_timeout_s": 1.0,
+    }
+    config = EngineConfig.from_dict(edge)
+    assert {name: getattr(config, name) for name in edge} == edge
 
 
 @pytest.mark.parametrize(
@@ -25,6 +39,13 @@ def test_defaults_validate_and_capture_graphs() -> None:
         ({"heartbeat_timeout_s": 0.5}, "heartbeat_timeout_s must be at least 1 second"),
         ({"heartbeat_timeout_s": "60"}, "heartbeat_timeout_s must be a positive number"),
         ({"startup_timeout_s": 0}, "startup_timeout_s must be a positive number"),
+        ({"startup_timeout_s": True}, "startup_timeout_s must be a positive number"),
+        ({"max_model_len": 0}, "max_model_len must be positive"),
+        ({"kv_cache_memory_gb": 0}, "kv_cache_memory_gb must be positive"),
+        ({"num_kv_blocks": 1}, "num_kv_blocks must be at least 2"),
+        ({"attention_backend": "flash"}, "attention_backend must be one of"),
+        ({"quantization": "int4"}, "quantization must be one of"),
+        ({"quantization": "int8", "device": "cuda"}, "int8 quantization runs on CPU only"),
     ],
 )
 def test_invalid_settings_raise_config_error(values: dict[str, object], message: str) -> None:
@@ -32,12 +53,9 @@ def test_invalid_settings_raise_config_error(values: dict[str, object], message:
         EngineConfig.from_dict(values)
 
 
-def test_kv_cache_dtype_defaults_to_the_model_dtype() -> None:
-    assert EngineConfig().validate().kv_cache_dtype == "auto"
-    assert EngineConfig.from_dict({"kv_cache_dtype": "bfloat16"}).kv_cache_dtype == "bfloat16"
-
-
 def test_from_dict_rejects_unknown_settings() -> None:
     assert EngineConfig.from_dict({"enforce_eager": True}).enforce_eager
     with pytest.raises(ConfigError, match="unknown engine setting"):
         EngineConfig.from_dict({"enforce_eager": True, "cuda_graphs": False})
+    with pytest.raises(ConfigError, match=r"setting\(s\): cuda_graphs, speculative$"):
+        EngineConfig.from_dict({"speculative": 1, "cuda_graphs": False})
