@@ -306,7 +306,7 @@ def _resume_locked(
         _accept_changes(job_dir, manifest, fingerprint, identity)
         if old_input["sampled_sha256"] != fingerprint["sampled_sha256"]:
             _warn_index_matching(job_dir, output, old_rows, manifest.num_rows)
-    saved = {k: manifest.options[k] for k in RunOptions().result_settings()}
+    saved = RunOptions.saved_settings(manifest.options)
     options = RunOptions(**{**saved, **(overrides or {})})
     return _execute(
         output, job_dir, manifest, options, llm_factory, retry_errors=retry_errors, lock=lock
@@ -436,7 +436,9 @@ def _status(job_dir: Path, manifest: Manifest, state: JobState) -> dict[str, Any
         "done": len(state.committed),
         "errored": len(state.errors),
         "remaining": manifest.num_rows - len(state.committed),
-        "last_commit": datetime.fromtimestamp(last).isoformat(timespec="seconds") if last else None,
+        "last_commit_time": datetime.fromtimestamp(last).isoformat(timespec="seconds")
+        if last
+        else None,
         "created": datetime.fromtimestamp(manifest.created).isoformat(timespec="seconds"),
         "input": manifest.input_path,
         "model": manifest.model,
