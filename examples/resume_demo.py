@@ -1,5 +1,4 @@
-"""Interrupt a job with SIGTERM once it has committed rows, show `vbatch status`, then resume it:
-the output ends with every input row exactly once."""
+"""Interrupt a job with SIGTERM, show `vbatch status`, resume it: every row comes out once."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Stream answers with `LLM.stream` as they finish: prompts are pulled lazily from a generator,
-and an `on_output` callback saves each result to a JSONL file on its own thread."""
+"""Stream answers with `LLM.stream`; an `on_output` callback saves each one on its own thread."""
 
 from __future__ import annotations
 

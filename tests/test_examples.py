@@ -1,6 +1,4 @@
-"""Every example in examples/README.md runs as its command says (on the tiny model) and does what
-its line says: the `vbatch run` commands through the real CLI parser on a shared engine, the
-Python scripts as subprocesses."""
+"""Every example in examples/README.md runs as its command says, on the tiny model, and works."""
 
 from __future__ import annotations
 
@@ -121,6 +119,8 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_job_example_runs_as_its_command_says(
     name: str, workdir: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any]
 ) -> None:
+    """The command goes through the real CLI parser and run_request; the job runs on the
+    module's shared engine instead of starting one per example."""
     if name in ("classify.jsonl", "extract.jsonl"):
         pytest.importorskip("xgrammar")
     flags, check = JOBS[name]

@@ -1,4 +1,4 @@
-"""The `vbatch` command line: thin Typer commands over vbatch.job.runner."""
+"""The `vbatch` command line: Typer commands, and the pure mapping of parsed options to a job."""
 
 from __future__ import annotations
 
