@@ -1,6 +1,8 @@
-"""Generate answers to a handful of chat prompts with the default model and print them."""
+"""Answer a handful of chat prompts with `LLM.generate` and print them (results in input order)."""
 
 from __future__ import annotations
+
+import argparse
 
 from vbatch import LLM, SamplingParams
 
@@ -16,8 +18,12 @@ CHATS = [
 
 
 def main() -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=64)
-    with LLM() as llm:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", help="HF model directory or .gguf (default: SmolLM2-135M)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    with LLM(args.model) as llm:
         for chat, out in zip(CHATS, llm.generate(CHATS, params)):
             print(f"### {chat[-1]['content']}\n{out.outputs[0].text.strip()}\n")
 

@@ -8,14 +8,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import click
 import pyarrow.parquet as pq
+import pytest
 import typer
 from typer.testing import CliRunner
 
 from vbatch import __version__
-from vbatch.cli import app
-from vbatch.job.runner import RunOptions
+from vbatch.cli import app, resume_request, run_request
+from vbatch.job.options import JOB_SAMPLING, RunOptions
+from vbatch.job.rows import ColumnOptions
+from vbatch.sampling_params import SamplingParams
 
 DOCS = Path(__file__).parents[1] / "docs" / "cli.md"
 MARKER = "<!-- generated: python -m typer vbatch.cli utils docs --name vbatch -->\n"
@@ -64,14 +69,198 @@ def test_version_and_short_help_on_the_app_and_every_command() -> None:
         assert short.output == long.output
 
 
-def test_run_and_resume_take_their_defaults_from_run_options() -> None:
-    defaults = RunOptions()
-    commands = typer.main.get_command(app).commands  # type: ignore[attr-defined]
-    run_params = {p.name: p.default for p in commands["run"].params}
-    for name in ("commit_every_rows", "commit_every_seconds", "drain_timeout", "log_interval"):
-        assert run_params[name] == getattr(defaults, name), name
-    resume_params = {p.name: p.default for p in commands["resume"].params}
-    assert resume_params["log_interval"] == defaults.log_interval
+RUN_BASE = ["in.jsonl", "-o", "out.jsonl"]
+# NOTE: every `run` option, a non-default value for it, and where that value must arrive.
+RUN_OPTIONS: dict[str, tuple[list[str], str, Any]] = {
+    "input_path": ([], "spec.input_path", Path("in.jsonl")),
+    "output_path": ([], "spec.output_path", Path("out.jsonl")),
+    "input_format": (["--input-format", "parquet"], "spec.input_format", "parquet"),
+    "prompt_column": (["--prompt-column", "q"], "spec.columns.prompt_column", "q"),
+    "messages_column": (["--messages-column", "m"], "spec.columns.messages_column", "m"),
+    "id_column": (["--id-column", "key"], "spec.columns.id_column", "key"),
+    "keep_columns": (["--keep-columns", "a, b"], "spec.columns.keep_columns", ("a", "b")),
+    "keep_all_columns": (["--keep-all-columns"], "spec.columns.keep_all_columns", True),
+    "model": (["--model", "m.gguf"], "spec.model", "m.gguf"),
+    "device": (["--device", "cpu"], "spec.engine_args.device", "cpu"),
+    "dtype": (["--dtype", "bfloat16"], "spec.engine_args.dtype", "bfloat16"),
+    "max_num_seqs": (["--max-num-seqs", "7"], "spec.engine_args.max_num_seqs", 7),
+    "max_num_batched_tokens": (
+        ["--max-num-batched-tokens", "64"],
+        "spec.engine_args.max_num_batched_tokens",
+        64,
+    ),
+    "max_model_len": (["--max-model-len", "99"], "spec.engine_args.max_model_len", 99),
+    "kv_cache_memory_gb": (
+        ["--kv-cache-memory", "0.5"],
+        "spec.engine_args.kv_cache_memory_gb",
+        0.5,
+    ),
+    "attention_backend": (
+        ["--attention-backend", "torch"],
+        "spec.engine_args.attention_backend",
+        "torch",
+    ),
+    "num_threads": (["--num-threads", "3"], "spec.engine_args.num_threads", 3),
+    "kv_cache_dtype": (
+        ["--kv-cache-dtype", "float16"],
+        "spec.engine_args.kv_cache_dtype",
+        "float16",
+    ),
+    "quantization": (["--quantization", "int8"], "spec.engine_args.quantization", "int8"),
+    "enforce_eager": (["--enforce-eager"], "spec.engine_args.enforce_eager", True),
+    "max_graph_batch_size": (
+        ["--max-graph-batch-size", "8"],
+        "spec.engine_args.max_graph_batch_size",
+        8,
+    ),
+    "async_scheduling": (["--async-scheduling"], "spec.engine_args.async_scheduling", True),
+    "greedy_screen": (["--no-greedy-screen"], "spec.engine_args.greedy_screen", False),
+    "heartbeat_timeout_s": (
+        ["--heartbeat-timeout", "9"],
+        "spec.engine_args.heartbeat_timeout_s",
+        9.0,
+    ),
+    "max_tokens": (["--max-tokens", "5"], "spec.sampling.max_tokens", 5),
+    "temperature": (["--temperature", "0.7"], "spec.sampling.temperature", 0.7),
+    "top_p": (["--top-p", "0.9"], "spec.sampling.top_p", 0.9),
+    "top_k": (["--top-k", "4"], "spec.sampling.top_k", 4),
+    "min_p": (["--min-p", "0.1"], "spec.sampling.min_p", 0.1),
+    "seed": (["--seed", "11"], "spec.sampling.seed", 11),
+    "stop": (["--stop", "x", "--stop", "y"], "spec.sampling.stop", ["x", "y"]),
+    "n": (["--n", "2"], "spec.sampling.n", 2),
+    "logprobs": (["--logprobs", "3"], "spec.sampling.logprobs", 3),
+    "include_token_ids": (["--include-token-ids"], "spec.include_token_ids", True),
+    "json_schema": (
+        ["--json-schema", "schema.json"],
+        "spec.sampling.structured",
+        {"json_schema": '{"type": "integer"}'},
+    ),
+    "regex": (["--regex", "[ab]+"], "spec.sampling.structured", {"regex": "[ab]+"}),
+    "choice": (["--choice", "yes, no"], "spec.sampling.structured", {"choice": ["yes", "no"]}),
+    "grammar": (
+        ["--grammar", "g.ebnf"],
+        "spec.sampling.structured",
+        {"grammar": 'root ::= "a"'},
+    ),
+    "parse_json": (["--parse-json"], "spec.parse_json", True),
+    "ordered": (["--ordered"], "spec.ordered", True),
+    "overwrite": (["--overwrite"], "overwrite", True),
+    "clean": (["--clean"], "options.clean", True),
+    "commit_every_rows": (["--commit-every-rows", "3"], "options.commit_every_rows", 3),
+    "commit_every_seconds": (
+        ["--commit-every-seconds", "0.5"],
+        "options.commit_every_seconds",
+        0.5,
+    ),
+    "max_errors": (["--max-errors", "0.25"], "options.max_errors", 0.25),
+    "drain_timeout_s": (["--drain-timeout", "2"], "options.drain_timeout_s", 2.0),
+    "max_in_flight": (["--max-in-flight", "6"], "options.max_in_flight", 6),
+    "quiet": (["-q"], "options.display", "quiet"),
+    "log_interval_s": (["--log-interval", "1.5"], "options.log_interval_s", 1.5),
+    "metrics_file": (["--metrics-file", "m.json"], "options.metrics_file", Path("m.json")),
+}
+RESUME_OPTIONS: dict[str, tuple[list[str], str, Any]] = {
+    "output": ([], "output", Path("out.jsonl")),
+    "force": (["--force"], "force", True),
+    "retry_errors": (["--retry-errors"], "retry_errors", True),
+    "clean": (["--clean"], "overrides.clean", True),
+    "commit_every_rows": (["--commit-every-rows", "3"], "overrides.commit_every_rows", 3),
+    "commit_every_seconds": (
+        ["--commit-every-seconds", "0.5"],
+        "overrides.commit_every_seconds",
+        0.5,
+    ),
+    "max_errors": (["--max-errors", "4"], "overrides.max_errors", 4.0),
+    "drain_timeout_s": (["--drain-timeout", "2"], "overrides.drain_timeout_s", 2.0),
+    "max_in_flight": (["--max-in-flight", "6"], "overrides.max_in_flight", 6),
+    "quiet": (["-q"], "overrides.display", "quiet"),
+    "log_interval_s": (["--log-interval", "1.5"], "overrides.log_interval_s", 1.5),
+    "metrics_file": (["--metrics-file", "m.json"], "overrides.metrics_file", Path("m.json")),
+}
+MISSING = object()
+
+
+def _command(name: str) -> click.Command:
+    return typer.main.get_command(app).commands[name]  # type: ignore[attr-defined]
+
+
+def _parsed(name: str, args: list[str]) -> dict[str, Any]:
+    """The options as the real parser hands them to the command (its `ctx.params`)."""
+    return dict(_command(name).make_context(name, list(args)).params)
+
+
+def _at(request: Any, path: str) -> Any:
+    value = request
+    for part in path.split("."):
+        value = value.get(part, MISSING) if isinstance(value, dict) else getattr(value, part)
+    return value
+
+
+def test_every_run_option_arrives_where_it_belongs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "schema.json").write_text('{"type": "integer"}')
+    (tmp_path / "g.ebnf").write_text('root ::= "a"')
+    declared = {p.name for p in _command("run").params if p.name != "help"}
+    assert declared == set(RUN_OPTIONS), "give each new option a row in RUN_OPTIONS"
+    default = run_request(_parsed("run", RUN_BASE))
+    for name, (args, path, expected) in RUN_OPTIONS.items():
+        got = _at(run_request(_parsed("run", [*RUN_BASE, *args])), path)
+        assert got == expected, name
+        if args:
+            assert _at(default, path) != expected, f"{name}: the test value is the default"
+
+
+def test_every_resume_option_arrives_where_it_belongs() -> None:
+    declared = {p.name for p in _command("resume").params if p.name != "help"}
+    assert declared == set(RESUME_OPTIONS), "give each new option a row in RESUME_OPTIONS"
+    default = resume_request(_parsed("resume", ["out.jsonl"]))
+    assert default.overrides == {"display": "auto", "clean": False, "log_interval_s": 10.0}
+    for name, (args, path, expected) in RESUME_OPTIONS.items():
+        got = _at(resume_request(_parsed("resume", ["out.jsonl", *args])), path)
+        assert got == expected, name
+        if args:
+            assert _at(default, path) != expected, f"{name}: the test value is the default"
+
+
+def test_run_defaults_come_from_run_options_engine_config_and_job_sampling() -> None:
+    request = run_request(_parsed("run", RUN_BASE))
+    assert request.options == RunOptions()
+    assert request.spec.engine_args == {}
+    assert SamplingParams.from_dict(request.spec.sampling) == JOB_SAMPLING
+    assert (request.spec.columns, request.overwrite) == (ColumnOptions(), False)
+
+
+def test_run_and_resume_declare_their_shared_options_once() -> None:
+    run_params = {p.name: p for p in _command("run").params}
+    shared = [p for p in _command("resume").params if p.name in run_params and p.name != "help"]
+    assert len(shared) == 9
+    for param in shared:
+        twin = run_params[param.name]
+        assert (param.opts, param.help, param.rich_help_panel) == (  # type: ignore[attr-defined]
+            twin.opts,
+            twin.help,  # type: ignore[attr-defined]
+            twin.rich_help_panel,  # type: ignore[attr-defined]
+        ), param.name
+        assert twin.rich_help_panel in ("Job", "Display"), param.name  # type: ignore[attr-defined]
+
+
+def test_a_mistyped_choice_fails_at_parse_time_and_names_the_choices(tmp_path: Path) -> None:
+    runner = CliRunner()
+    for flag, bad, listed in (
+        ("--device", "cdua", "'auto', 'cpu', 'cuda'"),
+        ("--dtype", "fp16", "'auto', 'float32', 'bfloat16', 'float16'"),
+        ("--attention-backend", "flash", "'auto', 'torch', 'native'"),
+        ("--kv-cache-dtype", "int8", "'auto', 'float32', 'bfloat16', 'float16'"),
+        ("--quantization", "int4", "'int8'"),
+    ):
+        result = runner.invoke(
+            app, ["run", str(tmp_path / "missing.jsonl"), "-o", "o.jsonl", flag, bad]
+        )
+        assert result.exit_code == 2, flag
+        words = " ".join(result.output.replace("│", " ").split())
+        assert f"'{bad}' is not one of {listed}" in words, result.output
 
 
 def test_quiet_job_prints_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:

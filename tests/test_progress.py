@@ -26,7 +26,7 @@ def make_console(*, is_terminal: bool) -> tuple[Console, io.StringIO]:
 def test_auto_mode_is_plain_without_a_terminal_and_prints_lines_and_summary() -> None:
     console, out = make_console(is_terminal=False)
     metrics = JobMetrics(total_rows=4, output_path="out.jsonl")
-    display = ProgressDisplay(metrics, console=console, log_interval=3600)
+    display = ProgressDisplay(metrics, console=console, log_interval_s=3600)
     assert display.mode == "plain"
     with display:
         metrics.set_state("running")

@@ -76,7 +76,7 @@ def test_jsonl_input_round_trip_with_error_rows(
     )
     status = job_status(tmp_path / output_name)
     assert (status["complete"], status["done"], status["errored"]) == (True, 9, 6)
-    assert status["remaining"] == 0
+    assert status["remaining"] == 0 and status["last_commit_time"] is not None
     assert sorted(p.name for p in job_dir_for(tmp_path / output_name).iterdir()) == [
         "journal.jsonl",
         "lock",
@@ -265,7 +265,7 @@ class SignallingLLM(SharedLLM):
 
 
 @pytest.mark.parametrize(
-    ("signals", "drain_timeout"),
+    ("signals", "drain_timeout_s"),
     [([signal.SIGINT, signal.SIGINT], 60.0), ([signal.SIGTERM], 0.001)],
     ids=["second-sigint", "drain-timeout"],
 )
@@ -274,13 +274,13 @@ def test_hard_stop_commits_finished_rows_and_resumes(
     tiny_model_dir: Path,
     shared_llm: Callable[..., Any],
     signals: list[int],
-    drain_timeout: float,
+    drain_timeout_s: float,
 ) -> None:
     records = [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(60)]
     input_path = write_jsonl(tmp_path / "in.jsonl", records)
     job = spec(tmp_path, input_path, "out.jsonl", tiny_model_dir)
     llm = shared_llm()._llm
-    options = RunOptions(display="quiet", drain_timeout=drain_timeout, max_in_flight=16)
+    options = RunOptions(display="quiet", drain_timeout_s=drain_timeout_s, max_in_flight=16)
     sigint_before = signal.getsignal(signal.SIGINT)  # ignored under nohup, so not the default
     outcome = start_job(job, options, llm_factory=lambda *a, **k: SignallingLLM(llm, signals, 5))
     assert outcome.exit_code == 75 and "vbatch resume" in outcome.message

@@ -15,7 +15,7 @@ def test_first_signal_requests_a_drain_and_second_stops_now() -> None:
     # NOTE: compared with what was there, which need not be Python's default: under nohup or in
     # a background job SIGINT starts ignored.
     before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
-    with StopControl(drain_timeout=60) as stop:
+    with StopControl(drain_timeout_s=60) as stop:
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.stop_requested and not stop.stop_now
         assert stop.drain_deadline is not None and stop.drain_deadline > time.monotonic() + 50
@@ -25,7 +25,7 @@ def test_first_signal_requests_a_drain_and_second_stops_now() -> None:
 
 
 def test_stop_now_interrupts_only_a_wait_on_the_engine() -> None:
-    with StopControl(drain_timeout=60) as stop:
+    with StopControl(drain_timeout_s=60) as stop:
         stop.request_stop()
         stop.is_waiting = True
         with pytest.raises(StopNow):
@@ -35,7 +35,7 @@ def test_stop_now_interrupts_only_a_wait_on_the_engine() -> None:
 
 
 def test_drain_deadline_interrupts_a_blocking_wait() -> None:
-    with StopControl(drain_timeout=0.05) as stop:
+    with StopControl(drain_timeout_s=0.05) as stop:
         stop.request_stop()
         stop.is_waiting = True
         started = time.monotonic()

@@ -1,5 +1,5 @@
-"""Structured output from the user's side: the constraint's forms and checks, job rows, the
-output columns, and the examples in examples/ run on the tiny model."""
+"""Structured output from the user's side: the constraint's forms and checks, job rows and the
+output columns (the examples in examples/ run in test_examples.py)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ from vbatch.structured import (
     from_response_format,
 )
 
-EXAMPLES = Path(__file__).parents[1] / "examples"
 SCHEMA = {
     "type": "object",
     "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -174,36 +173,3 @@ def test_job_rows_with_constraints_flags_and_parsed_json(
     assert out["free"].get("structured_complete") is None and out["free"]["error"] is None
     assert (out["stopped"]["text"], out["stopped"]["stop_reason"]) == ("y", "e")
     assert out["stopped"]["structured_complete"] is False
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    """`vbatch run ARGS`, from the repository root as the examples' docs show it."""
-    command = [sys.executable, "-m", "vbatch.cli", "run", *args, "--num-threads", "1", "-q"]
-    return subprocess.run(command, cwd=EXAMPLES.parent, capture_output=True, text=True, timeout=600)
-
-
-def test_examples_classification_and_extraction_run(tmp_path: Path, tiny_model_dir: Path) -> None:
-    pytest.importorskip("xgrammar")
-    labels = ["positive", "negative", "neutral"]
-    model = ["--model", str(tiny_model_dir)]
-    labels_path = tmp_path / "labels.jsonl"
-    proc = run_cli(
-        "examples/classify.jsonl", "-o", str(labels_path), "--choice", ",".join(labels), *model
-    )
-    assert proc.returncode == 0, proc.stderr
-    rows = [json.loads(line) for line in labels_path.read_text().splitlines()]
-    assert len(rows) == 6 and all(r["text"] in labels and r["structured_complete"] for r in rows)
-
-    schema_path = EXAMPLES / "extract_schema.json"
-    people_path = tmp_path / "people.parquet"
-    proc = run_cli(
-        "examples/extract.jsonl", "-o", str(people_path), "--json-schema",
-        "examples/extract_schema.json", "--parse-json", "--max-tokens", "200", *model,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    schema = json.loads(schema_path.read_text())
-    rows = pq.read_table(people_path).to_pylist()
-    assert len(rows) == 4
-    for row in rows:
-        assert row["structured_complete"], row
-        jsonschema.validate(json.loads(row["json"]), schema)

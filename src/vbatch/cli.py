@@ -1,4 +1,4 @@
-"""The `vbatch` command line: thin Typer commands over vbatch.job.runner."""
+"""The `vbatch` command line: Typer commands, and the pure mapping of parsed options to a job."""
 
 from __future__ import annotations
 
@@ -6,15 +6,23 @@ import json
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import fields
+from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple, TypeVar
 
 import typer
 
 from vbatch import __version__
+from vbatch import cli_options as o
+from vbatch.config import AttentionBackend, Device, Dtype, EngineConfig
 from vbatch.errors import VbatchError, is_storage_failure, storage_error, unexpected_error
-from vbatch.job.options import RunOptions
+from vbatch.job.options import JOB_SAMPLING, RunOptions
+from vbatch.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from vbatch.job.runner import JobSpec
 
 app = typer.Typer(
     name="vbatch",
@@ -26,15 +34,88 @@ app = typer.Typer(
 )
 
 T = TypeVar("T")
-ENGINE = "Engine"
-SAMPLING = "Sampling"
-INPUT = "Input"
-JOB = "Job"
-DISPLAY = "Display"
-STRUCTURED = "Structured output"
-SAVED = "As for `run` (default: the setting the job started with)."
-DEFAULTS = RunOptions()
-QUIET_HELP = "Print nothing but errors (and how to resume an interrupted job)."
+ENGINE = EngineConfig()
+RUN = RunOptions()
+SAMPLING = JOB_SAMPLING
+
+
+class RunRequest(NamedTuple):
+    """What `vbatch run` asks of the job layer."""
+
+    spec: JobSpec
+    options: RunOptions
+    overwrite: bool
+
+
+class ResumeRequest(NamedTuple):
+    """What `vbatch resume` asks of the job layer; `overrides` are RunOptions fields."""
+
+    output: Path
+    overrides: dict[str, Any]
+    force: bool
+    retry_errors: bool
+
+
+STRUCTURED_OPTIONS = ("json_schema", "regex", "choice", "grammar")
+SAMPLING_FIELDS = tuple(SamplingParams.__struct_fields__)
+ENGINE_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.name not in ("model", "seed"))
+RUN_OPTION_FIELDS = tuple(f.name for f in fields(RunOptions) if f.name != "display")
+
+
+def run_request(params: Mapping[str, Any]) -> RunRequest:
+    """Map `vbatch run`'s parsed options (click's `ctx.params`) to the job, each to one place.
+
+    Options are routed by name: a SamplingParams field goes to the sampling defaults, an
+    EngineConfig field to the engine args (only when it differs from EngineConfig's default),
+    a ColumnOptions, JobSpec or RunOptions field there. No option is left over (a TypeError
+    says which). Pure, but for reading a --json-schema or --grammar file.
+    """
+    from vbatch.job.rows import ColumnOptions
+    from vbatch.job.runner import JobSpec
+    from vbatch.structured import cli_structured
+
+    values = {k: v.value if isinstance(v, Enum) else v for k, v in params.items()}
+
+    def take(names: tuple[str, ...]) -> dict[str, Any]:
+        return {name: values.pop(name) for name in names if name in values}
+
+    sampling = take(SAMPLING_FIELDS)
+    sampling["stop"] = list(sampling.get("stop") or ())
+    structured = cli_structured(*(values.pop(name) for name in STRUCTURED_OPTIONS))
+    if structured is not None:
+        sampling["structured"] = structured
+    keep = values.pop("keep_columns") or ""
+    columns = ColumnOptions(
+        **take(tuple(f.name for f in fields(ColumnOptions))),
+        keep_columns=tuple(c.strip() for c in keep.split(",") if c.strip()),
+    )
+    display = "quiet" if values.pop("quiet") else "auto"
+    overwrite = values.pop("overwrite")
+    options = RunOptions(display=display, **_given(take(RUN_OPTION_FIELDS)))
+    engine = {k: v for k, v in take(ENGINE_FIELDS).items() if v != getattr(ENGINE, k)}
+    spec_fields = tuple(f.name for f in fields(JobSpec))
+    spec = JobSpec(columns=columns, engine_args=engine, sampling=sampling, **take(spec_fields))
+    if values:
+        raise TypeError(f"options with no place in the job: {', '.join(sorted(values))}")
+    return RunRequest(spec, options, overwrite)
+
+
+def resume_request(params: Mapping[str, Any]) -> ResumeRequest:
+    """Map `vbatch resume`'s parsed options to the job: options not given (None) keep the
+    settings the job started with."""
+    values = dict(params)
+    overrides = {"display": "quiet" if values.pop("quiet") else "auto"}
+    overrides.update(_given({name: values.pop(name) for name in RUN_OPTION_FIELDS}))
+    request = ResumeRequest(
+        values.pop("output"), overrides, values.pop("force"), values.pop("retry_errors")
+    )
+    if values:
+        raise TypeError(f"options with no place in the job: {', '.join(sorted(values))}")
+    return request
+
+
+def _given(values: dict[str, Any]) -> dict[str, Any]:
+    return {name: value for name, value in values.items() if value is not None}
 
 
 def _fail(message: str, exit_code: int = 1) -> None:
@@ -92,340 +173,100 @@ def _main(
     """The options that come before a command."""
 
 
-def _run_overrides(**values: Any) -> dict[str, Any]:
-    return {name: value for name, value in values.items() if value is not None}
-
-
 @app.command()
 def run(
-    input_path: Annotated[Path, typer.Argument(help="Input file: .jsonl[.gz|.zst] or .parquet.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Output: .jsonl or .parquet.")],
-    input_format: Annotated[
-        str | None,
-        typer.Option(help="jsonl or parquet (default: by extension).", rich_help_panel=INPUT),
-    ] = None,
-    prompt_column: Annotated[
-        str | None,
-        typer.Option(help="Column holding the prompt (default: prompt).", rich_help_panel=INPUT),
-    ] = None,
-    messages_column: Annotated[
-        str | None,
-        typer.Option(
-            help="Column holding chat messages (default: messages).", rich_help_panel=INPUT
-        ),
-    ] = None,
-    id_column: Annotated[
-        str | None,
-        typer.Option(
-            help="Id column (default: id, custom_id, else the row index).", rich_help_panel=INPUT
-        ),
-    ] = None,
-    keep_columns: Annotated[
-        str | None,
-        typer.Option(help="Comma-separated input columns to copy.", rich_help_panel=INPUT),
-    ] = None,
-    keep_all_columns: Annotated[
-        bool,
-        typer.Option(
-            "--keep-all-columns",
-            help="Copy every input column to the output.",
-            rich_help_panel=INPUT,
-        ),
-    ] = False,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            help="HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct).",
-            rich_help_panel=ENGINE,
-        ),
-    ] = None,
-    device: Annotated[
-        str | None, typer.Option(help="auto, cpu or cuda.", rich_help_panel=ENGINE)
-    ] = None,
-    dtype: Annotated[
-        str | None, typer.Option(help="auto, float32, bfloat16 or float16.", rich_help_panel=ENGINE)
-    ] = None,
-    max_num_seqs: Annotated[
-        int | None, typer.Option(help="Most sequences in one batch.", rich_help_panel=ENGINE)
-    ] = None,
-    max_num_batched_tokens: Annotated[
-        int | None, typer.Option(help="Token budget of one engine step.", rich_help_panel=ENGINE)
-    ] = None,
-    max_model_len: Annotated[
-        int | None, typer.Option(help="Longest prompt + output (tokens).", rich_help_panel=ENGINE)
-    ] = None,
-    kv_cache_memory: Annotated[
-        float | None, typer.Option(help="KV cache size in GB.", rich_help_panel=ENGINE)
-    ] = None,
-    attention_backend: Annotated[
-        str | None, typer.Option(help="auto, torch or native.", rich_help_panel=ENGINE)
-    ] = None,
-    num_threads: Annotated[
-        int | None, typer.Option(help="CPU threads for the engine.", rich_help_panel=ENGINE)
-    ] = None,
-    kv_cache_dtype: Annotated[
-        str | None,
-        typer.Option(
-            help="auto (the model dtype), float32, bfloat16 or float16. A 16-bit cache under a "
-            "float32 model (CPU) halves KV memory and traffic at a small accuracy cost.",
-            rich_help_panel=ENGINE,
-        ),
-    ] = None,
-    quantization: Annotated[
-        str | None,
-        typer.Option(
-            help="int8: int8 weights and activations in the decoder's linears (CPU).",
-            rich_help_panel=ENGINE,
-        ),
-    ] = None,
-    enforce_eager: Annotated[
-        bool,
-        typer.Option(
-            "--enforce-eager",
-            help="On CUDA, run decode eagerly instead of replaying CUDA graphs.",
-            rich_help_panel=ENGINE,
-        ),
-    ] = False,
-    max_graph_batch_size: Annotated[
-        int | None,
-        typer.Option(help="Largest decode batch captured as a CUDA graph.", rich_help_panel=ENGINE),
-    ] = None,
-    async_scheduling: Annotated[
-        bool,
-        typer.Option(
-            "--async-scheduling",
-            help="Launch each decode step before the last one's tokens reach the host, so a "
-            "GPU computes it while they are applied (same tokens; nothing to gain on CPU).",
-            rich_help_panel=ENGINE,
-        ),
-    ] = False,
-    no_greedy_screen: Annotated[
-        bool,
-        typer.Option(
-            "--no-greedy-screen",
-            help="On CPU, score the whole vocabulary in fp32 for greedy tokens instead of "
-            "screening it in int8 first (the tokens are the same; the screen is faster).",
-            rich_help_panel=ENGINE,
-        ),
-    ] = False,
-    heartbeat_timeout: Annotated[
-        float | None,
-        typer.Option(
-            help="Seconds without a heartbeat from the engine core, or in one engine step, "
-            "before the core counts as hung: it is killed and the job commits and exits with "
-            "the resume command (default 120; must exceed the slowest step).",
-            rich_help_panel=ENGINE,
-        ),
-    ] = None,
-    max_tokens: Annotated[
-        int, typer.Option(help="Most generated tokens per row.", rich_help_panel=SAMPLING)
-    ] = 256,
-    temperature: Annotated[
-        float, typer.Option(help="0 means greedy (reproducible).", rich_help_panel=SAMPLING)
-    ] = 0.0,
-    top_p: Annotated[float, typer.Option(rich_help_panel=SAMPLING)] = 1.0,
-    top_k: Annotated[int, typer.Option(help="0 disables.", rich_help_panel=SAMPLING)] = 0,
-    min_p: Annotated[float, typer.Option(rich_help_panel=SAMPLING)] = 0.0,
-    seed: Annotated[
-        int | None,
-        typer.Option(help="Seed for sampled rows (reproducible).", rich_help_panel=SAMPLING),
-    ] = None,
-    stop: Annotated[
-        list[str] | None, typer.Option(help="Stop string (repeatable).", rich_help_panel=SAMPLING)
-    ] = None,
-    n: Annotated[
-        int, typer.Option(help="Samples per row (at most 256).", rich_help_panel=SAMPLING)
-    ] = 1,
-    logprobs: Annotated[
-        int | None, typer.Option(help="Top logprobs per token (0-20).", rich_help_panel=SAMPLING)
-    ] = None,
-    include_token_ids: Annotated[
-        bool,
-        typer.Option("--include-token-ids", help="Add output token ids.", rich_help_panel=SAMPLING),
-    ] = False,
-    json_schema: Annotated[
-        Path | None,
-        typer.Option(
-            "--json-schema",
-            help="Every row's output is JSON valid against this JSON schema file.",
-            rich_help_panel=STRUCTURED,
-        ),
-    ] = None,
-    regex: Annotated[
-        str | None,
-        typer.Option(help="Every row's output matches this regex.", rich_help_panel=STRUCTURED),
-    ] = None,
-    choice: Annotated[
-        str | None,
-        typer.Option(
-            help="Every row's output is one of these comma-separated labels.",
-            rich_help_panel=STRUCTURED,
-        ),
-    ] = None,
-    grammar: Annotated[
-        Path | None,
-        typer.Option(
-            help="Every row's output follows this EBNF grammar file (rule `root`).",
-            rich_help_panel=STRUCTURED,
-        ),
-    ] = None,
-    parse_json: Annotated[
-        bool,
-        typer.Option(
-            "--parse-json",
-            help="Add a `json` column: the parsed output.",
-            rich_help_panel=STRUCTURED,
-        ),
-    ] = False,
-    ordered: Annotated[
-        bool,
-        typer.Option(
-            "--ordered", help="Sort the final output by input index.", rich_help_panel=JOB
-        ),
-    ] = False,
-    overwrite: Annotated[
-        bool,
-        typer.Option(
-            "--overwrite", help="Replace an existing output and job.", rich_help_panel=JOB
-        ),
-    ] = False,
-    clean: Annotated[
-        bool,
-        typer.Option("--clean", help="Remove the job directory on success.", rich_help_panel=JOB),
-    ] = False,
-    commit_every_rows: Annotated[
-        int, typer.Option(help="Commit after this many finished rows.", rich_help_panel=JOB)
-    ] = DEFAULTS.commit_every_rows,
-    commit_every_seconds: Annotated[
-        float, typer.Option(help="Commit at least this often.", rich_help_panel=JOB)
-    ] = DEFAULTS.commit_every_seconds,
-    max_errors: Annotated[
-        float | None,
-        typer.Option(help="Stop when more rows error (N, or a fraction < 1).", rich_help_panel=JOB),
-    ] = None,
-    drain_timeout: Annotated[
-        float,
-        typer.Option(help="Seconds in-flight rows get on SIGTERM/SIGINT.", rich_help_panel=JOB),
-    ] = DEFAULTS.drain_timeout,
-    max_in_flight: Annotated[
-        int | None, typer.Option(help="Most rows admitted at once.", rich_help_panel=JOB)
-    ] = None,
-    quiet: Annotated[
-        bool, typer.Option("--quiet", "-q", help=QUIET_HELP, rich_help_panel=DISPLAY)
-    ] = False,
-    log_interval: Annotated[
-        float, typer.Option(help="Seconds between plain progress lines.", rich_help_panel=DISPLAY)
-    ] = DEFAULTS.log_interval,
-    metrics_file: Annotated[
-        Path | None,
-        typer.Option(help="Keep live job metrics in this JSON file.", rich_help_panel=DISPLAY),
-    ] = None,
+    ctx: typer.Context,
+    input_path: o.InputPath,
+    output_path: o.OutputPath,
+    input_format: o.InputFormat = None,
+    prompt_column: o.PromptColumn = None,
+    messages_column: o.MessagesColumn = None,
+    id_column: o.IdColumn = None,
+    keep_columns: o.KeepColumns = None,
+    keep_all_columns: o.KeepAllColumns = False,
+    model: o.Model = None,
+    device: o.DeviceOption = Device(ENGINE.device),
+    dtype: o.DtypeOption = Dtype(ENGINE.dtype),
+    max_num_seqs: o.MaxNumSeqs = ENGINE.max_num_seqs,
+    max_num_batched_tokens: o.MaxNumBatchedTokens = ENGINE.max_num_batched_tokens,
+    max_model_len: o.MaxModelLen = ENGINE.max_model_len,
+    kv_cache_memory_gb: o.KvCacheMemory = ENGINE.kv_cache_memory_gb,
+    attention_backend: o.AttentionBackendOption = AttentionBackend(ENGINE.attention_backend),
+    num_threads: o.NumThreads = ENGINE.num_threads,
+    kv_cache_dtype: o.KvCacheDtype = Dtype(ENGINE.kv_cache_dtype),
+    quantization: o.QuantizationOption = ENGINE.quantization,
+    enforce_eager: o.EnforceEager = ENGINE.enforce_eager,
+    max_graph_batch_size: o.MaxGraphBatchSize = ENGINE.max_graph_batch_size,
+    async_scheduling: o.AsyncScheduling = ENGINE.async_scheduling,
+    greedy_screen: o.GreedyScreen = ENGINE.greedy_screen,
+    heartbeat_timeout_s: o.HeartbeatTimeout = ENGINE.heartbeat_timeout_s,
+    max_tokens: o.MaxTokens = SAMPLING.max_tokens,
+    temperature: o.Temperature = SAMPLING.temperature,
+    top_p: o.TopP = SAMPLING.top_p,
+    top_k: o.TopK = SAMPLING.top_k,
+    min_p: o.MinP = SAMPLING.min_p,
+    seed: o.Seed = SAMPLING.seed,
+    stop: o.Stop = None,
+    n: o.N = SAMPLING.n,
+    logprobs: o.Logprobs = SAMPLING.logprobs,
+    include_token_ids: o.IncludeTokenIds = False,
+    json_schema: o.JsonSchema = None,
+    regex: o.Regex = None,
+    choice: o.Choice = None,
+    grammar: o.Grammar = None,
+    parse_json: o.ParseJson = False,
+    ordered: o.Ordered = False,
+    overwrite: o.Overwrite = False,
+    clean: o.Clean = RUN.clean,
+    commit_every_rows: o.CommitEveryRows = RUN.commit_every_rows,
+    commit_every_seconds: o.CommitEverySeconds = RUN.commit_every_seconds,
+    max_errors: o.MaxErrors = RUN.max_errors,
+    drain_timeout_s: o.DrainTimeout = RUN.drain_timeout_s,
+    max_in_flight: o.MaxInFlight = RUN.max_in_flight,
+    quiet: o.Quiet = False,
+    log_interval_s: o.LogInterval = RUN.log_interval_s,
+    metrics_file: o.MetricsFile = RUN.metrics_file,
 ) -> None:
     """Run a batch job: read INPUT, generate, and write OUTPUT incrementally."""
-    from vbatch.job.rows import ColumnOptions
-    from vbatch.job.runner import JobSpec, start_job
-    from vbatch.structured import cli_structured
+    from vbatch.job.runner import start_job
 
-    engine_args = _run_overrides(
-        device=device,
-        dtype=dtype,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        kv_cache_memory_gb=kv_cache_memory,
-        attention_backend=attention_backend,
-        num_threads=num_threads,
-        kv_cache_dtype=kv_cache_dtype,
-        quantization=quantization,
-        enforce_eager=enforce_eager or None,
-        max_graph_batch_size=max_graph_batch_size,
-        greedy_screen=False if no_greedy_screen else None,
-        async_scheduling=async_scheduling or None,
-        heartbeat_timeout_s=heartbeat_timeout,
+    request = _guarded(lambda: run_request(ctx.params))
+    outcome = _guarded(
+        lambda: start_job(request.spec, request.options, overwrite=request.overwrite)
     )
-    sampling = {
-        "max_tokens": max_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "min_p": min_p,
-        "seed": seed,
-        "stop": stop or [],
-        "n": n,
-        "logprobs": logprobs,
-    }
-    structured = _guarded(lambda: cli_structured(json_schema, regex, choice, grammar))
-    if structured is not None:
-        sampling["structured"] = structured
-    kept = tuple(c.strip() for c in keep_columns.split(",") if c.strip()) if keep_columns else ()
-    spec = JobSpec(
-        input_path=input_path,
-        output_path=output,
-        input_format=input_format,
-        columns=ColumnOptions(prompt_column, messages_column, id_column, kept, keep_all_columns),
-        model=model,
-        engine_args=engine_args,
-        sampling=sampling,
-        ordered=ordered,
-        include_token_ids=include_token_ids,
-        parse_json=parse_json,
-    )
-    options = RunOptions(
-        commit_every_rows=commit_every_rows,
-        commit_every_seconds=commit_every_seconds,
-        max_errors=max_errors,
-        drain_timeout=drain_timeout,
-        max_in_flight=max_in_flight,
-        display="quiet" if quiet else "auto",
-        log_interval=log_interval,
-        metrics_file=metrics_file,
-        clean=clean,
-    )
-    _finish(_guarded(lambda: start_job(spec, options, overwrite=overwrite)), quiet)
+    _finish(outcome, quiet)
 
 
 @app.command()
 def resume(
-    output: Annotated[Path, typer.Argument(help="The output path the job was started with.")],
-    force: Annotated[
-        bool,
-        typer.Option("--force", help="Resume even if the input, model or vbatch version changed."),
-    ] = False,
-    retry_errors: Annotated[
-        bool, typer.Option("--retry-errors", help="Run the rows that ended in error again.")
-    ] = False,
-    clean: Annotated[
-        bool, typer.Option("--clean", help="Remove the job directory on success.")
-    ] = False,
-    commit_every_rows: Annotated[int | None, typer.Option(help=SAVED)] = None,
-    commit_every_seconds: Annotated[float | None, typer.Option(help=SAVED)] = None,
-    max_errors: Annotated[float | None, typer.Option(help=SAVED)] = None,
-    drain_timeout: Annotated[float | None, typer.Option(help=SAVED)] = None,
-    max_in_flight: Annotated[int | None, typer.Option(help=SAVED)] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
-    log_interval: Annotated[
-        float, typer.Option(help="Seconds between plain progress lines.")
-    ] = DEFAULTS.log_interval,
-    metrics_file: Annotated[
-        Path | None, typer.Option(help="Keep live job metrics in this file.")
-    ] = None,
+    ctx: typer.Context,
+    output: o.JobOutput,
+    force: o.Force = False,
+    retry_errors: o.RetryErrors = False,
+    clean: o.Clean = RUN.clean,
+    commit_every_rows: o.CommitEveryRows = None,
+    commit_every_seconds: o.CommitEverySeconds = None,
+    max_errors: o.MaxErrors = None,
+    drain_timeout_s: o.DrainTimeout = None,
+    max_in_flight: o.MaxInFlight = None,
+    quiet: o.Quiet = False,
+    log_interval_s: o.LogInterval = RUN.log_interval_s,
+    metrics_file: o.MetricsFile = RUN.metrics_file,
 ) -> None:
-    """Continue an interrupted job; the result equals an uninterrupted run."""
+    """Continue an interrupted job; the result equals an uninterrupted run. The job's options
+    left out here keep the values the job started with."""
     from vbatch.job.runner import resume_job
 
-    overrides = _run_overrides(
-        commit_every_rows=commit_every_rows,
-        commit_every_seconds=commit_every_seconds,
-        max_errors=max_errors,
-        drain_timeout=drain_timeout,
-        max_in_flight=max_in_flight,
-        metrics_file=metrics_file,
+    request = resume_request(ctx.params)
+    outcome = _guarded(
+        lambda: resume_job(
+            request.output,
+            request.overrides,
+            force=request.force,
+            retry_errors=request.retry_errors,
+        )
     )
-    overrides.update(display="quiet" if quiet else "auto", log_interval=log_interval, clean=clean)
-    _finish(
-        _guarded(lambda: resume_job(output, overrides, force=force, retry_errors=retry_errors)),
-        quiet,
-    )
+    _finish(outcome, quiet)
 
 
 @app.command()
@@ -445,7 +286,7 @@ def status(
         f"job:         {info['job_dir']} ({state})",
         f"rows:        {info['done']} done ({info['errored']} errored), "
         f"{info['remaining']} remaining of {info['rows']}",
-        f"last commit: {info['last_commit'] or 'never'}",
+        f"last commit: {info['last_commit_time'] or 'never'}",
         f"input:       {info['input']}",
         f"model:       {info['model']['source']}",
         f"sampling:    {_settings(info['sampling'])}",

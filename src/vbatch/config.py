@@ -3,15 +3,40 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from vbatch.errors import ConfigError
 
-DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+class Device(str, Enum):
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class Dtype(str, Enum):
+    AUTO = "auto"
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class AttentionBackend(str, Enum):
+    AUTO = "auto"
+    TORCH = "torch"
+    NATIVE = "native"
+
+
+class Quantization(str, Enum):
+    INT8 = "int8"
+
+
+DEVICES = tuple(c.value for c in Device)
+DTYPES = tuple(c.value for c in Dtype)
 KV_CACHE_DTYPES = DTYPES
-ATTENTION_BACKENDS = ("auto", "torch", "native")
-QUANTIZATION_METHODS = ("int8",)
+ATTENTION_BACKENDS = tuple(c.value for c in AttentionBackend)
+QUANTIZATION_METHODS = tuple(c.value for c in Quantization)
 
 
 @dataclass(frozen=True)

@@ -72,11 +72,11 @@ class JobExecution:
         self.in_flight: dict[int, InputRow] = {}
         self.num_errors = len(journal.state.errors)
         self.max_errors = self._max_errors(options.max_errors)
-        self.stop = StopControl(options.drain_timeout)
+        self.stop = StopControl(options.drain_timeout_s)
         self.is_stop_shown = False
         self.is_over_error_limit = False
         self.is_finalizing = False
-        self.last_commit_t = time.monotonic()
+        self.last_commit_time = time.monotonic()
         self.token_text: Callable[[int], str] = str
         self.token_bytes: Callable[[int], list[int]] | None = None
         self.metrics: Any = None
@@ -108,7 +108,7 @@ class JobExecution:
             self.metrics,
             mode=self.options.display,
             console=Console(stderr=True),
-            log_interval=self.options.log_interval,
+            log_interval_s=self.options.log_interval_s,
             metrics_file=self.options.metrics_file,
         )
         with display:
@@ -238,7 +238,10 @@ class JobExecution:
                     self.stop.is_waiting = False
                 self._show_stop()
                 if result is None:
-                    if self.writer.num_pending and time.monotonic() - self.last_commit_t >= every_s:
+                    if (
+                        self.writer.num_pending
+                        and time.monotonic() - self.last_commit_time >= every_s
+                    ):
                         self._commit()
                     continue
                 row = self.in_flight.pop(result.index)
@@ -301,13 +304,13 @@ class JobExecution:
                 self.stop.request_stop()
         options = self.options
         if self.writer.num_pending >= options.commit_every_rows or (
-            time.monotonic() - self.last_commit_t >= options.commit_every_seconds
+            time.monotonic() - self.last_commit_time >= options.commit_every_seconds
         ):
             self._commit()
 
     def _commit(self) -> None:
         self.writer.commit()
-        self.last_commit_t = time.monotonic()
+        self.last_commit_time = time.monotonic()
         self.metrics.on_commit(rows_committed=len(self.journal.state.committed))
 
     def _show_stop(self) -> None:

@@ -54,7 +54,8 @@ class JobOptions(msgspec.Struct, frozen=True, kw_only=True):
     commit_every_rows: int = RunOptions.commit_every_rows
     commit_every_seconds: float = RunOptions.commit_every_seconds
     max_errors: float | None = RunOptions.max_errors
-    drain_timeout: float = RunOptions.drain_timeout
+    # NOTE: saved under its name before the `_s` suffix, so that every manifest reads alike.
+    drain_timeout_s: float = msgspec.field(default=RunOptions.drain_timeout_s, name="drain_timeout")
     max_in_flight: int | None = RunOptions.max_in_flight
 
     def run_options(self, overrides: dict[str, Any] | None = None) -> RunOptions:

@@ -139,7 +139,7 @@ class JobMetrics:
         self._stats_t = 0.0
         self._stats_source: Callable[[], SchedulerStats | None] | None = None
         self._rows_committed = rows_done_before
-        self._commit_t: float | None = None
+        self._last_commit_time: float | None = None
         self._drain_deadline: float | None = None
         self._samples: deque[_Sample] = deque([self._take_sample(self._start_t)])
         self._gen_tps_history: deque[float] = deque(maxlen=MAX_HISTORY)
@@ -208,7 +208,7 @@ class JobMetrics:
         now = self._clock()
         with self._lock:
             self._rows_committed = rows_committed
-            self._commit_t = now
+            self._last_commit_time = now
 
     def set_drain_deadline(self, deadline: float | None) -> None:
         """While draining: the deadline in this object's clock (time.monotonic by default)."""
@@ -308,7 +308,9 @@ class JobMetrics:
             **_step_figures(stats, base.stats),
             stats_age_s=now - self._stats_t if stats else None,
             rows_committed=self._rows_committed,
-            since_commit_s=now - self._commit_t if self._commit_t is not None else None,
+            since_commit_s=now - self._last_commit_time
+            if self._last_commit_time is not None
+            else None,
             drain_left_s=(
                 max(self._drain_deadline - now, 0.0) if self._drain_deadline is not None else None
             ),

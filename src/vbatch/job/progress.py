@@ -35,7 +35,7 @@ def snapshot_to_json(snap: JobSnapshot) -> dict[str, Any]:
 
 
 class ProgressDisplay:
-    """Shows a job's JobMetrics: a rich Live view, a plain line every `log_interval` s, or nothing.
+    """Shows a job's JobMetrics: a rich Live view, a plain line every `log_interval_s`, or nothing.
 
     Invariants: while started, only the display thread renders, prints progress or writes the
     metrics file; the job's thread touches nothing here but JobMetrics. `stop()` joins the thread
@@ -48,21 +48,21 @@ class ProgressDisplay:
         *,
         mode: str = "auto",
         console: Console | None = None,
-        log_interval: float = 10.0,
+        log_interval_s: float = 10.0,
         metrics_file: Path | None = None,
         refresh_per_second: float = 4.0,
     ) -> None:
         if mode not in MODES:
             raise ConfigError(f"progress mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if log_interval <= 0 or refresh_per_second <= 0:
-            raise ConfigError("log_interval and refresh_per_second must be positive")
+        if log_interval_s <= 0 or refresh_per_second <= 0:
+            raise ConfigError("log_interval_s and refresh_per_second must be positive")
         self.metrics = metrics
         self.console = console or Console()
         if mode == "auto":
             is_tty = self.console.is_terminal and not self.console.is_dumb_terminal
             mode = "live" if is_tty else "plain"
         self.mode = mode
-        self.log_interval = log_interval
+        self.log_interval_s = log_interval_s
         self.metrics_file = Path(metrics_file) if metrics_file is not None else None
         self._refresh_s = 1.0 / refresh_per_second
         self._live: Live | None = None
@@ -130,7 +130,7 @@ class ProgressDisplay:
             self._live.update(render_dashboard(snap), refresh=True)
         elif self.mode == "plain":
             key = (snap.state, snap.startup_stage)
-            if key != self._last_log_key or now - self._last_log_t >= self.log_interval:
+            if key != self._last_log_key or now - self._last_log_t >= self.log_interval_s:
                 self._print_plain(plain_line(snap))
                 self._last_log_key, self._last_log_t = key, now
         self._report_errors(snap)

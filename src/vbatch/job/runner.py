@@ -436,7 +436,9 @@ def _status(job_dir: Path, manifest: Manifest, state: JobState) -> dict[str, Any
         "done": len(state.committed),
         "errored": len(state.errors),
         "remaining": manifest.num_rows - len(state.committed),
-        "last_commit": datetime.fromtimestamp(last).isoformat(timespec="seconds") if last else None,
+        "last_commit_time": datetime.fromtimestamp(last).isoformat(timespec="seconds")
+        if last
+        else None,
         "created": datetime.fromtimestamp(manifest.created).isoformat(timespec="seconds"),
         "input": manifest.input_path,
         "model": msgspec.to_builtins(manifest.model),

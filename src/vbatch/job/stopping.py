@@ -27,8 +27,8 @@ class StopControl:
     request starts the drain deadline; a second signal, or the deadline, sets `stop_now`.
     """
 
-    def __init__(self, drain_timeout: float) -> None:
-        self.drain_timeout = max(drain_timeout, 0.001)
+    def __init__(self, drain_timeout_s: float) -> None:
+        self.drain_timeout_s = max(drain_timeout_s, 0.001)
         self.is_waiting = False
         self.stop_requested = False
         self.stop_now = False
@@ -41,10 +41,10 @@ class StopControl:
         return self.stop_requested or self.stop_now
 
     def request_stop(self) -> None:
-        """Stop admitting rows; in-flight rows get `drain_timeout` seconds to finish."""
+        """Stop admitting rows; in-flight rows get `drain_timeout_s` seconds to finish."""
         if self.stop_requested:
             return
-        self.drain_deadline = time.monotonic() + self.drain_timeout
+        self.drain_deadline = time.monotonic() + self.drain_timeout_s
         self.stop_requested = True
         if self._timer is not None:
             self._timer.start()
@@ -75,7 +75,7 @@ class StopControl:
         main_id = threading.main_thread().ident
         assert main_id is not None
         self._timer = threading.Timer(
-            self.drain_timeout, signal.pthread_kill, (main_id, signal.SIGALRM)
+            self.drain_timeout_s, signal.pthread_kill, (main_id, signal.SIGALRM)
         )
         self._timer.daemon = True
         return self

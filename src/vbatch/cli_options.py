@@ -1,0 +1,283 @@
+"""The `vbatch` options, each declared once with its help panel, for `run` and `resume`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from vbatch.config import AttentionBackend, Device, Dtype, Quantization
+
+INPUT = "Input"
+ENGINE = "Engine"
+SAMPLING = "Sampling"
+STRUCTURED = "Structured output"
+JOB = "Job"
+DISPLAY = "Display"
+
+InputPath = Annotated[Path, typer.Argument(help="Input file: .jsonl[.gz|.zst] or .parquet.")]
+OutputPath = Annotated[Path, typer.Option("--output", "-o", help="Output: .jsonl or .parquet.")]
+JobOutput = Annotated[Path, typer.Argument(help="The output path the job was started with.")]
+
+InputFormat = Annotated[
+    str | None,
+    typer.Option(help="jsonl or parquet (default: by extension).", rich_help_panel=INPUT),
+]
+PromptColumn = Annotated[
+    str | None,
+    typer.Option(help="Column holding the prompt (default: prompt).", rich_help_panel=INPUT),
+]
+MessagesColumn = Annotated[
+    str | None,
+    typer.Option(help="Column holding chat messages (default: messages).", rich_help_panel=INPUT),
+]
+IdColumn = Annotated[
+    str | None,
+    typer.Option(
+        help="Id column (default: id, custom_id, else the row index).", rich_help_panel=INPUT
+    ),
+]
+KeepColumns = Annotated[
+    str | None,
+    typer.Option(help="Comma-separated input columns to copy.", rich_help_panel=INPUT),
+]
+KeepAllColumns = Annotated[
+    bool,
+    typer.Option(
+        "--keep-all-columns", help="Copy every input column to the output.", rich_help_panel=INPUT
+    ),
+]
+
+Model = Annotated[
+    str | None,
+    typer.Option(
+        help="HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct).",
+        rich_help_panel=ENGINE,
+    ),
+]
+DeviceOption = Annotated[
+    Device,
+    typer.Option("--device", help="auto picks cuda when present.", rich_help_panel=ENGINE),
+]
+DtypeOption = Annotated[
+    Dtype,
+    typer.Option(
+        "--dtype",
+        help="auto is float32 on CPU, bfloat16 (or float16) on CUDA.",
+        rich_help_panel=ENGINE,
+    ),
+]
+MaxNumSeqs = Annotated[
+    int, typer.Option(help="Most sequences in one batch.", rich_help_panel=ENGINE)
+]
+MaxNumBatchedTokens = Annotated[
+    int, typer.Option(help="Token budget of one engine step.", rich_help_panel=ENGINE)
+]
+MaxModelLen = Annotated[
+    int | None,
+    typer.Option(
+        help="Longest prompt + output, in tokens (default: the model's).", rich_help_panel=ENGINE
+    ),
+]
+KvCacheMemory = Annotated[
+    float | None,
+    typer.Option(
+        "--kv-cache-memory",
+        help="KV cache size in GB.",
+        rich_help_panel=ENGINE,
+    ),
+]
+AttentionBackendOption = Annotated[
+    AttentionBackend,
+    typer.Option(
+        "--attention-backend",
+        help="auto uses the native kernels where they build, else torch.",
+        rich_help_panel=ENGINE,
+    ),
+]
+NumThreads = Annotated[
+    int | None, typer.Option(help="CPU threads for the engine.", rich_help_panel=ENGINE)
+]
+KvCacheDtype = Annotated[
+    Dtype,
+    typer.Option(
+        "--kv-cache-dtype",
+        help="auto is the model dtype. A 16-bit cache under a float32 model (CPU) halves KV "
+        "memory and traffic at a small accuracy cost.",
+        rich_help_panel=ENGINE,
+    ),
+]
+QuantizationOption = Annotated[
+    Quantization | None,
+    typer.Option(
+        "--quantization",
+        help="int8: int8 weights and activations in the decoder's linears (CPU).",
+        rich_help_panel=ENGINE,
+    ),
+]
+EnforceEager = Annotated[
+    bool,
+    typer.Option(
+        "--enforce-eager",
+        help="On CUDA, run decode eagerly instead of replaying CUDA graphs.",
+        rich_help_panel=ENGINE,
+    ),
+]
+MaxGraphBatchSize = Annotated[
+    int, typer.Option(help="Largest decode batch captured as a CUDA graph.", rich_help_panel=ENGINE)
+]
+AsyncScheduling = Annotated[
+    bool,
+    typer.Option(
+        "--async-scheduling",
+        help="Launch each decode step before the last one's tokens reach the host, so a "
+        "GPU computes it while they are applied (same tokens; nothing to gain on CPU).",
+        rich_help_panel=ENGINE,
+    ),
+]
+GreedyScreen = Annotated[
+    bool,
+    typer.Option(
+        "--greedy-screen/--no-greedy-screen",
+        help="On CPU, screen the vocabulary in int8 before scoring greedy tokens in fp32 (the "
+        "same tokens, faster); off scores the whole vocabulary in fp32.",
+        rich_help_panel=ENGINE,
+    ),
+]
+HeartbeatTimeout = Annotated[
+    float,
+    typer.Option(
+        "--heartbeat-timeout",
+        help="Seconds without a heartbeat from the engine core, or in one engine step, before "
+        "the core counts as hung: it is killed and the job commits and exits with the resume "
+        "command (must exceed the slowest step).",
+        rich_help_panel=ENGINE,
+    ),
+]
+
+MaxTokens = Annotated[
+    int, typer.Option(help="Most generated tokens per row.", rich_help_panel=SAMPLING)
+]
+Temperature = Annotated[
+    float, typer.Option(help="0 means greedy (reproducible).", rich_help_panel=SAMPLING)
+]
+TopP = Annotated[float, typer.Option(rich_help_panel=SAMPLING)]
+TopK = Annotated[int, typer.Option(help="0 disables.", rich_help_panel=SAMPLING)]
+MinP = Annotated[float, typer.Option(rich_help_panel=SAMPLING)]
+Seed = Annotated[
+    int | None,
+    typer.Option(help="Seed for sampled rows (reproducible).", rich_help_panel=SAMPLING),
+]
+Stop = Annotated[
+    list[str] | None, typer.Option(help="Stop string (repeatable).", rich_help_panel=SAMPLING)
+]
+N = Annotated[int, typer.Option(help="Samples per row (at most 256).", rich_help_panel=SAMPLING)]
+Logprobs = Annotated[
+    int | None, typer.Option(help="Top logprobs per token (0-20).", rich_help_panel=SAMPLING)
+]
+IncludeTokenIds = Annotated[
+    bool,
+    typer.Option("--include-token-ids", help="Add output token ids.", rich_help_panel=SAMPLING),
+]
+
+JsonSchema = Annotated[
+    Path | None,
+    typer.Option(
+        "--json-schema",
+        help="Every row's output is JSON valid against this JSON schema file.",
+        rich_help_panel=STRUCTURED,
+    ),
+]
+Regex = Annotated[
+    str | None,
+    typer.Option(help="Every row's output matches this regex.", rich_help_panel=STRUCTURED),
+]
+Choice = Annotated[
+    str | None,
+    typer.Option(
+        help="Every row's output is one of these comma-separated labels.",
+        rich_help_panel=STRUCTURED,
+    ),
+]
+Grammar = Annotated[
+    Path | None,
+    typer.Option(
+        help="Every row's output follows this EBNF grammar file (rule `root`).",
+        rich_help_panel=STRUCTURED,
+    ),
+]
+ParseJson = Annotated[
+    bool,
+    typer.Option(
+        "--parse-json", help="Add a `json` column: the parsed output.", rich_help_panel=STRUCTURED
+    ),
+]
+
+Ordered = Annotated[
+    bool,
+    typer.Option("--ordered", help="Sort the final output by input index.", rich_help_panel=JOB),
+]
+Overwrite = Annotated[
+    bool,
+    typer.Option("--overwrite", help="Replace an existing output and job.", rich_help_panel=JOB),
+]
+Force = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Resume even if the input, model or vbatch version changed.",
+        rich_help_panel=JOB,
+    ),
+]
+RetryErrors = Annotated[
+    bool,
+    typer.Option(
+        "--retry-errors", help="Run the rows that ended in error again.", rich_help_panel=JOB
+    ),
+]
+Clean = Annotated[
+    bool,
+    typer.Option("--clean", help="Remove the job directory on success.", rich_help_panel=JOB),
+]
+CommitEveryRows = Annotated[
+    int | None, typer.Option(help="Commit after this many finished rows.", rich_help_panel=JOB)
+]
+CommitEverySeconds = Annotated[
+    float | None, typer.Option(help="Commit at least this often.", rich_help_panel=JOB)
+]
+MaxErrors = Annotated[
+    float | None,
+    typer.Option(help="Stop when more rows error (N, or a fraction < 1).", rich_help_panel=JOB),
+]
+DrainTimeout = Annotated[
+    float | None,
+    typer.Option(
+        "--drain-timeout",
+        help="Seconds in-flight rows get on SIGTERM/SIGINT.",
+        rich_help_panel=JOB,
+    ),
+]
+MaxInFlight = Annotated[
+    int | None, typer.Option(help="Most rows admitted at once.", rich_help_panel=JOB)
+]
+
+Quiet = Annotated[
+    bool,
+    typer.Option(
+        "--quiet",
+        "-q",
+        help="Print nothing but errors (and how to resume an interrupted job).",
+        rich_help_panel=DISPLAY,
+    ),
+]
+LogInterval = Annotated[
+    float,
+    typer.Option(
+        "--log-interval", help="Seconds between plain progress lines.", rich_help_panel=DISPLAY
+    ),
+]
+MetricsFile = Annotated[
+    Path | None,
+    typer.Option(help="Keep live job metrics in this JSON file.", rich_help_panel=DISPLAY),
+]
