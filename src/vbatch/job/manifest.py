@@ -47,24 +47,27 @@ def input_fingerprint(path: Path) -> dict[str, Any]:
 
 def model_identity(model: str | None) -> dict[str, Any]:
     """The model as the user named it, a hash of its weights (memoized by size and mtime) and a
-    hash of each other file that changes its output (tokenizer, chat template, configs)."""
-    from vbatch.models.loader import default_model_path, hash_files, model_file_hashes
+    hash of each other file that changes its output (tokenizer, chat template, configs). A hub
+    id also records its repo id, the revision asked for and the snapshot commit it resolved to."""
+    from vbatch.models.loader import hash_files, locate_model, model_file_hashes, weight_files
 
-    path = default_model_path() if model is None else Path(model).expanduser().absolute()
-    if not path.exists():
-        raise ModelLoadError(f"model path {path} does not exist")
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files or (path.is_dir() and not (path / "config.json").is_file()):
+    location = locate_model(model)
+    path = location.path
+    if path.is_dir() and not (path / "config.json").is_file():
         raise ModelLoadError(
             f"{path} is not a model: give a GGUF file or a Hugging Face directory with "
             "config.json and *.safetensors"
         )
-    return {
-        "source": str(path),
-        "name": path.stem if path.is_file() else path.name,
-        "weights_hash": hash_files(files),
+    identity = {
+        "source": location.source,
+        "name": location.name,
+        "weights_hash": hash_files(weight_files(path) if path.is_dir() else [path]),
         "files": model_file_hashes(path),
     }
+    if location.hub is not None:
+        hub = location.hub
+        identity |= {"repo_id": hub.repo_id, "revision": hub.revision, "commit": hub.commit}
+    return identity
 
 
 @dataclass
@@ -115,12 +118,21 @@ class Manifest:
             )
         elif current_input["sampled_sha256"] != self.input["sampled_sha256"]:
             reasons.append(f"input {self.input_path} changed content")
+        model_changes = self._model_file_changes(current_model.get("files", {}))
         if current_model["weights_hash"] != self.model["weights_hash"]:
-            reasons.append(
+            model_changes.insert(
+                0,
                 f"model weights changed ({self.model['source']}: "
-                f"{self.model['weights_hash']} -> {current_model['weights_hash']})"
+                f"{self.model['weights_hash']} -> {current_model['weights_hash']})",
             )
-        reasons += self._model_file_changes(current_model.get("files", {}))
+        commit = current_model.get("commit")
+        if commit != self.model.get("commit"):
+            same = "" if model_changes else ", with the same weight, config and tokenizer files"
+            reasons.append(
+                f"model {self.model['source']} now resolves to snapshot {commit} of the Hugging "
+                f"Face cache, not {self.model.get('commit')}{same}"
+            )
+        reasons += model_changes
         if __version__ != self.vbatch_version:
             reasons.append(f"vbatch version changed ({self.vbatch_version} -> {__version__})")
         return reasons
