@@ -186,6 +186,19 @@ def test_run_with_a_model_missing_from_the_cache_is_one_line(
     assert not (tmp_path / "out.jsonl").exists()
 
 
+def test_throughput_benchmark_takes_a_hub_id(
+    hf_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks import throughput
+
+    argv = ["throughput.py", "--model", REPO, "--num-prompts", "3", "--max-tokens", "3"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--threads", "1", "--skip-hf"])
+    throughput.main()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("workload: 3 chat prompts")
+    assert lines[1].startswith("vbatch (") and "output tok/s" in lines[1]
+
+
 @pytest.mark.slow
 def test_a_job_runs_a_sharded_bf16_model_by_hub_id(
     tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
