@@ -230,16 +230,27 @@ def test_resume_refuses_a_moved_hub_snapshot_until_forced(
 ) -> None:
     add_to_hub_cache(tmp_path / "hub", "org/tiny", tiny_model_dir, "1" * 40)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    input_path = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "hello"}])
+    records = [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(6)]
+    input_path = write_jsonl(tmp_path / "in.jsonl", records)
     job = JobSpec(input_path, tmp_path / "out.jsonl", model="org/tiny", sampling=SAMPLING)
-    assert start_job(job, QUIET, llm_factory=shared_llm).exit_code == 0
+    loaded: list[str] = []
+
+    def factory(model: str, **kwargs: Any) -> Any:
+        loaded.append(model)
+        return shared_llm(model, **kwargs)
+
+    assert start_job(job, QUIET, llm_factory=factory).exit_code == 0
+    assert loaded == ["org/tiny@" + "1" * 40]
     manifest = orjson.loads((job_dir_for(job.output_path) / "manifest.json").read_bytes())
     assert (manifest["model"]["repo_id"], manifest["model"]["commit"]) == ("org/tiny", "1" * 40)
     add_to_hub_cache(tmp_path / "hub", "org/tiny", tiny_model_dir, "2" * 40)
     with pytest.raises(JobStateError, match=r"org/tiny now resolves to snapshot 2{40}.*--force"):
         resume_job(job.output_path, {"display": "quiet"}, llm_factory=shared_llm)
-    forced = resume_job(job.output_path, {"display": "quiet"}, force=True, llm_factory=shared_llm)
+    journal = job_dir_for(job.output_path) / "journal.jsonl"
+    journal.write_bytes(journal.read_bytes().splitlines(keepends=True)[0])
+    forced = resume_job(job.output_path, {"display": "quiet"}, force=True, llm_factory=factory)
     assert forced.exit_code == 0
+    assert loaded[1:] == ["org/tiny@" + "2" * 40]
     manifest = orjson.loads((job_dir_for(job.output_path) / "manifest.json").read_bytes())
     assert manifest["model"]["commit"] == "2" * 40
 

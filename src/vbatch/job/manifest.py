@@ -106,6 +106,12 @@ class Manifest:
         except (ValueError, TypeError) as e:
             raise JobStateError(f"{path} is unreadable ({e})") from None
 
+    def model_to_load(self) -> str:
+        """The model as the job loads it: its source, or a hub id pinned to the recorded commit,
+        so that a branch moving after the manifest was written changes nothing."""
+        commit = self.model.get("commit")
+        return self.model["source"] if commit is None else f"{self.model['repo_id']}@{commit}"
+
     def mismatches(self, current_input: dict[str, Any], current_model: dict[str, Any]) -> list[str]:
         """Human-readable reasons why resuming would not reproduce the original job."""
         from vbatch import __version__
