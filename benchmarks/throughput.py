@@ -1,6 +1,10 @@
 """Throughput: vbatch's in-process engine against Hugging Face `generate` on the same workload.
 
-python benchmarks/throughput.py [--num-prompts 128] [--max-tokens 128] [--hf-batch-sizes 64]
+python benchmarks/throughput.py [--model M] [--num-prompts 128] [--max-tokens 128]
+    [--hf-batch-sizes 64]
+
+--model takes what `vbatch run --model` takes: an HF directory, a hub id in the local Hugging
+Face cache (org/name[@revision]) or a .gguf file; by default the bundled SmolLM2-135M.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import statistics
 import time
 
 import torch
-from transformers import AutoTokenizer, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.workload import make_messages
 from vbatch.config import EngineConfig
@@ -59,7 +63,7 @@ def run_vbatch(
 
 
 def run_hf(hf_dir: str, prompts: list[list[int]], max_tokens: int, batch_size: int) -> dict:
-    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos])
     pad = next(iter(eos_ids))
@@ -99,7 +103,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default=None)
+    parser.add_argument("--model", default=None, help="HF directory, hub id or .gguf file")
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--hf-batch-sizes", default="64")
@@ -125,7 +129,7 @@ def main() -> None:
         f"(median {lengths[len(lengths) // 2]}), max_tokens={args.max_tokens}, greedy, "
         f"threads={args.threads}"
     )
-    ours = run_vbatch(args.model, prompts, args.max_tokens, args)
+    ours = run_vbatch(str(resolved.local_path), prompts, args.max_tokens, args)
     print(
         f"vbatch ({ours['backend']} attention): {ours['output_tok_s']:.1f} output tok/s, "
         f"{ours['prompt_tok_s']:.1f} prompt tok/s, {ours['wall_s']:.1f} s, "

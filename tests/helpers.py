@@ -1,8 +1,10 @@
 """Helpers shared by several test modules: a shared real engine for jobs, JSONL files, process
-exits."""
+exits, a Hugging Face hub cache laid out as `hf download` leaves it."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -44,3 +46,25 @@ def wait_gone(pid: int, timeout: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def add_to_hub_cache(
+    cache: Path, repo_id: str, model_dir: Path, commit: str, ref: str | None = "main"
+) -> Path:
+    """Put `model_dir`'s files in the hub cache `cache` as snapshot `commit` of `repo_id`: each
+    file a blob named by its sha256, linked from snapshots/<commit>/ by a relative symlink, and
+    refs/<ref> naming the commit. Returns the snapshot directory."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    for file in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+        data = file.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        link = snapshot / file.relative_to(model_dir)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    if ref is not None:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot

@@ -295,3 +295,47 @@ def test_loading_does_not_import_dynamo(tiny_model_dir: Path) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert result.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sharded_16bit_checkpoint_loads_as_its_float32_copy(
+    dtype: torch.dtype,
+    model_pair: tuple[torch.nn.Module, LlamaForCausalLM],
+    tmp_path: Path,
+    make_attention_metadata: Callable,
+) -> None:
+    """A 16-bit checkpoint in shards, with a consolidated copy beside them that the index does
+    not name, loads on CPU as the same weights saved in float32 in one file: the same parameters
+    bit for bit, and transformers' logits."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    reference = copy.deepcopy(model_pair[0])
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.copy_(param.to(dtype))
+    reference.save_pretrained(tmp_path / "float32")
+    sharded = tmp_path / "sharded"
+    copy.deepcopy(reference).to(dtype).save_pretrained(sharded, max_shard_size="40KB")
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (sharded / "model.safetensors.index.json").is_file()
+    with safe_open(str(shards[0]), framework="pt") as f:
+        assert f.get_tensor(next(iter(f.keys()))).dtype == dtype
+    save_file({"tok_embeddings.weight": torch.zeros(2, 2)}, sharded / "consolidated.safetensors")
+    cpu, backend = torch.device("cpu"), TorchAttentionBackend()
+    expected = load_model(tmp_path / "float32", cpu, torch.float32, backend).state_dict()
+    model = load_model(sharded, cpu, torch.float32, backend)
+    assert (model.lm_head is None) == reference.config.tie_word_embeddings
+    got = model.state_dict()
+    assert got.keys() == expected.keys()
+    for name, tensor in got.items():
+        assert tensor.dtype == torch.float32, name
+        assert torch.equal(tensor, expected[name]), name
+    ids = list(range(3, 30))
+    meta = make_attention_metadata([len(ids)], [len(ids)], [list(range(4))], 8)
+    with torch.inference_mode():
+        hidden = model(
+            torch.tensor(ids), torch.arange(len(ids)), make_kv_caches(model.config, 4, 8), meta
+        )
+        logits = model.compute_logits(hidden)
+    torch.testing.assert_close(logits, reference_logits(reference, ids), atol=TOLERANCE, rtol=0)

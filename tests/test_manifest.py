@@ -8,6 +8,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from helpers import add_to_hub_cache
 
 from vbatch import __version__
 from vbatch.errors import JobStateError
@@ -201,3 +202,54 @@ def test_model_identity_of_a_gguf_file_is_its_hash(tmp_path: Path) -> None:
     path = tmp_path / "m.gguf"
     path.write_bytes(b"GGUF")
     assert model_identity(str(path)).files == {}
+
+
+def test_model_identity_covers_the_shards_the_index_names(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"shard-1")
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"shard-2")
+    (tmp_path / "consolidated.safetensors").write_bytes(b"the same weights, another layout")
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    first = model_identity(str(tmp_path))
+    (tmp_path / "consolidated.safetensors").write_bytes(b"not loaded")
+    assert model_identity(str(tmp_path)).weights_hash == first.weights_hash
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"shard-2 changed")
+    assert model_identity(str(tmp_path)).weights_hash != first.weights_hash
+
+
+def test_model_identity_of_a_hub_id_records_its_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    (model_dir / "model.safetensors").write_bytes(b"weights")
+    (model_dir / "tokenizer.json").write_text("{}")
+    snapshot = add_to_hub_cache(tmp_path / "hub", "org/m", model_dir, "1" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    first = model_identity("org/m")
+    by_path = model_identity(str(snapshot))
+    assert first == msgspec.structs.replace(
+        by_path, source="org/m", name="org/m", repo_id="org/m", revision=None, commit="1" * 40
+    )
+    assert sorted(first.files) == ["config.json", "tokenizer.json"]
+    assert model_identity("org/m@" + "1" * 40).revision == "1" * 40
+
+    input_path = tmp_path / "in.jsonl"
+    input_path.write_text('{"prompt": "a"}\n')
+    manifest = make_manifest(input_path)
+    manifest.model = first
+    fingerprint = input_fingerprint(input_path)
+    add_to_hub_cache(tmp_path / "hub", "org/m", model_dir, "2" * 40)
+    (reason,) = manifest.mismatches(fingerprint, model_identity("org/m"))
+    assert reason == (
+        f"model org/m now resolves to snapshot {'2' * 40} of the Hugging Face cache, not "
+        f"{'1' * 40}, with the same weight, config and tokenizer files"
+    )
+    (model_dir / "tokenizer.json").write_text('{"changed": true}')
+    add_to_hub_cache(tmp_path / "hub", "org/m", model_dir, "3" * 40)
+    snapshot_moved, files_changed = manifest.mismatches(fingerprint, model_identity("org/m"))
+    assert snapshot_moved.startswith(f"model org/m now resolves to snapshot {'3' * 40} ")
+    assert snapshot_moved.endswith(f"not {'1' * 40}")
+    assert files_changed == "model files changed (org/m: tokenizer.json changed)"

@@ -13,7 +13,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import SharedLLM, write_jsonl
+from helpers import SharedLLM, add_to_hub_cache, write_jsonl
 
 from vbatch.errors import ConfigError, InputError, JobStateError, ModelLoadError
 from vbatch.job.paths import job_dir_for
@@ -221,6 +221,39 @@ def test_existing_job_refusal_resume_checks_retry_errors_and_force(
     assert sorted(r["id"] for r in rows) == sorted(f"r{i}" for i in range(12))
     assert [r["error"] for r in rows if r["id"] == "r4"] == [None]
     assert done.status["errored"] == 0
+
+
+def test_resume_refuses_a_moved_hub_snapshot_until_forced(
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    shared_llm: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    add_to_hub_cache(tmp_path / "hub", "org/tiny", tiny_model_dir, "1" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    records = [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(6)]
+    input_path = write_jsonl(tmp_path / "in.jsonl", records)
+    job = JobSpec(input_path, tmp_path / "out.jsonl", model="org/tiny", sampling=SAMPLING)
+    loaded: list[str] = []
+
+    def factory(model: str, **kwargs: Any) -> Any:
+        loaded.append(model)
+        return shared_llm(model, **kwargs)
+
+    assert start_job(job, QUIET, llm_factory=factory).exit_code == 0
+    assert loaded == ["org/tiny@" + "1" * 40]
+    manifest = orjson.loads((job_dir_for(job.output_path) / "manifest.json").read_bytes())
+    assert (manifest["model"]["repo_id"], manifest["model"]["commit"]) == ("org/tiny", "1" * 40)
+    add_to_hub_cache(tmp_path / "hub", "org/tiny", tiny_model_dir, "2" * 40)
+    with pytest.raises(JobStateError, match=r"org/tiny now resolves to snapshot 2{40}.*--force"):
+        resume_job(job.output_path, {"display": "quiet"}, llm_factory=shared_llm)
+    journal = job_dir_for(job.output_path) / "journal.jsonl"
+    journal.write_bytes(journal.read_bytes().splitlines(keepends=True)[0])
+    forced = resume_job(job.output_path, {"display": "quiet"}, force=True, llm_factory=factory)
+    assert forced.exit_code == 0
+    assert loaded[1:] == ["org/tiny@" + "2" * 40]
+    manifest = orjson.loads((job_dir_for(job.output_path) / "manifest.json").read_bytes())
+    assert manifest["model"]["commit"] == "2" * 40
 
 
 def test_max_errors_stops_the_job_and_keeps_committed_rows(

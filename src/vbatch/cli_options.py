@@ -52,7 +52,9 @@ KeepAllColumns = Annotated[
 Model = Annotated[
     str | None,
     typer.Option(
-        help="HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct).",
+        help="HF model directory, hub id in the local Hugging Face cache (org/name or "
+        "org/name@revision, never downloaded) or .gguf file (default: the bundled "
+        "SmolLM2-135M-Instruct).",
         rich_help_panel=ENGINE,
     ),
 ]

@@ -86,7 +86,7 @@ class LLM:
             on_progress("resolving model")
         resolved = resolve_model(model)
         self.model = resolved
-        config = EngineConfig.from_dict({**engine_args, "model": resolved.source})
+        config = EngineConfig.from_dict({**engine_args, "model": str(resolved.local_path)})
         self.tokenizer = TextTokenizer.from_dir(resolved.hf_dir)
         self._client = EngineCoreClient(config, on_progress=on_progress)
         self.engine_info: Ready = self._client.info

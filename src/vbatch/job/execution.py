@@ -200,7 +200,7 @@ class JobExecution:
         self.stop.is_waiting = True
         try:
             llm = self.llm_factory(
-                self.manifest.model.source,
+                self.manifest.model_to_load(),
                 max_in_flight=self.options.max_in_flight,
                 on_progress=self.metrics.set_startup_stage,
                 **engine_args,

@@ -31,14 +31,18 @@ class InputFingerprint(msgspec.Struct, frozen=True, kw_only=True):
     sampled_sha256: str
 
 
-class ModelIdentity(msgspec.Struct, frozen=True, kw_only=True):
+class ModelIdentity(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """The model as the user named it (`source`), the hash of its weights, and a hash of each
-    other file that changes its output; `files` is None in a manifest of version 1."""
+    other file that changes its output; `files` is None in a manifest of version 1. A hub id
+    also records its repo id, the revision asked for and the snapshot commit it resolved to."""
 
     source: str
     name: str
     weights_hash: str
     files: dict[str, str] | None = None
+    repo_id: str | None = None
+    revision: str | None = None
+    commit: str | None = None
 
 
 class JobOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,23 +94,26 @@ def input_fingerprint(path: Path) -> InputFingerprint:
 
 def model_identity(model: str | None) -> ModelIdentity:
     """The model as the user named it, a hash of its weights (memoized by size and mtime) and a
-    hash of each other file that changes its output (tokenizer, chat template, configs)."""
-    from vbatch.models.loader import default_model_path, hash_files, model_file_hashes
+    hash of each other file that changes its output (tokenizer, chat template, configs). A hub
+    id also records its repo id, the revision asked for and the snapshot commit it resolved to."""
+    from vbatch.models.loader import hash_files, locate_model, model_file_hashes, weight_files
 
-    path = default_model_path() if model is None else Path(model).expanduser().absolute()
-    if not path.exists():
-        raise ModelLoadError(f"model path {path} does not exist")
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files or (path.is_dir() and not (path / "config.json").is_file()):
+    location = locate_model(model)
+    path = location.path
+    if path.is_dir() and not (path / "config.json").is_file():
         raise ModelLoadError(
             f"{path} is not a model: give a GGUF file or a Hugging Face directory with "
             "config.json and *.safetensors"
         )
+    hub = location.hub
     return ModelIdentity(
-        source=str(path),
-        name=path.stem if path.is_file() else path.name,
-        weights_hash=hash_files(files),
+        source=location.source,
+        name=location.name,
+        weights_hash=hash_files(weight_files(path) if path.is_dir() else [path]),
         files=model_file_hashes(path),
+        repo_id=hub.repo_id if hub else None,
+        revision=hub.revision if hub else None,
+        commit=hub.commit if hub else None,
     )
 
 
@@ -157,6 +164,12 @@ class Manifest(msgspec.Struct, kw_only=True):
         except msgspec.DecodeError as e:
             raise JobStateError(f"{path} is unreadable ({e})") from None
 
+    def model_to_load(self) -> str:
+        """The model as the job loads it: its source, or a hub id pinned to the recorded commit,
+        so that a branch moving after the manifest was written changes nothing."""
+        commit = self.model.commit
+        return self.model.source if commit is None else f"{self.model.repo_id}@{commit}"
+
     def mismatches(
         self, current_input: InputFingerprint, current_model: ModelIdentity
     ) -> list[str]:
@@ -171,12 +184,21 @@ class Manifest(msgspec.Struct, kw_only=True):
             )
         elif current_input.sampled_sha256 != self.input.sampled_sha256:
             reasons.append(f"input {self.input_path} changed content")
+        model_changes = self._model_file_changes(current_model.files or {})
         if current_model.weights_hash != self.model.weights_hash:
-            reasons.append(
+            model_changes.insert(
+                0,
                 f"model weights changed ({self.model.source}: "
-                f"{self.model.weights_hash} -> {current_model.weights_hash})"
+                f"{self.model.weights_hash} -> {current_model.weights_hash})",
             )
-        reasons += self._model_file_changes(current_model.files or {})
+        commit = current_model.commit
+        if commit != self.model.commit:
+            same = "" if model_changes else ", with the same weight, config and tokenizer files"
+            reasons.append(
+                f"model {self.model.source} now resolves to snapshot {commit} of the Hugging "
+                f"Face cache, not {self.model.commit}{same}"
+            )
+        reasons += model_changes
         if __version__ != self.vbatch_version:
             reasons.append(f"vbatch version changed ({self.vbatch_version} -> {__version__})")
         return reasons

@@ -19,7 +19,7 @@ from vbatch.layers.norm import RMSNorm
 from vbatch.layers.quantization import has_int8_kernels, quantize_linears
 from vbatch.layers.rotary import RotaryBatch, RotaryEmbedding
 from vbatch.models.config import ModelConfig
-from vbatch.models.loader import ResolvedModel
+from vbatch.models.loader import ResolvedModel, weight_files
 from vbatch.models.moe import SparseMoeBlock
 from vbatch.models.weights import param_target, prepare
 
@@ -343,6 +343,10 @@ def load_model(
 ) -> LlamaForCausalLM:
     """Build the model from an HF directory, reading safetensors straight onto `device`.
 
+    Shard by shard and one tensor at a time, each cast to `dtype` as it is copied into its
+    parameter (a bf16 or fp16 checkpoint widens to float32 on CPU), so loading holds the model
+    plus one checkpoint tensor.
+
     The fused native ops come with the native attention backend, where they serve `device`.
     `quantization="int8"` swaps the decoder layers' linears (not the LM head) for int8 ones.
     """
@@ -355,12 +359,9 @@ def load_model(
         llm = LlamaForCausalLM(config, attn_backend, use_native_ops).to(dtype)
     llm.to_empty(device=device)
     llm.requires_grad_(False)
-    weight_files = sorted(hf_dir.glob("*.safetensors"))
-    if not weight_files:
-        raise ModelLoadError(f"model directory {hf_dir} has no *.safetensors weights")
     params = dict(llm.named_parameters())
     num_loaded = dict.fromkeys(params, 0)
-    for path in weight_files:
+    for path in weight_files(hf_dir):
         try:
             with safe_open(str(path), framework="pt", device=str(device)) as f:
                 for hf_name in f.keys():  # noqa: SIM118

