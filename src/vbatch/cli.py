@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import traceback
 from collections.abc import Callable
@@ -310,6 +311,16 @@ def run(
     max_in_flight: Annotated[
         int | None, typer.Option(help="Most rows admitted at once.", rich_help_panel=JOB)
     ] = None,
+    shard: Annotated[
+        str | None,
+        typer.Option(
+            help="Run one shard of a job array: I/N (0 <= I < N) takes the rows whose id hashes "
+            "to I, into OUTPUT.shard-I-of-N.EXT with its own job directory. auto reads "
+            "SLURM_ARRAY_TASK_ID/COUNT or JOB_COMPLETION_INDEX plus VBATCH_SHARD_COUNT; auto/N "
+            "sets N. Join the shards with `vbatch merge OUTPUT`.",
+            rich_help_panel=JOB,
+        ),
+    ] = None,
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help=QUIET_HELP, rich_help_panel=DISPLAY)
     ] = False,
@@ -324,6 +335,7 @@ def run(
     """Run a batch job: read INPUT, generate, and write OUTPUT incrementally."""
     from vbatch.job.rows import ColumnOptions
     from vbatch.job.runner import JobSpec, start_job
+    from vbatch.job.shard import parse_shard
     from vbatch.structured import cli_structured
 
     engine_args = _run_overrides(
@@ -355,6 +367,7 @@ def run(
         "logprobs": logprobs,
     }
     structured = _guarded(lambda: cli_structured(json_schema, regex, choice, grammar))
+    job_shard = None if shard is None else _guarded(lambda: parse_shard(shard))
     if structured is not None:
         sampling["structured"] = structured
     kept = tuple(c.strip() for c in keep_columns.split(",") if c.strip()) if keep_columns else ()
@@ -369,6 +382,7 @@ def run(
         ordered=ordered,
         include_token_ids=include_token_ids,
         parse_json=parse_json,
+        shard=job_shard,
     )
     options = RunOptions(
         commit_every_rows=commit_every_rows,
@@ -440,6 +454,9 @@ def status(
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return
+    if "rows" not in info:
+        typer.echo(_shard_lines(output, info["shards"], is_merged=info["merged"]))
+        return
     state = "complete" if info["complete"] else "incomplete"
     lines = [
         f"job:         {info['job_dir']} ({state})",
@@ -451,7 +468,61 @@ def status(
         f"sampling:    {_settings(info['sampling'])}",
         f"engine:      {_settings(info['engine']) or 'defaults'}",
     ]
+    if info["shard"] is not None:
+        lines.insert(1, f"shard:       {info['shard']['index']}/{info['shard']['count']}")
     typer.echo("\n".join(lines))
+    if "shards" in info:
+        typer.echo(_shard_lines(output, info["shards"], is_merged=False))
+
+
+def _shard_lines(output: Path, shards: list[dict[str, Any]], *, is_merged: bool) -> str:
+    """The per-shard table of `vbatch status`."""
+    counts = {state: sum(s["state"] == state for s in shards) for state in ("complete",)}
+    lines = [f"shards of {output}: {counts['complete']} of {len(shards)} complete"]
+    for s in shards:
+        if s["state"] == "not started":
+            lines.append(f"  {s['shard']:>7}  not started")
+            continue
+        progress = f"{s['done']} of {s['rows']} rows ({s['errored']} errored)"
+        how = s["resume"] or s["output"]
+        lines.append(f"  {s['shard']:>7}  {s['state']:<10}  {progress}  {how}")
+    if is_merged:
+        lines.append(f"merged:      {output} exists")
+    elif counts["complete"] == len(shards):
+        lines.append(f"merge with:  vbatch merge {shlex.quote(str(output))}")
+    return "\n".join(lines)
+
+
+@app.command()
+def merge(
+    output: Annotated[
+        Path, typer.Argument(help="The output the shards were run with (`run -o OUTPUT`).")
+    ],
+    ordered: Annotated[
+        bool, typer.Option("--ordered", help="Sort the merged rows by input index.")
+    ] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace OUTPUT if it exists.")
+    ] = False,
+    remove_shards: Annotated[
+        bool,
+        typer.Option(
+            "--remove-shards",
+            help="Delete the shard files and their job directories once OUTPUT is written.",
+        ),
+    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
+) -> None:
+    """Merge the shards of a job array (`run --shard I/N`) into OUTPUT, once all are complete."""
+    from vbatch.job.merge import merge_shards
+
+    message = _guarded(
+        lambda: merge_shards(
+            output, ordered=ordered, overwrite=overwrite, remove_shards=remove_shards
+        )
+    )
+    if not quiet:
+        typer.echo(message, err=True)
 
 
 def _settings(values: dict[str, Any]) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from vbatch.errors import JobStateError, ModelLoadError
+from vbatch.job.shard import Shard
 
 MANIFEST_NAME = "manifest.json"
 # NOTE: version 2 added model["files"] (hashes of the tokenizer, template and config files).
@@ -70,7 +71,10 @@ def model_identity(model: str | None) -> dict[str, Any]:
 @dataclass
 class Manifest:
     """Everything that decides a job's result. Invariant: written once, atomically, at job start;
-    `resume` compares `input`, `model` and `vbatch_version` against the world as it is now."""
+    `resume` compares `input`, `model` and `vbatch_version` against the world as it is now.
+
+    A `--shard I/N` job records `shard` = {index, count, input_rows}: `num_rows` counts only the
+    shard's rows, `input_rows` the whole input's."""
 
     vbatch_version: str
     input_path: str
@@ -85,7 +89,12 @@ class Manifest:
     sampling: dict[str, Any]
     options: dict[str, Any]
     created: float = field(default_factory=time.time)
+    shard: dict[str, int] | None = None
     manifest_version: int = MANIFEST_VERSION
+
+    @property
+    def shard_spec(self) -> Shard | None:
+        return None if self.shard is None else Shard(self.shard["index"], self.shard["count"])
 
     def save(self, job_dir: Path) -> None:
         write_atomic(job_dir / MANIFEST_NAME, json.dumps(asdict(self), indent=2).encode())

@@ -8,13 +8,19 @@ import shlex
 import shutil
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from vbatch.config import EngineConfig
-from vbatch.errors import InputError, JobStateError, is_storage_failure, storage_error
+from vbatch.errors import (
+    ConfigError,
+    InputError,
+    JobStateError,
+    is_storage_failure,
+    storage_error,
+)
 from vbatch.job.finalize import finish_completion, tmp_output_path
 from vbatch.job.journal import JOURNAL_NAME, JobState, Journal, read_journal
 from vbatch.job.manifest import MANIFEST_NAME, Manifest, input_fingerprint, model_identity
@@ -22,6 +28,7 @@ from vbatch.job.options import RunOptions
 from vbatch.job.reader import InputReader, scan_input
 from vbatch.job.results import OUTPUT_COLUMNS
 from vbatch.job.rows import ColumnOptions, RowParser
+from vbatch.job.shard import Shard
 from vbatch.sampling_params import SamplingParams
 
 JOB_DIR_SUFFIX = ".vbatch"
@@ -47,6 +54,7 @@ class JobSpec:
     ordered: bool = False
     include_token_ids: bool = False
     parse_json: bool = False
+    shard: Shard | None = None
 
 
 @dataclass(frozen=True)
@@ -177,7 +185,12 @@ def start_job(
     llm_factory: Callable[..., Any] | None = None,
 ) -> Outcome:
     """`vbatch run`: take the job's lock, validate everything, write the manifest, then execute
-    the job. Nothing is deleted (--overwrite) before the new job has passed validation."""
+    the job. Nothing is deleted (--overwrite) before the new job has passed validation.
+
+    With `spec.shard`, the job is that shard's, writing `spec.shard.output_path(output)`."""
+    if spec.shard is not None:
+        _refuse_clean_shard(options)
+        spec = replace(spec, output_path=spec.shard.output_path(spec.output_path))
     output = spec.output_path
     job_dir = job_dir_for(output)
     fmt = output_format(output)
@@ -215,7 +228,10 @@ def _prepare_job(
     EngineConfig.from_dict({**spec.engine_args, "model": spec.model})
     reader = InputReader(spec.input_path, spec.input_format, spec.columns)
     scan = scan_input(
-        reader, RowParser(spec.columns, defaults), collect_keys=spec.columns.keep_all_columns
+        reader,
+        RowParser(spec.columns, defaults),
+        collect_keys=spec.columns.keep_all_columns,
+        shard=spec.shard,
     )
     if scan.duplicate is not None:
         raise InputError(f"{spec.input_path}: {scan.duplicate}; ids must be unique")
@@ -242,6 +258,7 @@ def _prepare_job(
             "openai_output": scan.is_openai and fmt == "jsonl",
             **options.result_settings(),
         },
+        shard=None if spec.shard is None else _shard_record(spec.shard, scan.input_rows),
     )
     _remove_job(job_dir, output)
     try:
@@ -308,6 +325,8 @@ def _resume_locked(
             _warn_index_matching(job_dir, output, old_rows, manifest.num_rows)
     saved = {k: manifest.options[k] for k in RunOptions().result_settings()}
     options = RunOptions(**{**saved, **(overrides or {})})
+    if manifest.shard is not None:
+        _refuse_clean_shard(options)
     return _execute(
         output, job_dir, manifest, options, llm_factory, retry_errors=retry_errors, lock=lock
     )
@@ -337,11 +356,14 @@ def _accept_changes(
 
     columns = ColumnOptions(**{**manifest.options["columns"], "keep_all_columns": False})
     reader = InputReader(Path(manifest.input_path), manifest.input_format, columns)
-    scan = scan_input(reader, RowParser(columns, SamplingParams.from_dict(manifest.sampling)))
+    parser = RowParser(columns, SamplingParams.from_dict(manifest.sampling))
+    scan = scan_input(reader, parser, shard=manifest.shard_spec)
     if scan.duplicate is not None:
         raise InputError(f"{manifest.input_path}: {scan.duplicate}; ids must be unique")
     manifest.id_kind = _adopted_id_kind(job_dir, manifest, scan.id_kind)
     manifest.input, manifest.model, manifest.num_rows = fingerprint, identity, scan.num_rows
+    if manifest.shard_spec is not None:
+        manifest.shard = _shard_record(manifest.shard_spec, scan.input_rows)
     manifest.vbatch_version = __version__
     manifest.save(job_dir)
 
@@ -385,6 +407,10 @@ def _execute(
                 )
             execution = JobExecution(job_dir, manifest, journal, options, llm_factory)
             exit_code, message = execution.run(output)
+            shard = manifest.shard_spec
+            if exit_code == 0 and shard is not None:
+                merged = shlex.quote(str(base_output(output, shard)))
+                message += f". Once all {shard.count} shards are done: vbatch merge {merged}"
         elif retry_errors and journal.state.complete["errors"]:
             raise JobStateError(
                 f"{output} is already complete; --retry-errors only reruns rows of an unfinished "
@@ -404,6 +430,24 @@ def _execute(
     return Outcome(exit_code, message, status)
 
 
+def _shard_record(shard: Shard, input_rows: int) -> dict[str, int]:
+    return {**shard.to_dict(), "input_rows": input_rows}
+
+
+def _refuse_clean_shard(options: RunOptions) -> None:
+    if options.clean:
+        raise ConfigError(
+            "--clean would remove the shard's job directory, whose manifest `vbatch merge` "
+            "checks; pass --remove-shards to `vbatch merge` instead"
+        )
+
+
+def base_output(shard_output: Path, shard: Shard) -> Path:
+    """`out.shard-I-of-N.parquet` -> `out.parquet`."""
+    stem = shard_output.stem.removesuffix(f".shard-{shard.index}-of-{shard.count}")
+    return shard_output.with_name(stem + shard_output.suffix)
+
+
 def _refuse_lost_output(output: Path, final: Path, state: JobState) -> None:
     """A complete job whose output file is gone: the job directory keeps no copy of the rows."""
     assert state.complete is not None
@@ -418,12 +462,19 @@ def _refuse_lost_output(output: Path, final: Path, state: JobState) -> None:
 
 
 def job_status(output: Path) -> dict[str, Any]:
-    """`vbatch status`: what the job directory says, without changing anything."""
+    """`vbatch status`: what the job directory says, without changing anything; with a list of
+    `shards` (see job/merge.py) when `output` has shards (`--shard I/N`)."""
+    from vbatch.job.merge import shard_statuses
+
     job_dir = job_dir_for(output)
+    shards = shard_statuses(output)
     if not job_dir.is_dir():
+        if shards:
+            return {"output": str(output.absolute()), "merged": output.exists(), "shards": shards}
         raise JobStateError(f"there is no job for {output} (no {job_dir})")
     state, _ = read_journal(job_dir / JOURNAL_NAME)
-    return _status(job_dir, Manifest.load(job_dir), state)
+    status = _status(job_dir, Manifest.load(job_dir), state)
+    return {**status, "shards": shards} if shards else status
 
 
 def _status(job_dir: Path, manifest: Manifest, state: JobState) -> dict[str, Any]:
@@ -444,4 +495,5 @@ def _status(job_dir: Path, manifest: Manifest, state: JobState) -> dict[str, Any
         "sampling": manifest.sampling,
         "options": manifest.options,
         "vbatch_version": manifest.vbatch_version,
+        "shard": manifest.shard,
     }
