@@ -12,7 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pyarrow.parquet as pq
 import pytest
 from helpers import read_jsonl, write_jsonl
@@ -177,7 +176,5 @@ def test_a_killed_shard_resumes_exactly_once_and_merges(
     assert len(shard_ids) == len(set(shard_ids)) == manifest.num_rows
     result = merge(str(tmp_path / "out.jsonl"))
     assert result.exit_code == 0, result.output
-    merged = [
-        orjson.loads(line)["id"] for line in (tmp_path / "out.jsonl").read_bytes().splitlines()
-    ]
+    merged = [r["id"] for r in read_jsonl(tmp_path / "out.jsonl")]
     assert sorted(merged) == sorted(f"r{i}" for i in range(num_rows))
