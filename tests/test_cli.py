@@ -58,7 +58,7 @@ def test_version_and_short_help_on_the_app_and_every_command() -> None:
     runner = CliRunner()
     result = runner.invoke(app, ["--version"])
     assert result.exit_code == 0 and result.output == f"vbatch {__version__}\n"
-    for args in ([], ["run"], ["resume"], ["status"]):
+    for args in ([], ["run"], ["resume"], ["status"], ["merge"]):
         short, long = runner.invoke(app, [*args, "-h"]), runner.invoke(app, [*args, "--help"])
         assert short.exit_code == 0 and "Usage: vbatch" in short.output, args
         assert short.output == long.output

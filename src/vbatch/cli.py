@@ -315,9 +315,9 @@ def run(
         str | None,
         typer.Option(
             help="Run one shard of a job array: I/N (0 <= I < N) takes the rows whose id hashes "
-            "to I, into OUTPUT.shard-I-of-N.EXT with its own job directory. auto reads "
-            "SLURM_ARRAY_TASK_ID/COUNT or JOB_COMPLETION_INDEX plus VBATCH_SHARD_COUNT; auto/N "
-            "sets N. Join the shards with `vbatch merge OUTPUT`.",
+            "to I and writes them, for -o out.parquet, to out.shard-I-of-N.parquet (its own "
+            "job). auto reads SLURM_ARRAY_TASK_ID/COUNT, or JOB_COMPLETION_INDEX plus "
+            "VBATCH_SHARD_COUNT; auto/N sets N. Join the shards with `vbatch merge OUTPUT`.",
             rich_help_panel=JOB,
         ),
     ] = None,
