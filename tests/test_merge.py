@@ -24,6 +24,7 @@ from vbatch.job.runner import JobSpec, RunOptions, job_dir_for, resume_job, star
 from vbatch.job.shard import Shard
 
 TIMEOUT_S = 240
+NOT_STARTED = "not started; start it with the other shards' settings:"
 QUIET = RunOptions(display="quiet", commit_every_rows=4)
 SRC_DIR = str(Path(__import__("vbatch").__file__).parents[1])
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC_DIR, os.environ.get("PYTHONPATH", "")])}
@@ -116,8 +117,8 @@ def test_merge_refuses_missing_incomplete_and_mismatched_shards(
         assert start_job(job, QUIET, llm_factory=shared_llm).exit_code == 0
     result = merge(str(output))
     assert result.exit_code == 1
-    assert "shard 1/3: not started; start it with: vbatch run" in result.output
-    assert f"-o {output} --shard 1/3" in result.output
+    missing = tmp_path / "out.shard-1-of-3.jsonl"
+    assert f"shard 1/3: {NOT_STARTED} vbatch resume {missing}" in result.output
     assert "shard 0/3" not in result.output and "Traceback" not in result.output
 
     mismatched = spec(tmp_path, tiny_model_dir, output.name, Shard(1, 3), max_tokens=3)
@@ -161,13 +162,16 @@ def test_a_killed_shard_resumes_exactly_once_and_merges(
     _, stderr = proc.communicate(timeout=TIMEOUT_S)
     assert proc.returncode == -signal.SIGKILL, f"the shard ended before it was killed: {stderr}"
 
-    engine_args = {"num_threads": 1, "max_num_seqs": 2}
-    other = spec(tmp_path, tiny_model_dir, "out.jsonl", Shard(0, 2), engine_args=engine_args)
-    assert start_job(other, QUIET, llm_factory=shared_llm).exit_code == 0
     result = merge(str(tmp_path / "out.jsonl"))
     assert result.exit_code == 1
     assert "shard 1/2: incomplete" in result.output
     assert f"vbatch resume {shard_output}" in result.output
+    other = tmp_path / "out.shard-0-of-2.jsonl"
+    assert f"shard 0/2: {NOT_STARTED} vbatch resume {other}" in result.output
+    # NOTE: resuming a shard that never started starts it like the killed one.
+    started = resume_job(other, {"display": "quiet"}, llm_factory=shared_llm)
+    assert started.exit_code == 0, started.message
+    assert Manifest.load(job_dir_for(other)).engine == {"num_threads": 1, "max_num_seqs": 2}
 
     resumed = resume_job(shard_output, {"display": "quiet"}, llm_factory=shared_llm)
     assert resumed.exit_code == 0, resumed.message

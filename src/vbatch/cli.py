@@ -400,7 +400,13 @@ def run(
 
 @app.command()
 def resume(
-    output: Annotated[Path, typer.Argument(help="The output path the job was started with.")],
+    output: Annotated[
+        Path,
+        typer.Argument(
+            help="The output path the job was started with; for a shard's file "
+            "(out.shard-I-of-N.parquet) with no job yet, starts that shard like the others."
+        ),
+    ],
     force: Annotated[
         bool,
         typer.Option("--force", help="Resume even if the input, model or vbatch version changed."),

@@ -177,11 +177,12 @@ def _not_started(output: Path, job: ShardJob, reference: Manifest | None) -> str
             f"{job.output} has no job directory (removed?), so it cannot be checked; run the "
             "shard again with --overwrite"
         )
-    source = shlex.quote(reference.input_path) if reference is not None else "INPUT"
-    return (
-        f"not started; start it with: vbatch run {source} -o {shlex.quote(str(output))} "
-        f"--shard {job.shard} (and the other shards' settings)"
-    )
+    if reference is None:
+        return (
+            f"not started; start it with: vbatch run INPUT -o {shlex.quote(str(output))} "
+            f"--shard {job.shard} ..."
+        )
+    return f"not started; start it with the other shards' settings: {resume_command(job.output)}"
 
 
 def _signature(manifest: Manifest) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import os
 import shlex
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
@@ -28,7 +29,7 @@ from vbatch.job.options import RunOptions
 from vbatch.job.reader import InputReader, scan_input
 from vbatch.job.results import OUTPUT_COLUMNS
 from vbatch.job.rows import ColumnOptions, RowParser
-from vbatch.job.shard import Shard
+from vbatch.job.shard import Shard, shard_of_output
 from vbatch.sampling_params import SamplingParams
 
 JOB_DIR_SUFFIX = ".vbatch"
@@ -280,19 +281,90 @@ def resume_job(
     retry_errors: bool = False,
     llm_factory: Callable[..., Any] | None = None,
 ) -> Outcome:
-    """`vbatch resume`: check the manifest against the world, then finish the job.
+    """`vbatch resume`: check the manifest against the world, then finish the job. A shard's
+    output with no job yet (`out.shard-I-of-N.parquet`) starts with another shard's settings.
 
     Run options come from the manifest; `overrides` (RunOptions fields) replace some of them.
     """
     job_dir = job_dir_for(output)
     if not job_dir.is_dir():
-        raise JobStateError(f"there is no job to resume for {output} (no {job_dir})")
+        sibling = _sibling_manifest(output)
+        if sibling is None:
+            raise JobStateError(f"there is no job to resume for {output} (no {job_dir})")
+        return _start_shard_like(output, sibling, overrides, llm_factory)
     lock = JobLock(job_dir)
     try:
         return _resume_locked(output, job_dir, lock, overrides, force, retry_errors, llm_factory)
     except BaseException:
         lock.release()
         raise
+
+
+def _sibling_manifest(output: Path) -> Manifest | None:
+    """For a shard's output with no job, the manifest of another shard of its array, if any."""
+    shard = shard_of_output(output)
+    if shard is None:
+        return None
+    base = base_output(output, shard)
+    for index in range(shard.count):
+        sibling = Shard(index, shard.count)
+        job_dir = job_dir_for(sibling.output_path(base))
+        if index != shard.index and (job_dir / MANIFEST_NAME).is_file():
+            manifest = Manifest.load(job_dir)
+            if manifest.shard_spec == sibling:
+                return manifest
+    return None
+
+
+def _start_shard_like(
+    output: Path,
+    sibling: Manifest,
+    overrides: dict[str, Any] | None,
+    llm_factory: Callable[..., Any] | None,
+) -> Outcome:
+    """Start the shard that `output` names with `sibling`'s input, model and settings, so that
+    `vbatch merge` accepts it; refused when the input or model changed since `sibling` started."""
+    shard = shard_of_output(output)
+    assert shard is not None and sibling.shard_spec is not None
+    input_path = Path(sibling.input_path)
+    if not input_path.is_file():
+        raise InputError(f"the input file {input_path} of shard {sibling.shard_spec} is gone")
+    identity = model_identity(sibling.model["source"])
+    mismatches = sibling.mismatches(input_fingerprint(input_path), identity)
+    if mismatches:
+        raise JobStateError(
+            f"cannot start shard {shard} like shard {sibling.shard_spec}: "
+            + "; ".join(mismatches)
+            + ". Run every shard again with `vbatch run ... --shard I/N --overwrite`"
+        )
+    if output.exists():
+        raise JobStateError(f"{output} exists but has no job directory; move it away first")
+    saved = {k: sibling.options[k] for k in RunOptions().result_settings()}
+    options = RunOptions(**{**saved, **(overrides or {})})
+    _refuse_clean_shard(options)
+    job_dir = job_dir_for(output)
+    lock = JobLock(job_dir, create=True)
+    try:
+        if (job_dir / MANIFEST_NAME).exists():
+            return _resume_locked(output, job_dir, lock, overrides, False, False, llm_factory)
+        columns = ColumnOptions(**{**sibling.options["columns"], "keep_all_columns": False})
+        reader = InputReader(input_path, sibling.input_format, columns)
+        parser = RowParser(columns, SamplingParams.from_dict(sibling.sampling))
+        scan = scan_input(reader, parser, shard=shard)
+        manifest = replace(
+            sibling,
+            output_path=str(output.absolute()),
+            num_rows=scan.num_rows,
+            shard=_shard_record(shard, scan.input_rows),
+            created=time.time(),
+        )
+        manifest.save(job_dir)
+    except BaseException:
+        if not (job_dir / MANIFEST_NAME).exists():
+            shutil.rmtree(job_dir, ignore_errors=True)
+        lock.release()
+        raise
+    return _execute(output, job_dir, manifest, options, llm_factory, retry_errors=False, lock=lock)
 
 
 def _resume_locked(
