@@ -115,6 +115,8 @@ def test_merge_refuses_missing_incomplete_and_mismatched_shards(
 ) -> None:
     make_input(tmp_path / "in.jsonl", 12)
     output = tmp_path / "out.jsonl"
+    result = merge(str(output))
+    assert result.exit_code == 1 and "there are no shards of" in result.output
     for index in (0, 2):
         job = spec(tmp_path, tiny_model_dir, output.name, Shard(index, 3))
         assert start_job(job, QUIET, llm_factory=shared_llm).exit_code == 0

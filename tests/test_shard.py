@@ -108,6 +108,8 @@ def test_run_shard_auto_without_a_task_index_is_one_line(tmp_path: Path) -> None
     assert result.exit_code == 1
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --shard auto needs SLURM_ARRAY_TASK_ID")
+    result = CliRunner().invoke(app, [*args, "0/2", "--clean"])
+    assert result.exit_code == 1 and "--remove-shards" in result.output, result.output
     assert not list(tmp_path.glob("out*"))
 
 

@@ -48,14 +48,13 @@ class ShardJob:
         return "incomplete" if self.state.complete is None else "complete"
 
     def summary(self) -> dict[str, Any]:
-        is_started = self.manifest is not None and self.state is not None
         return {
             "shard": str(self.shard),
             "output": str(self.output),
             "state": self.condition,
             "rows": self.manifest.num_rows if self.manifest is not None else None,
-            "done": len(self.state.committed) if is_started and self.state else None,
-            "errored": len(self.state.errors) if is_started and self.state else None,
+            "done": len(self.state.committed) if self.state is not None else None,
+            "errored": len(self.state.errors) if self.state is not None else None,
             "resume": resume_command(self.output) if self.condition == "incomplete" else None,
         }
 
