@@ -20,6 +20,7 @@ from vbatch import __version__
 from vbatch.cli import app, resume_request, run_request
 from vbatch.job.options import JOB_SAMPLING, RunOptions
 from vbatch.job.rows import ColumnOptions
+from vbatch.job.shard import Shard
 from vbatch.sampling_params import SamplingParams
 
 DOCS = Path(__file__).parents[1] / "docs" / "cli.md"
@@ -63,7 +64,7 @@ def test_version_and_short_help_on_the_app_and_every_command() -> None:
     runner = CliRunner()
     result = runner.invoke(app, ["--version"])
     assert result.exit_code == 0 and result.output == f"vbatch {__version__}\n"
-    for args in ([], ["run"], ["resume"], ["status"]):
+    for args in ([], ["run"], ["resume"], ["status"], ["merge"]):
         short, long = runner.invoke(app, [*args, "-h"]), runner.invoke(app, [*args, "--help"])
         assert short.exit_code == 0 and "Usage: vbatch" in short.output, args
         assert short.output == long.output
@@ -81,6 +82,7 @@ RUN_OPTIONS: dict[str, tuple[list[str], str, Any]] = {
     "keep_columns": (["--keep-columns", "a, b"], "spec.columns.keep_columns", ("a", "b")),
     "keep_all_columns": (["--keep-all-columns"], "spec.columns.keep_all_columns", True),
     "model": (["--model", "m.gguf"], "spec.model", "m.gguf"),
+    "shard": (["--shard", "1/3"], "spec.shard", Shard(1, 3)),
     "device": (["--device", "cpu"], "spec.engine_args.device", "cpu"),
     "dtype": (["--dtype", "bfloat16"], "spec.engine_args.dtype", "bfloat16"),
     "max_num_seqs": (["--max-num-seqs", "7"], "spec.engine_args.max_num_seqs", 7),

@@ -13,6 +13,7 @@ from helpers import add_to_hub_cache
 from vbatch import __version__
 from vbatch.errors import JobStateError
 from vbatch.job.manifest import (
+    MANIFEST_VERSION,
     JobOptions,
     Manifest,
     ModelIdentity,
@@ -37,6 +38,7 @@ def make_manifest(input_path: Path, weights_hash: str = "w1") -> Manifest:
         engine={},
         sampling={"max_tokens": 4},
         options=JobOptions(),
+        manifest_version=MANIFEST_VERSION,
     )
 
 

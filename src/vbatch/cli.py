@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import traceback
 from collections.abc import Callable, Mapping
@@ -72,6 +73,7 @@ def run_request(params: Mapping[str, Any]) -> RunRequest:
     """
     from vbatch.job.rows import ColumnOptions
     from vbatch.job.runner import JobSpec
+    from vbatch.job.shard import parse_shard
     from vbatch.structured import cli_structured
 
     values = {k: v.value if isinstance(v, Enum) else v for k, v in params.items()}
@@ -93,8 +95,15 @@ def run_request(params: Mapping[str, Any]) -> RunRequest:
     overwrite = values.pop("overwrite")
     options = RunOptions(display=display, **_given(take(RUN_OPTION_FIELDS)))
     engine = {k: v for k, v in take(ENGINE_FIELDS).items() if v != getattr(ENGINE, k)}
+    shard = values.pop("shard")
     spec_fields = tuple(f.name for f in fields(JobSpec))
-    spec = JobSpec(columns=columns, engine_args=engine, sampling=sampling, **take(spec_fields))
+    spec = JobSpec(
+        columns=columns,
+        engine_args=engine,
+        sampling=sampling,
+        shard=None if shard is None else parse_shard(shard),
+        **take(spec_fields),
+    )
     if values:
         raise TypeError(f"options with no place in the job: {', '.join(sorted(values))}")
     return RunRequest(spec, options, overwrite)
@@ -223,6 +232,7 @@ def run(
     max_errors: o.MaxErrors = RUN.max_errors,
     drain_timeout_s: o.DrainTimeout = RUN.drain_timeout_s,
     max_in_flight: o.MaxInFlight = RUN.max_in_flight,
+    shard: o.ShardOption = None,
     quiet: o.Quiet = False,
     log_interval_s: o.LogInterval = RUN.log_interval_s,
     metrics_file: o.MetricsFile = RUN.metrics_file,
@@ -281,6 +291,9 @@ def status(
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return
+    if "rows" not in info:
+        typer.echo(_shard_lines(output, info["shards"], is_merged=info["merged"]))
+        return
     state = "complete" if info["complete"] else "incomplete"
     lines = [
         f"job:         {info['job_dir']} ({state})",
@@ -292,7 +305,61 @@ def status(
         f"sampling:    {_settings(info['sampling'])}",
         f"engine:      {_settings(info['engine']) or 'defaults'}",
     ]
+    if info["shard"] is not None:
+        lines.insert(1, f"shard:       {info['shard']['index']}/{info['shard']['count']}")
     typer.echo("\n".join(lines))
+    if "shards" in info:
+        typer.echo(_shard_lines(output, info["shards"], is_merged=False))
+
+
+def _shard_lines(output: Path, shards: list[dict[str, Any]], *, is_merged: bool) -> str:
+    """The per-shard table of `vbatch status`."""
+    counts = {state: sum(s["state"] == state for s in shards) for state in ("complete",)}
+    lines = [f"shards of {output}: {counts['complete']} of {len(shards)} complete"]
+    for s in shards:
+        if s["state"] == "not started":
+            lines.append(f"  {s['shard']:>7}  not started")
+            continue
+        progress = f"{s['done']} of {s['rows']} rows ({s['errored']} errored)"
+        how = s["resume"] or s["output"]
+        lines.append(f"  {s['shard']:>7}  {s['state']:<10}  {progress}  {how}")
+    if is_merged:
+        lines.append(f"merged:      {output} exists")
+    elif counts["complete"] == len(shards):
+        lines.append(f"merge with:  vbatch merge {shlex.quote(str(output))}")
+    return "\n".join(lines)
+
+
+@app.command()
+def merge(
+    output: Annotated[
+        Path, typer.Argument(help="The output the shards were run with (`run -o OUTPUT`).")
+    ],
+    ordered: Annotated[
+        bool, typer.Option("--ordered", help="Sort the merged rows by input index.")
+    ] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace OUTPUT if it exists.")
+    ] = False,
+    remove_shards: Annotated[
+        bool,
+        typer.Option(
+            "--remove-shards",
+            help="Delete the shard files and their job directories once OUTPUT is written.",
+        ),
+    ] = False,
+    quiet: o.Quiet = False,
+) -> None:
+    """Merge the shards of a job array (`run --shard I/N`) into OUTPUT, once all are complete."""
+    from vbatch.job.merge import merge_shards
+
+    message = _guarded(
+        lambda: merge_shards(
+            output, ordered=ordered, overwrite=overwrite, remove_shards=remove_shards
+        )
+    )
+    if not quiet:
+        typer.echo(message, err=True)
 
 
 def _settings(values: dict[str, Any]) -> str:

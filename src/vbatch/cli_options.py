@@ -18,7 +18,13 @@ DISPLAY = "Display"
 
 InputPath = Annotated[Path, typer.Argument(help="Input file: .jsonl[.gz|.zst] or .parquet.")]
 OutputPath = Annotated[Path, typer.Option("--output", "-o", help="Output: .jsonl or .parquet.")]
-JobOutput = Annotated[Path, typer.Argument(help="The output path the job was started with.")]
+JobOutput = Annotated[
+    Path,
+    typer.Argument(
+        help="The output path the job was started with; for a shard's file "
+        "(out.shard-I-of-N.parquet) with no job yet, starts that shard like the others."
+    ),
+]
 
 InputFormat = Annotated[
     str | None,
@@ -262,6 +268,17 @@ DrainTimeout = Annotated[
 ]
 MaxInFlight = Annotated[
     int | None, typer.Option(help="Most rows admitted at once.", rich_help_panel=JOB)
+]
+ShardOption = Annotated[
+    str | None,
+    typer.Option(
+        "--shard",
+        help="Run one shard of a job array: I/N (0 <= I < N) takes the rows whose id hashes "
+        "to I and writes them, for -o out.parquet, to out.shard-I-of-N.parquet (its own "
+        "job). auto reads SLURM_ARRAY_TASK_ID/COUNT, or JOB_COMPLETION_INDEX plus "
+        "VBATCH_SHARD_COUNT; auto/N sets N. Join the shards with `vbatch merge OUTPUT`.",
+        rich_help_panel=JOB,
+    ),
 ]
 
 Quiet = Annotated[

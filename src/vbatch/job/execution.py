@@ -263,7 +263,8 @@ class JobExecution:
     def _requests(self) -> Iterator[Any]:
         from vbatch.llm import Request
 
-        for row in self.reader.rows(self.parser, self.journal.state.committed):
+        committed = self.journal.state.committed
+        for row in self.reader.rows(self.parser, committed, self.manifest.shard_spec):
             self.stop.is_waiting = False
             if self.stop.is_stopping:
                 self._show_stop()

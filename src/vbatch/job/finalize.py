@@ -5,9 +5,9 @@ from __future__ import annotations
 import heapq
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -110,39 +110,50 @@ def _stale(state: JobState, indices: np.ndarray, seq: int | None, offset: int | 
 def _write_jsonl(
     output: Path, tmp: Path, state: JobState, work_dir: Path, *, ordered: bool
 ) -> None:
+    with open(output, "rb") as src, open(tmp, "wb") as dst:
+        lines = _committed_lines(src, state)
+        if ordered:
+            write_sorted_lines(lines, work_dir, dst)
+        else:
+            dst.writelines(line for _, line in lines)
+
+
+def _committed_lines(src: IO[bytes], state: JobState) -> Iterator[tuple[int, bytes]]:
+    """(input index, line) of each committed line not superseded by a --retry-errors rerun."""
+    offset = 0
+    for line in src:
+        if offset >= state.offset:
+            break
+        index = line_index(line)
+        is_stale = bool(state.retries) and _stale(state, np.array([index]), None, offset)[0]
+        offset += len(line)
+        if not is_stale:
+            yield index, line
+
+
+def write_sorted_lines(lines: Iterable[tuple[int, bytes]], work_dir: Path, dst: IO[bytes]) -> None:
+    """Write `lines` to `dst` sorted by index: sorted runs of RUN_BYTES in `work_dir`, merged at
+    most MAX_FAN_IN at a time."""
     runs: list[Path] = []
     batch: list[tuple[int, bytes]] = []
     num_bytes = 0
-    with open(output, "rb") as src, open(tmp, "wb") as dst:
-        offset = 0
-        for line in src:
-            if offset >= state.offset:
-                break
-            index = line_index(line)
-            is_stale = bool(state.retries) and _stale(state, np.array([index]), None, offset)[0]
-            offset += len(line)
-            if is_stale:
-                continue
-            if not ordered:
-                dst.write(line)
-                continue
-            batch.append((index, line))
-            num_bytes += len(line)
-            if num_bytes >= RUN_BYTES:
-                runs.append(_write_run(work_dir, len(runs), batch))
-                batch, num_bytes = [], 0
-        if ordered:
+    for index, line in lines:
+        batch.append((index, line))
+        num_bytes += len(line)
+        if num_bytes >= RUN_BYTES:
             runs.append(_write_run(work_dir, len(runs), batch))
-            level = 0
-            while len(runs) > MAX_FAN_IN:
-                groups = [runs[i : i + MAX_FAN_IN] for i in range(0, len(runs), MAX_FAN_IN)]
-                runs = [
-                    _merge_runs(group, work_dir / f"level{level}-{n:06d}.run")
-                    for n, group in enumerate(groups)
-                ]
-                level += 1
-            for _, line in heapq.merge(*(_read_run(r) for r in runs)):
-                dst.write(line)
+            batch, num_bytes = [], 0
+    runs.append(_write_run(work_dir, len(runs), batch))
+    level = 0
+    while len(runs) > MAX_FAN_IN:
+        groups = [runs[i : i + MAX_FAN_IN] for i in range(0, len(runs), MAX_FAN_IN)]
+        runs = [
+            _merge_runs(group, work_dir / f"level{level}-{n:06d}.run")
+            for n, group in enumerate(groups)
+        ]
+        level += 1
+    for _, line in heapq.merge(*(_read_run(r) for r in runs)):
+        dst.write(line)
 
 
 def _write_run(work_dir: Path, number: int, batch: list[tuple[int, bytes]]) -> Path:
@@ -177,31 +188,45 @@ def _write_parquet(
 
     sources: list[tuple[Path, int | None]] = [(job_dir / name, seq) for seq, name in state.parts]
     with pq.ParquetWriter(tmp, schema) as writer:
-        sink = _RowGroupSink(writer)
+        sink = RowGroupSink(writer)
         if not ordered:
             for path, seq in sources:
                 for batch in _batches(path, state, seq):
                     sink.add(batch)
         else:
-            level = 0
-            while len(sources) > MAX_FAN_IN:
-                groups = [sources[i : i + MAX_FAN_IN] for i in range(0, len(sources), MAX_FAN_IN)]
-                sources = []
-                for n, group in enumerate(groups):
-                    path = work_dir / f"level{level}-{n:06d}.parquet"
-                    with pq.ParquetWriter(path, schema) as run_writer:
-                        run_sink = _RowGroupSink(run_writer)
-                        for batch in _merge_sorted(group, state):
-                            run_sink.add(batch)
-                        run_sink.flush()
-                    sources.append((path, None))
-                level += 1
-            for batch in _merge_sorted(sources, state):
-                sink.add(batch)
+            write_sorted_parquet(sink, schema, sources, state, work_dir)
         sink.flush()
 
 
-class _RowGroupSink:
+def write_sorted_parquet(
+    sink: RowGroupSink,
+    schema: pa.Schema,
+    sources: list[tuple[Path, int | None]],
+    state: JobState,
+    work_dir: Path,
+) -> None:
+    """K-way merge of index-sorted Parquet files (a journal seq each, or None) into `sink`, at
+    most MAX_FAN_IN at a time, through intermediate files in `work_dir`."""
+    import pyarrow.parquet as pq
+
+    level = 0
+    while len(sources) > MAX_FAN_IN:
+        groups = [sources[i : i + MAX_FAN_IN] for i in range(0, len(sources), MAX_FAN_IN)]
+        sources = []
+        for n, group in enumerate(groups):
+            path = work_dir / f"level{level}-{n:06d}.parquet"
+            with pq.ParquetWriter(path, schema) as run_writer:
+                run_sink = RowGroupSink(run_writer)
+                for batch in _merge_sorted(group, state):
+                    run_sink.add(batch)
+                run_sink.flush()
+            sources.append((path, None))
+        level += 1
+    for batch in _merge_sorted(sources, state):
+        sink.add(batch)
+
+
+class RowGroupSink:
     """Collects small batches into row groups of about ROW_GROUP_ROWS rows."""
 
     def __init__(self, writer: Any) -> None:

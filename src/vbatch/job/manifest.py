@@ -14,6 +14,7 @@ from vbatch.errors import JobStateError, ModelLoadError
 from vbatch.job.options import RunOptions
 from vbatch.job.paths import write_atomic
 from vbatch.job.rows import ColumnOptions
+from vbatch.job.shard import Shard
 
 MANIFEST_NAME = "manifest.json"
 # NOTE: version 2 added model["files"] (hashes of the tokenizer, template and config files).
@@ -117,11 +118,20 @@ def model_identity(model: str | None) -> ModelIdentity:
     )
 
 
-class Manifest(msgspec.Struct, kw_only=True):
+class ShardRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A `--shard I/N` job's place in its array; `input_rows` counts the whole input's rows."""
+
+    index: int
+    count: int
+    input_rows: int
+
+
+class Manifest(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Everything that decides a job's result. Invariant: written once, atomically, at job start
     (and again by `resume --force`); `resume` compares `input`, `model` and `vbatch_version`
     against the world as it is now. `engine` holds EngineConfig fields, `sampling` the default
-    SamplingParams as a dict."""
+    SamplingParams as a dict. A `--shard I/N` job records its `shard`, and `num_rows` counts
+    only the shard's rows."""
 
     vbatch_version: str
     input_path: str
@@ -136,7 +146,13 @@ class Manifest(msgspec.Struct, kw_only=True):
     sampling: dict[str, Any]
     options: JobOptions
     created: float = msgspec.field(default_factory=time.time)
-    manifest_version: int = MANIFEST_VERSION
+    shard: ShardRecord | None = None
+    # NOTE: no default, so that it is always written (the struct omits default values).
+    manifest_version: int
+
+    @property
+    def shard_spec(self) -> Shard | None:
+        return None if self.shard is None else Shard(self.shard.index, self.shard.count)
 
     def save(self, job_dir: Path) -> None:
         write_atomic(job_dir / MANIFEST_NAME, msgspec.json.format(msgspec.json.encode(self)))

@@ -19,6 +19,7 @@ from vbatch.errors import InputError
 from vbatch.job.encoding import batch_records, fits_int64
 from vbatch.job.journal import IndexSet
 from vbatch.job.rows import ColumnOptions, InputRow, RowParser, is_openai_record
+from vbatch.job.shard import Shard
 
 INPUT_FORMATS = ("jsonl", "parquet")
 _JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -285,8 +286,13 @@ class InputReader:
                 "file is corrupt or truncated; write it again from its source"
             ) from None
 
-    def rows(self, parser: RowParser, skip: IndexSet | None = None) -> Iterator[InputRow]:
+    def rows(
+        self, parser: RowParser, skip: IndexSet | None = None, shard: Shard | None = None
+    ) -> Iterator[InputRow]:
+        """The rows not in `skip`, only those of `shard` when one is given."""
         for raw in self.records(skip):
+            if shard is not None and not shard.owns(raw.record, raw.index, parser):
+                continue
             if raw.error is not None:
                 # NOTE: no id, not the index: an index could equal another row's integer id.
                 yield InputRow(raw.index, raw.location, None, error=raw.error)
@@ -304,18 +310,29 @@ class InputReader:
 
 @dataclass(frozen=True)
 class InputScan:
-    """What one pass over the input learned: its size, id type, shape and first duplicate id."""
+    """What one pass over the input learned: its size, id type, shape and first duplicate id.
+    `num_rows` counts the shard's rows when the scan was given one, `input_rows` all rows."""
 
     num_rows: int
+    input_rows: int
     id_kind: str
     is_openai: bool
     duplicate: str | None
     keys: set[str]
 
 
-def scan_input(reader: InputReader, parser: RowParser, *, collect_keys: bool = False) -> InputScan:
-    """Count rows, decide whether ids are all integers that fit int64 (the Parquet output's id
-    column is int64 then, else string), and find the first duplicate id.
+def scan_input(
+    reader: InputReader,
+    parser: RowParser,
+    *,
+    collect_keys: bool = False,
+    shard: Shard | None = None,
+) -> InputScan:
+    """Count rows (and those of `shard`), decide whether ids are all integers that fit int64 (the
+    Parquet output's id column is int64 then, else string), and find the first duplicate id.
+
+    The id kind and the duplicates are the whole input's, so that every shard's output has the
+    same id column and every shard refuses an input with a duplicate id.
 
     With `collect_keys`, also gather the JSONL field names (for --keep-all-columns; at most
     MAX_KEYS of them).
@@ -326,11 +343,14 @@ def scan_input(reader: InputReader, parser: RowParser, *, collect_keys: bool = F
     """
     hashes = array("q")
     num_rows = 0
+    num_shard_rows = 0
     is_all_int = True
     is_openai: bool | None = None
     keys: set[str] = set()
     for raw in reader.id_records():
         num_rows += 1
+        if shard is None or shard.owns(raw.record, raw.index, parser):
+            num_shard_rows += 1
         if not isinstance(raw.record, dict):
             continue
         if is_openai is None:
@@ -347,7 +367,7 @@ def scan_input(reader: InputReader, parser: RowParser, *, collect_keys: bool = F
     repeated = set(ordered[1:][ordered[1:] == ordered[:-1]].tolist())
     del hashes, ordered
     duplicate = _first_duplicate(reader, parser, repeated)
-    return InputScan(num_rows, id_kind, bool(is_openai), duplicate, keys)
+    return InputScan(num_shard_rows, num_rows, id_kind, bool(is_openai), duplicate, keys)
 
 
 def _first_duplicate(reader: InputReader, parser: RowParser, repeated: set[int]) -> str | None:

@@ -7,6 +7,7 @@ import os
 import shlex
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -16,16 +17,18 @@ from typing import Any
 import msgspec
 
 from vbatch.config import EngineConfig
-from vbatch.errors import InputError, JobStateError, is_storage_failure, storage_error
+from vbatch.errors import ConfigError, InputError, JobStateError, is_storage_failure, storage_error
 from vbatch.job.execution import JobExecution
 from vbatch.job.finalize import finish_completion
 from vbatch.job.journal import JOURNAL_NAME, JobState, Journal, read_journal
 from vbatch.job.manifest import (
     MANIFEST_NAME,
+    MANIFEST_VERSION,
     InputFingerprint,
     JobOptions,
     Manifest,
     ModelIdentity,
+    ShardRecord,
     input_fingerprint,
     model_identity,
 )
@@ -34,6 +37,7 @@ from vbatch.job.paths import job_dir_for, resume_command, tmp_output_path
 from vbatch.job.reader import InputReader, scan_input
 from vbatch.job.results import OUTPUT_COLUMNS
 from vbatch.job.rows import ColumnOptions, RowParser
+from vbatch.job.shard import Shard, shard_of_output
 from vbatch.sampling_params import SamplingParams
 
 OUTPUT_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
@@ -58,6 +62,7 @@ class JobSpec:
     ordered: bool = False
     include_token_ids: bool = False
     parse_json: bool = False
+    shard: Shard | None = None
 
 
 @dataclass(frozen=True)
@@ -180,7 +185,12 @@ def start_job(
     llm_factory: Callable[..., Any] | None = None,
 ) -> Outcome:
     """`vbatch run`: take the job's lock, validate everything, write the manifest, then execute
-    the job. Nothing is deleted (--overwrite) before the new job has passed validation."""
+    the job. Nothing is deleted (--overwrite) before the new job has passed validation.
+
+    With `spec.shard`, the job is that shard's, writing `spec.shard.output_path(output)`."""
+    if spec.shard is not None:
+        _refuse_clean_shard(options)
+        spec = replace(spec, output_path=spec.shard.output_path(spec.output_path))
     output = spec.output_path
     job_dir = job_dir_for(output)
     fmt = output_format(output)
@@ -218,7 +228,10 @@ def _prepare_job(
     EngineConfig.from_dict({**spec.engine_args, "model": spec.model})
     reader = InputReader(spec.input_path, spec.input_format, spec.columns)
     scan = scan_input(
-        reader, RowParser(spec.columns, defaults), collect_keys=spec.columns.keep_all_columns
+        reader,
+        RowParser(spec.columns, defaults),
+        collect_keys=spec.columns.keep_all_columns,
+        shard=spec.shard,
     )
     if scan.duplicate is not None:
         raise InputError(f"{spec.input_path}: {scan.duplicate}; ids must be unique")
@@ -245,6 +258,8 @@ def _prepare_job(
             openai_output=scan.is_openai and fmt == "jsonl",
             **options.result_settings(),
         ),
+        shard=None if spec.shard is None else _shard_record(spec.shard, scan.input_rows),
+        manifest_version=MANIFEST_VERSION,
     )
     _remove_job(job_dir, output)
     try:
@@ -266,19 +281,89 @@ def resume_job(
     retry_errors: bool = False,
     llm_factory: Callable[..., Any] | None = None,
 ) -> Outcome:
-    """`vbatch resume`: check the manifest against the world, then finish the job.
+    """`vbatch resume`: check the manifest against the world, then finish the job. A shard's
+    output with no job yet (`out.shard-I-of-N.parquet`) starts with another shard's settings.
 
     Run options come from the manifest; `overrides` (RunOptions fields) replace some of them.
     """
     job_dir = job_dir_for(output)
     if not job_dir.is_dir():
-        raise JobStateError(f"there is no job to resume for {output} (no {job_dir})")
+        sibling = _sibling_manifest(output)
+        if sibling is None:
+            raise JobStateError(f"there is no job to resume for {output} (no {job_dir})")
+        return _start_shard_like(output, sibling, overrides, llm_factory)
     lock = JobLock(job_dir)
     try:
         return _resume_locked(output, job_dir, lock, overrides, force, retry_errors, llm_factory)
     except BaseException:
         lock.release()
         raise
+
+
+def _sibling_manifest(output: Path) -> Manifest | None:
+    """For a shard's output with no job, the manifest of another shard of its array, if any."""
+    shard = shard_of_output(output)
+    if shard is None:
+        return None
+    base = base_output(output, shard)
+    for index in range(shard.count):
+        sibling = Shard(index, shard.count)
+        job_dir = job_dir_for(sibling.output_path(base))
+        if index != shard.index and (job_dir / MANIFEST_NAME).is_file():
+            manifest = Manifest.load(job_dir)
+            if manifest.shard_spec == sibling:
+                return manifest
+    return None
+
+
+def _start_shard_like(
+    output: Path,
+    sibling: Manifest,
+    overrides: dict[str, Any] | None,
+    llm_factory: Callable[..., Any] | None,
+) -> Outcome:
+    """Start the shard that `output` names with `sibling`'s input, model and settings, so that
+    `vbatch merge` accepts it; refused when the input or model changed since `sibling` started."""
+    shard = shard_of_output(output)
+    assert shard is not None and sibling.shard_spec is not None
+    input_path = Path(sibling.input_path)
+    if not input_path.is_file():
+        raise InputError(f"the input file {input_path} of shard {sibling.shard_spec} is gone")
+    identity = model_identity(sibling.model_to_load())
+    mismatches = sibling.mismatches(input_fingerprint(input_path), identity)
+    if mismatches:
+        raise JobStateError(
+            f"cannot start shard {shard} like shard {sibling.shard_spec}: "
+            + "; ".join(mismatches)
+            + ". Run every shard again with `vbatch run ... --shard I/N --overwrite`"
+        )
+    if output.exists():
+        raise JobStateError(f"{output} exists but has no job directory; move it away first")
+    options = sibling.options.run_options(overrides)
+    _refuse_clean_shard(options)
+    job_dir = job_dir_for(output)
+    lock = JobLock(job_dir, create=True)
+    try:
+        if (job_dir / MANIFEST_NAME).exists():
+            return _resume_locked(output, job_dir, lock, overrides, False, False, llm_factory)
+        columns = replace(sibling.options.columns, keep_all_columns=False)
+        reader = InputReader(input_path, sibling.input_format, columns)
+        parser = RowParser(columns, SamplingParams.from_dict(sibling.sampling))
+        scan = scan_input(reader, parser, shard=shard)
+        manifest = msgspec.structs.replace(
+            sibling,
+            output_path=str(output.absolute()),
+            num_rows=scan.num_rows,
+            shard=_shard_record(shard, scan.input_rows),
+            created=time.time(),
+        )
+        manifest.save(job_dir)
+    except BaseException:
+        if not (job_dir / MANIFEST_NAME).exists():
+            shutil.rmtree(job_dir, ignore_errors=True)
+        lock.release()
+        raise
+    return _execute(output, job_dir, manifest, options, llm_factory, retry_errors=False, lock=lock)
 
 
 def _resume_locked(
@@ -310,6 +395,8 @@ def _resume_locked(
         if old_input.sampled_sha256 != fingerprint.sampled_sha256:
             _warn_index_matching(job_dir, output, old_rows, manifest.num_rows)
     options = manifest.options.run_options(overrides)
+    if manifest.shard is not None:
+        _refuse_clean_shard(options)
     return _execute(
         output, job_dir, manifest, options, llm_factory, retry_errors=retry_errors, lock=lock
     )
@@ -339,11 +426,14 @@ def _accept_changes(
 
     columns = replace(manifest.options.columns, keep_all_columns=False)
     reader = InputReader(Path(manifest.input_path), manifest.input_format, columns)
-    scan = scan_input(reader, RowParser(columns, SamplingParams.from_dict(manifest.sampling)))
+    parser = RowParser(columns, SamplingParams.from_dict(manifest.sampling))
+    scan = scan_input(reader, parser, shard=manifest.shard_spec)
     if scan.duplicate is not None:
         raise InputError(f"{manifest.input_path}: {scan.duplicate}; ids must be unique")
     manifest.id_kind = _adopted_id_kind(job_dir, manifest, scan.id_kind)
     manifest.input, manifest.model, manifest.num_rows = fingerprint, identity, scan.num_rows
+    if manifest.shard_spec is not None:
+        manifest.shard = _shard_record(manifest.shard_spec, scan.input_rows)
     manifest.vbatch_version = __version__
     manifest.save(job_dir)
 
@@ -385,6 +475,10 @@ def _execute(
                 )
             execution = JobExecution(job_dir, manifest, journal, options, llm_factory)
             exit_code, message = execution.run(output)
+            shard = manifest.shard_spec
+            if exit_code == 0 and shard is not None:
+                merged = shlex.quote(str(base_output(output, shard)))
+                message += f". Once all {shard.count} shards are done: vbatch merge {merged}"
         elif retry_errors and journal.state.complete["errors"]:
             raise JobStateError(
                 f"{output} is already complete; --retry-errors only reruns rows of an unfinished "
@@ -404,6 +498,24 @@ def _execute(
     return Outcome(exit_code, message, status)
 
 
+def _shard_record(shard: Shard, input_rows: int) -> ShardRecord:
+    return ShardRecord(index=shard.index, count=shard.count, input_rows=input_rows)
+
+
+def _refuse_clean_shard(options: RunOptions) -> None:
+    if options.clean:
+        raise ConfigError(
+            "--clean would remove the shard's job directory, whose manifest `vbatch merge` "
+            "checks; pass --remove-shards to `vbatch merge` instead"
+        )
+
+
+def base_output(shard_output: Path, shard: Shard) -> Path:
+    """`out.shard-I-of-N.parquet` -> `out.parquet`."""
+    stem = shard_output.stem.removesuffix(f".shard-{shard.index}-of-{shard.count}")
+    return shard_output.with_name(stem + shard_output.suffix)
+
+
 def _refuse_lost_output(output: Path, final: Path, state: JobState) -> None:
     """A complete job whose output file is gone: the job directory keeps no copy of the rows."""
     assert state.complete is not None
@@ -418,12 +530,19 @@ def _refuse_lost_output(output: Path, final: Path, state: JobState) -> None:
 
 
 def job_status(output: Path) -> dict[str, Any]:
-    """`vbatch status`: what the job directory says, without changing anything."""
+    """`vbatch status`: what the job directory says, without changing anything; with a list of
+    `shards` (see job/merge.py) when `output` has shards (`--shard I/N`)."""
+    from vbatch.job.merge import shard_statuses
+
     job_dir = job_dir_for(output)
+    shards = shard_statuses(output)
     if not job_dir.is_dir():
+        if shards:
+            return {"output": str(output.absolute()), "merged": output.exists(), "shards": shards}
         raise JobStateError(f"there is no job for {output} (no {job_dir})")
     state, _ = read_journal(job_dir / JOURNAL_NAME)
-    return _status(job_dir, Manifest.load(job_dir), state)
+    status = _status(job_dir, Manifest.load(job_dir), state)
+    return {**status, "shards": shards} if shards else status
 
 
 def _status(job_dir: Path, manifest: Manifest, state: JobState) -> dict[str, Any]:
@@ -446,4 +565,5 @@ def _status(job_dir: Path, manifest: Manifest, state: JobState) -> dict[str, Any
         "sampling": manifest.sampling,
         "options": msgspec.to_builtins(manifest.options),
         "vbatch_version": manifest.vbatch_version,
+        "shard": manifest.shard,
     }

@@ -1,0 +1,189 @@
+"""`vbatch merge` and per-shard status: shards run with the tiny model, merged, refused, killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+from helpers import read_jsonl, write_jsonl
+from typer.testing import CliRunner
+
+from vbatch.cli import app
+from vbatch.job.journal import JOURNAL_NAME
+from vbatch.job.manifest import Manifest, ShardRecord
+from vbatch.job.runner import JobSpec, RunOptions, job_dir_for, resume_job, start_job
+from vbatch.job.shard import Shard
+
+TIMEOUT_S = 240
+NOT_STARTED = "not started; start it with the other shards' settings:"
+QUIET = RunOptions(display="quiet", commit_every_rows=4)
+SRC_DIR = str(Path(__import__("vbatch").__file__).parents[1])
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC_DIR, os.environ.get("PYTHONPATH", "")])}
+
+
+def make_input(path: Path, num_rows: int) -> Path:
+    rows = [{"id": f"r{i}", "prompt": f"item {i}:"} for i in range(num_rows)]
+    return write_jsonl(path, rows)
+
+
+def spec(
+    tmp_path: Path,
+    model: Path,
+    output: str,
+    shard: Shard | None,
+    max_tokens: int = 4,
+    engine_args: dict[str, Any] | None = None,
+    ordered: bool = False,
+) -> JobSpec:
+    return JobSpec(
+        input_path=tmp_path / "in.jsonl",
+        output_path=tmp_path / output,
+        model=str(model),
+        engine_args=engine_args or {"num_threads": 1},
+        sampling={"max_tokens": max_tokens, "temperature": 0.0},
+        ordered=ordered,
+        shard=shard,
+    )
+
+
+def rows_of(path: Path) -> list[dict[str, Any]]:
+    return pq.read_table(path).to_pylist() if path.suffix == ".parquet" else read_jsonl(path)
+
+
+def merge(*args: str) -> Any:
+    return CliRunner().invoke(app, ["merge", *args])
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_three_shards_merged_equal_an_unsharded_run(
+    tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any], suffix: str
+) -> None:
+    make_input(tmp_path / "in.jsonl", 24)
+    job = spec(tmp_path, tiny_model_dir, "reference" + suffix, None)
+    assert start_job(job, QUIET, llm_factory=shared_llm).exit_code == 0
+    reference = rows_of(tmp_path / f"reference{suffix}")
+    output = tmp_path / f"out{suffix}"
+    # NOTE: shard 0 is sorted already; merge --ordered sorts the other two itself.
+    for index in range(3):
+        outcome = start_job(
+            spec(tmp_path, tiny_model_dir, output.name, Shard(index, 3), ordered=index == 0),
+            QUIET,
+            llm_factory=shared_llm,
+        )
+        assert outcome.exit_code == 0, outcome.message
+        assert f"vbatch merge {output}" in outcome.message
+        shard_output = tmp_path / f"out.shard-{index}-of-3{suffix}"
+        manifest = Manifest.load(job_dir_for(shard_output))
+        assert manifest.shard == ShardRecord(index=index, count=3, input_rows=24)
+        assert len(rows_of(shard_output)) == manifest.num_rows == outcome.status["rows"]
+    assert not output.exists()
+    status = CliRunner().invoke(app, ["status", str(output)])
+    assert status.exit_code == 0 and "3 of 3 complete" in status.output, status.output
+    assert f"merge with:  vbatch merge {output}" in status.output
+    info = json.loads(CliRunner().invoke(app, ["status", str(output), "--json"]).output)
+    assert info["merged"] is False
+    assert [(s["shard"], s["state"]) for s in info["shards"]] == [
+        (f"{i}/3", "complete") for i in range(3)
+    ]
+    assert sum(s["done"] for s in info["shards"]) == 24
+
+    result = merge(str(output), "--ordered")
+    assert result.exit_code == 0, result.output
+    merged = rows_of(output)
+    assert [r["id"] for r in merged] == [f"r{i}" for i in range(24)]
+    assert [r["index"] for r in merged] == list(range(24))
+    assert {r["id"]: r["text"] for r in merged} == {r["id"]: r["text"] for r in reference}
+    assert not list(tmp_path.glob(".out*"))
+    assert merge(str(output)).exit_code == 1
+    result = merge(str(output), "--overwrite", "--remove-shards")
+    assert result.exit_code == 0, result.output
+    assert sorted(r["id"] for r in rows_of(output)) == sorted(r["id"] for r in merged)
+    assert not list(tmp_path.glob("out.shard-*"))
+
+
+def test_merge_refuses_missing_incomplete_and_mismatched_shards(
+    tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any]
+) -> None:
+    make_input(tmp_path / "in.jsonl", 12)
+    output = tmp_path / "out.jsonl"
+    result = merge(str(output))
+    assert result.exit_code == 1 and "there are no shards of" in result.output
+    for index in (0, 2):
+        job = spec(tmp_path, tiny_model_dir, output.name, Shard(index, 3))
+        assert start_job(job, QUIET, llm_factory=shared_llm).exit_code == 0
+    result = merge(str(output))
+    assert result.exit_code == 1
+    missing = tmp_path / "out.shard-1-of-3.jsonl"
+    assert f"shard 1/3: {NOT_STARTED} vbatch resume {missing}" in result.output
+    assert "shard 0/3" not in result.output and "Traceback" not in result.output
+
+    mismatched = spec(tmp_path, tiny_model_dir, output.name, Shard(1, 3), max_tokens=3)
+    assert start_job(mismatched, QUIET, llm_factory=shared_llm).exit_code == 0
+    result = merge(str(output))
+    assert result.exit_code == 1
+    assert "shard 1/3: made with other settings than shard 0/3" in result.output
+    assert "sampling.max_tokens: 4 vs 3" in result.output
+    assert not output.exists()
+
+    (job_dir_for(tmp_path / "out.shard-2-of-3.jsonl") / JOURNAL_NAME).write_bytes(b"")
+    result = merge(str(output))
+    assert "shard 2/3: incomplete (0 of" in result.output
+    assert "resume it with: vbatch resume " + str(tmp_path / "out.shard-2-of-3.jsonl") in (
+        result.output
+    )
+    assert not output.exists()
+
+
+def test_a_killed_shard_resumes_exactly_once_and_merges(
+    tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any]
+) -> None:
+    num_rows = 160
+    make_input(tmp_path / "in.jsonl", num_rows)
+    slurm = {"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "2"}
+    args = [
+        sys.executable, "-m", "vbatch.cli", "run", "in.jsonl", "-o", "out.jsonl",
+        "--model", str(tiny_model_dir), "--max-tokens", "4", "--num-threads", "1",
+        "--max-num-seqs", "2", "--commit-every-rows", "2", "--shard", "auto", "-q",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        args, cwd=tmp_path, env={**ENV, **slurm}, stderr=subprocess.PIPE, text=True
+    )
+    shard_output = tmp_path / "out.shard-1-of-2.jsonl"
+    journal = job_dir_for(shard_output) / JOURNAL_NAME
+    deadline = time.monotonic() + TIMEOUT_S
+    while proc.poll() is None and (not journal.exists() or journal.read_bytes().count(b"\n") < 3):
+        assert time.monotonic() < deadline, "the shard made no progress"
+        time.sleep(0.01)
+    proc.kill()
+    _, stderr = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == -signal.SIGKILL, f"the shard ended before it was killed: {stderr}"
+
+    result = merge(str(tmp_path / "out.jsonl"))
+    assert result.exit_code == 1
+    assert "shard 1/2: incomplete" in result.output
+    assert f"vbatch resume {shard_output}" in result.output
+    other = tmp_path / "out.shard-0-of-2.jsonl"
+    assert f"shard 0/2: {NOT_STARTED} vbatch resume {other}" in result.output
+    # NOTE: resuming a shard that never started starts it like the killed one.
+    started = resume_job(other, {"display": "quiet"}, llm_factory=shared_llm)
+    assert started.exit_code == 0, started.message
+    assert Manifest.load(job_dir_for(other)).engine == {"num_threads": 1, "max_num_seqs": 2}
+
+    resumed = resume_job(shard_output, {"display": "quiet"}, llm_factory=shared_llm)
+    assert resumed.exit_code == 0, resumed.message
+    manifest = Manifest.load(job_dir_for(shard_output))
+    shard_ids = [r["id"] for r in read_jsonl(shard_output)]
+    assert len(shard_ids) == len(set(shard_ids)) == manifest.num_rows
+    result = merge(str(tmp_path / "out.jsonl"))
+    assert result.exit_code == 0, result.output
+    merged = [r["id"] for r in read_jsonl(tmp_path / "out.jsonl")]
+    assert sorted(merged) == sorted(f"r{i}" for i in range(num_rows))
