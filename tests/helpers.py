@@ -17,10 +17,10 @@ class SharedLLM:
     """The real engine, started once for this module; a job's shutdown() leaves it running."""
 
     def __init__(self, llm: Any) -> None:
-        self._llm = llm
+        self.llm = llm
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._llm, name)
+        return getattr(self.llm, name)
 
     def shutdown(self) -> None:
         pass

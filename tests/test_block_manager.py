@@ -35,12 +35,12 @@ def check_invariants(bm: BlockManager, live_seqs: list[Sequence]) -> None:
             assert bm.hash_to_block[bm.block_hashes[block_id]] == block_id
     assert len(bm.hash_to_block) == sum(h is not None for h in bm.block_hashes)
     rows = [seq.block_row for seq in live_seqs if seq.block_table]
-    assert len(set(rows)) == len(rows) and not set(rows) & set(bm._free_rows)
+    assert len(set(rows)) == len(rows) and not set(rows) & set(bm.free_rows)
     for seq in live_seqs:
         if seq.block_table:
             row = bm.tables[seq.block_row].tolist()
             assert row == seq.block_table + [0] * (len(row) - len(seq.block_table))
-    assert not bm.tables[bm._free_rows].any()
+    assert not bm.tables[bm.free_rows].any()
 
 
 def admit(bm: BlockManager, seq: Sequence) -> None:

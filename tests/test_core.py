@@ -242,8 +242,6 @@ def test_output_columns_follow_the_seqs_through_finishes_aborts_and_admissions(
 def test_async_scheduling_gives_the_same_tokens(tiny_model_dir, device_feed: bool) -> None:
     """Greedy and seeded samples, finishes by length and by stop id, n = 2, a late admission and
     an abort: async scheduling launches continuing steps early and changes no token."""
-    from vbatch.engine.input_batch import DecodeBatch
-
     requests = [
         (f"r{i}", [3 + i, 4, 5, 6, 7 + i][: 2 + i % 4], params)
         for i, params in enumerate(
@@ -272,7 +270,8 @@ def test_async_scheduling_gives_the_same_tokens(tiny_model_dir, device_feed: boo
     core = EngineCore(dataclasses.replace(config, async_scheduling=True))
     if device_feed:
         # NOTE: the path a CUDA runner takes: the ids reach the next step by a tensor copy.
-        core.runner._decode = DecodeBatch(core.runner._advance_then_feed)
+        core.runner.feeds_ids_on_device = True
+        core.runner.reset_step_state()
     schedule_ahead = core.scheduler.schedule_ahead
     num_ahead = []
 

@@ -264,8 +264,8 @@ class StallingLLM(SharedLLM):
         os.kill(pid, signal.SIGCONT)
 
     def stream(self, inputs: Any, sampling_params: Any = None, **kwargs: Any) -> Iterator[Any]:
-        pid = self._llm._client.pid
-        for result in self._llm.stream(inputs, sampling_params, **kwargs):
+        pid = self.llm.engine_info.pid
+        for result in self.llm.stream(inputs, sampling_params, **kwargs):
             if result is not None:
                 self.num_yielded += 1
                 if self.num_yielded == self.after:
@@ -293,7 +293,7 @@ def test_time_based_commit_fires_while_no_row_finishes(
     input_path = write_jsonl(tmp_path / "in.jsonl", records)
     job = JobSpec(input_path, tmp_path / "out.jsonl", model=str(tiny_model_dir), sampling=SAMPLING)
     journal = job_dir_for(job.output_path) / JOURNAL_NAME
-    llm = StallingLLM(shared_llm()._llm, after=3, stall_s=4.0, journal=journal)
+    llm = StallingLLM(shared_llm().llm, after=3, stall_s=4.0, journal=journal)
     options = RunOptions(display="quiet", commit_every_rows=1000, commit_every_seconds=1.0)
     outcome = start_job(job, options, llm_factory=lambda *a, **k: llm)
     assert outcome.exit_code == 0

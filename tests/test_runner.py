@@ -287,7 +287,7 @@ class SignallingLLM(SharedLLM):
         self.signals, self.after, self.slow_s = signals, after, slow_s
 
     def stream(self, inputs: Any, sampling_params: Any = None, **kwargs: Any) -> Iterator[Any]:
-        results = (r for r in self._llm.stream(inputs, sampling_params, **kwargs) if r is not None)
+        results = (r for r in self.llm.stream(inputs, sampling_params, **kwargs) if r is not None)
         for n, result in enumerate(results, start=1):
             if n > self.after:
                 time.sleep(self.slow_s)
@@ -312,7 +312,7 @@ def test_hard_stop_commits_finished_rows_and_resumes(
     records = [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(60)]
     input_path = write_jsonl(tmp_path / "in.jsonl", records)
     job = spec(tmp_path, input_path, "out.jsonl", tiny_model_dir)
-    llm = shared_llm()._llm
+    llm = shared_llm().llm
     options = RunOptions(display="quiet", drain_timeout_s=drain_timeout_s, max_in_flight=16)
     sigint_before = signal.getsignal(signal.SIGINT)  # ignored under nohup, so not the default
     outcome = start_job(job, options, llm_factory=lambda *a, **k: SignallingLLM(llm, signals, 5))

@@ -31,7 +31,7 @@ def test_jsonl_commit_records_offset_and_resume_truncates_the_tail(tmp_path: Pat
     assert writer.commit() == 3 and writer.commit() == 0
     committed_size = output.stat().st_size
     writer.add(row_values(3), None, None)
-    writer._flush()
+    writer.flush()
     assert output.stat().st_size > committed_size
     writer.close()
     journal.close()

@@ -61,10 +61,11 @@ class BlockManager:
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
         # NOTE: the runner gathers a step's block tables from these rows with one numpy call
-        # instead of converting every seq's list each step; both grow by doubling.
+        # instead of converting every seq's list each step; both grow by doubling. `free_rows`
+        # are the rows no live seq holds, all zero.
         self.tables = np.zeros((64, 16), dtype=np.int32)
         self.tables_version = 0  # bumped by every write to `tables`
-        self._free_rows = list(range(63, -1, -1))
+        self.free_rows = list(range(63, -1, -1))
 
     @property
     def num_free_blocks(self) -> int:
@@ -136,11 +137,11 @@ class BlockManager:
     ) -> None:
         """Admit `seq`: share `cached_blocks` (from match_prefix), then add blocks for the rest."""
         assert not seq.block_table and seq.num_computed_tokens == 0 and seq.block_row < 0
-        if not self._free_rows:
+        if not self.free_rows:
             num_rows = len(self.tables)
             self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
-            self._free_rows = list(range(2 * num_rows - 1, num_rows - 1, -1))
-        seq.block_row = self._free_rows.pop()
+            self.free_rows = list(range(2 * num_rows - 1, num_rows - 1, -1))
+        seq.block_row = self.free_rows.pop()
         ref_counts = self.ref_counts
         for block_id in cached_blocks:
             if ref_counts[block_id] == 0:
@@ -221,7 +222,7 @@ class BlockManager:
             # NOTE: zeroed so that a gathered row is 0-padded past its seq's last block.
             self.tables[seq.block_row, : len(seq.block_table)] = 0
             self.tables_version += 1
-            self._free_rows.append(seq.block_row)
+            self.free_rows.append(seq.block_row)
             seq.block_row = -1
         seq.block_table.clear()
         self._num_registered.pop(seq.seq_id, None)

@@ -111,11 +111,10 @@ class ModelRunner:
         self._staging: dict[str, torch.Tensor] = {}
         self._gathered = GatheredBlockTables()
         # NOTE: a kept decode batch takes the sampled ids as a tensor, on its device: on CPU
-        # with the native op directly, elsewhere by a copy into the next step's input ids, so
-        # a step can be launched before the last one's ids have reached the host.
-        self._decode = DecodeBatch(
-            self._advance_native if has_fused_ops(self.device) else self._advance_then_feed
-        )
+        # with the native op directly, elsewhere (`feeds_ids_on_device`) by a copy into the next
+        # step's input ids, so a step can be launched before the last one's ids reach the host.
+        self.feeds_ids_on_device = not has_fused_ops(self.device)
+        self._decode = self._new_decode_batch()
         self._fed_input_ids: torch.Tensor | None = None
         # NOTE: on CPU, the view of a gathered block table, which steps often share.
         self._cpu_views: dict[str, tuple[np.ndarray, torch.Tensor]] = {}
@@ -296,6 +295,11 @@ class ModelRunner:
         sampled.grammar = mask
         return sampled
 
+    def _new_decode_batch(self) -> DecodeBatch:
+        return DecodeBatch(
+            self._advance_then_feed if self.feeds_ids_on_device else self._advance_native
+        )
+
     def _advance_native(self, host: HostBatch, token_ids: torch.Tensor) -> None:
         """DecodeBatch's array update in one native call, on the kept step's tensor views (see
         SchedulerOutput, continuing decode steps)."""
@@ -353,10 +357,9 @@ class ModelRunner:
 
     def reset_step_state(self) -> None:
         """Forget everything that lets a step reuse the last one's batch (after a step failed
-        midway): the next step is built from its SchedulerOutput alone."""
-        self._decode = DecodeBatch(
-            self._advance_native if has_fused_ops(self.device) else self._advance_then_feed
-        )
+        midway), and take up `feeds_ids_on_device`: the next step is built from its
+        SchedulerOutput alone."""
+        self._decode = self._new_decode_batch()
         self._fed_input_ids = None
         self._kept_inputs = None
         self._greedy_sampling = None

@@ -138,9 +138,9 @@ class JsonlWriter(OutputWriter):
             kept = self.kept_json(kept)
         self._buffer += jsonl_bytes(line or values, kept)
         if len(self._buffer) >= JSONL_BUFFER_BYTES:
-            self._flush()
+            self.flush()
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         try:
             write_all(self._file.fileno(), self._buffer)
         except OSError as e:
@@ -149,7 +149,7 @@ class JsonlWriter(OutputWriter):
         self._buffer.clear()
 
     def _sync(self) -> dict[str, Any]:
-        self._flush()
+        self.flush()
         try:
             os.fsync(self._file.fileno())
         except OSError as e:
