@@ -355,6 +355,22 @@ def test_sharded_16bit_checkpoint_loads_as_its_float32_copy(
     torch.testing.assert_close(logits, reference_logits(reference, ids), atol=TOLERANCE, rtol=0)
 
 
+def test_every_family_loads_from_bf16_shards(
+    tiny_families: dict[str, tuple[torch.nn.Module, Path]], tmp_path: Path
+) -> None:
+    """Fused (Phi-3), per-expert (Mixtral, Qwen3-MoE) and offset-norm (Gemma) tensors spread
+    over shards load as the float32 copy of the same weights does."""
+    cpu, backend = torch.device("cpu"), TorchAttentionBackend()
+    for name, (model, _) in tiny_families.items():
+        reference = rounded_copy(model, torch.bfloat16)
+        reference.save_pretrained(tmp_path / name / "float32")
+        sharded = save_16bit_shards(reference, torch.bfloat16, tmp_path / name / "sharded")
+        expected = load_model(tmp_path / name / "float32", cpu, torch.float32, backend)
+        got = load_model(sharded, cpu, torch.float32, backend).state_dict()
+        for param, tensor in expected.state_dict().items():
+            assert torch.equal(got[param], tensor), f"{name}: {param}"
+
+
 @pytest.mark.gpu
 def test_a_sharded_bf16_checkpoint_stays_bf16_on_cuda(
     model_pair: tuple[torch.nn.Module, LlamaForCausalLM], tmp_path: Path
