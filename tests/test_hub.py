@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,31 +23,6 @@ from vbatch.models.loader import resolve_model
 MAIN = "1" * 40
 TAGGED = "2" * 40
 REPO = "org/tiny-llama"
-
-_SOCKET_EVENTS = ("socket.connect", "socket.getaddrinfo", "socket.gethostbyname")
-_network_calls: list[tuple[str, object]] | None = None
-
-
-def _audit(event: str, args: object) -> None:
-    if _network_calls is not None and event in _SOCKET_EVENTS:
-        _network_calls.append((event, args))
-
-
-@pytest.fixture(scope="module")
-def _audit_hook() -> None:
-    sys.addaudithook(_audit)
-
-
-@pytest.fixture
-def no_network(_audit_hook: None) -> Iterator[None]:
-    """Fails the test if anything in this process opened or looked up a network address."""
-    global _network_calls
-    _network_calls = []
-    try:
-        yield
-        assert _network_calls == [], _network_calls
-    finally:
-        _network_calls = None
 
 
 @pytest.fixture
@@ -87,7 +61,7 @@ def test_hub_cache_dir_follows_the_environment(
 
 
 def test_hub_id_resolves_to_its_cached_snapshot(
-    hf_home: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, no_network: None
+    hf_home: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     repo_dir = hf_home / "hub" / "models--org--tiny-llama"
     resolved = resolve_model(REPO)
@@ -111,6 +85,28 @@ def test_hub_id_resolves_to_its_cached_snapshot(
     assert resolve_model(REPO) == resolved
 
 
+def test_resolution_opens_no_socket(hf_home: Path) -> None:
+    """In a fresh process, so that importing huggingface_hub counts too, and without
+    HF_HUB_OFFLINE: finding a cached model and missing an absent one touch no network."""
+    code = (
+        "import sys\n"
+        "events = []\n"
+        "sys.addaudithook(lambda e, a: e.startswith('socket.') and events.append(e))\n"
+        "from vbatch.models.loader import resolve_model\n"
+        f"print(resolve_model({REPO!r}).hub.commit)\n"
+        "try:\n"
+        "    resolve_model('org/absent')\n"
+        "except Exception as e:\n"
+        "    print(type(e).__name__)\n"
+        "print(events, 'torch' in sys.modules)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [MAIN, "ModelLoadError", "[] False"]
+
+
 def test_a_local_directory_wins_over_a_hub_id(
     hf_home: Path, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -123,7 +119,7 @@ def test_a_local_directory_wins_over_a_hub_id(
 
 
 def test_a_model_missing_from_the_cache_gets_the_download_command(
-    hf_home: Path, monkeypatch: pytest.MonkeyPatch, no_network: None
+    hf_home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cases = {
         "org/absent": "`hf download org/absent`",

@@ -297,6 +297,30 @@ def test_loading_does_not_import_dynamo(tiny_model_dir: Path) -> None:
     assert result.stdout.strip() == "False"
 
 
+def rounded_copy(reference: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The float32 reference with every weight rounded to `dtype`, so both precisions hold it."""
+    rounded = copy.deepcopy(reference)
+    with torch.no_grad():
+        for param in rounded.parameters():
+            param.copy_(param.to(dtype))
+    return rounded
+
+
+def save_16bit_shards(rounded: torch.nn.Module, dtype: torch.dtype, out_dir: Path) -> Path:
+    """`rounded` saved in `dtype`, in more than two shards, with a consolidated copy beside them
+    that the shard index does not name (as some Mistral repos ship)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    copy.deepcopy(rounded).to(dtype).save_pretrained(out_dir, max_shard_size="40KB")
+    shards = sorted(out_dir.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (out_dir / "model.safetensors.index.json").is_file()
+    with safe_open(str(shards[0]), framework="pt") as f:
+        assert f.get_tensor(next(iter(f.keys()))).dtype == dtype
+    save_file({"tok_embeddings.weight": torch.zeros(2, 2)}, out_dir / "consolidated.safetensors")
+    return out_dir
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_sharded_16bit_checkpoint_loads_as_its_float32_copy(
     dtype: torch.dtype,
@@ -304,24 +328,12 @@ def test_sharded_16bit_checkpoint_loads_as_its_float32_copy(
     tmp_path: Path,
     make_attention_metadata: Callable,
 ) -> None:
-    """A 16-bit checkpoint in shards, with a consolidated copy beside them that the index does
-    not name, loads on CPU as the same weights saved in float32 in one file: the same parameters
-    bit for bit, and transformers' logits."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    reference = copy.deepcopy(model_pair[0])
-    with torch.no_grad():
-        for param in reference.parameters():
-            param.copy_(param.to(dtype))
+    """On CPU a sharded 16-bit checkpoint loads as the same weights saved in float32 in one
+    file: the same parameters bit for bit, and transformers' logits; asked for its own dtype,
+    it keeps it."""
+    reference = rounded_copy(model_pair[0], dtype)
     reference.save_pretrained(tmp_path / "float32")
-    sharded = tmp_path / "sharded"
-    copy.deepcopy(reference).to(dtype).save_pretrained(sharded, max_shard_size="40KB")
-    shards = sorted(sharded.glob("model-*.safetensors"))
-    assert len(shards) > 2 and (sharded / "model.safetensors.index.json").is_file()
-    with safe_open(str(shards[0]), framework="pt") as f:
-        assert f.get_tensor(next(iter(f.keys()))).dtype == dtype
-    save_file({"tok_embeddings.weight": torch.zeros(2, 2)}, sharded / "consolidated.safetensors")
+    sharded = save_16bit_shards(reference, dtype, tmp_path / "sharded")
     cpu, backend = torch.device("cpu"), TorchAttentionBackend()
     expected = load_model(tmp_path / "float32", cpu, torch.float32, backend).state_dict()
     model = load_model(sharded, cpu, torch.float32, backend)
@@ -331,11 +343,46 @@ def test_sharded_16bit_checkpoint_loads_as_its_float32_copy(
     for name, tensor in got.items():
         assert tensor.dtype == torch.float32, name
         assert torch.equal(tensor, expected[name]), name
+    for name, tensor in load_model(sharded, cpu, dtype, backend).state_dict().items():
+        assert tensor.dtype == dtype and torch.equal(tensor, expected[name].to(dtype)), name
     ids = list(range(3, 30))
     meta = make_attention_metadata([len(ids)], [len(ids)], [list(range(4))], 8)
+    kv_caches = make_kv_caches(model.config, 4, 8)
     with torch.inference_mode():
-        hidden = model(
-            torch.tensor(ids), torch.arange(len(ids)), make_kv_caches(model.config, 4, 8), meta
+        logits = model.compute_logits(
+            model(torch.tensor(ids), torch.arange(len(ids)), kv_caches, meta)
         )
-        logits = model.compute_logits(hidden)
     torch.testing.assert_close(logits, reference_logits(reference, ids), atol=TOLERANCE, rtol=0)
+
+
+def test_every_family_loads_from_bf16_shards(
+    tiny_families: dict[str, tuple[torch.nn.Module, Path]], tmp_path: Path
+) -> None:
+    """Fused (Phi-3), per-expert (Mixtral, Qwen3-MoE) and offset-norm (Gemma) tensors spread
+    over shards load as the float32 copy of the same weights does."""
+    cpu, backend = torch.device("cpu"), TorchAttentionBackend()
+    for name, (model, _) in tiny_families.items():
+        reference = rounded_copy(model, torch.bfloat16)
+        reference.save_pretrained(tmp_path / name / "float32")
+        sharded = save_16bit_shards(reference, torch.bfloat16, tmp_path / name / "sharded")
+        expected = load_model(tmp_path / name / "float32", cpu, torch.float32, backend)
+        got = load_model(sharded, cpu, torch.float32, backend).state_dict()
+        for param, tensor in expected.state_dict().items():
+            assert torch.equal(got[param], tensor), f"{name}: {param}"
+
+
+@pytest.mark.gpu
+def test_a_sharded_bf16_checkpoint_stays_bf16_on_cuda(
+    model_pair: tuple[torch.nn.Module, LlamaForCausalLM], tmp_path: Path
+) -> None:
+    from vbatch.engine.kv_cache import select_dtype
+
+    cuda = torch.device("cuda")
+    assert select_dtype("auto", cuda) == torch.bfloat16
+    reference = rounded_copy(model_pair[0], torch.bfloat16)
+    sharded = save_16bit_shards(reference, torch.bfloat16, tmp_path / "sharded")
+    expected = load_model(sharded, torch.device("cpu"), torch.float32, TorchAttentionBackend())
+    model = load_model(sharded, cuda, torch.bfloat16, TorchAttentionBackend())
+    for name, tensor in model.state_dict().items():
+        assert tensor.device.type == "cuda" and tensor.dtype == torch.bfloat16, name
+        assert torch.equal(tensor.cpu(), expected.state_dict()[name].to(torch.bfloat16)), name

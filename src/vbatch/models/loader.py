@@ -61,7 +61,7 @@ class ResolvedModel:
     """A model the engine can load: `hf_dir` always holds config.json, safetensors and tokenizer.
 
     `weights_hash` is the sha256 of what the user gave (the GGUF file, or the safetensors files
-    in sorted order), so a job can tell whether its model changed. `source` is as in
+    weight_files() lists), so a job can tell whether its model changed. `source` is as in
     ModelLocation; `hub` is the snapshot a hub id resolved to.
     """
 
