@@ -19,7 +19,7 @@ from typing import Any
 
 from rich.console import Console
 
-from vbatch.dashboard import render_dashboard
+from vbatch.job.dashboard import render_dashboard
 from vbatch.job.metrics import JobSnapshot
 
 DOCS = Path(__file__).parents[1] / "docs"

@@ -19,9 +19,8 @@ from vbatch.errors import JobStateError
 from vbatch.job.finalize import BATCH_ROWS, RowGroupSink, write_sorted_lines, write_sorted_parquet
 from vbatch.job.journal import JOURNAL_NAME, JobState, read_journal
 from vbatch.job.manifest import MANIFEST_NAME, Manifest
-from vbatch.job.paths import fsync_dir, job_dir_for, resume_command
+from vbatch.job.paths import JobLock, fsync_dir, job_dir_for, output_format, resume_command
 from vbatch.job.results import line_index
-from vbatch.job.runner import JobLock, output_format
 from vbatch.job.shard import Shard, shard_counts
 
 # NOTE: settings that change no output row; shards may differ in them.

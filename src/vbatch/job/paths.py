@@ -1,13 +1,20 @@
-"""Where a job's files live, and the durable-write helpers every job module shares."""
+"""Where a job's files live, the job directory's lock, and the durable-write helpers every job
+module shares."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shlex
 import tempfile
 from pathlib import Path
 
+from vbatch.errors import InputError, JobStateError, storage_error
+
 JOB_DIR_SUFFIX = ".vbatch"
+LOCK_NAME = "lock"
+_LOCK_ATTEMPTS = 100
+OUTPUT_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 
 
 def job_dir_for(output: Path) -> Path:
@@ -46,3 +53,61 @@ def write_atomic(path: Path, data: bytes, *, sync_dir: bool = True) -> None:
         raise
     if sync_dir:
         fsync_dir(path.parent)
+
+
+def output_format(output: Path) -> str:
+    fmt = OUTPUT_FORMATS.get(output.suffix.lower())
+    if fmt is None:
+        raise InputError(
+            f"cannot tell the output format of {output}; use one of {', '.join(OUTPUT_FORMATS)}"
+        )
+    return fmt
+
+
+class JobLock:
+    """An exclusive flock on the job directory, so two processes never append to one journal.
+
+    Invariant: the lock file is never deleted while a job directory exists (`--overwrite` keeps
+    it), so every process locks the same inode. With `create`, the directory is made first.
+    """
+
+    def __init__(self, job_dir: Path, *, create: bool = False) -> None:
+        path = job_dir / LOCK_NAME
+        for _ in range(_LOCK_ATTEMPTS):
+            if create:
+                try:
+                    job_dir.mkdir(exist_ok=True)
+                except OSError as e:
+                    raise storage_error(e, job_dir.parent) from None
+            try:
+                self._file = open(path, "a")  # noqa: SIM115
+            except FileNotFoundError:
+                if create:
+                    continue
+                raise JobStateError(f"there is no job in {job_dir}") from None
+            except OSError as e:
+                raise JobStateError(
+                    f"cannot open the job's lock file {path}: {e.strerror}"
+                ) from None
+            try:
+                fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._file.close()
+                raise JobStateError(
+                    f"another vbatch process is running the job in {job_dir}; wait for it to "
+                    "finish or stop it first"
+                ) from None
+            # NOTE: a run that failed before its job started removes the directory it made; a
+            # lock on that removed file would guard nothing, so lock the file now there.
+            try:
+                if os.path.samestat(os.fstat(self._file.fileno()), os.stat(path)):
+                    return
+            except FileNotFoundError:
+                pass
+            self._file.close()
+            if not create:
+                raise JobStateError(f"there is no job in {job_dir}")
+        raise JobStateError(f"cannot lock {path}: it keeps being removed")
+
+    def release(self) -> None:
+        self._file.close()

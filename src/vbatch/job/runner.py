@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shlex
 import shutil
@@ -33,19 +32,23 @@ from vbatch.job.manifest import (
     model_identity,
 )
 from vbatch.job.options import RunOptions
-from vbatch.job.paths import job_dir_for, resume_command, tmp_output_path
+from vbatch.job.paths import (
+    LOCK_NAME,
+    JobLock,
+    job_dir_for,
+    output_format,
+    resume_command,
+    tmp_output_path,
+)
 from vbatch.job.reader import InputReader, scan_input
 from vbatch.job.results import OUTPUT_COLUMNS
 from vbatch.job.rows import ColumnOptions, RowParser
 from vbatch.job.shard import Shard, shard_of_output
 from vbatch.sampling_params import SamplingParams
 
-OUTPUT_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 # NOTE: kept input columns may not shadow output fields (vbatch rows or OpenAI Batch lines).
 RESERVED_COLUMNS = frozenset(OUTPUT_COLUMNS) | {"custom_id", "response"}
 MAX_KEPT_COLUMNS = 1000
-LOCK_NAME = "lock"
-_LOCK_ATTEMPTS = 100
 
 
 @dataclass(frozen=True)
@@ -72,64 +75,6 @@ class Outcome:
     exit_code: int
     message: str
     status: dict[str, Any]
-
-
-def output_format(output: Path) -> str:
-    fmt = OUTPUT_FORMATS.get(output.suffix.lower())
-    if fmt is None:
-        raise InputError(
-            f"cannot tell the output format of {output}; use one of {', '.join(OUTPUT_FORMATS)}"
-        )
-    return fmt
-
-
-class JobLock:
-    """An exclusive flock on the job directory, so two processes never append to one journal.
-
-    Invariant: the lock file is never deleted while a job directory exists (`--overwrite` keeps
-    it), so every process locks the same inode. With `create`, the directory is made first.
-    """
-
-    def __init__(self, job_dir: Path, *, create: bool = False) -> None:
-        path = job_dir / LOCK_NAME
-        for _ in range(_LOCK_ATTEMPTS):
-            if create:
-                try:
-                    job_dir.mkdir(exist_ok=True)
-                except OSError as e:
-                    raise storage_error(e, job_dir.parent) from None
-            try:
-                self._file = open(path, "a")  # noqa: SIM115
-            except FileNotFoundError:
-                if create:
-                    continue
-                raise JobStateError(f"there is no job in {job_dir}") from None
-            except OSError as e:
-                raise JobStateError(
-                    f"cannot open the job's lock file {path}: {e.strerror}"
-                ) from None
-            try:
-                fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                self._file.close()
-                raise JobStateError(
-                    f"another vbatch process is running the job in {job_dir}; wait for it to "
-                    "finish or stop it first"
-                ) from None
-            # NOTE: a run that failed before its job started removes the directory it made; a
-            # lock on that removed file would guard nothing, so lock the file now there.
-            try:
-                if os.path.samestat(os.fstat(self._file.fileno()), os.stat(path)):
-                    return
-            except FileNotFoundError:
-                pass
-            self._file.close()
-            if not create:
-                raise JobStateError(f"there is no job in {job_dir}")
-        raise JobStateError(f"cannot lock {path}: it keeps being removed")
-
-    def release(self) -> None:
-        self._file.close()
 
 
 def _refuse_output_onto_input(input_path: Path, output: Path, job_dir: Path) -> None:
