@@ -13,6 +13,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from vbatch import __version__
+from vbatch.client.reasoning import REASONING_PARSERS
 from vbatch.errors import VbatchError, is_storage_failure, storage_error, unexpected_error
 from vbatch.job.options import RunOptions
 
@@ -40,6 +41,19 @@ QUIET_HELP = "Print nothing but errors (and how to resume an interrupted job)."
 def _fail(message: str, exit_code: int = 1) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(exit_code)
+
+
+def _json_object(value: str | None, flag: str) -> dict[str, Any] | None:
+    """A flag's JSON object value (None when not given); anything else exits with one line."""
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        _fail(f"{flag} is not valid JSON ({e}): {value!r:.80}")
+    if not isinstance(parsed, dict):
+        _fail(f"{flag} must be a JSON object, like '{{\"enable_thinking\": false}}'")
+    return parsed
 
 
 def _guarded(fn: Callable[[], T]) -> T:
@@ -132,6 +146,14 @@ def run(
             rich_help_panel=INPUT,
         ),
     ] = False,
+    chat_template_kwargs: Annotated[
+        str | None,
+        typer.Option(
+            help="Chat-template variables as a JSON object, e.g. enable_thinking (a row's own "
+            "chat_template_kwargs are merged over them).",
+            rich_help_panel=INPUT,
+        ),
+    ] = None,
     model: Annotated[
         str | None,
         typer.Option(
@@ -277,6 +299,14 @@ def run(
             rich_help_panel=STRUCTURED,
         ),
     ] = False,
+    reasoning_parser: Annotated[
+        str | None,
+        typer.Option(
+            help="Move the reasoning part (in think tags) of each output to a `reasoning` "
+            f"column: {', '.join(REASONING_PARSERS)}.",
+            rich_help_panel=STRUCTURED,
+        ),
+    ] = None,
     ordered: Annotated[
         bool,
         typer.Option(
@@ -358,6 +388,7 @@ def run(
     if structured is not None:
         sampling["structured"] = structured
     kept = tuple(c.strip() for c in keep_columns.split(",") if c.strip()) if keep_columns else ()
+    template_kwargs = _json_object(chat_template_kwargs, "--chat-template-kwargs")
     spec = JobSpec(
         input_path=input_path,
         output_path=output,
@@ -369,6 +400,8 @@ def run(
         ordered=ordered,
         include_token_ids=include_token_ids,
         parse_json=parse_json,
+        chat_template_kwargs=template_kwargs,
+        reasoning_parser=reasoning_parser,
     )
     options = RunOptions(
         commit_every_rows=commit_every_rows,

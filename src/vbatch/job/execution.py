@@ -62,12 +62,16 @@ class JobExecution:
         self.columns = ColumnOptions(**column_values)
         self.defaults = SamplingParams.from_dict(manifest.sampling)
         self.reader = InputReader(Path(manifest.input_path), manifest.input_format, self.columns)
-        self.parser = RowParser(self.columns, self.defaults)
+        self.parser = RowParser(self.columns, self.defaults, settings.get("chat_template_kwargs"))
         self.schema = None
         if manifest.output_format == "parquet":
             kept = self.columns.keep_columns
             self.schema = parquet_schema(
-                manifest.id_kind, kept, self.reader.arrow_schema, self._parse_json
+                manifest.id_kind,
+                kept,
+                self.reader.arrow_schema,
+                self._parse_json,
+                reasoning=self._reasoning_parser is not None,
             )
         self.writer = open_writer(job_dir, journal, manifest, self.schema)
         self.in_flight: dict[int, InputRow] = {}
@@ -252,7 +256,11 @@ class JobExecution:
                 if result.error is None and any(o.finish_reason == "abort" for o in result.outputs):
                     continue
                 values = result_row(
-                    row, result, include_token_ids=self._token_ids, parse_json=self._parse_json
+                    row,
+                    result,
+                    include_token_ids=self._token_ids,
+                    parse_json=self._parse_json,
+                    reasoning_parser=self._reasoning_parser,
                 )
                 self._emit(row, values)
         except StopNow:
@@ -268,6 +276,10 @@ class JobExecution:
     @property
     def _parse_json(self) -> bool:
         return bool(self.manifest.options.get("parse_json", False))
+
+    @property
+    def _reasoning_parser(self) -> str | None:
+        return self.manifest.options.get("reasoning_parser")
 
     def _requests(self) -> Iterator[Any]:
         from vbatch.llm import Request
@@ -288,6 +300,7 @@ class JobExecution:
                 prompt=row.prompt,
                 messages=row.messages,
                 sampling_params=row.sampling_params,
+                chat_template_kwargs=row.chat_template_kwargs,
             )
         self.stop.is_waiting = True
 

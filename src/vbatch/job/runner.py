@@ -13,6 +13,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from vbatch.client.reasoning import check_reasoning_parser
+from vbatch.client.tokenizer import check_template_kwargs
 from vbatch.config import EngineConfig
 from vbatch.errors import InputError, JobStateError, is_storage_failure, storage_error
 from vbatch.job.finalize import finish_completion, tmp_output_path
@@ -47,6 +49,8 @@ class JobSpec:
     ordered: bool = False
     include_token_ids: bool = False
     parse_json: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_parser: str | None = None
 
 
 @dataclass(frozen=True)
@@ -213,9 +217,15 @@ def _prepare_job(
         raise InputError(f"--keep-columns {', '.join(clashes)} would overwrite output fields")
     defaults = SamplingParams.from_dict(spec.sampling)
     EngineConfig.from_dict({**spec.engine_args, "model": spec.model})
+    template_kwargs = spec.chat_template_kwargs
+    if template_kwargs is not None:
+        template_kwargs = check_template_kwargs(template_kwargs, "--chat-template-kwargs")
+    check_reasoning_parser(spec.reasoning_parser)
     reader = InputReader(spec.input_path, spec.input_format, spec.columns)
     scan = scan_input(
-        reader, RowParser(spec.columns, defaults), collect_keys=spec.columns.keep_all_columns
+        reader,
+        RowParser(spec.columns, defaults, template_kwargs),
+        collect_keys=spec.columns.keep_all_columns,
     )
     if scan.duplicate is not None:
         raise InputError(f"{spec.input_path}: {scan.duplicate}; ids must be unique")
@@ -239,6 +249,8 @@ def _prepare_job(
             "ordered": spec.ordered,
             "include_token_ids": spec.include_token_ids,
             "parse_json": spec.parse_json,
+            "chat_template_kwargs": template_kwargs,
+            "reasoning_parser": spec.reasoning_parser,
             "openai_output": scan.is_openai and fmt == "jsonl",
             **options.result_settings(),
         },
@@ -337,7 +349,12 @@ def _accept_changes(
 
     columns = ColumnOptions(**{**manifest.options["columns"], "keep_all_columns": False})
     reader = InputReader(Path(manifest.input_path), manifest.input_format, columns)
-    scan = scan_input(reader, RowParser(columns, SamplingParams.from_dict(manifest.sampling)))
+    parser = RowParser(
+        columns,
+        SamplingParams.from_dict(manifest.sampling),
+        manifest.options.get("chat_template_kwargs"),
+    )
+    scan = scan_input(reader, parser)
     if scan.duplicate is not None:
         raise InputError(f"{manifest.input_path}: {scan.duplicate}; ids must be unique")
     manifest.id_kind = _adopted_id_kind(job_dir, manifest, scan.id_kind)
