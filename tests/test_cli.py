@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 import typer
 from typer.testing import CliRunner
 
@@ -183,3 +184,30 @@ def test_real_model_chat_job_end_to_end(tmp_path: Path) -> None:
     info = json.loads(status.stdout)
     assert (info["complete"], info["done"], info["remaining"]) == (True, 3, 0)
     print(f"real-model job took {time.perf_counter() - started:.1f} s")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--chat-template-kwargs", "{enable_thinking: false}"],
+            "--chat-template-kwargs is not valid JSON",
+        ),
+        (["--chat-template-kwargs", "[1]"], "--chat-template-kwargs must be a JSON object"),
+        (
+            ["--chat-template-kwargs", '{"messages": []}'],
+            "--chat-template-kwargs may not set 'messages'",
+        ),
+        (["--reasoning-parser", "r1"], "unknown reasoning parser 'r1'; choose one of think"),
+    ],
+)
+def test_bad_chat_template_kwargs_and_reasoning_parser_are_one_line_errors(
+    tmp_path: Path, flags: list[str], message: str
+) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"prompt": "hi"}\n')
+    output = tmp_path / "o.jsonl"
+    result = CliRunner().invoke(app, ["run", str(source), "-o", str(output), *flags])
+    assert result.exit_code == 1
+    assert result.output.startswith(f"error: {message}") and result.output.count("\n") == 1
+    assert not output.exists() and not (tmp_path / "o.jsonl.vbatch").exists()
