@@ -1,5 +1,5 @@
-"""Helpers shared by several test modules: a shared real engine for jobs, JSONL files, process
-exits."""
+"""Helpers shared by several test modules: a shared real engine for jobs, a Qwen3-style chat
+template, JSONL files, process exits."""
 
 from __future__ import annotations
 
