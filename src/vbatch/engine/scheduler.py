@@ -24,6 +24,9 @@ class SchedulerConfig:
     block_size: int
     num_kv_blocks: int
     enable_prefix_caching: bool = True
+    # NOTE: set only when every layer attends within a window (the largest of them): blocks
+    # before it are then released as sequences move on.
+    sliding_window: int | None = None
 
 
 class Scheduler:
@@ -37,7 +40,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int]) -> None:
         self.config = config
         self.block_manager = BlockManager(
-            config.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            config.num_kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.sliding_window,
         )
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -214,6 +220,8 @@ class Scheduler:
     ) -> StepUpdate:
         """Apply one step: `sampled_token_ids` align with out's sampling seqs, in batch order."""
         applied = self._applier.apply(out, sampled_token_ids, logprobs, len(self.running))
+        if self.config.sliding_window is not None:
+            self._release_out_of_window(out.seqs)
         update = applied.update
         if update.finished:
             self.running = [seq for seq in self.running if seq.finish_reason is None]
@@ -250,6 +258,17 @@ class Scheduler:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
         )
+
+    def _release_out_of_window(self, seqs: list[Sequence]) -> None:
+        """Give back the blocks `seqs` (those of the step just applied) hold wholly before the
+        window of their next query. A step planned ahead reads none of them: its queries come
+        after the tokens this step computed."""
+        block_manager = self.block_manager
+        for seq in seqs:
+            if seq.block_row >= 0 and (
+                block_manager.num_out_of_window(seq.num_computed_tokens) > seq.num_dropped_blocks
+            ):
+                block_manager.release_out_of_window(seq)
 
     def _reserve_decode_slots(self) -> bool:
         """If every running seq has exactly one uncomputed token, give each room for it; False
