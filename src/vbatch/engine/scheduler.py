@@ -83,6 +83,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def max_live_blocks(self) -> int:
+        """With a sliding window, the most blocks one seq holds at once: those after the window
+        of its next query, plus a full step's tokens, plus one planned ahead."""
+        config = self.config
+        assert config.sliding_window is not None
+        return -(-(config.sliding_window + config.max_num_batched_tokens) // config.block_size) + 2
+
     def check_prompt(self, num_prompt_tokens: int, params: SamplingParams) -> str | None:
         """Why a prompt of this length can never run here, or None if it can."""
         max_model_len = self.config.max_model_len
@@ -95,6 +103,8 @@ class Scheduler:
             )
         max_num_tokens = min(num_prompt_tokens + params.max_tokens, max_model_len)
         num_blocks = -(-max_num_tokens // self.config.block_size)
+        if self.config.sliding_window is not None:
+            num_blocks = min(num_blocks, self.max_live_blocks)
         if num_blocks > self.config.num_kv_blocks:
             return (
                 f"the prompt and its output need up to {max_num_tokens} tokens ({num_blocks} KV "
