@@ -314,16 +314,16 @@ def test_blocks_behind_the_window_are_released_and_stay_cached() -> None:
     blocks = list(seq.block_table)
     assert len(blocks) == 8 and bm.num_free_blocks == 8
     seq.num_computed_tokens = 20
-    bm.release_out_of_window(seq)
+    bm.release_out_of_window([seq])
     assert seq.num_dropped_blocks == 0, "not registered yet: nothing is released"
     bm.cache_full_blocks(seq)
-    bm.release_out_of_window(seq)
+    bm.release_out_of_window([seq])
     # NOTE: the next query (position 20) reads positions 15-20: blocks 0-2 end before them.
     assert seq.num_dropped_blocks == 3 and bm.num_free_blocks == 11
     assert seq.block_table == [NULL_BLOCK] * 3 + blocks[3:]
     check_invariants(bm, [seq])
     compute_all(bm, seq)
-    bm.release_out_of_window(seq)
+    bm.release_out_of_window([seq])
     assert seq.num_dropped_blocks == 6 and bm.num_free_blocks == 14
     check_invariants(bm, [seq])
     # NOTE: a second seq with the same prompt matches 7 cached blocks and, 28 tokens in, takes

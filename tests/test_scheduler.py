@@ -403,7 +403,7 @@ def test_check_prompt_with_a_window_counts_the_blocks_held_at_once() -> None:
         max_num_batched_tokens=8,
         sliding_window=10,
     )
-    assert windowed.max_live_blocks == 7
+    assert windowed.max_live_blocks == 8
     assert windowed.check_prompt(100, SamplingParams(max_tokens=10)) is None
     seqs = [
         add(windowed, "a", list(range(10, 110)), max_tokens=10),

@@ -63,11 +63,11 @@ class Digests:
 class FakeModel:
     """Runs steps on a paged fake KV cache: slot -> (position, digest of the prefix through it)."""
 
-    def __init__(self, block_manager: BlockManager, digests: Digests, max_chunk: int) -> None:
+    def __init__(self, block_manager: BlockManager, digests: Digests, max_live_blocks: int) -> None:
         self.block_manager = block_manager
         self.digests = digests
         self.window = block_manager.sliding_window
-        self.max_chunk = max_chunk
+        self.max_live_blocks = max_live_blocks
         self.num_dropped = 0  # seqs seen holding released blocks, summed over steps
         self.kv: list[tuple[int, int] | None] = [None] * (block_manager.num_blocks * BLOCK_SIZE)
         self.sampled: set[tuple[int, int]] = set()  # (seq_id, position) of every sample
@@ -146,7 +146,7 @@ class FakeModel:
                 assert start <= max(0, seq.num_computed_tokens - self.window)
                 self.num_dropped += seq.num_dropped_blocks > 0
                 num_live = len(table) - seq.num_dropped_blocks
-                assert num_live <= (self.window + self.max_chunk) // BLOCK_SIZE + 3, seq
+                assert num_live <= self.max_live_blocks, seq
             else:
                 assert start == 0
             for p in range(start, seq.num_computed_tokens):
@@ -188,7 +188,8 @@ def run_engine_loop(seed: int, is_async: bool, window: int | None = None) -> dic
     )
     sched = Scheduler(config, eos_token_ids=[EOS])
     digests = Digests()
-    model = FakeModel(sched.block_manager, digests, config.max_num_batched_tokens)
+    max_live_blocks = sched.max_live_blocks if window is not None else 0
+    model = FakeModel(sched.block_manager, digests, max_live_blocks)
     shared = [rng.randrange(3, VOCAB) for _ in range(13)]
     seqs: list[Sequence] = []
     requests: dict[str, list[Sequence]] = {}

@@ -243,22 +243,33 @@ class BlockManager:
         seq.block_table.clear()
         self._num_registered.pop(seq.seq_id, None)
 
-    def release_out_of_window(self, seq: Sequence) -> None:
-        """Release the leading blocks of running `seq` that no query will read again (every
-        layer's window ends after them); a hashed one goes to the LRU, as from free()."""
-        stop = self.num_out_of_window(seq.num_computed_tokens)
-        if self.enable_prefix_caching:
-            # NOTE: a block is released only once registered, so the cache keeps every one.
-            stop = min(stop, self._num_registered.get(seq.seq_id, 0))
-        start = seq.num_dropped_blocks
-        if stop <= start:
-            return
-        block_table = seq.block_table
-        self._release(block_table[start:stop])
-        block_table[start:stop] = [NULL_BLOCK] * (stop - start)
-        seq.num_dropped_blocks = stop
-        self.tables[seq.block_row, start:stop] = NULL_BLOCK
-        self.tables_version += 1
+    def release_out_of_window(self, seqs: Iterable[Sequence]) -> None:
+        """Release the leading blocks of running `seqs` that no query will read again (every
+        layer's window starts after them), with one write to `tables`; a hashed one goes to the
+        LRU, as from free()."""
+        window = self.sliding_window
+        assert window is not None
+        block_size = self.block_size
+        registered = self._num_registered if self.enable_prefix_caching else None
+        rows: list[int] = []
+        columns: list[int] = []
+        for seq in seqs:
+            stop = (len(seq.token_ids) - seq.num_uncomputed_tokens - window) // block_size
+            if registered is not None:
+                # NOTE: a block is released only once registered, so the cache keeps every one.
+                stop = min(stop, registered.get(seq.seq_id, 0))
+            start = seq.num_dropped_blocks
+            if stop <= start or seq.block_row < 0:
+                continue
+            block_table = seq.block_table
+            self._release(block_table[start:stop])
+            block_table[start:stop] = [NULL_BLOCK] * (stop - start)
+            seq.num_dropped_blocks = stop
+            rows.extend([seq.block_row] * (stop - start))
+            columns.extend(range(start, stop))
+        if rows:
+            self.tables[rows, columns] = NULL_BLOCK
+            self.tables_version += 1
 
     def _release(self, block_ids: Iterable[int]) -> None:
         """Drop one reference to each block; one no seq holds becomes free, or cached-free."""

@@ -86,10 +86,11 @@ class Scheduler:
     @property
     def max_live_blocks(self) -> int:
         """With a sliding window, the most blocks one seq holds at once: those after the window
-        of its next query, plus a full step's tokens, plus one planned ahead."""
+        of its next query and a full step's tokens, plus one a decode step releases late (at
+        its next block), plus one planned ahead."""
         config = self.config
         assert config.sliding_window is not None
-        return -(-(config.sliding_window + config.max_num_batched_tokens) // config.block_size) + 2
+        return -(-(config.sliding_window + config.max_num_batched_tokens) // config.block_size) + 3
 
     def check_prompt(self, num_prompt_tokens: int, params: SamplingParams) -> str | None:
         """Why a prompt of this length can never run here, or None if it can."""
@@ -231,7 +232,11 @@ class Scheduler:
         """Apply one step: `sampled_token_ids` align with out's sampling seqs, in batch order."""
         applied = self._applier.apply(out, sampled_token_ids, logprobs, len(self.running))
         if self.config.sliding_window is not None:
-            self._release_out_of_window(out.seqs)
+            # NOTE: in a decode step only the seqs opening a block release (each does once in
+            # block_size steps), so the steady state costs no pass over the seqs. A step planned
+            # ahead reads none of the released blocks: its queries follow this step's.
+            crossing = applied.crossing
+            self.block_manager.release_out_of_window(out.seqs if crossing is None else crossing)
         update = applied.update
         if update.finished:
             self.running = [seq for seq in self.running if seq.finish_reason is None]
@@ -268,17 +273,6 @@ class Scheduler:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
         )
-
-    def _release_out_of_window(self, seqs: list[Sequence]) -> None:
-        """Give back the blocks `seqs` (those of the step just applied) hold wholly before the
-        window of their next query. A step planned ahead reads none of them: its queries come
-        after the tokens this step computed."""
-        block_manager = self.block_manager
-        for seq in seqs:
-            if seq.block_row >= 0 and (
-                block_manager.num_out_of_window(seq.num_computed_tokens) > seq.num_dropped_blocks
-            ):
-                block_manager.release_out_of_window(seq)
 
     def _reserve_decode_slots(self) -> bool:
         """If every running seq has exactly one uncomputed token, give each room for it; False
