@@ -96,7 +96,7 @@ def test_job_template_kwargs_per_run_and_row_and_reasoning_columns(
         {"messages": MESSAGES},
         {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}},
         {"prompt": "x", "chat_template_kwargs": {"enable_thinking": False}},
-        {"messages": MESSAGES, "chat_template_kwargs": "off"},
+        {"messages": MESSAGES, "chat_template_kwargs": [False]},
         {"prompt": "Q", "guided": THINKING, "sampling_params": {"n": 2}},
         {"prompt": "Q", "guided": LONG_THINKING, "sampling_params": {"max_tokens": 9}},
     ]

@@ -42,6 +42,11 @@ def test_chat_template_kwargs_per_row_merge_over_the_runs() -> None:
     assert parser.parse({"prompt": "x"}, 2, "l3").chat_template_kwargs is None
     record = {"custom_id": "c", "body": {"messages": messages, "chat_template_kwargs": {"a": 1}}}
     assert parse(record).chat_template_kwargs == {"a": 1}
+    # NOTE: as a Parquet column, JSON text or a struct whose absent fields are null.
+    text = {"messages": messages, "chat_template_kwargs": '{"enable_thinking": true}'}
+    assert parse(text).chat_template_kwargs == {"enable_thinking": True}
+    struct = {"messages": messages, "chat_template_kwargs": {"enable_thinking": None, "b": 2}}
+    assert parse(struct).chat_template_kwargs == {"b": 2}
     assert parse({"messages": messages}).chat_template_kwargs is None
 
 
@@ -108,8 +113,12 @@ def test_openai_completions_line() -> None:
         ({"custom_id": "a", "body": {"messages": []}}, "body.messages must be a non-empty list"),
         ({"custom_id": "a", "body": {"messages": [{"role": "user"}], "n": 0}}, "n must be at"),
         (
-            {"messages": [{"role": "user"}], "chat_template_kwargs": "enable_thinking"},
+            {"messages": [{"role": "user"}], "chat_template_kwargs": ["enable_thinking"]},
             "chat_template_kwargs must be an object of template variables",
+        ),
+        (
+            {"messages": [{"role": "user"}], "chat_template_kwargs": "{enable_thinking"},
+            "chat_template_kwargs is not valid JSON",
         ),
         (
             {"messages": [{"role": "user"}], "chat_template_kwargs": {"messages": []}},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,9 +156,17 @@ class RowParser:
         self._template_kwargs(row, record.get("chat_template_kwargs"), "chat_template_kwargs")
 
     def _template_kwargs(self, row: InputRow, value: Any, name: str) -> None:
-        """The row's chat-template variables: its own over the run's (messages rows only)."""
+        """The row's chat-template variables (an object or JSON text; null fields, as a Parquet
+        struct has them, left out): its own over the run's, for messages rows only."""
         if value is not None and row.messages is None:
             raise RowError(f"{name} applies to chat messages, and this row has a prompt")
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise RowError(f"{name} is not valid JSON: {e}") from None
+        if isinstance(value, dict):
+            value = {key: v for key, v in value.items() if v is not None}
         own = check_template_kwargs(value, name) if value is not None else {}
         if row.messages is not None and (self.template_kwargs or own):
             row.chat_template_kwargs = {**(self.template_kwargs or {}), **own}
