@@ -372,13 +372,15 @@ def test_bfloat16_tracks_transformers(
     assert similarity.min() > 0.999, similarity.min()
 
 
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("ops", ["torch", "native"])
 def test_window_bounds_the_kv_blocks_of_long_prompts(
-    ops: str, tiny_families: dict, greedy_check: Callable
+    ops: str, is_async: bool, tiny_families: dict, greedy_check: Callable
 ) -> None:
     """Mistral with a 5-token window on every layer: two 150-token prompts sharing 100 tokens
     run on a pool of 12 4-token blocks (their 170 tokens would need 43 each), as the blocks
-    behind the window are released; every greedy token is still transformers'."""
+    behind the window are released; every greedy token is still transformers', with the
+    next decode step planned ahead or not."""
     backend(ops)
     reference, model_dir = tiny_families["mistral-sliding"]
     config = EngineConfig(
@@ -388,6 +390,7 @@ def test_window_bounds_the_kv_blocks_of_long_prompts(
         max_num_batched_tokens=8,
         num_kv_blocks=12,
         max_num_seqs=2,
+        async_scheduling=is_async,
     )
     core = EngineCore(config)
     block_manager = core.scheduler.block_manager
