@@ -1,5 +1,6 @@
 """Chat-template variables and reasoning output end to end, on the tiny model with a Qwen3-style
-template: the Python API (LLM default, per Request) and jobs (per run, per row; JSONL, Parquet)."""
+template: the Python API (LLM default, per Request) and jobs (per run, per row, after a resume;
+JSONL, Parquet)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import QWEN3_STYLE_TEMPLATE, SharedLLM, read_jsonl, with_chat_template, write_jsonl
 
-from vbatch.job.runner import JobSpec, RunOptions, job_dir_for, start_job
+from vbatch.errors import EngineStartupError
+from vbatch.job.runner import JobSpec, RunOptions, job_dir_for, resume_job, start_job
 from vbatch.llm import LLM, Request
 from vbatch.sampling_params import SamplingParams
 
@@ -133,3 +135,27 @@ def test_job_template_kwargs_per_run_and_row_and_reasoning_columns(
     options = json.loads((job_dir_for(job.output_path) / "manifest.json").read_text())["options"]
     assert options["chat_template_kwargs"] == {"enable_thinking": True}
     assert options["reasoning_parser"] == "qwen3"
+
+
+def test_resume_renders_with_the_jobs_template_kwargs(tmp_path: Path, qwen3_llm: LLM) -> None:
+    job = JobSpec(
+        write_jsonl(tmp_path / "in.jsonl", [{"messages": MESSAGES}] * 2),
+        tmp_path / "out.jsonl",
+        model=str(qwen3_llm.model.source),
+        sampling={"max_tokens": 1},
+        chat_template_kwargs={"enable_thinking": True},
+        reasoning_parser="think",
+    )
+
+    def no_engine(*args: Any, **kwargs: Any) -> Any:
+        raise EngineStartupError("no engine this time")
+
+    with pytest.raises(EngineStartupError, match="Resume with"):
+        start_job(job, RunOptions(display="quiet"), llm_factory=no_engine)
+    outcome = resume_job(
+        job.output_path, {"display": "quiet"}, llm_factory=lambda *a, **k: SharedLLM(qwen3_llm)
+    )
+    assert outcome.exit_code == 0, outcome.message
+    # NOTE: the LLM's own default is enable_thinking=False; only the manifest says True.
+    expected = len(rendered_ids(qwen3_llm, True))
+    assert [row["prompt_tokens"] for row in read_jsonl(job.output_path)] == [expected] * 2
