@@ -1,16 +1,50 @@
-"""Helpers shared by several test modules: a shared real engine for jobs, JSONL files, process
-exits, a Hugging Face hub cache laid out as `hf download` leaves it."""
+"""Helpers shared by several test modules: a shared real engine for jobs, a Qwen3-style chat
+template, JSONL files, process exits, a Hugging Face hub cache laid out as `hf download` leaves
+it."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import orjson
 import psutil
+
+# NOTE: Qwen3's chat template, cut to what it does with plain messages: the history drops
+# earlier answers' thinking, and the generation prompt opens an empty think block when
+# `enable_thinking` is false.
+QWEN3_STYLE_TEMPLATE = r"""{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == "user" or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set content = message.content %}
+        {%- if '</think>' in content %}
+            {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+        {%- endif %}
+        {{- '<|im_start|>assistant\n' + content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
+
+def with_chat_template(model_dir: Path, out_dir: Path, template: str) -> Path:
+    """A copy of `model_dir` whose chat_template.jinja is `template`."""
+    shutil.copytree(model_dir, out_dir)
+    (out_dir / "chat_template.jinja").write_text(template)
+    return out_dir
 
 
 class SharedLLM:

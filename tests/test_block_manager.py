@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from vbatch.engine.block_manager import ROOT_HASH, BlockManager, hash_block
+from vbatch.engine.block_manager import NULL_BLOCK, ROOT_HASH, BlockManager, hash_block
 from vbatch.engine.sequence import Sequence
 from vbatch.sampling_params import SamplingParams
 
@@ -21,7 +21,8 @@ def check_invariants(bm: BlockManager, live_seqs: list[Sequence]) -> None:
     assert not free & cached_free
     occurrences = [0] * bm.num_blocks
     for seq in live_seqs:
-        for block_id in seq.block_table:
+        assert seq.block_table[: seq.num_dropped_blocks] == [NULL_BLOCK] * seq.num_dropped_blocks
+        for block_id in seq.block_table[seq.num_dropped_blocks :]:
             occurrences[block_id] += 1
     assert occurrences == bm.ref_counts
     for block_id in range(bm.num_blocks):
@@ -302,6 +303,41 @@ def test_each_block_of_a_seq_is_hashed_once_and_chained_by_hash_block() -> None:
     assert bm.block_hashes[a.block_table[3]] == hash_block(expected[-1], [15, 16, 17, 18])
     b = make_seq(list(range(3, 16)))
     assert bm.uncached_prompt_hashes(b, []) == expected
+
+
+def test_blocks_behind_the_window_are_released_and_stay_cached() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4, sliding_window=6)
+    tokens = list(range(100, 130))
+    seq = make_seq(tokens)
+    admit(bm, seq)
+    blocks = list(seq.block_table)
+    assert len(blocks) == 8 and bm.num_free_blocks == 8
+    seq.num_computed_tokens = 20
+    bm.release_out_of_window([seq])
+    assert seq.num_dropped_blocks == 0, "not registered yet: nothing is released"
+    bm.cache_full_blocks(seq)
+    bm.release_out_of_window([seq])
+    # NOTE: the next query (position 20) reads positions 15-20: blocks 0-2 end before them.
+    assert seq.num_dropped_blocks == 3 and bm.num_free_blocks == 11
+    assert seq.block_table == [NULL_BLOCK] * 3 + blocks[3:]
+    check_invariants(bm, [seq])
+    compute_all(bm, seq)
+    bm.release_out_of_window([seq])
+    assert seq.num_dropped_blocks == 6 and bm.num_free_blocks == 14
+    check_invariants(bm, [seq])
+    # NOTE: a second seq with the same prompt matches 7 cached blocks and, 28 tokens in, takes
+    # only those its window still reads.
+    twin = make_seq(tokens)
+    cached = bm.match_prefix(twin)
+    assert cached == blocks[:7]
+    admit(bm, twin)
+    assert twin.num_dropped_blocks == 5 and twin.block_table[5:7] == blocks[5:7]
+    assert twin.num_computed_tokens == 28
+    check_invariants(bm, [seq, twin])
+    bm.free(seq)
+    bm.free(twin)
+    check_invariants(bm, [])
+    assert bm.usage == 0.0 and seq.num_dropped_blocks == twin.num_dropped_blocks == 0
 
 
 def test_table_rows_grow_and_are_reused_zeroed() -> None:

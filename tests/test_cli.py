@@ -82,6 +82,12 @@ RUN_OPTIONS: dict[str, tuple[list[str], str, Any]] = {
     "keep_columns": (["--keep-columns", "a, b"], "spec.columns.keep_columns", ("a", "b")),
     "keep_all_columns": (["--keep-all-columns"], "spec.columns.keep_all_columns", True),
     "model": (["--model", "m.gguf"], "spec.model", "m.gguf"),
+    "chat_template_kwargs": (
+        ["--chat-template-kwargs", '{"enable_thinking": false}'],
+        "spec.chat_template_kwargs",
+        {"enable_thinking": False},
+    ),
+    "reasoning_parser": (["--reasoning-parser", "qwen3"], "spec.reasoning_parser", "qwen3"),
     "shard": (["--shard", "1/3"], "spec.shard", Shard(1, 3)),
     "device": (["--device", "cpu"], "spec.engine_args.device", "cpu"),
     "dtype": (["--dtype", "bfloat16"], "spec.engine_args.dtype", "bfloat16"),
@@ -256,6 +262,7 @@ def test_a_mistyped_choice_fails_at_parse_time_and_names_the_choices(tmp_path: P
         ("--attention-backend", "flash", "'auto', 'torch', 'native'"),
         ("--kv-cache-dtype", "int8", "'auto', 'float32', 'bfloat16', 'float16'"),
         ("--quantization", "int4", "'int8'"),
+        ("--reasoning-parser", "r1", "'think', 'qwen3', 'deepseek_r1'"),
     ):
         result = runner.invoke(
             app, ["run", str(tmp_path / "missing.jsonl"), "-o", "o.jsonl", flag, bad]
@@ -374,3 +381,29 @@ def test_real_model_chat_job_end_to_end(tmp_path: Path) -> None:
     info = json.loads(status.stdout)
     assert (info["complete"], info["done"], info["remaining"]) == (True, 3, 0)
     print(f"real-model job took {time.perf_counter() - started:.1f} s")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--chat-template-kwargs", "{enable_thinking: false}"],
+            "--chat-template-kwargs is not valid JSON",
+        ),
+        (["--chat-template-kwargs", "[1]"], "--chat-template-kwargs must be a JSON object"),
+        (
+            ["--chat-template-kwargs", '{"messages": []}'],
+            "--chat-template-kwargs may not set 'messages'",
+        ),
+    ],
+)
+def test_bad_chat_template_kwargs_and_reasoning_parser_are_one_line_errors(
+    tmp_path: Path, flags: list[str], message: str
+) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"prompt": "hi"}\n')
+    output = tmp_path / "o.jsonl"
+    result = CliRunner().invoke(app, ["run", str(source), "-o", str(output), *flags])
+    assert result.exit_code == 1
+    assert result.output.startswith(f"error: {message}") and result.output.count("\n") == 1
+    assert not output.exists() and not (tmp_path / "o.jsonl.vbatch").exists()

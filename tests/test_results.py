@@ -78,6 +78,34 @@ def test_multi_sample_row_with_logprobs() -> None:
     assert table.column("texts").to_pylist() == [["a", "b"]]
 
 
+def test_reasoning_parser_moves_the_think_part_to_its_columns() -> None:
+    row = InputRow(3, "line 4", "a", messages=[{"role": "user", "content": "q"}])
+    single = make_result([CompletionOutput(0, "<think>hm</think>\n\n42", [7], "stop")])
+    values = result_row(row, single, include_token_ids=False, reasoning_parser="qwen3")
+    assert (values["text"], values["reasoning"], values["reasonings"]) == ("42", "hm", None)
+    plain = result_row(row, single, include_token_ids=False)
+    assert plain["text"] == "<think>hm</think>\n\n42" and plain["reasoning"] is None
+    assert "reasoning" not in orjson.loads(jsonl_bytes(plain, None))
+    outputs = [
+        CompletionOutput(0, "<think>a</think>x", [7], "stop"),
+        CompletionOutput(1, "<think>cut sho", [7], "length"),
+        # NOTE: an LLM made with a reasoning parser split it already; that split is kept.
+        CompletionOutput(2, "y", [7], "stop", reasoning="b"),
+    ]
+    values = result_row(
+        row, make_result(outputs), include_token_ids=False, reasoning_parser="think"
+    )
+    assert values["texts"] == ["x", "", "y"] and values["reasonings"] == ["a", "cut sho", "b"]
+    assert values["text"] is None and values["reasoning"] is None
+    line = openai_line(row, values, "m", str)
+    messages = [c["message"] for c in line["response"]["body"]["choices"]]
+    assert messages[1] == {"role": "assistant", "content": "", "reasoning_content": "cut sho"}
+    schema = parquet_schema("str", [], reasoning=True)
+    table = pa.Table.from_pylist([parquet_values(values, None, "str", False)], schema=schema)
+    assert table.column("reasonings").to_pylist() == [["a", "cut sho", "b"]]
+    assert "reasoning" not in parquet_schema("str", []).names
+
+
 def test_engine_error_becomes_error_row_with_location() -> None:
     row = InputRow(3, "line 4", "a", prompt="p")
     values = result_row(

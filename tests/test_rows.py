@@ -30,6 +30,26 @@ def test_messages_row_and_per_row_overrides() -> None:
     assert row.sampling_params.temperature == 0.0
 
 
+def test_chat_template_kwargs_per_row_merge_over_the_runs() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    parser = RowParser(ColumnOptions(), DEFAULTS, {"enable_thinking": False, "style": "short"})
+    row = parser.parse({"messages": messages, "chat_template_kwargs": {"style": "long"}}, 0, "l1")
+    assert row.chat_template_kwargs == {"enable_thinking": False, "style": "long"}
+    assert parser.parse({"messages": messages}, 1, "l2").chat_template_kwargs == {
+        "enable_thinking": False,
+        "style": "short",
+    }
+    assert parser.parse({"prompt": "x"}, 2, "l3").chat_template_kwargs is None
+    record = {"custom_id": "c", "body": {"messages": messages, "chat_template_kwargs": {"a": 1}}}
+    assert parse(record).chat_template_kwargs == {"a": 1}
+    # NOTE: as a Parquet column, JSON text or a struct whose absent fields are null.
+    text = {"messages": messages, "chat_template_kwargs": '{"enable_thinking": true}'}
+    assert parse(text).chat_template_kwargs == {"enable_thinking": True}
+    struct = {"messages": messages, "chat_template_kwargs": {"enable_thinking": None, "b": 2}}
+    assert parse(struct).chat_template_kwargs == {"b": 2}
+    assert parse({"messages": messages}).chat_template_kwargs is None
+
+
 def test_custom_columns() -> None:
     options = ColumnOptions(prompt_column="q", id_column="key", keep_columns=("extra",))
     row = parse({"q": "why", "key": 12, "extra": [1, 2]}, options)
@@ -92,6 +112,30 @@ def test_openai_completions_line() -> None:
         ),
         ({"custom_id": "a", "body": {"messages": []}}, "body.messages must be a non-empty list"),
         ({"custom_id": "a", "body": {"messages": [{"role": "user"}], "n": 0}}, "n must be at"),
+        (
+            {"messages": [{"role": "user"}], "chat_template_kwargs": ["enable_thinking"]},
+            "chat_template_kwargs must be an object of template variables",
+        ),
+        (
+            {"messages": [{"role": "user"}], "chat_template_kwargs": "{enable_thinking"},
+            "chat_template_kwargs is not valid JSON",
+        ),
+        (
+            {"messages": [{"role": "user"}], "chat_template_kwargs": {"messages": []}},
+            "chat_template_kwargs may not set 'messages'",
+        ),
+        (
+            {"messages": [{"role": "user"}], "chat_template_kwargs": {"a-b": 1}},
+            "not a template variable name",
+        ),
+        (
+            {"prompt": "x", "chat_template_kwargs": {"enable_thinking": False}},
+            "chat_template_kwargs applies to chat messages, and this row has a prompt",
+        ),
+        (
+            {"custom_id": "a", "body": {"messages": [{"role": "user"}], "chat_template_kwargs": 1}},
+            "body.chat_template_kwargs must be an object",
+        ),
     ],
 )
 def test_bad_rows_become_error_rows(record: Any, message: str) -> None:
@@ -99,3 +143,4 @@ def test_bad_rows_become_error_rows(record: Any, message: str) -> None:
     assert row.error is not None and message in row.error
     assert row.error.startswith("line 9: ")
     assert row.prompt is None and row.messages is None and row.index == 7
+    assert row.chat_template_kwargs is None

@@ -57,7 +57,7 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
         assert bm.tables[row, : len(seq.block_table)].tolist() == seq.block_table
     ref_counts = [0] * bm.num_blocks
     for seq in sched.running:
-        for block_id in seq.block_table:
+        for block_id in seq.block_table[seq.num_dropped_blocks :]:
             ref_counts[block_id] += 1
     assert ref_counts == bm.ref_counts
     for seq in sched.waiting:
@@ -387,6 +387,36 @@ def test_check_prompt() -> None:
     assert sched.check_prompt(19, SamplingParams(max_tokens=1)) is not None
     assert "maximum model length" in sched.check_prompt(20, params)
     assert "KV cache" in sched.check_prompt(15, SamplingParams(max_tokens=2))
+
+
+def test_check_prompt_with_a_window_counts_the_blocks_held_at_once() -> None:
+    sched = make_scheduler(
+        max_model_len=200, num_kv_blocks=8, block_size=4, max_num_batched_tokens=8
+    )
+    assert "KV cache" in sched.check_prompt(100, SamplingParams(max_tokens=10))
+    windowed = make_scheduler(
+        max_model_len=200,
+        num_kv_blocks=8,
+        block_size=4,
+        max_num_batched_tokens=8,
+        sliding_window=10,
+    )
+    assert windowed.max_live_blocks == 8
+    assert windowed.check_prompt(100, SamplingParams(max_tokens=10)) is None
+    seqs = [
+        add(windowed, "a", list(range(10, 110)), max_tokens=10),
+        add(windowed, "b", list(range(50, 110)), max_tokens=30),
+    ]
+    bm = windowed.block_manager
+    most_used = 0
+    while windowed.has_unfinished():
+        step(windowed)
+        most_used = max(most_used, bm.num_blocks - bm.num_free_blocks)
+        for seq in windowed.running:
+            assert seq.num_dropped_blocks * 4 <= max(0, seq.num_computed_tokens - 10)
+            assert len(seq.block_table) - seq.num_dropped_blocks <= windowed.max_live_blocks
+    assert all(seq.num_output_tokens == seq.params.max_tokens for seq in seqs)
+    assert most_used <= 8 and bm.usage == 0.0
 
 
 def test_prefix_cache_hit_skips_the_shared_blocks() -> None:

@@ -4,7 +4,8 @@ advanced as the ModelRunner does) say which slots each step reads and writes, an
 KV cache records in every slot the position and a digest of the whole prefix it was computed
 from. So a slot counted as computed but never written, a slot read under the wrong prefix (a
 bad prefix-cache hit), a position computed or sampled twice, or a token that is not the model's
-choice for its prefix each fail a check."""
+choice for its prefix each fail a check. With a sliding window, each query reads its whole
+window, so a block released too early (and reused) fails too."""
 
 from __future__ import annotations
 
@@ -62,8 +63,12 @@ class Digests:
 class FakeModel:
     """Runs steps on a paged fake KV cache: slot -> (position, digest of the prefix through it)."""
 
-    def __init__(self, block_manager: BlockManager) -> None:
+    def __init__(self, block_manager: BlockManager, digests: Digests, max_live_blocks: int) -> None:
         self.block_manager = block_manager
+        self.digests = digests
+        self.window = block_manager.sliding_window
+        self.max_live_blocks = max_live_blocks
+        self.num_dropped = 0  # seqs seen holding released blocks, summed over steps
         self.kv: list[tuple[int, int] | None] = [None] * (block_manager.num_blocks * BLOCK_SIZE)
         self.sampled: set[tuple[int, int]] = set()  # (seq_id, position) of every sample
         # NOTE: (seq_id, times preempted, position) of every write: once per admission.
@@ -107,6 +112,8 @@ class FakeModel:
                     entry = self.kv[tables[i][q // BLOCK_SIZE] * BLOCK_SIZE + q % BLOCK_SIZE]
                     assert entry is not None and entry[0] == q, "a read of a slot never written"
                     previous = entry[1]
+                if self.window is not None:
+                    self.check_window(seq, tables[i], p)
                 digest = extend(input_ids[row], previous)
                 self.kv[slot] = (p, digest)
                 row_digests.append(digest)
@@ -120,12 +127,29 @@ class FakeModel:
         self.decode.record(out.step_id, tokens)
         return tokens
 
-    def check_computed(self, seqs: list[Sequence], digests: Digests) -> None:
-        """Every token a seq counts as computed has its own K/V, after its own prefix."""
+    def check_window(self, seq: Sequence, table: list[int], p: int) -> None:
+        """The keys a query at `p` reads, (p - window, p), hold the K/V of its own prefix."""
+        assert self.window is not None
+        expected = self.digests.of(seq)
+        for q in range(max(0, p - self.window + 1), p):
+            entry = self.kv[table[q // BLOCK_SIZE] * BLOCK_SIZE + q % BLOCK_SIZE]
+            assert entry == (q, expected[q]), f"{seq} at {p} reads a stale key at {q}"
+
+    def check_computed(self, seqs: list[Sequence]) -> None:
+        """Every token a seq counts as computed has its own K/V, after its own prefix, but those
+        of blocks released out of the window; those lie before every query's window."""
         for seq in seqs:
-            expected = digests.of(seq)
+            expected = self.digests.of(seq)
             table = seq.block_table
-            for p in range(seq.num_computed_tokens):
+            start = seq.num_dropped_blocks * BLOCK_SIZE
+            if self.window is not None:
+                assert start <= max(0, seq.num_computed_tokens - self.window)
+                self.num_dropped += seq.num_dropped_blocks > 0
+                num_live = len(table) - seq.num_dropped_blocks
+                assert num_live <= self.max_live_blocks, seq
+            else:
+                assert start == 0
+            for p in range(start, seq.num_computed_tokens):
                 slot = table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
                 assert self.kv[slot] == (p, expected[p]), (seq, p)
 
@@ -145,8 +169,9 @@ def random_request(rng: random.Random, shared: list[int], num_kv_blocks: int) ->
     return prompt, params
 
 
-def run_engine_loop(seed: int, is_async: bool) -> dict[str, int]:
-    """One random workload through EngineCore.step()'s loop; returns what it exercised."""
+def run_engine_loop(seed: int, is_async: bool, window: int | None = None) -> dict[str, int]:
+    """One random workload through EngineCore.step()'s loop, on a model whose every layer
+    attends within `window` if set; returns what it exercised."""
     rng = random.Random(seed)
     max_num_seqs = rng.randrange(2, 9)
     config = SchedulerConfig(
@@ -156,12 +181,15 @@ def run_engine_loop(seed: int, is_async: bool) -> dict[str, int]:
         max_num_batched_tokens=max_num_seqs + rng.choice([0, 0, 1, 3, 12]),
         max_model_len=256,
         block_size=BLOCK_SIZE,
-        num_kv_blocks=rng.choice([16, 24, 64]),
+        # NOTE: a window frees blocks, so its pools are smaller to preempt as often.
+        num_kv_blocks=rng.choice([16, 24, 64] if window is None else [10, 12, 16]),
         enable_prefix_caching=rng.random() < 0.75,
+        sliding_window=window,
     )
     sched = Scheduler(config, eos_token_ids=[EOS])
-    model = FakeModel(sched.block_manager)
     digests = Digests()
+    max_live_blocks = sched.max_live_blocks if window is not None else 0
+    model = FakeModel(sched.block_manager, digests, max_live_blocks)
     shared = [rng.randrange(3, VOCAB) for _ in range(13)]
     seqs: list[Sequence] = []
     requests: dict[str, list[Sequence]] = {}
@@ -210,7 +238,7 @@ def run_engine_loop(seed: int, is_async: bool) -> dict[str, int]:
                 assert end == seq.num_tokens if is_sampling else end < seq.num_tokens
         update = sched.update(out, tokens)
         assert len(update.token_ids) == len(update.seqs)
-        model.check_computed(sched.running, digests)
+        model.check_computed(sched.running)
     else:
         raise AssertionError("the workload did not finish")
     assert sched.block_manager.usage == 0.0
@@ -228,15 +256,20 @@ def run_engine_loop(seed: int, is_async: bool) -> dict[str, int]:
         "prefix_hits": sched.block_manager.num_prefix_hits,
         "aborted": sum(seq.finish_reason == FinishReason.ABORT for seq in seqs),
         "stopped": sum(seq.finish_reason == FinishReason.STOP for seq in seqs),
+        "dropped": model.num_dropped,
     }
 
 
+@pytest.mark.parametrize("window", [None, 6], ids=["global", "window6"])
 @pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
-def test_every_computed_position_has_the_kv_of_its_own_prefix(is_async: bool) -> None:
+def test_every_computed_position_has_the_kv_of_its_own_prefix(
+    is_async: bool, window: int | None
+) -> None:
     totals: dict[str, int] = {}
     for seed in range(40):
-        for key, value in run_engine_loop(seed, is_async).items():
+        for key, value in run_engine_loop(seed, is_async, window).items():
             totals[key] = totals.get(key, 0) + value
     assert (totals["ahead"] > 1000) == is_async
     assert totals["advanced"] > 1000 and totals["preemptions"] > 300
     assert totals["prefix_hits"] > 5000 and totals["aborted"] > 20 and totals["stopped"] > 200
+    assert (totals["dropped"] > 1000) == (window is not None)

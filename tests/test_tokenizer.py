@@ -7,8 +7,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import QWEN3_STYLE_TEMPLATE
 
-from vbatch.client.tokenizer import TextTokenizer
+from vbatch.client.tokenizer import TextTokenizer, check_template_kwargs
 from vbatch.errors import InputError, ModelLoadError
 from vbatch.models.loader import ResolvedModel
 
@@ -186,3 +187,42 @@ def test_from_dir_errors(hf_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}")
     with pytest.raises(ModelLoadError, match="does not compile"):
         TextTokenizer.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("enable_thinking", [None, True, False])
+def test_template_kwargs_reach_a_qwen3_template_as_in_transformers(
+    tokenizer: TextTokenizer, hf_tokenizer, enable_thinking: bool | None
+) -> None:
+    qwen3 = TextTokenizer(tokenizer.backend, tokenizer.special_tokens, QWEN3_STYLE_TEMPLATE)
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    history = [
+        {"role": "user", "content": "1+1?"},
+        {"role": "assistant", "content": "<think>\nadd\n</think>\n\n2"},
+        {"role": "user", "content": "2+2?"},
+    ]
+    expected = hf_tokenizer.apply_chat_template(
+        history,
+        chat_template=QWEN3_STYLE_TEMPLATE,
+        tokenize=False,
+        add_generation_prompt=True,
+        **kwargs,
+    )
+    rendered = qwen3.apply_chat_template(history, template_kwargs=kwargs)
+    assert rendered == expected
+    assert rendered.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") == (
+        enable_thinking is False
+    )
+    assert "add" not in rendered
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (["enable_thinking"], "must be an object of template variables"),
+        ({"add_generation_prompt": False}, "may not set 'add_generation_prompt'"),
+        ({"enable thinking": True}, "not a template variable name"),
+    ],
+)
+def test_bad_template_kwargs_are_input_errors(kwargs: object, message: str) -> None:
+    with pytest.raises(InputError, match=message):
+        check_template_kwargs(kwargs)

@@ -18,7 +18,13 @@ import typer
 from vbatch import __version__
 from vbatch import cli_options as o
 from vbatch.config import AttentionBackend, Device, Dtype, EngineConfig
-from vbatch.errors import VbatchError, is_storage_failure, storage_error, unexpected_error
+from vbatch.errors import (
+    ConfigError,
+    VbatchError,
+    is_storage_failure,
+    storage_error,
+    unexpected_error,
+)
 from vbatch.job.options import JOB_SAMPLING, RunOptions
 from vbatch.sampling_params import SamplingParams
 
@@ -96,12 +102,14 @@ def run_request(params: Mapping[str, Any]) -> RunRequest:
     options = RunOptions(display=display, **_given(take(RUN_OPTION_FIELDS)))
     engine = {k: v for k, v in take(ENGINE_FIELDS).items() if v != getattr(ENGINE, k)}
     shard = values.pop("shard")
+    template_kwargs = _json_object(values.pop("chat_template_kwargs"), "--chat-template-kwargs")
     spec_fields = tuple(f.name for f in fields(JobSpec))
     spec = JobSpec(
         columns=columns,
         engine_args=engine,
         sampling=sampling,
         shard=None if shard is None else parse_shard(shard),
+        chat_template_kwargs=template_kwargs,
         **take(spec_fields),
     )
     if values:
@@ -123,6 +131,19 @@ def resume_request(params: Mapping[str, Any]) -> ResumeRequest:
     return request
 
 
+def _json_object(value: str | None, flag: str) -> dict[str, Any] | None:
+    """A flag's JSON object value (None when not given)."""
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag} is not valid JSON ({e}): {value!r:.80}") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{flag} must be a JSON object, like '{{\"enable_thinking\": false}}'")
+    return parsed
+
+
 def _given(values: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in values.items() if value is not None}
 
@@ -130,6 +151,19 @@ def _given(values: dict[str, Any]) -> dict[str, Any]:
 def _fail(message: str, exit_code: int = 1) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(exit_code)
+
+
+def _json_object(value: str | None, flag: str) -> dict[str, Any] | None:
+    """A flag's JSON object value (None when not given); anything else exits with one line."""
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        _fail(f"{flag} is not valid JSON ({e}): {value!r:.80}")
+    if not isinstance(parsed, dict):
+        _fail(f"{flag} must be a JSON object, like '{{\"enable_thinking\": false}}'")
+    return parsed
 
 
 def _guarded(fn: Callable[[], T]) -> T:
@@ -193,6 +227,7 @@ def run(
     id_column: o.IdColumn = None,
     keep_columns: o.KeepColumns = None,
     keep_all_columns: o.KeepAllColumns = False,
+    chat_template_kwargs: o.ChatTemplateKwargs = None,
     model: o.Model = None,
     device: o.DeviceOption = Device(ENGINE.device),
     dtype: o.DtypeOption = Dtype(ENGINE.dtype),
@@ -224,6 +259,7 @@ def run(
     choice: o.Choice = None,
     grammar: o.Grammar = None,
     parse_json: o.ParseJson = False,
+    reasoning_parser: o.ReasoningParserOption = None,
     ordered: o.Ordered = False,
     overwrite: o.Overwrite = False,
     clean: o.Clean = RUN.clean,

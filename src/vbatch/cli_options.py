@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from vbatch.client.reasoning import ReasoningParser
 from vbatch.config import AttentionBackend, Device, Dtype, Quantization
 
 INPUT = "Input"
@@ -114,6 +115,22 @@ KvCacheDtype = Annotated[
         help="auto is the model dtype. A 16-bit cache under a float32 model (CPU) halves KV "
         "memory and traffic at a small accuracy cost.",
         rich_help_panel=ENGINE,
+    ),
+]
+ChatTemplateKwargs = Annotated[
+    str | None,
+    typer.Option(
+        help="Chat-template variables as a JSON object, e.g. enable_thinking (a row's own "
+        "chat_template_kwargs are merged over them).",
+        rich_help_panel=INPUT,
+    ),
+]
+ReasoningParserOption = Annotated[
+    ReasoningParser | None,
+    typer.Option(
+        "--reasoning-parser",
+        help="Move the reasoning part (in think tags) of each output to a `reasoning` column.",
+        rich_help_panel=STRUCTURED,
     ),
 ]
 QuantizationOption = Annotated[

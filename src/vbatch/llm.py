@@ -19,7 +19,8 @@ from vbatch.client.outputs import (
     RequestState,
     error_output,
 )
-from vbatch.client.tokenizer import TextTokenizer
+from vbatch.client.reasoning import check_reasoning_parser
+from vbatch.client.tokenizer import TextTokenizer, check_template_kwargs
 from vbatch.config import EngineConfig
 from vbatch.engines import EngineReport, EngineState
 from vbatch.errors import SamplingParamsError, VbatchError
@@ -69,6 +70,10 @@ class LLM:
     Invariants: at most `max_in_flight` requests are in the core at once; one stream runs at a
     time (a second concurrent stream raises); request ids sent to the core are unique per LLM,
     so late outputs of aborted requests are recognised and dropped.
+
+    `chat_template_kwargs` are extra chat-template variables for every conversation (a
+    `Request`'s own are merged over them); `reasoning_parser` (see `REASONING_PARSERS`) splits
+    each output's `<think>` part into `CompletionOutput.reasoning`.
     """
 
     def __init__(
@@ -77,10 +82,15 @@ class LLM:
         *,
         max_in_flight: int | None = None,
         on_progress: Callable[[str], None] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        reasoning_parser: str | None = None,
         **engine_args: Any,
     ) -> None:
         _check_main_guard()
         from vbatch.models.loader import resolve_model
+
+        self.chat_template_kwargs = check_template_kwargs(chat_template_kwargs or {})
+        self.reasoning_parser = check_reasoning_parser(reasoning_parser)
 
         if on_progress is not None:
             on_progress("resolving model")
@@ -255,6 +265,7 @@ class LLM:
                 logprobs=[[] if params.logprobs is not None else None for _ in range(params.n)],
                 num_core_live=params.n,
                 structured=params.structured is not None,
+                reasoning_parser=self.reasoning_parser,
             )
             adds.append(AddRequest(rid, pack_token_ids(prompt_ids), params, time.time()))
         if adds:
@@ -286,7 +297,10 @@ class LLM:
                 results[k] = list(req.prompt_token_ids)
             elif req.messages is not None:
                 try:
-                    chats[1].append(self.tokenizer.apply_chat_template(req.messages))
+                    kwargs = self.chat_template_kwargs
+                    if req.chat_template_kwargs is not None:
+                        kwargs = {**kwargs, **check_template_kwargs(req.chat_template_kwargs)}
+                    chats[1].append(self.tokenizer.apply_chat_template(req.messages, True, kwargs))
                     chats[0].append(k)
                 except VbatchError as e:
                     results[k] = str(e)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vbatch.client.detokenizer import IncrementalDetokenizer
+from vbatch.client.reasoning import split_reasoning
 from vbatch.protocol import FinishReason, SampleFinish, TokenLogprobs
 from vbatch.sampling_params import SamplingParams
 
@@ -21,11 +22,14 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None
     # NOTE: with structured output, whether the text is a complete match (it ended on EOS).
     structured_complete: bool | None = None
+    # NOTE: with a reasoning parser, the `<think>` part (`text` is then the answer alone).
+    reasoning: str | None = None
 
 
 @dataclass
 class Request:
-    """One input item: a prompt, a conversation or token ids, with optional own sampling params."""
+    """One input item: a prompt, a conversation or token ids, with optional own sampling params
+    and chat-template variables (over the LLM's own, for a conversation)."""
 
     id: Any = None
     index: int | None = None
@@ -33,6 +37,7 @@ class Request:
     messages: list[dict] | None = None
     prompt_token_ids: list[int] | None = None
     sampling_params: SamplingParams | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 @dataclass
@@ -71,6 +76,7 @@ class RequestState:
     num_cached_tokens: int = 0
     error: str | None = None
     structured: bool = False
+    reasoning_parser: str | None = None
     num_open: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -121,10 +127,13 @@ class RequestState:
             finish_reason, stop_reason = reason or (None, None)
             token_ids = detok.token_ids
             logprobs = self.logprobs[i]
+            reasoning, text = None, detok.text
+            if self.reasoning_parser is not None:
+                reasoning, text = split_reasoning(text, self.reasoning_parser)
             outputs.append(
                 CompletionOutput(
                     i,
-                    detok.text,
+                    text,
                     list(token_ids),
                     finish_reason,
                     stop_reason,
@@ -132,6 +141,7 @@ class RequestState:
                     # NOTE: a grammar allows EOS only where it can end; a stop string or
                     # stop id cut the text, so only an EOS finish, ("stop", None), completes it.
                     reason == ("stop", None) if self.structured else None,
+                    reasoning,
                 )
             )
         return make_output(

@@ -17,6 +17,8 @@ from tokenizers import Tokenizer
 
 from vbatch.errors import InputError, ModelLoadError
 
+# NOTE: the names the renderer itself passes; a template kwarg may not replace them.
+RENDER_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 SPECIAL_TOKEN_NAMES = (
     "bos_token",
     "eos_token",
@@ -95,6 +97,18 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
                 )
         checked.append({k: v for k, v in message.items() if v is not None})
     return checked
+
+
+def check_template_kwargs(value: Any, what: str = "chat_template_kwargs") -> dict[str, Any]:
+    """Check extra chat-template variables (e.g. {"enable_thinking": false}); a copy."""
+    if not isinstance(value, Mapping):
+        raise InputError(f"{what} must be an object of template variables, got {value!r:.80}")
+    for key in value:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise InputError(f"{what} has the key {key!r}, which is not a template variable name")
+        if key in RENDER_NAMES:
+            raise InputError(f"{what} may not set {key!r}: vbatch sets it when rendering")
+    return dict(value)
 
 
 def _token_content(value: Any) -> str | None:
@@ -182,9 +196,13 @@ class TextTokenizer:
         return [enc.ids for enc in encodings]
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """Render one conversation to prompt text, exactly as transformers does."""
+        """Render one conversation to prompt text, exactly as transformers does; `template_kwargs`
+        are extra template variables, as transformers' `apply_chat_template(**kwargs)` takes."""
         if self._template is None:
             raise InputError(
                 "this model has no chat template, so 'messages' rows cannot be used; "
@@ -197,16 +215,22 @@ class TextTokenizer:
                 tools=None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
+                **{**self.special_tokens, **(template_kwargs or {})},
             )
         except jinja2.TemplateError as exc:
             raise InputError(f"the chat template rejected the messages: {exc}") from None
 
     def encode_chats(
-        self, conversations: Sequence[list[dict[str, Any]]], add_generation_prompt: bool = True
+        self,
+        conversations: Sequence[list[dict[str, Any]]],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[list[int]]:
         """Render and encode conversations; templates carry their own BOS, so none is added."""
-        texts = [self.apply_chat_template(m, add_generation_prompt) for m in conversations]
+        texts = [
+            self.apply_chat_template(m, add_generation_prompt, template_kwargs)
+            for m in conversations
+        ]
         return self.encode_batch(texts, add_special_tokens=False)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -6,6 +6,7 @@ import hashlib
 import os
 from array import array
 from collections import OrderedDict
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
 
 import numpy as np
@@ -18,6 +19,9 @@ _sha256 = hashlib.sha256
 # colliding prompts offline (CPython's tuple hash, the key before issue 12, has collisions found
 # in minutes).
 ROOT_HASH: BlockHash = os.urandom(32)
+# NOTE: what a block-table entry released out of the sliding window holds. Attention never
+# reads it: the kernels start at the window, and the torch decode path masks what it gathers.
+NULL_BLOCK = 0
 
 
 def hash_block(parent_hash: BlockHash, token_ids: SequenceOf[int]) -> BlockHash:
@@ -39,6 +43,11 @@ class BlockManager:
     of a seq holding blocks are hashed, or equal to hashed ones. Prefix counters count tokens. A
     seq holding blocks owns row `seq.block_row` of `tables`, which holds its block table and then
     zeros; free rows are zero; `tables_version` changes whenever `tables` does.
+
+    With `sliding_window` W (set only when every layer of the model has a window of at most
+    W), a seq's leading blocks that end before position `num_computed_tokens - W` are needed by
+    no query to come: `release_out_of_window` gives them back (hashed ones stay cached) and
+    leaves NULL_BLOCK in their entries, which keep their positions.
     """
 
     def __init__(
@@ -46,11 +55,14 @@ class BlockManager:
         num_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
     ) -> None:
         assert num_blocks > 0 and block_size > 0
+        assert sliding_window is None or sliding_window > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.ref_counts = [0] * num_blocks
         # NOTE: popped from the end, so block 0 goes out first and freed blocks are reused soonest.
         self.free_block_ids = list(range(num_blocks - 1, -1, -1))
@@ -126,30 +138,42 @@ class BlockManager:
                 hashes.append(parent)
         return hashes
 
+    def num_out_of_window(self, num_computed_tokens: int) -> int:
+        """How many leading blocks of a seq with this many computed tokens no query reads again."""
+        window = self.sliding_window
+        if window is None or num_computed_tokens <= window:
+            return 0
+        return (num_computed_tokens - window) // self.block_size
+
     def can_allocate(self, num_new_tokens: int, cached_blocks: SequenceOf[int] = ()) -> bool:
         """Whether a new seq reusing `cached_blocks` can get blocks for `num_new_tokens` more."""
         num_needed = -(-num_new_tokens // self.block_size)
-        num_revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
+        num_skipped = self.num_out_of_window(len(cached_blocks) * self.block_size)
+        num_revived = sum(1 for b in cached_blocks[num_skipped:] if self.ref_counts[b] == 0)
         return num_needed + num_revived <= self.num_free_blocks
 
     def allocate(
         self, seq: Sequence, num_new_tokens: int, cached_blocks: SequenceOf[int] = ()
     ) -> None:
-        """Admit `seq`: share `cached_blocks` (from match_prefix), then add blocks for the rest."""
+        """Admit `seq`: share `cached_blocks` (from match_prefix), then add blocks for the rest;
+        cached blocks already out of the sliding window are not taken (NULL_BLOCK instead)."""
         assert not seq.block_table and seq.num_computed_tokens == 0 and seq.block_row < 0
         if not self.free_rows:
             num_rows = len(self.tables)
             self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
             self.free_rows = list(range(2 * num_rows - 1, num_rows - 1, -1))
         seq.block_row = self.free_rows.pop()
+        num_cached_tokens = len(cached_blocks) * self.block_size
+        num_skipped = self.num_out_of_window(num_cached_tokens)
         ref_counts = self.ref_counts
-        for block_id in cached_blocks:
+        for block_id in cached_blocks[num_skipped:]:
             if ref_counts[block_id] == 0:
                 del self.cached_free_block_ids[block_id]
             ref_counts[block_id] += 1
-        seq.block_table.extend(cached_blocks)
+        seq.block_table.extend([NULL_BLOCK] * num_skipped)
+        seq.block_table.extend(cached_blocks[num_skipped:])
+        seq.num_dropped_blocks = num_skipped
         self._mirror(seq, 0)
-        num_cached_tokens = len(cached_blocks) * self.block_size
         seq.num_computed_tokens = num_cached_tokens
         if seq.num_preemptions == 0:
             # NOTE: a re-admission's hits are the seq's own blocks, output tokens included.
@@ -208,16 +232,9 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks; hashed ones stay cached until evicted."""
-        ref_counts = self.ref_counts
         # NOTE: tail blocks first, so the LRU evicts a prompt's shareable head last.
-        for block_id in reversed(seq.block_table):
-            ref_counts[block_id] -= 1
-            assert ref_counts[block_id] >= 0
-            if ref_counts[block_id] == 0:
-                if self.block_hashes[block_id] is None:
-                    self.free_block_ids.append(block_id)
-                else:
-                    self.cached_free_block_ids[block_id] = None
+        self._release(reversed(seq.block_table[seq.num_dropped_blocks :]))
+        seq.num_dropped_blocks = 0
         if seq.block_row >= 0:
             # NOTE: zeroed so that a gathered row is 0-padded past its seq's last block.
             self.tables[seq.block_row, : len(seq.block_table)] = 0
@@ -226,6 +243,46 @@ class BlockManager:
             seq.block_row = -1
         seq.block_table.clear()
         self._num_registered.pop(seq.seq_id, None)
+
+    def release_out_of_window(self, seqs: Iterable[Sequence]) -> None:
+        """Release the leading blocks of running `seqs` that no query will read again (every
+        layer's window starts after them), with one write to `tables`; a hashed one goes to the
+        LRU, as from free()."""
+        window = self.sliding_window
+        assert window is not None
+        block_size = self.block_size
+        registered = self._num_registered if self.enable_prefix_caching else None
+        rows: list[int] = []
+        columns: list[int] = []
+        for seq in seqs:
+            stop = (len(seq.token_ids) - seq.num_uncomputed_tokens - window) // block_size
+            if registered is not None:
+                # NOTE: a block is released only once registered, so the cache keeps every one.
+                stop = min(stop, registered.get(seq.seq_id, 0))
+            start = seq.num_dropped_blocks
+            if stop <= start or seq.block_row < 0:
+                continue
+            block_table = seq.block_table
+            self._release(block_table[start:stop])
+            block_table[start:stop] = [NULL_BLOCK] * (stop - start)
+            seq.num_dropped_blocks = stop
+            rows.extend([seq.block_row] * (stop - start))
+            columns.extend(range(start, stop))
+        if rows:
+            self.tables[rows, columns] = NULL_BLOCK
+            self.tables_version += 1
+
+    def _release(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference to each block; one no seq holds becomes free, or cached-free."""
+        ref_counts = self.ref_counts
+        for block_id in block_ids:
+            ref_counts[block_id] -= 1
+            assert ref_counts[block_id] >= 0
+            if ref_counts[block_id] == 0:
+                if self.block_hashes[block_id] is None:
+                    self.free_block_ids.append(block_id)
+                else:
+                    self.cached_free_block_ids[block_id] = None
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the hashes of `seq`'s blocks that are now full of computed tokens."""

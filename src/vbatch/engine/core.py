@@ -87,6 +87,7 @@ class EngineCore:
                 block_size=config.block_size,
                 num_kv_blocks=self.runner.num_kv_blocks,
                 enable_prefix_caching=config.enable_prefix_caching,
+                sliding_window=_kv_window(self.model_config.sliding_windows),
             ),
             eos_token_ids=self.model_config.eos_token_ids,
         )
@@ -366,6 +367,14 @@ class EngineCore:
         self._ahead = None
         self.grammars.shutdown()
         self.runner.grammar_masks.shutdown()
+
+
+def _kv_window(sliding_windows: tuple[int | None, ...]) -> int | None:
+    """The window that bounds the keys every layer reads (the widest), None if a layer attends
+    globally: Gemma's global layers need every position, so no block is ever released there."""
+    if not sliding_windows or None in sliding_windows:
+        return None
+    return max(w for w in sliding_windows if w is not None)
 
 
 def _finish(seq: Sequence) -> SampleFinish:

@@ -24,6 +24,9 @@ class SchedulerConfig:
     block_size: int
     num_kv_blocks: int
     enable_prefix_caching: bool = True
+    # NOTE: set only when every layer attends within a window (the largest of them): blocks
+    # before it are then released as sequences move on.
+    sliding_window: int | None = None
 
 
 class Scheduler:
@@ -37,7 +40,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int]) -> None:
         self.config = config
         self.block_manager = BlockManager(
-            config.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            config.num_kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.sliding_window,
         )
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -77,6 +83,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def max_live_blocks(self) -> int:
+        """With a sliding window, the most blocks one seq holds at once: those after the window
+        of its next query and a full step's tokens, plus one a decode step releases late (at
+        its next block), plus one planned ahead."""
+        config = self.config
+        assert config.sliding_window is not None
+        return -(-(config.sliding_window + config.max_num_batched_tokens) // config.block_size) + 3
+
     def check_prompt(self, num_prompt_tokens: int, params: SamplingParams) -> str | None:
         """Why a prompt of this length can never run here, or None if it can."""
         max_model_len = self.config.max_model_len
@@ -89,6 +104,8 @@ class Scheduler:
             )
         max_num_tokens = min(num_prompt_tokens + params.max_tokens, max_model_len)
         num_blocks = -(-max_num_tokens // self.config.block_size)
+        if self.config.sliding_window is not None:
+            num_blocks = min(num_blocks, self.max_live_blocks)
         if num_blocks > self.config.num_kv_blocks:
             return (
                 f"the prompt and its output need up to {max_num_tokens} tokens ({num_blocks} KV "
@@ -214,6 +231,12 @@ class Scheduler:
     ) -> StepUpdate:
         """Apply one step: `sampled_token_ids` align with out's sampling seqs, in batch order."""
         applied = self._applier.apply(out, sampled_token_ids, logprobs, len(self.running))
+        if self.config.sliding_window is not None:
+            # NOTE: in a decode step only the seqs opening a block release (each does once in
+            # block_size steps), so the steady state costs no pass over the seqs. A step planned
+            # ahead reads none of the released blocks: its queries follow this step's.
+            crossing = applied.crossing
+            self.block_manager.release_out_of_window(out.seqs if crossing is None else crossing)
         update = applied.update
         if update.finished:
             self.running = [seq for seq in self.running if seq.finish_reason is None]

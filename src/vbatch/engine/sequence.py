@@ -25,7 +25,9 @@ class Sequence:
     """Token ids (prompt then output), KV progress and block table of one sample.
 
     Invariants: `num_computed_tokens <= num_tokens`; the first `num_computed_tokens` tokens have
-    their K/V in the blocks of `block_table`, in order; `num_cached_tokens`, the prompt tokens its
+    their K/V in the blocks of `block_table`, in order, but those of the first
+    `num_dropped_blocks` entries, which are placeholders for blocks released because they lie
+    wholly before every layer's sliding window; `num_cached_tokens`, the prompt tokens its
     first admission found in the prefix cache, is below `num_prompt_tokens` and stays as it was
     through preemptions (a re-admission finds the seq's own blocks, output tokens included); a
     sequence samples in a step exactly when that step brings `num_computed_tokens` to `num_tokens`.
@@ -47,6 +49,7 @@ class Sequence:
         "index",
         "max_num_tokens",
         "num_cached_tokens",
+        "num_dropped_blocks",
         "num_preemptions",
         "num_prompt_tokens",
         "num_uncomputed_tokens",
@@ -75,6 +78,7 @@ class Sequence:
         self.num_preemptions = 0
         self.block_table: list[int] = []
         self.block_row = -1  # its row of the BlockManager's tables while it holds blocks
+        self.num_dropped_blocks = 0
         # NOTE: the prefix-cache keys of its leading full blocks (for its scheduler's block
         # size), as far as the BlockManager has needed them; a block's key never changes, as a
         # token list only grows.

@@ -61,12 +61,16 @@ class JobExecution:
         self.columns = manifest.options.columns
         self.defaults = SamplingParams.from_dict(manifest.sampling)
         self.reader = InputReader(Path(manifest.input_path), manifest.input_format, self.columns)
-        self.parser = RowParser(self.columns, self.defaults)
+        self.parser = RowParser(self.columns, self.defaults, manifest.options.chat_template_kwargs)
         self.schema = None
         if manifest.output_format == "parquet":
             kept = self.columns.keep_columns
             self.schema = parquet_schema(
-                manifest.id_kind, kept, self.reader.arrow_schema, manifest.options.parse_json
+                manifest.id_kind,
+                kept,
+                self.reader.arrow_schema,
+                manifest.options.parse_json,
+                reasoning=manifest.options.reasoning_parser is not None,
             )
         self.writer = open_writer(job_dir, journal, manifest, self.schema)
         self.in_flight: dict[int, InputRow] = {}
@@ -252,6 +256,7 @@ class JobExecution:
                     result,
                     include_token_ids=self.manifest.options.include_token_ids,
                     parse_json=self.manifest.options.parse_json,
+                    reasoning_parser=self.manifest.options.reasoning_parser,
                 )
                 self._emit(row, values)
         except StopNow:
@@ -280,6 +285,7 @@ class JobExecution:
                 prompt=row.prompt,
                 messages=row.messages,
                 sampling_params=row.sampling_params,
+                chat_template_kwargs=row.chat_template_kwargs,
             )
         self.stop.is_waiting = True
 

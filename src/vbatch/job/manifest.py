@@ -56,6 +56,8 @@ class JobOptions(msgspec.Struct, frozen=True, kw_only=True):
     include_token_ids: bool = False
     parse_json: bool = False
     openai_output: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_parser: str | None = None
     commit_every_rows: int = RunOptions.commit_every_rows
     commit_every_seconds: float = RunOptions.commit_every_seconds
     max_errors: float | None = RunOptions.max_errors

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from vbatch.client.reasoning import split_reasoning
 from vbatch.errors import JobStateError
 from vbatch.job.encoding import fits_int64, json_default, parquet_kept_type
 from vbatch.job.rows import InputRow
@@ -20,14 +21,17 @@ if TYPE_CHECKING:
     from vbatch.client.tokenizer import TextTokenizer
     from vbatch.llm import CompletionOutput, RequestOutput
 
-# NOTE: fixed key order; the optional ones (texts, finish_reasons, token_ids, logprobs,
-# structured_complete, json) are omitted from JSONL lines when null and are null columns in
-# Parquet, which has a `json` column only with --parse-json.
+# NOTE: fixed key order; the optional ones (reasoning, texts, reasonings, finish_reasons,
+# token_ids, logprobs, structured_complete, json) are omitted from JSONL lines when null and are
+# null columns in Parquet, which has a `json` column only with --parse-json and the reasoning
+# columns only with --reasoning-parser.
 OUTPUT_COLUMNS = (
     "id",
     "index",
     "text",
+    "reasoning",
     "texts",
+    "reasonings",
     "finish_reason",
     "finish_reasons",
     "stop_reason",
@@ -43,7 +47,16 @@ OUTPUT_COLUMNS = (
     "json",
 )
 OPTIONAL_COLUMNS = frozenset(
-    {"texts", "finish_reasons", "token_ids", "logprobs", "structured_complete", "json"}
+    {
+        "reasoning",
+        "texts",
+        "reasonings",
+        "finish_reasons",
+        "token_ids",
+        "logprobs",
+        "structured_complete",
+        "json",
+    }
 )
 OPENAI_ID_PREFIX = "vbatch_req_"
 
@@ -62,11 +75,24 @@ def _logprob_entries(output: CompletionOutput) -> list[dict[str, Any]] | None:
     ]
 
 
+def _split(output: CompletionOutput, parser: str | None) -> tuple[str | None, str]:
+    """(reasoning, answer) of one sample: as the LLM split it, else by `parser` (if any)."""
+    if output.reasoning is not None or parser is None:
+        return output.reasoning, output.text
+    return split_reasoning(output.text, parser)
+
+
 def result_row(
-    row: InputRow, result: RequestOutput, *, include_token_ids: bool, parse_json: bool = False
+    row: InputRow,
+    result: RequestOutput,
+    *,
+    include_token_ids: bool,
+    parse_json: bool = False,
+    reasoning_parser: str | None = None,
 ) -> dict[str, Any]:
     """The vbatch output row (DESIGN.md section 5) for a finished request; `parse_json` adds
-    the parsed text (None where it is not JSON), a list of them for n > 1."""
+    the parsed text (None where it is not JSON), a list of them for n > 1; `reasoning_parser`
+    moves each sample's `<think>` part from its text to `reasoning`/`reasonings`."""
     if result.error is not None:
         return error_row(row, f"{row.location}: {result.error}", len(result.prompt_token_ids))
     outputs = result.outputs
@@ -74,11 +100,15 @@ def result_row(
     is_multi = len(outputs) > 1
     has_logprobs = any(o.logprobs is not None for o in outputs)
     stop_reason = first.stop_reason
+    reasonings, texts = zip(*(_split(o, reasoning_parser) for o in outputs), strict=True)
+    has_reasoning = any(r is not None for r in reasonings)
     return {
         "id": row.id,
         "index": row.index,
-        "text": None if is_multi else first.text,
-        "texts": [o.text for o in outputs] if is_multi else None,
+        "text": None if is_multi else texts[0],
+        "reasoning": None if is_multi else reasonings[0],
+        "texts": list(texts) if is_multi else None,
+        "reasonings": list(reasonings) if is_multi and has_reasoning else None,
         "finish_reason": first.finish_reason,
         "finish_reasons": [o.finish_reason for o in outputs] if is_multi else None,
         "stop_reason": stop_reason,
@@ -91,7 +121,7 @@ def result_row(
         "latency_s": _elapsed(result.arrival_time, result.finish_time),
         "error": None,
         "structured_complete": _structured_complete(outputs),
-        "json": _parsed(outputs, is_multi) if parse_json else None,
+        "json": _parsed(texts, is_multi) if parse_json else None,
     }
 
 
@@ -101,11 +131,11 @@ def _structured_complete(outputs: list[CompletionOutput]) -> bool | None:
     return None if flags[0] is None else all(flags)
 
 
-def _parsed(outputs: list[CompletionOutput], is_multi: bool) -> Any:
+def _parsed(texts: Sequence[str], is_multi: bool) -> Any:
     values = []
-    for output in outputs:
+    for text in texts:
         try:
-            values.append(orjson.loads(output.text))
+            values.append(orjson.loads(text))
         except orjson.JSONDecodeError:
             values.append(None)
     return values if is_multi else values[0]
@@ -216,6 +246,7 @@ def openai_line(
         }
     token_bytes = token_bytes or _utf8_bytes(token_text)
     texts = values["texts"] or [values["text"]]
+    reasonings = values["reasonings"] or [values["reasoning"]] * len(texts)
     reasons = values["finish_reasons"] or [values["finish_reason"]]
     logprobs = values["logprobs"] or [None] * len(texts)
     is_chat = row.openai_kind == "chat" or (row.openai_kind is None and row.messages is not None)
@@ -224,6 +255,8 @@ def openai_line(
         choice: dict[str, Any] = {"index": i}
         if is_chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if reasonings[i] is not None:
+                choice["message"]["reasoning_content"] = reasonings[i]
             choice["logprobs"] = _chat_logprobs(entries, token_text, token_bytes)
         else:
             choice["text"] = text
@@ -330,10 +363,12 @@ def parquet_schema(
     kept_columns: Sequence[str] = (),
     input_schema: pa.Schema | None = None,
     parse_json: bool = False,
+    *,
+    reasoning: bool = False,
 ) -> pa.Schema:
     """The fixed Parquet schema of every part and of the final file. Kept columns keep their
     Parquet input type (views as their plain types); kept JSONL values are stored as JSON text,
-    as is `json` (parse_json)."""
+    as is `json` (parse_json); `reasoning` adds the reasoning columns."""
     import pyarrow as pa
 
     if input_schema is not None:
@@ -356,7 +391,9 @@ def parquet_schema(
         ("id", pa.int64() if id_kind == "int" else pa.string()),
         ("index", pa.int64()),
         ("text", pa.string()),
+        *([("reasoning", pa.string())] if reasoning else []),
         ("texts", pa.list_(pa.string())),
+        *([("reasonings", pa.list_(pa.string()))] if reasoning else []),
         ("finish_reason", pa.string()),
         ("finish_reasons", pa.list_(pa.string())),
         ("stop_reason", pa.string()),

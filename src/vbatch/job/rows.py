@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
-from vbatch.errors import SamplingParamsError
+from vbatch.client.tokenizer import check_template_kwargs
+from vbatch.errors import InputError, SamplingParamsError
 from vbatch.sampling_params import SamplingParams
 from vbatch.structured import from_response_format, row_structured
 
 OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-# NOTE: body keys that do not change the result are accepted and ignored; any other unknown key
+# NOTE: body keys read elsewhere or that do not change the result pass here; any other unknown key
 # is an error row, so that e.g. a `tools` list the engine cannot honour is never dropped.
-OPENAI_IGNORED_KEYS = frozenset({"model", "user", "metadata", "store", "stream", "messages"})
+OPENAI_IGNORED_KEYS = frozenset(
+    {"model", "user", "metadata", "store", "stream", "messages", "chat_template_kwargs"}
+)
 OPENAI_SAMPLING_KEYS = {
     "max_tokens": "max_tokens",
     "max_completion_tokens": "max_tokens",
@@ -53,6 +57,7 @@ class InputRow:
     openai_kind: str | None = None
     kept: dict[str, Any] | None = None
     error: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class RowError(ValueError):
@@ -64,11 +69,18 @@ def is_openai_record(record: dict[str, Any]) -> bool:
 
 
 class RowParser:
-    """Parses raw records with fixed column options and default sampling params."""
+    """Parses raw records with fixed column options, default sampling params and the run's
+    chat-template variables (a row's own `chat_template_kwargs` are merged over them)."""
 
-    def __init__(self, options: ColumnOptions, defaults: SamplingParams) -> None:
+    def __init__(
+        self,
+        options: ColumnOptions,
+        defaults: SamplingParams,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
         self.options = options
         self.defaults = defaults
+        self.template_kwargs = template_kwargs
 
     def row_id(self, record: dict[str, Any], index: int) -> str | int | None:
         """The row's id: the id column, else `id`, else `custom_id`, else the input index."""
@@ -103,8 +115,9 @@ class RowParser:
                 self._parse_openai(record, row)
             else:
                 self._parse_plain(record, row)
-        except (RowError, SamplingParamsError) as e:
+        except (RowError, SamplingParamsError, InputError) as e:
             row.prompt = row.messages = row.sampling_params = None
+            row.chat_template_kwargs = None
             row.error = f"{location}: {e}"
         row.kept = self._kept(record)
         return row
@@ -140,6 +153,23 @@ class RowParser:
         if structured is not None:
             params = row.sampling_params or self.defaults
             row.sampling_params = params.updated({"structured": structured})
+        self._template_kwargs(row, record.get("chat_template_kwargs"), "chat_template_kwargs")
+
+    def _template_kwargs(self, row: InputRow, value: Any, name: str) -> None:
+        """The row's chat-template variables (an object or JSON text; null fields, as a Parquet
+        struct has them, left out): its own over the run's, for messages rows only."""
+        if value is not None and row.messages is None:
+            raise RowError(f"{name} applies to chat messages, and this row has a prompt")
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise RowError(f"{name} is not valid JSON: {e}") from None
+        if isinstance(value, dict):
+            value = {key: v for key, v in value.items() if v is not None}
+        own = check_template_kwargs(value, name) if value is not None else {}
+        if row.messages is not None and (self.template_kwargs or own):
+            row.chat_template_kwargs = {**(self.template_kwargs or {}), **own}
 
     def _parse_openai(self, record: dict[str, Any], row: InputRow) -> None:
         url = record.get("url", "/v1/chat/completions")
@@ -157,6 +187,7 @@ class RowParser:
         else:
             row.prompt = check_prompt(body.get("prompt"), "body.prompt")
         row.sampling_params = self.defaults.updated(openai_overrides(body, row.openai_kind))
+        self._template_kwargs(row, body.get("chat_template_kwargs"), "body.chat_template_kwargs")
 
 
 def openai_overrides(body: dict[str, Any], kind: str) -> dict[str, Any]:

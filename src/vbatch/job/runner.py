@@ -15,6 +15,8 @@ from typing import Any
 
 import msgspec
 
+from vbatch.client.reasoning import check_reasoning_parser
+from vbatch.client.tokenizer import check_template_kwargs
 from vbatch.config import EngineConfig
 from vbatch.errors import ConfigError, InputError, JobStateError, is_storage_failure, storage_error
 from vbatch.job.execution import JobExecution
@@ -66,6 +68,8 @@ class JobSpec:
     include_token_ids: bool = False
     parse_json: bool = False
     shard: Shard | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_parser: str | None = None
 
 
 @dataclass(frozen=True)
@@ -171,10 +175,14 @@ def _prepare_job(
         raise InputError(f"--keep-columns {', '.join(clashes)} would overwrite output fields")
     defaults = SamplingParams.from_dict(spec.sampling)
     EngineConfig.from_dict({**spec.engine_args, "model": spec.model})
+    template_kwargs = spec.chat_template_kwargs
+    if template_kwargs is not None:
+        template_kwargs = check_template_kwargs(template_kwargs, "--chat-template-kwargs")
+    check_reasoning_parser(spec.reasoning_parser)
     reader = InputReader(spec.input_path, spec.input_format, spec.columns)
     scan = scan_input(
         reader,
-        RowParser(spec.columns, defaults),
+        RowParser(spec.columns, defaults, template_kwargs),
         collect_keys=spec.columns.keep_all_columns,
         shard=spec.shard,
     )
@@ -201,6 +209,8 @@ def _prepare_job(
             include_token_ids=spec.include_token_ids,
             parse_json=spec.parse_json,
             openai_output=scan.is_openai and fmt == "jsonl",
+            chat_template_kwargs=template_kwargs,
+            reasoning_parser=spec.reasoning_parser,
             **options.result_settings(),
         ),
         shard=None if spec.shard is None else _shard_record(spec.shard, scan.input_rows),
@@ -371,7 +381,11 @@ def _accept_changes(
 
     columns = replace(manifest.options.columns, keep_all_columns=False)
     reader = InputReader(Path(manifest.input_path), manifest.input_format, columns)
-    parser = RowParser(columns, SamplingParams.from_dict(manifest.sampling))
+    parser = RowParser(
+        columns,
+        SamplingParams.from_dict(manifest.sampling),
+        manifest.options.chat_template_kwargs,
+    )
     scan = scan_input(reader, parser, shard=manifest.shard_spec)
     if scan.duplicate is not None:
         raise InputError(f"{manifest.input_path}: {scan.duplicate}; ids must be unique")
