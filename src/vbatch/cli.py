@@ -34,6 +34,10 @@ DISPLAY = "Display"
 STRUCTURED = "Structured output"
 SAVED = "As for `run` (default: the setting the job started with)."
 DEFAULTS = RunOptions()
+DP_HELP = (
+    "Engine cores on this machine, each a full engine: one per GPU, or on CPU each with its "
+    "share of --num-threads (the total) pinned to its own CPUs. Rows go to the least loaded."
+)
 QUIET_HELP = "Print nothing but errors (and how to resume an interrupted job)."
 
 
@@ -310,6 +314,16 @@ def run(
     max_in_flight: Annotated[
         int | None, typer.Option(help="Most rows admitted at once.", rich_help_panel=JOB)
     ] = None,
+    data_parallel_size: Annotated[
+        int,
+        typer.Option(
+            "--data-parallel-size",
+            "-dp",
+            min=1,
+            help=DP_HELP,
+            rich_help_panel=ENGINE,
+        ),
+    ] = DEFAULTS.data_parallel_size,
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help=QUIET_HELP, rich_help_panel=DISPLAY)
     ] = False,
@@ -376,6 +390,7 @@ def run(
         max_errors=max_errors,
         drain_timeout=drain_timeout,
         max_in_flight=max_in_flight,
+        data_parallel_size=data_parallel_size,
         display="quiet" if quiet else "auto",
         log_interval=log_interval,
         metrics_file=metrics_file,
@@ -402,6 +417,9 @@ def resume(
     max_errors: Annotated[float | None, typer.Option(help=SAVED)] = None,
     drain_timeout: Annotated[float | None, typer.Option(help=SAVED)] = None,
     max_in_flight: Annotated[int | None, typer.Option(help=SAVED)] = None,
+    data_parallel_size: Annotated[
+        int | None, typer.Option("--data-parallel-size", "-dp", min=1, help=SAVED)
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
     log_interval: Annotated[
         float, typer.Option(help="Seconds between plain progress lines.")
@@ -419,6 +437,7 @@ def resume(
         max_errors=max_errors,
         drain_timeout=drain_timeout,
         max_in_flight=max_in_flight,
+        data_parallel_size=data_parallel_size,
         metrics_file=metrics_file,
     )
     overrides.update(display="quiet" if quiet else "auto", log_interval=log_interval, clean=clean)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from vbatch.client.core_client import EngineCoreClient
+from vbatch.client.data_parallel import DataParallelClient
 from vbatch.client.detokenizer import IncrementalDetokenizer
 from vbatch.client.outputs import (
     CompletionOutput,
@@ -22,7 +23,7 @@ from vbatch.client.outputs import (
 from vbatch.client.tokenizer import TextTokenizer
 from vbatch.config import EngineConfig
 from vbatch.engines import EngineReport, EngineState
-from vbatch.errors import SamplingParamsError, VbatchError
+from vbatch.errors import ConfigError, SamplingParamsError, VbatchError
 from vbatch.protocol import (
     AddRequest,
     EngineOutputs,
@@ -64,11 +65,13 @@ def _check_main_guard() -> None:
 
 
 class LLM:
-    """Offline generation over one engine-core subprocess.
+    """Offline generation over one engine-core subprocess, or `data_parallel_size` of them.
 
-    Invariants: at most `max_in_flight` requests are in the core at once; one stream runs at a
-    time (a second concurrent stream raises); request ids sent to the core are unique per LLM,
-    so late outputs of aborted requests are recognised and dropped.
+    Invariants: at most `max_in_flight` requests are in the cores at once; one stream runs at a
+    time (a second concurrent stream raises); request ids sent to the cores are unique per LLM,
+    so late outputs of aborted requests are recognised and dropped. With several cores each
+    request goes to one of them (by load, and by prompt prefix unless `prefix_placement` is
+    False); tokenizing, detokenizing and stop strings stay here, once.
     """
 
     def __init__(
@@ -77,9 +80,15 @@ class LLM:
         *,
         max_in_flight: int | None = None,
         on_progress: Callable[[str], None] | None = None,
+        data_parallel_size: int = 1,
+        prefix_placement: bool = True,
         **engine_args: Any,
     ) -> None:
         _check_main_guard()
+        if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int):
+            raise ConfigError(f"data_parallel_size must be an integer, got {data_parallel_size!r}")
+        if data_parallel_size < 1:
+            raise ConfigError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
         from vbatch.models.loader import resolve_model
 
         if on_progress is not None:
@@ -88,11 +97,20 @@ class LLM:
         self.model = resolved
         config = EngineConfig.from_dict({**engine_args, "model": resolved.source})
         self.tokenizer = TextTokenizer.from_dir(resolved.hf_dir)
-        self._client = EngineCoreClient(config, on_progress=on_progress)
+        self.data_parallel_size = data_parallel_size
+        self._client: EngineCoreClient | DataParallelClient
+        if data_parallel_size > 1:
+            self._client = DataParallelClient(
+                config, data_parallel_size, on_progress, prefix_aware=prefix_placement
+            )
+        else:
+            self._client = EngineCoreClient(config, on_progress=on_progress)
         self.engine_info: Ready = self._client.info
         # NOTE: each running sequence holds at least one KV block, so more than
-        # num_kv_blocks can never run together; twice that keeps the scheduler fed.
-        default = 2 * min(config.max_num_seqs, self.engine_info.num_kv_blocks)
+        # num_kv_blocks (summed over the cores) can never run together; twice that keeps the
+        # schedulers fed.
+        max_num_seqs = config.max_num_seqs * data_parallel_size
+        default = 2 * min(max_num_seqs, self.engine_info.num_kv_blocks)
         self.max_in_flight = max(1, max_in_flight if max_in_flight is not None else default)
         self._request_ids = itertools.count()
         self._is_streaming = False
@@ -106,6 +124,8 @@ class LLM:
         return self._client.get_stats()
 
     def engine_reports(self) -> list[EngineReport]:
+        if isinstance(self._client, DataParallelClient):
+            return self._client.engine_reports()
         stats = self._client.latest_stats
         return [EngineReport("core 0", EngineState.LIVE, stats, len(self._live))]
 

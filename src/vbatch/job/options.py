@@ -16,6 +16,7 @@ class RunOptions:
     max_errors: float | None = None
     drain_timeout: float = 30.0
     max_in_flight: int | None = None
+    data_parallel_size: int = 1
     display: str = "auto"
     log_interval: float = 10.0
     metrics_file: Path | None = None
@@ -28,4 +29,5 @@ class RunOptions:
             "max_errors": self.max_errors,
             "drain_timeout": self.drain_timeout,
             "max_in_flight": self.max_in_flight,
+            "data_parallel_size": self.data_parallel_size,
         }

@@ -306,7 +306,9 @@ def _resume_locked(
         _accept_changes(job_dir, manifest, fingerprint, identity)
         if old_input["sampled_sha256"] != fingerprint["sampled_sha256"]:
             _warn_index_matching(job_dir, output, old_rows, manifest.num_rows)
-    saved = {k: manifest.options[k] for k in RunOptions().result_settings()}
+    # NOTE: a job started before a setting existed keeps that setting's default.
+    names = RunOptions().result_settings()
+    saved = {k: manifest.options[k] for k in names if k in manifest.options}
     options = RunOptions(**{**saved, **(overrides or {})})
     return _execute(
         output, job_dir, manifest, options, llm_factory, retry_errors=retry_errors, lock=lock
