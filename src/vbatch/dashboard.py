@@ -74,7 +74,8 @@ class Sparkline:
         self.style = style
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        values = self.values[-options.max_width :]
+        # NOTE: a rate can dip below zero when an engine restarts and its counters start over.
+        values = [max(v, 0.0) for v in self.values[-options.max_width :]]
         peak = max(values, default=0.0)
         top = len(SPARK_BLOCKS) - 1
         bars = "".join(

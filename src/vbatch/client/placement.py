@@ -95,7 +95,7 @@ def prefix_keys(prompt_token_ids: bytes, block_size: int) -> list[int]:
 
 class LoadBalancer:
     """Picks a core for each request by load: the sum of its live requests' costs (prompt
-    tokens plus n * max_tokens), and, with `prefix_aware`, the core that last took a request
+    tokens plus n * max_tokens), and, with `prefix_aware`, the core that first took a request
     with the same leading prompt blocks while its load stays within the slack.
 
     Invariants: `loads[i]` is the cost of the requests placed on core i and not yet released;
@@ -122,8 +122,11 @@ class LoadBalancer:
             if loads[owner] - loads[core] <= slack:
                 core = owner
             break
+        # NOTE: a prefix stays with the core that first took it; a row sent elsewhere because
+        # that core was busy does not move it (both cores then cache it, but rows keep going
+        # to the first).
         for key in keys:
-            self._prefix_core[key] = core
+            self._prefix_core.setdefault(key, core)
             self._prefix_core.move_to_end(key)
         while len(self._prefix_core) > MAX_PREFIX_KEYS:
             self._prefix_core.popitem(last=False)
