@@ -226,6 +226,9 @@ class JobExecution:
             self._loop(llm)
             self._commit()
         finally:
+            # NOTE: one last look at the engines while they are as the run left them (a dead
+            # core shows as dead in the final metrics file), before they are shut down.
+            self.metrics.snapshot()
             self.metrics.set_stats_source(None, None)
             with contextlib.suppress(VbatchError):
                 llm.shutdown()
