@@ -4,6 +4,11 @@ Reports the fraction of requests whose shared prefix was served from the cache (
 request's num_cached_tokens and the scheduler's prefix_cache_hits) and the wall-time gain.
 
 python -m benchmarks.prefix_cache [--num-prompts 64] [--max-tokens 32] [--threads 2]
+
+With `--data-parallel-size N` the prompts fall in `--num-groups` groups, each with its own
+system prompt, and run through `vbatch.LLM` on N cores twice: placed by load alone and by load
+and prompt prefix (rows of a group kept on one core); it prints the prefix-cache hits and wall
+time of each.
 """
 
 from __future__ import annotations
@@ -34,16 +39,19 @@ SYSTEM_PROMPT = " ".join(
 )
 
 
-def make_prompts(num_prompts: int) -> tuple[list[list[int]], int]:
-    """Token ids of chat prompts that all start with SYSTEM_PROMPT, and the shared length."""
+def make_prompts(num_prompts: int, num_groups: int = 1) -> tuple[list[list[int]], int]:
+    """Token ids of chat prompts that start with SYSTEM_PROMPT (row i with group i % num_groups's
+    variant of it), and the length the first group shares."""
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(None).hf_dir)
     prompts = []
-    for messages in make_messages(num_prompts):
-        chat = [{"role": "system", "content": SYSTEM_PROMPT}, *messages]
+    for i, messages in enumerate(make_messages(num_prompts)):
+        system = SYSTEM_PROMPT if num_groups == 1 else f"Wing {i % num_groups}. {SYSTEM_PROMPT}"
+        chat = [{"role": "system", "content": system}, *messages]
         ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
         prompts.append(list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids))
     shared = 0
-    while all(len(p) > shared and p[shared] == prompts[0][shared] for p in prompts):
+    group = prompts[::num_groups]
+    while all(len(p) > shared and p[shared] == group[0][shared] for p in group):
         shared += 1
     return prompts, shared
 
@@ -69,12 +77,67 @@ def run(prompts: list[list[int]], args: argparse.Namespace, caching: bool) -> di
     }
 
 
+def run_data_parallel(
+    prompts: list[list[int]], args: argparse.Namespace, prefix_placement: bool
+) -> dict[str, float]:
+    from vbatch.llm import LLM, Request
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    with LLM(
+        None,
+        data_parallel_size=args.data_parallel_size,
+        num_threads=args.threads,
+        prefix_placement=prefix_placement,
+    ) as llm:
+        start = time.perf_counter()
+        llm.generate([Request(prompt_token_ids=ids) for ids in prompts], params)
+        wall = time.perf_counter() - start
+        stats = llm.get_stats()
+    return {
+        "wall_s": wall,
+        "hits": stats.prefix_cache_hits,
+        "queries": stats.prefix_cache_queries,
+    }
+
+
+def compare_placement(args: argparse.Namespace) -> None:
+    prompts, shared = make_prompts(args.num_prompts, args.num_groups)
+    print(
+        f"{len(prompts)} prompts in {args.num_groups} groups, each sharing a {shared}-token "
+        f"prefix; {sum(map(len, prompts))} prompt tokens, max_tokens={args.max_tokens}, greedy, "
+        f"-dp {args.data_parallel_size}, threads={args.threads} in all"
+    )
+    results = {}
+    for repeat in range(args.repeats):
+        for aware in (False, True) if repeat % 2 == 0 else (True, False):
+            result = run_data_parallel(prompts, args, aware)
+            results.setdefault(aware, []).append(result)
+            name = "load and prefix" if aware else "load only"
+            print(
+                f"{name}: prefix_cache_hits {result['hits']} of {result['queries']} queried "
+                f"tokens ({result['hits'] / max(result['queries'], 1):.0%}), "
+                f"wall {result['wall_s']:.1f} s"
+            )
+    walls = {aware: sorted(r["wall_s"] for r in runs) for aware, runs in results.items()}
+    median = {aware: w[len(w) // 2] for aware, w in walls.items()}
+    print(
+        f"median wall: load only {median[False]:.1f} s, load and prefix {median[True]:.1f} s, "
+        f"gain {median[False] / median[True]:.2f}x"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--data-parallel-size", type=int, default=None)
+    parser.add_argument("--num-groups", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
+    if args.data_parallel_size:
+        compare_placement(args)
+        return
     torch.set_num_threads(args.threads)
     prompts, shared = make_prompts(args.num_prompts)
     num_prompt_tokens = sum(map(len, prompts))

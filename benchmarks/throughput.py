@@ -5,6 +5,10 @@ python benchmarks/throughput.py [--model M] [--num-prompts 128] [--max-tokens 12
 
 --model takes what `vbatch run --model` takes: an HF directory, a hub id in the local Hugging
 Face cache (org/name[@revision]) or a .gguf file; by default the bundled SmolLM2-135M.
+
+With `--data-parallel-size 1,2` it instead runs the workload through `vbatch.LLM` (engine-core
+processes) with each data-parallel size in turn, `--repeats` times, `--threads` being the total
+split between the cores, and prints the median of each and their ratio.
 """
 
 from __future__ import annotations
@@ -62,6 +66,45 @@ def run_vbatch(
     }
 
 
+def run_llm(
+    model: str | None, prompts: list[list[int]], max_tokens: int, dp: int, args: argparse.Namespace
+) -> float:
+    """Output tokens per second of one `LLM.generate` over the workload on `dp` fresh cores."""
+    from vbatch.llm import LLM, Request
+
+    requests = [Request(prompt_token_ids=ids) for ids in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    with LLM(
+        model,
+        data_parallel_size=dp,
+        num_threads=args.threads,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        attention_backend=args.attention_backend,
+    ) as llm:
+        start = time.perf_counter()
+        outputs = llm.generate(requests, params)
+        wall = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / wall
+
+
+def compare_data_parallel(
+    model: str | None, prompts: list[list[int]], args: argparse.Namespace
+) -> None:
+    sizes = [int(x) for x in args.data_parallel_size.split(",")]
+    rates: dict[int, list[float]] = {dp: [] for dp in sizes}
+    for repeat in range(args.repeats):
+        # NOTE: the order alternates, so a machine growing busier does not favour one size.
+        for dp in sizes if repeat % 2 == 0 else sizes[::-1]:
+            rate = run_llm(model, prompts, args.max_tokens, dp, args)
+            rates[dp].append(rate)
+            print(f"-dp {dp} (threads {args.threads} in all): {rate:.1f} output tok/s")
+    medians = {dp: statistics.median(r) for dp, r in rates.items()}
+    for dp, median in medians.items():
+        ratio = median / medians[sizes[0]]
+        print(f"-dp {dp}: median {median:.1f} output tok/s, {ratio:.2f}x -dp {sizes[0]}")
+
+
 def run_hf(hf_dir: str, prompts: list[list[int]], max_tokens: int, batch_size: int) -> dict:
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
@@ -113,6 +156,8 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument("--data-parallel-size", default=None, help="e.g. 1,2 (through LLM)")
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -129,6 +174,9 @@ def main() -> None:
         f"(median {lengths[len(lengths) // 2]}), max_tokens={args.max_tokens}, greedy, "
         f"threads={args.threads}"
     )
+    if args.data_parallel_size:
+        compare_data_parallel(str(resolved.local_path), prompts, args)
+        return
     ours = run_vbatch(str(resolved.local_path), prompts, args.max_tokens, args)
     print(
         f"vbatch ({ours['backend']} attention): {ours['output_tok_s']:.1f} output tok/s, "

@@ -64,6 +64,9 @@ class StandInLLM:
                 finish_time=now,
             )
 
+    def engine_reports(self) -> list[Any]:
+        return []
+
     def shutdown(self) -> None:
         pass
 

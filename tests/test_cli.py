@@ -109,6 +109,7 @@ RUN_OPTIONS: dict[str, tuple[list[str], str, Any]] = {
         "torch",
     ),
     "num_threads": (["--num-threads", "3"], "spec.engine_args.num_threads", 3),
+    "data_parallel_size": (["--data-parallel-size", "2"], "options.data_parallel_size", 2),
     "kv_cache_dtype": (
         ["--kv-cache-dtype", "float16"],
         "spec.engine_args.kv_cache_dtype",
@@ -181,6 +182,7 @@ RESUME_OPTIONS: dict[str, tuple[list[str], str, Any]] = {
     "max_errors": (["--max-errors", "4"], "overrides.max_errors", 4.0),
     "drain_timeout_s": (["--drain-timeout", "2"], "overrides.drain_timeout_s", 2.0),
     "max_in_flight": (["--max-in-flight", "6"], "overrides.max_in_flight", 6),
+    "data_parallel_size": (["-dp", "2"], "overrides.data_parallel_size", 2),
     "quiet": (["-q"], "overrides.display", "quiet"),
     "log_interval_s": (["--log-interval", "1.5"], "overrides.log_interval_s", 1.5),
     "metrics_file": (["--metrics-file", "m.json"], "overrides.metrics_file", Path("m.json")),
@@ -243,7 +245,7 @@ def test_run_defaults_come_from_run_options_engine_config_and_job_sampling() -> 
 def test_run_and_resume_declare_their_shared_options_once() -> None:
     run_params = {p.name: p for p in _command("run").params}
     shared = [p for p in _command("resume").params if p.name in run_params and p.name != "help"]
-    assert len(shared) == 9
+    assert len(shared) == 10
     for param in shared:
         twin = run_params[param.name]
         assert (param.opts, param.help, param.rich_help_panel) == (  # type: ignore[attr-defined]
@@ -251,7 +253,7 @@ def test_run_and_resume_declare_their_shared_options_once() -> None:
             twin.help,  # type: ignore[attr-defined]
             twin.rich_help_panel,  # type: ignore[attr-defined]
         ), param.name
-        assert twin.rich_help_panel in ("Job", "Display"), param.name  # type: ignore[attr-defined]
+        assert twin.rich_help_panel in ("Engine", "Job", "Display"), param.name  # type: ignore
 
 
 def test_a_mistyped_choice_fails_at_parse_time_and_names_the_choices(tmp_path: Path) -> None:

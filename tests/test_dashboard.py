@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from rich.console import Console, RenderableType
 
+from vbatch.engines import EngineReport, EngineState, sum_stats
 from vbatch.job.dashboard import (
     Sparkline,
     fmt_bytes,
@@ -198,6 +199,9 @@ def test_sparkline_scales_to_the_peak_and_keeps_the_newest() -> None:
     console = Console(record=True, width=3, color_system=None)
     console.print(Sparkline((9.0, 0.0, 5.0, 10.0)))
     assert console.export_text() == " ▄█\n"
+    console = Console(record=True, width=3, color_system=None)
+    console.print(Sparkline((-4.0, 5.0, 10.0)))
+    assert console.export_text() == " ▄█\n"
 
 
 def test_formatters() -> None:
@@ -212,3 +216,42 @@ def test_snapshot_is_renderable_without_engine_or_total() -> None:
     snap_running = JobMetrics(total_rows=None)
     snap_running.set_state("running")
     assert "0/?" in render(render_dashboard(snap_running.snapshot()), 80)
+
+
+def engine_set_job() -> JobMetrics:
+    """The running job above, over two engine cores: core 1 slower and dead."""
+    metrics, _ = running_job()
+    stats = [
+        SchedulerStats(num_running=40, num_waiting=3, kv_usage=0.62, num_steps=200,
+                       step_time_s=9.0, num_generation_tokens=9000),
+        SchedulerStats(num_running=24, kv_usage=0.97, num_steps=100, step_time_s=12.5,
+                       num_generation_tokens=9000),
+    ]  # fmt: skip
+    reports = [
+        EngineReport("core 0", EngineState.LIVE, stats[0], 43),
+        EngineReport("core 1", EngineState.DEAD, stats[1], 24),
+    ]
+    metrics.set_stats_source(lambda: sum_stats(stats), lambda: reports)
+    return metrics
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_an_engine_set_shows_a_row_per_engine(width: int) -> None:
+    text = render(render_dashboard(engine_set_job().snapshot()), width)
+    assert "Engines" in text
+    core0 = next(line for line in text.splitlines() if "core 0" in line).split()
+    core1 = next(line for line in text.splitlines() if "core 1" in line).split()
+    assert core0[3:10] == ["live", "43", "40", "3", "45.0", "ms", "62%"]
+    assert core1[3:10] == ["dead", "24", "24", "0", "125.0", "ms", "97%"]
+    line = plain_line(engine_set_job().snapshot())
+    assert "core 0 live step 45.0 ms KV 62% | core 1 dead step 125.0 ms KV 97%" in line
+
+
+def test_one_engine_shows_no_engine_rows() -> None:
+    metrics, _ = running_job()
+    metrics.set_stats_source(
+        lambda: None, lambda: [EngineReport("core 0", EngineState.LIVE, None, 4)]
+    )
+    snap = metrics.snapshot()
+    assert "Engines" not in render(render_dashboard(snap), 120)
+    assert "core 0" not in plain_line(snap)

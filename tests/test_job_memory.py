@@ -52,6 +52,9 @@ SCRIPT = textwrap.dedent(
                                     [CompletionOutput(0, "constant", [7, 8], "length")],
                                     arrival_time=now, first_token_time=now, finish_time=now)
 
+        def engine_reports(self):
+            return []
+
         def shutdown(self):
             pass
 

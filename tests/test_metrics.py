@@ -6,7 +6,9 @@ import threading
 
 import pytest
 
+from vbatch.engines import EngineReport, EngineState, sum_stats
 from vbatch.job.metrics import WINDOW_S, JobMetrics
+from vbatch.job.progress import snapshot_to_json
 from vbatch.protocol import Ready, SchedulerStats
 
 
@@ -244,3 +246,43 @@ def test_concurrent_writers_and_reader_lose_nothing() -> None:
     snap = metrics.snapshot()
     assert snap.num_rows_done == num_threads * num_each
     assert snap.num_prompt_tokens == num_threads * num_each
+
+
+def test_an_engine_set_gets_per_engine_figures_and_one_engine_none() -> None:
+    clock = FakeClock()
+    metrics = JobMetrics(total_rows=10, clock=clock)
+    metrics.set_state("running")
+    reports: list[EngineReport] = []
+    metrics.set_stats_source(lambda: sum_stats([r.stats for r in reports]), lambda: reports)
+    for i in range(1, 41):  # 20 s: core 0 steps in 10 ms, core 1 in 30 ms, then core 1 dies
+        clock.now += 0.5
+        state = EngineState.LIVE if i < 40 else EngineState.DEAD
+        reports[:] = [
+            EngineReport("core 0", EngineState.LIVE, SchedulerStats(
+                num_running=3, kv_usage=0.5, num_kv_blocks=100, num_steps=10 * i,
+                step_time_s=0.1 * i, num_scheduled_tokens=40 * i,
+            ), 7),
+            EngineReport("core 1", state, SchedulerStats(
+                num_running=1, num_waiting=2, kv_usage=0.25, num_kv_blocks=300, num_steps=5 * i,
+                step_time_s=0.15 * i, num_scheduled_tokens=50 * i,
+            ), 3),
+        ]  # fmt: skip
+        snap = metrics.snapshot()
+    core0, core1 = snap.engines
+    assert (core0.name, core0.state, core0.num_in_flight, core0.num_running) == (
+        "core 0",
+        "live",
+        7,
+        3,
+    )
+    assert core0.step_time_s == pytest.approx(0.01) and core0.tokens_per_step == pytest.approx(4)
+    assert (core1.state, core1.num_waiting, core1.kv_usage) == ("dead", 2, 0.25)
+    assert core1.step_time_s == pytest.approx(0.03) and core1.tokens_per_step == pytest.approx(10)
+    # NOTE: the job's own figures are the sum: 15 steps of 40 + 50 tokens per half second.
+    assert snap.num_running == 4 and snap.kv_usage == pytest.approx(0.3125)
+    assert snap.tokens_per_step == pytest.approx(6)
+    data = snapshot_to_json(snap)
+    assert [e["name"] for e in data["engines"]] == ["core 0", "core 1"]
+    assert data["engines"][1]["step_time_s"] == pytest.approx(0.03)
+    reports[:] = reports[:1]
+    assert metrics.snapshot().engines == ()

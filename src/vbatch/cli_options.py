@@ -117,6 +117,18 @@ KvCacheDtype = Annotated[
         rich_help_panel=ENGINE,
     ),
 ]
+DataParallelSize = Annotated[
+    int | None,
+    typer.Option(
+        "--data-parallel-size",
+        "-dp",
+        min=1,
+        help="Engine cores on this machine, each a full engine: one per GPU, or on CPU each "
+        "with its share of --num-threads (the total) pinned to its own CPUs. Rows go to the "
+        "least loaded.",
+        rich_help_panel=ENGINE,
+    ),
+]
 ChatTemplateKwargs = Annotated[
     str | None,
     typer.Option(

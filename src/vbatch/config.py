@@ -40,6 +40,15 @@ QUANTIZATION_METHODS = tuple(c.value for c in Quantization)
 
 
 @dataclass(frozen=True)
+class CorePlacement:
+    """Where one engine core of several runs: the CPUs it is pinned to and the GPUs it sees
+    (`CUDA_VISIBLE_DEVICES`); None leaves the parent's."""
+
+    cpus: tuple[int, ...] | None = None
+    cuda_visible_devices: str | None = None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core needs to start. `model` is a resolved path (HF dir or GGUF).
 

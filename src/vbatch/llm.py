@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from vbatch.client.core_client import EngineCoreClient
+from vbatch.client.data_parallel import DataParallelClient
 from vbatch.client.detokenizer import IncrementalDetokenizer
 from vbatch.client.outputs import (
     CompletionOutput,
@@ -23,7 +24,7 @@ from vbatch.client.reasoning import check_reasoning_parser
 from vbatch.client.tokenizer import TextTokenizer, check_template_kwargs
 from vbatch.config import EngineConfig
 from vbatch.engines import EngineReport, EngineState
-from vbatch.errors import SamplingParamsError, VbatchError
+from vbatch.errors import ConfigError, SamplingParamsError, VbatchError
 from vbatch.protocol import (
     AddRequest,
     EngineOutputs,
@@ -65,7 +66,7 @@ def _check_main_guard() -> None:
 
 
 class LLM:
-    """Offline generation over one engine-core subprocess.
+    """Offline generation over one engine-core subprocess, or `data_parallel_size` of them.
 
     Invariants: at most `max_in_flight` requests are in the core at once; one stream runs at a
     time (a second concurrent stream raises); request ids sent to the core are unique per LLM,
@@ -73,7 +74,9 @@ class LLM:
 
     `chat_template_kwargs` are extra chat-template variables for every conversation (a
     `Request`'s own are merged over them); `reasoning_parser` (see `REASONING_PARSERS`) splits
-    each output's `<think>` part into `CompletionOutput.reasoning`.
+    each output's `<think>` part into `CompletionOutput.reasoning`. With several cores each
+    request goes to one of them (by load, and by prompt prefix unless `prefix_placement` is
+    False); tokenizing, detokenizing and stop strings stay here, once.
     """
 
     def __init__(
@@ -84,9 +87,15 @@ class LLM:
         on_progress: Callable[[str], None] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         reasoning_parser: str | None = None,
+        data_parallel_size: int = 1,
+        prefix_placement: bool = True,
         **engine_args: Any,
     ) -> None:
         _check_main_guard()
+        if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int):
+            raise ConfigError(f"data_parallel_size must be an integer, got {data_parallel_size!r}")
+        if data_parallel_size < 1:
+            raise ConfigError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
         from vbatch.models.loader import resolve_model
 
         self.chat_template_kwargs = check_template_kwargs(chat_template_kwargs or {})
@@ -98,11 +107,20 @@ class LLM:
         self.model = resolved
         config = EngineConfig.from_dict({**engine_args, "model": str(resolved.local_path)})
         self.tokenizer = TextTokenizer.from_dir(resolved.hf_dir)
-        self._client = EngineCoreClient(config, on_progress=on_progress)
+        self.data_parallel_size = data_parallel_size
+        self._client: EngineCoreClient | DataParallelClient
+        if data_parallel_size > 1:
+            self._client = DataParallelClient(
+                config, data_parallel_size, on_progress, prefix_aware=prefix_placement
+            )
+        else:
+            self._client = EngineCoreClient(config, on_progress=on_progress)
         self.engine_info: Ready = self._client.info
         # NOTE: each running sequence holds at least one KV block, so more than
-        # num_kv_blocks can never run together; twice that keeps the scheduler fed.
-        default = 2 * min(config.max_num_seqs, self.engine_info.num_kv_blocks)
+        # num_kv_blocks (summed over the cores) can never run together; twice that keeps the
+        # schedulers fed.
+        max_num_seqs = config.max_num_seqs * data_parallel_size
+        default = 2 * min(max_num_seqs, self.engine_info.num_kv_blocks)
         self.max_in_flight = max(1, max_in_flight if max_in_flight is not None else default)
         self._request_ids = itertools.count()
         self._is_streaming = False
@@ -116,6 +134,8 @@ class LLM:
         return self._client.get_stats()
 
     def engine_reports(self) -> list[EngineReport]:
+        if isinstance(self._client, DataParallelClient):
+            return self._client.engine_reports()
         stats = self._client.latest_stats
         return [EngineReport("core 0", EngineState.LIVE, stats, len(self._live))]
 

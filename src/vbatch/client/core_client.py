@@ -24,7 +24,7 @@ from typing import Any
 
 import zmq
 
-from vbatch.config import EngineConfig
+from vbatch.config import CorePlacement, EngineConfig
 from vbatch.errors import EngineDeadError, EngineStartupError, VbatchError
 from vbatch.protocol import (
     Abort,
@@ -71,11 +71,18 @@ class EngineCoreClient:
     """
 
     def __init__(
-        self, config: EngineConfig, on_progress: Callable[[str], None] | None = None
+        self,
+        config: EngineConfig,
+        on_progress: Callable[[str], None] | None = None,
+        *,
+        placement: CorePlacement | None = None,
+        on_result: Callable[[], None] | None = None,
     ) -> None:
+        """`placement` pins the core (one of several); `on_result` is called, on the socket
+        thread, after each item that get_outputs would return (outputs or the core's death)."""
         self.config = config
         sweep_stale_ipc_dirs()
-        self._conn = _Connection(config)
+        self._conn = _Connection(config, placement, on_result)
         # NOTE: the hook and the finalizer hold the connection, not the client, so dropping the
         # client runs the finalizer; atexit.unregister in close() drops the hook's reference.
         self._finalizer = weakref.finalize(self, self._conn.close)
@@ -99,6 +106,10 @@ class EngineCoreClient:
     @property
     def latest_stats(self) -> SchedulerStats | None:
         return self._conn.latest_stats
+
+    @property
+    def is_alive(self) -> bool:
+        return self._conn.dead is None and not self._conn.closed
 
     def add_requests(self, reqs: Sequence[AddRequest]) -> None:
         """Queue requests for the core; raises SamplingParamsError (sending none of them) if
@@ -186,8 +197,15 @@ class _Connection:
     set, every call raises it. Nothing here refers to the EngineCoreClient.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        placement: CorePlacement | None = None,
+        on_result: Callable[[], None] | None = None,
+    ) -> None:
         self.config = config
+        self.placement = placement
+        self._on_result = on_result
         self.latest_stats: SchedulerStats | None = None
         self.send_q: queue.SimpleQueue[ClientMessage] = queue.SimpleQueue()
         self.result_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -298,7 +316,9 @@ class _Connection:
                 sock.setsockopt(zmq.RCVHWM, 0)
             input_addr = _bind(req_sock, self.ipc_dir, "input")
             output_addr = _bind(out_sock, self.ipc_dir, "output")
-            self.proc = _spawn_core(self.config, input_addr, output_addr, self.ipc_dir)
+            self.proc = _spawn_core(
+                self.config, input_addr, output_addr, self.ipc_dir, self.placement
+            )
             self._loop(req_sock, out_sock, self.proc)
         except BaseException as e:
             self._fail(EngineDeadError(f"the engine client thread failed: {e!r}"))
@@ -394,7 +414,7 @@ class _Connection:
         if isinstance(msg, AddRequest):
             error = f"the request cannot be sent to the engine core: {reason}"
             finish = SampleFinish(msg.request_id, FinishReason.ERROR, error=error)
-            self.result_q.put([EngineOutputs(finished=[finish], timestamp=time.time())])
+            self._put_result([EngineOutputs(finished=[finish], timestamp=time.time())])
         elif isinstance(msg, Utility):
             future = self.calls.pop(msg.call_id, None)
             if future is not None:
@@ -447,12 +467,17 @@ class _Connection:
                     self._last_heard = time.monotonic()
                 self.result_q.put(msg)
         if batch:
-            self.result_q.put(batch)
+            self._put_result(batch)
+
+    def _put_result(self, item: list[EngineOutputs] | VbatchError) -> None:
+        self.result_q.put(item)
+        if self._on_result is not None:
+            self._on_result()
 
     def _fail(self, error: VbatchError) -> None:
         if self.dead is None:
             self.dead = error
-        self.result_q.put(error)
+        self._put_result(error)
         for call_id in list(self.calls):
             future = self.calls.pop(call_id, None)
             if future is not None:
@@ -497,13 +522,19 @@ def _is_running(pid: int) -> bool:
         return True
 
 
-def _spawn_core(config: EngineConfig, input_addr: str, output_addr: str, ipc_dir: str) -> Any:
+def _spawn_core(
+    config: EngineConfig,
+    input_addr: str,
+    output_addr: str,
+    ipc_dir: str,
+    placement: CorePlacement | None,
+) -> Any:
     from vbatch.engine.core_process import run_engine_core
 
     ctx = multiprocessing.get_context("spawn")
     proc = ctx.Process(
         target=run_engine_core,
-        args=(config, input_addr, output_addr, os.getpid(), ipc_dir),
+        args=(config, input_addr, output_addr, os.getpid(), ipc_dir, placement),
         name="vbatch-engine-core",
         daemon=True,
     )

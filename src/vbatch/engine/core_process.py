@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from vbatch.config import EngineConfig
+from vbatch.config import CorePlacement, EngineConfig
 from vbatch.errors import VbatchError
 from vbatch.protocol import (
     Abort,
@@ -66,11 +66,15 @@ def run_engine_core(
     output_addr: str,
     parent_pid: int,
     ipc_dir: str | None = None,
+    placement: CorePlacement | None = None,
 ) -> None:
     """Process entry: connect to the client, start the engine, serve requests until Shutdown.
 
     `ipc_dir`, the client's socket directory, is removed here if the client dies first.
+    `placement` (one core of several) is applied first, before torch is imported.
     """
+    if placement is not None:
+        apply_placement(placement)
     # NOTE: the client spawns the core with SIGINT and SIGTERM blocked, so neither can kill it
     # before this point; they stay ignored, and SIGALRM keeps its default action (terminate).
     for signum in _OWN_SIGNALS:
@@ -112,6 +116,17 @@ def run_engine_core(
     sys.stderr.flush()
     # NOTE: everything is closed; skipping interpreter teardown (torch's is slow) ends sooner.
     os._exit(exit_code)
+
+
+def apply_placement(placement: CorePlacement) -> None:
+    """Pin every thread of this process to `placement.cpus` and narrow the visible GPUs; torch
+    reads CUDA_VISIBLE_DEVICES when it initialises CUDA, so this must come before."""
+    if placement.cuda_visible_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = placement.cuda_visible_devices
+    if placement.cpus is not None:
+        # NOTE: on Linux the affinity is per thread; threads started later inherit it.
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), placement.cpus)
 
 
 class _Watchdog:

@@ -10,7 +10,7 @@ from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
-from vbatch.job.metrics import FINISH_REASONS, JobSnapshot
+from vbatch.job.metrics import FINISH_REASONS, EngineSnapshot, JobSnapshot
 
 STARTUP_STATES = ("starting", "loading model")
 STATE_STYLES = {
@@ -23,6 +23,7 @@ STATE_STYLES = {
     "failed": "bold red",
     "interrupted": "bold yellow",
 }
+ENGINE_STATE_STYLES = {"live": "green", "starting": "cyan", "restarting": "yellow", "dead": "red"}
 FINISH_STYLES = {"length": "bold yellow", "error": "red", "abort": "yellow"}
 SPARK_BLOCKS = " ▁▂▃▄▅▆▇█"
 LABEL_WIDTH = 13
@@ -73,7 +74,8 @@ class Sparkline:
         self.style = style
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        values = self.values[-options.max_width :]
+        # NOTE: a rate can dip below zero when an engine restarts and its counters start over.
+        values = [max(v, 0.0) for v in self.values[-options.max_width :]]
         peak = max(values, default=0.0)
         top = len(SPARK_BLOCKS) - 1
         bars = "".join(
@@ -213,7 +215,7 @@ def _engine_section(snap: JobSnapshot) -> list[Text]:
     if not snap.has_engine_stats:
         lines.append(_line("health", "waiting for engine stats", "dim"))
         return lines
-    step = "--" if snap.step_time_s is None else f"{1000 * snap.step_time_s:,.1f} ms"
+    step = _step_ms(snap.step_time_s)
     tokens = "--" if snap.tokens_per_step is None else f"{snap.tokens_per_step:,.0f}"
     age = snap.stats_age_s or 0.0
     is_stale = age > STALE_STATS_S and not snap.is_finished
@@ -233,6 +235,29 @@ def _engine_section(snap: JobSnapshot) -> list[Text]:
         else _line("health", "ok", "green"),
     ]
     return lines
+
+
+def _step_ms(step_time_s: float | None) -> str:
+    return "--" if step_time_s is None else f"{1000 * step_time_s:,.1f} ms"
+
+
+def _engines_table(engines: tuple[EngineSnapshot, ...]) -> Table:
+    """One row per engine of a set (data-parallel cores, Ray replicas)."""
+    table = Table(box=None, padding=(0, 1), pad_edge=False, title_justify="left")
+    table.title = Text("Engines", style="bold")
+    for header in ("", "state", "in flight", "running", "waiting", "step time", "KV cache"):
+        table.add_column(header, justify="left" if header in ("", "state") else "right")
+    for engine in engines:
+        table.add_row(
+            Text(engine.name, style="dim"),
+            Text(engine.state, style=ENGINE_STATE_STYLES.get(engine.state, "")),
+            f"{engine.num_in_flight:,}",
+            f"{engine.num_running:,}",
+            f"{engine.num_waiting:,}",
+            _step_ms(engine.step_time_s),
+            Text(fmt_pct(engine.kv_usage), style="bold yellow" if engine.kv_usage >= 0.95 else ""),
+        )
+    return table
 
 
 def _checkpoint_section(snap: JobSnapshot) -> list[Text]:
@@ -259,6 +284,7 @@ def render_dashboard(snap: JobSnapshot) -> RenderableType:
         Text(),
         TwoColumns(_rows_section(snap), _throughput_section(snap)),
         TwoColumns(_engine_section(snap), _checkpoint_section(snap)),
+        *([Text(), _engines_table(snap.engines)] if snap.engines else []),
     )
     return Panel(body, title=title, title_align="left", border_style=state_style or "none")
 
@@ -324,4 +350,9 @@ def plain_line(snap: JobSnapshot) -> str:
         )
     if snap.drain_left_s is not None:
         parts.append(f"grace {fmt_duration(snap.drain_left_s)} left")
+    for engine in snap.engines:
+        parts.append(
+            f"{engine.name} {engine.state} step {_step_ms(engine.step_time_s)} "
+            f"KV {fmt_pct(engine.kv_usage)}"
+        )
     return _printable(" | ".join(parts))

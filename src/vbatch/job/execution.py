@@ -206,6 +206,7 @@ class JobExecution:
             llm = self.llm_factory(
                 self.manifest.model_to_load(),
                 max_in_flight=self.options.max_in_flight,
+                data_parallel_size=self.options.data_parallel_size,
                 on_progress=self.metrics.set_startup_stage,
                 **engine_args,
             )
@@ -215,14 +216,17 @@ class JobExecution:
             self.stop.is_waiting = False
         try:
             self.metrics.set_engine_info(llm.engine_info)
-            self.metrics.set_stats_source(lambda: llm.latest_stats)
+            self.metrics.set_stats_source(lambda: llm.latest_stats, llm.engine_reports)
             tokens = TokenStrings(lambda: llm.tokenizer)
             self.token_text, self.token_bytes = tokens.text, tokens.bytes
             self.metrics.set_state("running")
             self._loop(llm)
             self._commit()
         finally:
-            self.metrics.set_stats_source(None)
+            # NOTE: one last look at the engines while they are as the run left them (a dead
+            # core shows as dead in the final metrics file), before they are shut down.
+            self.metrics.snapshot()
+            self.metrics.set_stats_source(None, None)
             with contextlib.suppress(VbatchError):
                 llm.shutdown()
 

@@ -64,6 +64,7 @@ class JobOptions(msgspec.Struct, frozen=True, kw_only=True):
     # NOTE: saved under its name before the `_s` suffix, so that every manifest reads alike.
     drain_timeout_s: float = msgspec.field(default=RunOptions.drain_timeout_s, name="drain_timeout")
     max_in_flight: int | None = RunOptions.max_in_flight
+    data_parallel_size: int = RunOptions.data_parallel_size
 
     def run_options(self, overrides: dict[str, Any] | None = None) -> RunOptions:
         """The saved run options, with `overrides` (RunOptions fields) replacing some."""

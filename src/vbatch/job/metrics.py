@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from vbatch.engines import EngineReport
 from vbatch.protocol import Ready, SchedulerStats
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -17,6 +18,22 @@ WINDOW_S = 10.0
 SAMPLE_PERIOD_S = 1.0
 MIN_RATE_SPAN_S = 1.0
 MAX_HISTORY = 120
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """One engine of a set: its state, rows in flight, gauges, and per-step figures over the
+    window (like JobSnapshot's)."""
+
+    name: str
+    state: str
+    num_in_flight: int
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    tokens_per_step: float | None
+    step_time_s: float | None
+    prefix_hit_rate: float | None
 
 
 @dataclass(frozen=True)
@@ -71,6 +88,7 @@ class JobSnapshot:
     rows_committed: int
     since_commit_s: float | None
     drain_left_s: float | None
+    engines: tuple[EngineSnapshot, ...] = ()
 
     @property
     def num_truncated(self) -> int:
@@ -87,6 +105,7 @@ class _Sample(NamedTuple):
     prompt_tokens: int
     completion_tokens: int
     stats: SchedulerStats | None
+    reports: tuple[EngineReport, ...]
 
 
 def _engine_tokens(stats: SchedulerStats) -> tuple[int, int]:
@@ -138,6 +157,8 @@ class JobMetrics:
         self._stats: SchedulerStats | None = None
         self._stats_t = 0.0
         self._stats_source: Callable[[], SchedulerStats | None] | None = None
+        self._reports: tuple[EngineReport, ...] = ()
+        self._reports_source: Callable[[], list[EngineReport]] | None = None
         self._rows_committed = rows_done_before
         self._last_commit_time: float | None = None
         self._drain_deadline: float | None = None
@@ -198,10 +219,16 @@ class JobMetrics:
             if now - self._samples[-1].t >= SAMPLE_PERIOD_S:
                 self._add_sample(now)
 
-    def set_stats_source(self, source: Callable[[], SchedulerStats | None] | None) -> None:
-        """Where snapshot() pulls the engine's latest periodic stats from, so they stay fresh
-        while no row finishes (e.g. `lambda: llm.latest_stats`)."""
+    def set_stats_source(
+        self,
+        source: Callable[[], SchedulerStats | None] | None,
+        reports: Callable[[], list[EngineReport]] | None = None,
+    ) -> None:
+        """Where snapshot() pulls the engines' latest periodic stats from, so they stay fresh
+        while no row finishes (e.g. `lambda: llm.latest_stats`), and each engine's report
+        (`llm.engine_reports`)."""
         self._stats_source = source
+        self._reports_source = reports
 
     def on_commit(self, *, rows_committed: int) -> None:
         """Record a durable commit; `rows_committed` counts all durable rows so far."""
@@ -217,7 +244,12 @@ class JobMetrics:
 
     def _take_sample(self, now: float) -> _Sample:
         return _Sample(
-            now, self._num_rows, self._prompt_tokens, self._completion_tokens, self._stats
+            now,
+            self._num_rows,
+            self._prompt_tokens,
+            self._completion_tokens,
+            self._stats,
+            self._reports,
         )
 
     def _add_sample(self, now: float) -> None:
@@ -238,6 +270,11 @@ class JobMetrics:
             stats = source()
             if stats is not None and stats is not self._stats:
                 self.on_engine_stats(stats)
+        reports_source = self._reports_source
+        if reports_source is not None:
+            reports = tuple(reports_source())
+            with self._lock:
+                self._reports = reports
         now = self._clock()
         with self._lock:
             if self._end_t is None and now - self._samples[-1].t >= SAMPLE_PERIOD_S:
@@ -314,7 +351,30 @@ class JobMetrics:
             drain_left_s=(
                 max(self._drain_deadline - now, 0.0) if self._drain_deadline is not None else None
             ),
+            engines=_engine_snapshots(self._reports, base.reports),
         )
+
+
+def _engine_snapshots(
+    reports: tuple[EngineReport, ...], base: tuple[EngineReport, ...]
+) -> tuple[EngineSnapshot, ...]:
+    """Each engine as shown, its per-step figures over the window since `base` (matched by
+    name); empty for a single engine, whose figures are the job's own."""
+    if len(reports) < 2:
+        return ()
+    base_stats = {report.name: report.stats for report in base}
+    return tuple(
+        EngineSnapshot(
+            name=report.name,
+            state=report.state.value,
+            num_in_flight=report.num_in_flight,
+            num_running=report.stats.num_running if report.stats else 0,
+            num_waiting=report.stats.num_waiting if report.stats else 0,
+            kv_usage=report.stats.kv_usage if report.stats else 0.0,
+            **_step_figures(report.stats, base_stats.get(report.name)),
+        )
+        for report in reports
+    )
 
 
 def _rate(count: float, seconds: float) -> float:

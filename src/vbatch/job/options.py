@@ -22,6 +22,7 @@ class RunOptions:
     max_errors: float | None = None
     drain_timeout_s: float = 30.0
     max_in_flight: int | None = None
+    data_parallel_size: int = 1
     display: str = "auto"
     log_interval_s: float = 10.0
     metrics_file: Path | None = None
@@ -35,4 +36,5 @@ class RunOptions:
             "max_errors": self.max_errors,
             "drain_timeout_s": self.drain_timeout_s,
             "max_in_flight": self.max_in_flight,
+            "data_parallel_size": self.data_parallel_size,
         }
