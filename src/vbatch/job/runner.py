@@ -212,7 +212,11 @@ def _prepare_job(
     if clashes:
         raise InputError(f"--keep-columns {', '.join(clashes)} would overwrite output fields")
     defaults = SamplingParams.from_dict(spec.sampling)
-    EngineConfig.from_dict({**spec.engine_args, "model": spec.model})
+    config = EngineConfig.from_dict({**spec.engine_args, "model": spec.model})
+    if options.data_parallel_size > 1:
+        from vbatch.client.placement import core_placements
+
+        core_placements(config, options.data_parallel_size)
     reader = InputReader(spec.input_path, spec.input_format, spec.columns)
     scan = scan_input(
         reader, RowParser(spec.columns, defaults), collect_keys=spec.columns.keep_all_columns
