@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from vbatch.cli import app
 from vbatch.engines import EngineState
+from vbatch.errors import ConfigError
 from vbatch.llm import LLM
 from vbatch.sampling_params import SamplingParams
 
@@ -90,6 +91,12 @@ def test_a_core_count_that_cannot_be_placed_is_refused_before_the_job_starts(
     assert result.output.startswith("error: --num-threads 1 cannot be split between 2")
     assert "Traceback" not in result.output
     assert not (tmp_path / "out.jsonl.vbatch").exists()
+
+
+@pytest.mark.parametrize("size", [0, 1.5, True])
+def test_a_bad_data_parallel_size_is_a_config_error(size: object) -> None:
+    with pytest.raises(ConfigError, match="data_parallel_size must be"):
+        LLM(None, data_parallel_size=size)  # type: ignore[arg-type]
 
 
 def vbatch(cwd: Path, *args: str) -> subprocess.Popen[str]:

@@ -97,7 +97,6 @@ class LLM:
         self.model = resolved
         config = EngineConfig.from_dict({**engine_args, "model": resolved.source})
         self.tokenizer = TextTokenizer.from_dir(resolved.hf_dir)
-        self.data_parallel_size = data_parallel_size
         self._client: EngineCoreClient | DataParallelClient
         if data_parallel_size > 1:
             self._client = DataParallelClient(
