@@ -14,8 +14,11 @@ import orjson
 import psutil
 import pytest
 from helpers import read_jsonl, wait_gone, write_jsonl
+from typer.testing import CliRunner
 
+from vbatch.cli import app
 from vbatch.engines import EngineState
+from vbatch.errors import ConfigError
 from vbatch.llm import LLM
 from vbatch.sampling_params import SamplingParams
 
@@ -76,6 +79,24 @@ def test_a_stop_string_aborts_the_request_on_its_own_core(dp_llm: LLM) -> None:
     # would run on to all 40 tokens.
     generated = dp_llm.get_stats().num_generation_tokens - before
     assert generated < len(prompts) * 40 // 2
+
+
+def test_a_core_count_that_cannot_be_placed_is_refused_before_the_job_starts(
+    tmp_path: Path,
+) -> None:
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    args = ["run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")]
+    result = CliRunner().invoke(app, [*args, "--device", "cpu", "--num-threads", "1", "-dp", "2"])
+    assert result.exit_code == 1
+    assert result.output.startswith("error: --num-threads 1 cannot be split between 2")
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "out.jsonl.vbatch").exists()
+
+
+@pytest.mark.parametrize("size", [0, 1.5, True])
+def test_a_bad_data_parallel_size_is_a_config_error(size: object) -> None:
+    with pytest.raises(ConfigError, match="data_parallel_size must be"):
+        LLM(None, data_parallel_size=size)  # type: ignore[arg-type]
 
 
 def vbatch(cwd: Path, *args: str) -> subprocess.Popen[str]:

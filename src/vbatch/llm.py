@@ -107,7 +107,6 @@ class LLM:
         self.model = resolved
         config = EngineConfig.from_dict({**engine_args, "model": str(resolved.local_path)})
         self.tokenizer = TextTokenizer.from_dir(resolved.hf_dir)
-        self.data_parallel_size = data_parallel_size
         self._client: EngineCoreClient | DataParallelClient
         if data_parallel_size > 1:
             self._client = DataParallelClient(

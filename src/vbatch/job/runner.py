@@ -174,7 +174,11 @@ def _prepare_job(
     if clashes:
         raise InputError(f"--keep-columns {', '.join(clashes)} would overwrite output fields")
     defaults = SamplingParams.from_dict(spec.sampling)
-    EngineConfig.from_dict({**spec.engine_args, "model": spec.model})
+    config = EngineConfig.from_dict({**spec.engine_args, "model": spec.model})
+    if options.data_parallel_size > 1:
+        from vbatch.client.placement import core_placements
+
+        core_placements(config, options.data_parallel_size)
     template_kwargs = spec.chat_template_kwargs
     if template_kwargs is not None:
         template_kwargs = check_template_kwargs(template_kwargs, "--chat-template-kwargs")
