@@ -32,6 +32,7 @@ INPUT = "Input"
 JOB = "Job"
 DISPLAY = "Display"
 STRUCTURED = "Structured output"
+RAY = "Ray (many machines)"
 SAVED = "As for `run` (default: the setting the job started with)."
 DEFAULTS = RunOptions()
 QUIET_HELP = "Print nothing but errors (and how to resume an interrupted job)."
@@ -310,6 +311,38 @@ def run(
     max_in_flight: Annotated[
         int | None, typer.Option(help="Most rows admitted at once.", rich_help_panel=JOB)
     ] = None,
+    use_ray: Annotated[
+        bool,
+        typer.Option(
+            "--ray",
+            help="Run the engines as Ray actors (needs `pip install 'vbatch[ray]'`).",
+            rich_help_panel=RAY,
+        ),
+    ] = False,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            help="The Ray cluster to join (default: RAY_ADDRESS, a running local cluster, or a "
+            "new local one).",
+            rich_help_panel=RAY,
+        ),
+    ] = None,
+    replicas: Annotated[
+        int, typer.Option(help="Engine replicas (Ray actors).", rich_help_panel=RAY)
+    ] = 1,
+    gpus_per_replica: Annotated[
+        float, typer.Option(help="GPUs Ray gives each replica.", rich_help_panel=RAY)
+    ] = 0.0,
+    cpus_per_replica: Annotated[
+        float,
+        typer.Option(
+            help="CPUs Ray gives each replica; also its engine's threads.", rich_help_panel=RAY
+        ),
+    ] = 1.0,
+    max_restarts: Annotated[
+        int,
+        typer.Option(help="Times Ray may restart each replica that died.", rich_help_panel=RAY),
+    ] = 1,
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help=QUIET_HELP, rich_help_panel=DISPLAY)
     ] = False,
@@ -322,6 +355,7 @@ def run(
     ] = None,
 ) -> None:
     """Run a batch job: read INPUT, generate, and write OUTPUT incrementally."""
+    from vbatch.job.options import RaySettings
     from vbatch.job.rows import ColumnOptions
     from vbatch.job.runner import JobSpec, start_job
     from vbatch.structured import cli_structured
@@ -380,6 +414,13 @@ def run(
         log_interval=log_interval,
         metrics_file=metrics_file,
         clean=clean,
+        ray=_guarded(
+            lambda: RaySettings(
+                ray_address, replicas, gpus_per_replica, cpus_per_replica, max_restarts
+            )
+        )
+        if use_ray
+        else None,
     )
     _finish(_guarded(lambda: start_job(spec, options, overwrite=overwrite)), quiet)
 
@@ -402,6 +443,9 @@ def resume(
     max_errors: Annotated[float | None, typer.Option(help=SAVED)] = None,
     drain_timeout: Annotated[float | None, typer.Option(help=SAVED)] = None,
     max_in_flight: Annotated[int | None, typer.Option(help=SAVED)] = None,
+    ray_address: Annotated[
+        str | None, typer.Option(help="For a --ray job: the Ray cluster to join this time.")
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
     log_interval: Annotated[
         float, typer.Option(help="Seconds between plain progress lines.")
@@ -420,6 +464,7 @@ def resume(
         drain_timeout=drain_timeout,
         max_in_flight=max_in_flight,
         metrics_file=metrics_file,
+        ray_address=ray_address,
     )
     overrides.update(display="quiet" if quiet else "auto", log_interval=log_interval, clean=clean)
     _finish(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from vbatch.errors import (
 from vbatch.job.finalize import finalize
 from vbatch.job.journal import Journal
 from vbatch.job.manifest import Manifest
+from vbatch.job.options import RaySettings, require_ray
 from vbatch.job.reader import InputReader
 from vbatch.job.results import TokenStrings, error_row, openai_line, parquet_schema, result_row
 from vbatch.job.rows import ColumnOptions, InputRow, RowParser
@@ -33,6 +35,13 @@ def _make_llm(model: str | None, **kwargs: Any) -> Any:
     from vbatch.llm import LLM
 
     return LLM(model, **kwargs)
+
+
+def _ray_factory(settings: RaySettings) -> Callable[..., Any]:
+    require_ray()
+    from vbatch.ray_engines import RayEngines
+
+    return functools.partial(RayEngines, settings=settings)
 
 
 class JobExecution:
@@ -55,7 +64,9 @@ class JobExecution:
         self.manifest = manifest
         self.journal = journal
         self.options = options
-        self.llm_factory = llm_factory or _make_llm
+        self.llm_factory = llm_factory or (
+            _ray_factory(options.ray) if options.ray is not None else _make_llm
+        )
         settings = manifest.options
         column_values = dict(settings["columns"])
         column_values["keep_columns"] = tuple(column_values["keep_columns"])

@@ -18,7 +18,7 @@ from vbatch.errors import InputError, JobStateError, is_storage_failure, storage
 from vbatch.job.finalize import finish_completion, tmp_output_path
 from vbatch.job.journal import JOURNAL_NAME, JobState, Journal, read_journal
 from vbatch.job.manifest import MANIFEST_NAME, Manifest, input_fingerprint, model_identity
-from vbatch.job.options import RunOptions
+from vbatch.job.options import RunOptions, require_ray
 from vbatch.job.reader import InputReader, scan_input
 from vbatch.job.results import OUTPUT_COLUMNS
 from vbatch.job.rows import ColumnOptions, RowParser
@@ -181,6 +181,8 @@ def start_job(
     output = spec.output_path
     job_dir = job_dir_for(output)
     fmt = output_format(output)
+    if options.ray is not None:
+        require_ray()
     _refuse_output_onto_input(spec.input_path, output, job_dir)
     output.parent.mkdir(parents=True, exist_ok=True)
     lock = JobLock(job_dir, create=True)
@@ -306,8 +308,10 @@ def _resume_locked(
         _accept_changes(job_dir, manifest, fingerprint, identity)
         if old_input["sampled_sha256"] != fingerprint["sampled_sha256"]:
             _warn_index_matching(job_dir, output, old_rows, manifest.num_rows)
-    saved = {k: manifest.options[k] for k in RunOptions().result_settings()}
-    options = RunOptions(**{**saved, **(overrides or {})})
+    saved = {
+        k: manifest.options[k] for k in RunOptions().result_settings() if k in manifest.options
+    }
+    options = RunOptions.restore(saved, overrides or {})
     return _execute(
         output, job_dir, manifest, options, llm_factory, retry_errors=retry_errors, lock=lock
     )
