@@ -8,6 +8,7 @@ import dataclasses
 import heapq
 import itertools
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ from vbatch.ray_replica import ReplicaEngine
 from vbatch.sampling_params import SamplingParams
 
 POLL_WAIT_S = 1.0
+REPLICA_NAME_PREFIX = "vbatch-replica-"
 _WAIT_CAP_S = 1.0
 _SHUTDOWN_S = 10.0
 
@@ -75,13 +77,22 @@ class RayEngines:
         args = {"num_threads": max(1, int(settings.cpus_per_replica)), **engine_args}
         if max_in_flight is not None:
             args["max_in_flight"] = max_in_flight
-        actor = ray.remote(ReplicaEngine).options(
-            num_cpus=settings.cpus_per_replica,
-            num_gpus=settings.gpus_per_replica,
-            max_restarts=settings.max_restarts,
-            max_concurrency=4,
-        )
-        self._replicas = [_Replica(i, actor.remote(model, args)) for i in range(settings.replicas)]
+        actor = ray.remote(ReplicaEngine)
+        # NOTE: named, so that `ray list actors` (and a test) can find a job's replicas.
+        prefix = f"{REPLICA_NAME_PREFIX}{uuid.uuid4().hex[:8]}-"
+        self._replicas = [
+            _Replica(
+                i,
+                actor.options(
+                    name=f"{prefix}{i}",
+                    num_cpus=settings.cpus_per_replica,
+                    num_gpus=settings.gpus_per_replica,
+                    max_restarts=settings.max_restarts,
+                    max_concurrency=4,
+                ).remote(model, args),
+            )
+            for i in range(settings.replicas)
+        ]
         self._epochs = itertools.count()
         self._last_error = ""
         try:
