@@ -163,11 +163,13 @@ def test_resume_restores_ray_settings_and_takes_a_new_address() -> None:
 
 
 @pytest.mark.slow
-def test_a_restarted_replica_takes_rows_again_and_none_left_fails_cleanly(
+def test_killed_replicas_restart_and_finish_the_rows_then_none_left_fails_cleanly(
     tiny_model_dir: Path, ray_address: str
 ) -> None:
+    """Both replicas killed mid-stream (Ray may restart each once): the stream waits for the
+    restarts and their rows run again, every row once; killed for good, the next stream fails."""
     prompts = [f"item {i} is" for i in range(NUM_ROWS)]
-    params = SamplingParams(max_tokens=12)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
     with LLM(str(tiny_model_dir), num_threads=1, **ENGINE_ARGS) as llm:
         expected = [out.outputs[0].text for out in llm.generate(prompts, params)]
     settings = RaySettings(address=ray_address, replicas=2, max_restarts=1)
@@ -179,11 +181,14 @@ def test_a_restarted_replica_takes_rows_again_and_none_left_fails_cleanly(
             assert out is not None and out.index not in got
             got[out.index] = out.outputs[0].text
             if k == 2:
-                ray.kill(engines._replicas[0].handle, no_restart=False)
-            states.add(engines.engine_reports()[0].state)
+                for rep in engines._replicas:
+                    ray.kill(rep.handle, no_restart=False)
+            states.update(report.state for report in engines.engine_reports())
         assert [got[i] for i in range(NUM_ROWS)] == expected
         assert EngineState.RESTARTING in states
-        assert [r.state for r in engines.engine_reports()] == [EngineState.LIVE] * 2
+        # NOTE: the stream ends as soon as its rows are done, maybe before the later restart.
+        now = {r.state for r in engines.engine_reports()}
+        assert EngineState.LIVE in now and EngineState.DEAD not in now, engines._last_error
         for rep in engines._replicas:
             ray.kill(rep.handle)
         with pytest.raises(EngineDeadError, match="every Ray replica died"):

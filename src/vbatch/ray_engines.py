@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError
 
 from vbatch.client.outputs import Request, RequestOutput
 from vbatch.client.tokenizer import TextTokenizer
@@ -234,22 +234,27 @@ class RayEngines:
         """Wait for a poll or a restart probe; returns the rows finished meanwhile."""
         for rep in live:
             if rep.poll is None:
-                rep.poll = rep.handle.poll.remote(epoch, POLL_WAIT_S)
+                rep.poll = rep.handle.poll.remote(rep.token, epoch, POLL_WAIT_S)
         by_ref = {rep.poll: rep for rep in live}
         by_ref.update({rep.probe: rep for rep in self._replicas if rep.probe is not None})
         done, _ = ray.wait(list(by_ref), num_returns=1, timeout=timeout)
         finished: list[RequestOutput] = []
         for ref in done:
             rep = by_ref[ref]
-            if ref is rep.probe:
+            if ref == rep.probe:
                 self._wait_probes(0)
                 continue
             rep.poll = None
             try:
-                outputs, rep.stats = ray.get(ref)
+                polled = ray.get(ref)
             except RayError as e:
-                self._fail(rep, e, queue)
+                is_alive = not isinstance(e, RayActorError)
+                self._fail(rep, _error_text(e), queue, is_alive=is_alive)
                 continue
+            if polled is None:
+                self._fail(rep, "Ray restarted it", queue, is_alive=False)
+                continue
+            outputs, rep.stats = polled
             for position, out in outputs:
                 if rep.in_flight.pop(position, None) is not None:
                     finished.append(out)
@@ -264,6 +269,10 @@ class RayEngines:
             rep.probe = None
             try:
                 rep.token, rep.info, max_in_flight = ray.get(ref)
+            except ActorUnavailableError:
+                # NOTE: the actor is being restarted; ask again until it answers or is dead.
+                rep.probe = rep.handle.ready.remote()
+                continue
             except RayError as e:
                 self._last_error = _error_text(e)
                 rep.state = EngineState.DEAD
@@ -275,18 +284,24 @@ class RayEngines:
             rep.state = EngineState.LIVE
 
     def _fail(
-        self, rep: _Replica, error: RayError, queue: collections.deque[tuple[int, Request]]
+        self,
+        rep: _Replica,
+        error: str,
+        queue: collections.deque[tuple[int, Request]],
+        *,
+        is_alive: bool,
     ) -> None:
         """A replica failed: its rows go back to the queue (in input order), then it restarts
-        if it may, else it is dead."""
-        self._last_error = f"replica {rep.index}: {_error_text(error)}"
+        if it may, else it is dead. Ray restarts an actor whose process died by itself; one
+        still alive (`is_alive`: its engine failed) is killed for that."""
+        self._last_error = f"replica {rep.index}: {error}"
         queue.extendleft(sorted(rep.in_flight.items(), reverse=True))
         rep.in_flight.clear()
         rep.stats = None
         if rep.num_restarts < self.settings.max_restarts:
             rep.num_restarts += 1
             rep.state = EngineState.RESTARTING
-            if not isinstance(error, RayActorError):
+            if is_alive:
                 ray.kill(rep.handle, no_restart=False)
             rep.probe = rep.handle.ready.remote()
         else:

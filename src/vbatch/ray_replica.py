@@ -64,10 +64,13 @@ class ReplicaEngine:
         return True
 
     def poll(
-        self, epoch: int, max_wait: float
-    ) -> tuple[list[tuple[int, RequestOutput]], SchedulerStats | None]:
+        self, token: str, epoch: int, max_wait: float
+    ) -> tuple[list[tuple[int, RequestOutput]], SchedulerStats | None] | None:
         """The finished rows of stream `epoch` (waiting up to `max_wait` for one), and the
-        engine's latest stats. Raises the engine's error once it failed."""
+        engine's latest stats; None if `token` names an earlier incarnation, whose rows this one
+        never got. Raises the engine's error once it failed."""
+        if token != self.token:
+            return None
         deadline = time.monotonic() + max_wait
         with self._cond:
             while not self._has_output(epoch) and self._error is None:
