@@ -1,13 +1,15 @@
 """Scale-out overhead: the same rows and limits on the tiny model through one engine, `-dp 2` and
-`--ray` (2 replicas of 1 CPU), timed over `stream` after start-up and a warm-up.
+`--ray`, timed over `stream` after start-up and a warm-up.
 
-    python -m benchmarks.scaleout [--modes single dp ray] [--num-rows 512] [--max-tokens 32]
-        [--rounds 3] [--threads 2]
+    python -m benchmarks.scaleout [--modes single ray1 dp ray] [--num-rows 512]
+        [--max-tokens 32] [--rounds 3] [--threads 1]
 
-`single` is one LLM with --threads threads; `dp` one LLM with data_parallel_size=2 (the threads
-split between its cores); `ray` RayEngines on a local Ray cluster of --threads CPUs. Prints each
-mode's start-up and median stream time, the ratios to `single` and `dp`, the Ray path's cost per
-row (its median minus the other's, over the rows) and the driver's CPU time per row.
+Each engine gets --threads threads: `single` is one LLM; `ray1` one Ray replica (the same
+engine, so ray1 / single is the Ray path's own cost); `dp` one LLM with data_parallel_size=2;
+`ray` 2 Ray replicas (`--replicas 2 --cpus-per-replica THREADS`, the issue's comparison with
+`dp`). Ray runs on a local cluster of 2 x --threads CPUs. Prints each mode's start-up and median
+stream time, the ratios, the Ray path's cost per row (its median minus the other's, over the
+rows) and the driver's CPU time per row.
 """
 
 from __future__ import annotations
@@ -33,22 +35,21 @@ def _make_tiny_model(out_dir: Path) -> Path:
 
 def _open(mode: str, model: str, args: argparse.Namespace) -> Any:
     engine_args: dict[str, Any] = {"max_num_seqs": args.max_num_seqs}
-    if mode == "single":
+    if mode in ("single", "dp"):
         from vbatch.llm import LLM
 
-        return LLM(model, num_threads=args.threads, **engine_args)
-    if mode == "dp":
-        from vbatch.llm import LLM
-
-        return LLM(model, num_threads=args.threads, data_parallel_size=2, **engine_args)
+        if mode == "single":
+            return LLM(model, num_threads=args.threads, **engine_args)
+        return LLM(model, num_threads=2 * args.threads, data_parallel_size=2, **engine_args)
     import ray
 
     from vbatch.job.options import RaySettings
     from vbatch.ray_engines import RayEngines
 
     if not ray.is_initialized():
-        ray.init(num_cpus=args.threads, include_dashboard=False, log_to_driver=False)
-    settings = RaySettings(replicas=2, cpus_per_replica=args.threads // 2)
+        ray.init(num_cpus=2 * args.threads, include_dashboard=False, log_to_driver=False)
+    replicas = 1 if mode == "ray1" else 2
+    settings = RaySettings(replicas=replicas, cpus_per_replica=args.threads)
     return RayEngines(model, settings, **engine_args)
 
 
@@ -84,26 +85,23 @@ def report(results: dict[str, dict[str, Any]], num_rows: int) -> None:
             f"{mode:8} {r['startup_s']:10.1f} {r['median_s']:9.2f} "
             f"{num_rows / r['median_s']:8.1f} {r['cpu_per_row_ms']:18.3f}"
         )
-    if "ray" not in results:
-        return
-    ray_s = results["ray"]["median_s"]
-    for other in ("single", "dp"):
-        if other in results:
-            other_s = results[other]["median_s"]
+    for ray_mode, other in (("ray1", "single"), ("ray", "dp"), ("ray", "single")):
+        if ray_mode in results and other in results:
+            ray_s, other_s = results[ray_mode]["median_s"], results[other]["median_s"]
             print(
-                f"ray / {other}: {ray_s / other_s:.3f}x; Ray path cost "
+                f"{ray_mode} / {other}: {ray_s / other_s:.3f}x; Ray path cost "
                 f"{(ray_s - other_s) / num_rows * 1e3:+.3f} ms per row"
             )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", nargs="+", default=["single", "dp", "ray"])
+    parser.add_argument("--modes", nargs="+", default=["single", "ray1", "dp", "ray"])
     parser.add_argument("--num-rows", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model", help="model directory (default: a tiny random Llama)")
     args = parser.parse_args(argv)
     rows = make_messages(args.num_rows)
