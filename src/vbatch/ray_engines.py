@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import heapq
 import itertools
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -29,6 +30,7 @@ from vbatch.sampling_params import SamplingParams
 POLL_WAIT_S = 1.0
 REPLICA_NAME_PREFIX = "vbatch-replica-"
 _WAIT_CAP_S = 1.0
+STARTUP_GRACE_S = 60.0
 _SHUTDOWN_S = 10.0
 
 
@@ -69,10 +71,21 @@ class RayEngines:
         from vbatch.models.loader import resolve_model
 
         self.settings = settings
+        self._replicas: list[_Replica] = []
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            ray.init(address=settings.address, include_dashboard=False, log_to_driver=False)
-        self._check_resources()
+            # NOTE: Ray's own log lines would break up the dashboard; its errors still raise.
+            ray.init(
+                address=settings.address,
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level=logging.ERROR,
+            )
+        try:
+            self._check_resources()
+        except BaseException:
+            self.shutdown()
+            raise
         self.tokenizer = TextTokenizer.from_dir(resolve_model(model).hf_dir)
         args = {"num_threads": max(1, int(settings.cpus_per_replica)), **engine_args}
         if max_in_flight is not None:
@@ -114,17 +127,21 @@ class RayEngines:
                 )
 
     def _start(self, on_progress: Callable[[str], None] | None) -> Ready:
-        info = None
+        """Wait for every replica, or for STARTUP_GRACE_S after the first is live (the others,
+        maybe waiting for resources, join the stream when they are up)."""
         for rep in self._replicas:
             rep.probe = rep.handle.ready.remote()
+        first_live_t = None
         while any(rep.state is EngineState.STARTING for rep in self._replicas):
+            live = [rep for rep in self._replicas if rep.state is EngineState.LIVE]
+            if live and first_live_t is None:
+                first_live_t = time.monotonic()
+            if first_live_t is not None and time.monotonic() - first_live_t > STARTUP_GRACE_S:
+                break
             if on_progress is not None:
-                num_live = sum(rep.state is EngineState.LIVE for rep in self._replicas)
-                on_progress(f"starting Ray replicas ({num_live} of {len(self._replicas)} live)")
-            self._wait_probes(None)
-            info = info or next(
-                (rep.info for rep in self._replicas if rep.state is EngineState.LIVE), None
-            )
+                on_progress(f"starting Ray replicas ({len(live)} of {len(self._replicas)} live)")
+            self._wait_probes(_WAIT_CAP_S)
+        info = next((rep.info for rep in self._replicas if rep.state is EngineState.LIVE), None)
         if info is None:
             raise EngineStartupError(f"no Ray replica started: {self._last_error}")
         return info
@@ -163,7 +180,7 @@ class RayEngines:
                 live = [rep for rep in self._replicas if rep.state is EngineState.LIVE]
                 if is_exhausted and not queue and not any(rep.in_flight for rep in live):
                     return
-                if not live and not self._restarting():
+                if not live and not self._is_coming():
                     raise EngineDeadError(
                         f"every Ray replica died ({self._last_error}); no restart is left"
                     )
@@ -185,8 +202,10 @@ class RayEngines:
         finally:
             self._end_stream(epoch)
 
-    def _restarting(self) -> bool:
-        return any(rep.state is EngineState.RESTARTING for rep in self._replicas)
+    def _is_coming(self) -> bool:
+        """Whether a replica is starting or restarting, so rows may still run."""
+        coming = (EngineState.STARTING, EngineState.RESTARTING)
+        return any(rep.state in coming for rep in self._replicas)
 
     def _dispatch(
         self,
