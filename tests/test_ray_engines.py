@@ -202,9 +202,19 @@ def test_killed_replicas_restart_and_finish_the_rows_then_none_left_fails_cleanl
 
 
 @pytest.mark.slow
-def test_driver_sigkilled_mid_job_then_resume_with_ray_is_exactly_once(
-    tmp_path: Path, tiny_model_dir: Path, ray_address: str, reference: dict[str, str]
+@pytest.mark.parametrize(
+    ("signum", "exit_code"), [(signal.SIGKILL, -signal.SIGKILL), (signal.SIGTERM, 75)]
+)
+def test_driver_killed_or_stopped_mid_job_then_resume_with_ray_is_exactly_once(
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    ray_address: str,
+    reference: dict[str, str],
+    signum: int,
+    exit_code: int,
 ) -> None:
+    """SIGKILL: Ray ends the driver's replicas, resume starts new ones. SIGTERM: the job drains
+    and exits 75 (Ray's own SIGTERM handler must not take over)."""
     write_jsonl(tmp_path / "in.jsonl", make_rows())
     env = {**os.environ, "RAY_ADDRESS": ""}
     args = [
@@ -221,9 +231,9 @@ def test_driver_sigkilled_mid_job_then_resume_with_ray_is_exactly_once(
         if (job_dir / JOURNAL_NAME).exists() and read_journal(job_dir / JOURNAL_NAME)[0].committed:
             break
         time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
+    proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=TIMEOUT_S)
-    assert proc.returncode == -signal.SIGKILL, f"the job ended before it was killed: {stderr}"
+    assert proc.returncode == exit_code, f"the job did not end by the signal: {stderr}"
     resume = [sys.executable, "-m", "vbatch.cli", "resume", "out.parquet", "-q"]
     done = subprocess.run(
         [*resume, "--ray-address", ray_address],

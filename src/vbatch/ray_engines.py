@@ -8,6 +8,8 @@ import dataclasses
 import heapq
 import itertools
 import logging
+import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -31,6 +33,7 @@ POLL_WAIT_S = 1.0
 REPLICA_NAME_PREFIX = "vbatch-replica-"
 _WAIT_CAP_S = 1.0
 STARTUP_GRACE_S = 60.0
+_KEPT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)
 _SHUTDOWN_S = 10.0
 
 
@@ -74,13 +77,7 @@ class RayEngines:
         self._replicas: list[_Replica] = []
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            # NOTE: Ray's own log lines would break up the dashboard; its errors still raise.
-            ray.init(
-                address=settings.address,
-                include_dashboard=False,
-                log_to_driver=False,
-                logging_level=logging.ERROR,
-            )
+            _init_ray(settings.address)
         try:
             self._check_resources()
         except BaseException:
@@ -350,6 +347,25 @@ class RayEngines:
                 rep.state = EngineState.DEAD
             if self._owns_ray:
                 ray.shutdown()
+
+
+def _init_ray(address: str | None) -> None:
+    """Join or start the Ray cluster, keeping this process's signal handlers.
+
+    NOTE: ray.init installs its own SIGTERM (and SIGINT) handlers, which would exit at once
+    instead of letting the job drain, commit and print the resume command."""
+    main = threading.current_thread() is threading.main_thread()
+    handlers = {signum: signal.getsignal(signum) for signum in _KEPT_SIGNALS} if main else {}
+    # NOTE: Ray's own log lines would break up the dashboard; its errors still raise.
+    ray.init(
+        address=address,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level=logging.ERROR,
+    )
+    for signum, handler in handlers.items():
+        if handler is not None:
+            signal.signal(signum, handler)
 
 
 def _as_row(position: int, item: Any, defaults: SamplingParams) -> tuple[int, Request]:
