@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import psutil
 import pyarrow.parquet as pq
 import pytest
 import ray
@@ -197,6 +199,48 @@ def test_killed_replicas_restart_and_finish_the_rows_then_none_left_fails_cleanl
         with pytest.raises(EngineDeadError, match="every Ray replica died"):
             list(engines.stream(prompts, params))
         assert [r.state for r in engines.engine_reports()] == [EngineState.DEAD] * 2
+    finally:
+        engines.shutdown()
+
+
+def replica_engine_cores() -> list[psutil.Process]:
+    """The engine-core processes of this machine's replica actors (Ray titles them)."""
+    cores = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if any("ray::ReplicaEngine" in part for part in proc.info["cmdline"] or ()):
+            for child in proc.children():
+                with contextlib.suppress(psutil.Error):
+                    if any("spawn_main" in part for part in child.cmdline()):
+                        cores.append(child)
+    return cores
+
+
+@pytest.mark.slow
+def test_a_replica_whose_engine_core_dies_is_restarted_and_its_rows_run_again(
+    tiny_model_dir: Path, ray_address: str
+) -> None:
+    prompts = [f"item {i} is" for i in range(NUM_ROWS)]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    with LLM(str(tiny_model_dir), num_threads=1, **ENGINE_ARGS) as llm:
+        expected = [out.outputs[0].text for out in llm.generate(prompts, params)]
+    settings = RaySettings(address=ray_address, replicas=2, max_restarts=1)
+    engines = RayEngines(str(tiny_model_dir), settings, **ENGINE_ARGS)
+    try:
+        cores = replica_engine_cores()
+        assert len(cores) == 2, cores
+        got: dict[int, str] = {}
+        states = set()
+        for out in engines.stream(prompts, params, idle_s=0.2):
+            states.update(report.state for report in engines.engine_reports())
+            if out is None:
+                continue
+            assert out.index not in got
+            got[out.index] = out.outputs[0].text
+            if len(got) == 3:
+                cores[0].kill()
+        assert [got[i] for i in range(NUM_ROWS)] == expected
+        assert EngineState.RESTARTING in states, engines._last_error
+        assert "engine core" in engines._last_error
     finally:
         engines.shutdown()
 
