@@ -284,7 +284,7 @@ class RayEngines:
             rep = probes[ref]
             rep.probe = None
             try:
-                rep.token, rep.info, max_in_flight = ray.get(ref)
+                token, rep.info, max_in_flight = ray.get(ref)
             except ActorUnavailableError:
                 # NOTE: the actor is being restarted; ask again until it answers or is dead.
                 rep.probe = rep.handle.ready.remote()
@@ -294,6 +294,11 @@ class RayEngines:
                 rep.state = EngineState.DEAD
                 ray.kill(rep.handle)
                 continue
+            if token == rep.token:
+                # NOTE: the failed incarnation answered before the kill that restarts it landed.
+                rep.probe = rep.handle.ready.remote()
+                continue
+            rep.token = token
             rep.window = max_in_flight + TOKENIZE_BATCH
             rep.seq = itertools.count()
             rep.is_told_final = False
