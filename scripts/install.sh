@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 extra=""
-[ "${1:-}" = "--test" ] && extra="[test]"
+# NOTE: the tests run --ray jobs on a local Ray cluster, so --test installs the ray extra too.
+[ "${1:-}" = "--test" ] && extra="[test,ray]"
 
 # NOTE: torch first and pinned, so that resolving `torch>=2.4` never pulls a multi-GB CUDA build.
 if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from vbatch import __version__
 from vbatch.cli import app, resume_request, run_request
-from vbatch.job.options import JOB_SAMPLING, RunOptions
+from vbatch.job.options import JOB_SAMPLING, RaySettings, RunOptions
 from vbatch.job.rows import ColumnOptions
 from vbatch.job.shard import Shard
 from vbatch.sampling_params import SamplingParams
@@ -89,6 +89,12 @@ RUN_OPTIONS: dict[str, tuple[list[str], str, Any]] = {
     ),
     "reasoning_parser": (["--reasoning-parser", "qwen3"], "spec.reasoning_parser", "qwen3"),
     "shard": (["--shard", "1/3"], "spec.shard", Shard(1, 3)),
+    "use_ray": (["--ray"], "options.ray", RaySettings()),
+    "ray_address": (["--ray", "--ray-address", "h:1"], "options.ray.address", "h:1"),
+    "replicas": (["--ray", "--replicas", "3"], "options.ray.replicas", 3),
+    "gpus_per_replica": (["--ray", "--gpus-per-replica", "1"], "options.ray.gpus_per_replica", 1.0),
+    "cpus_per_replica": (["--ray", "--cpus-per-replica", "2"], "options.ray.cpus_per_replica", 2.0),
+    "max_restarts": (["--ray", "--max-restarts", "4"], "options.ray.max_restarts", 4),
     "device": (["--device", "cpu"], "spec.engine_args.device", "cpu"),
     "dtype": (["--dtype", "bfloat16"], "spec.engine_args.dtype", "bfloat16"),
     "max_num_seqs": (["--max-num-seqs", "7"], "spec.engine_args.max_num_seqs", 7),
@@ -183,6 +189,7 @@ RESUME_OPTIONS: dict[str, tuple[list[str], str, Any]] = {
     "drain_timeout_s": (["--drain-timeout", "2"], "overrides.drain_timeout_s", 2.0),
     "max_in_flight": (["--max-in-flight", "6"], "overrides.max_in_flight", 6),
     "data_parallel_size": (["-dp", "2"], "overrides.data_parallel_size", 2),
+    "ray_address": (["--ray-address", "head:6379"], "overrides.ray_address", "head:6379"),
     "quiet": (["-q"], "overrides.display", "quiet"),
     "log_interval_s": (["--log-interval", "1.5"], "overrides.log_interval_s", 1.5),
     "metrics_file": (["--metrics-file", "m.json"], "overrides.metrics_file", Path("m.json")),
@@ -202,6 +209,8 @@ def _parsed(name: str, args: list[str]) -> dict[str, Any]:
 def _at(request: Any, path: str) -> Any:
     value = request
     for part in path.split("."):
+        if value is None:
+            return MISSING
         value = value.get(part, MISSING) if isinstance(value, dict) else getattr(value, part)
     return value
 
@@ -245,7 +254,7 @@ def test_run_defaults_come_from_run_options_engine_config_and_job_sampling() -> 
 def test_run_and_resume_declare_their_shared_options_once() -> None:
     run_params = {p.name: p for p in _command("run").params}
     shared = [p for p in _command("resume").params if p.name in run_params and p.name != "help"]
-    assert len(shared) == 10
+    assert len(shared) == 11
     for param in shared:
         twin = run_params[param.name]
         assert (param.opts, param.help, param.rich_help_panel) == (  # type: ignore[attr-defined]
@@ -253,7 +262,8 @@ def test_run_and_resume_declare_their_shared_options_once() -> None:
             twin.help,  # type: ignore[attr-defined]
             twin.rich_help_panel,  # type: ignore[attr-defined]
         ), param.name
-        assert twin.rich_help_panel in ("Engine", "Job", "Display"), param.name  # type: ignore
+        panel = twin.rich_help_panel  # type: ignore[attr-defined]
+        assert panel in ("Engine", "Job", "Display", "Ray (many machines)"), param.name
 
 
 def test_a_mistyped_choice_fails_at_parse_time_and_names_the_choices(tmp_path: Path) -> None:

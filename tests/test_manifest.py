@@ -137,7 +137,12 @@ def test_a_version_2_manifest_loads_typed_and_saves_unchanged(tmp_path: Path) ->
     assert options == RunOptions(commit_every_rows=7, max_errors=0.5, max_in_flight=3)
     manifest.save(tmp_path)
     # NOTE: options added since are written with their defaults; nothing else changes.
-    added = {"chat_template_kwargs": None, "reasoning_parser": None, "data_parallel_size": 1}
+    added = {
+        "chat_template_kwargs": None,
+        "reasoning_parser": None,
+        "data_parallel_size": 1,
+        "ray": None,
+    }
     expected = {**VERSION_2_MANIFEST, "options": {**VERSION_2_MANIFEST["options"], **added}}
     assert json.loads((tmp_path / "manifest.json").read_text()) == expected
 

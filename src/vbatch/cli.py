@@ -25,7 +25,7 @@ from vbatch.errors import (
     storage_error,
     unexpected_error,
 )
-from vbatch.job.options import JOB_SAMPLING, RunOptions
+from vbatch.job.options import JOB_SAMPLING, RaySettings, RunOptions
 from vbatch.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -43,6 +43,8 @@ app = typer.Typer(
 T = TypeVar("T")
 ENGINE = EngineConfig()
 RUN = RunOptions()
+RAY = RaySettings()
+RAY_OPTIONS = tuple(f.name for f in fields(RaySettings) if f.name != "address")
 SAMPLING = JOB_SAMPLING
 
 
@@ -99,7 +101,9 @@ def run_request(params: Mapping[str, Any]) -> RunRequest:
     )
     display = "quiet" if values.pop("quiet") else "auto"
     overwrite = values.pop("overwrite")
-    options = RunOptions(display=display, **_given(take(RUN_OPTION_FIELDS)))
+    options = RunOptions(
+        display=display, ray=_ray_settings(values), **_given(take(RUN_OPTION_FIELDS))
+    )
     engine = {k: v for k, v in take(ENGINE_FIELDS).items() if v != getattr(ENGINE, k)}
     shard = values.pop("shard")
     template_kwargs = _json_object(values.pop("chat_template_kwargs"), "--chat-template-kwargs")
@@ -122,13 +126,29 @@ def resume_request(params: Mapping[str, Any]) -> ResumeRequest:
     settings the job started with."""
     values = dict(params)
     overrides = {"display": "quiet" if values.pop("quiet") else "auto"}
-    overrides.update(_given({name: values.pop(name) for name in RUN_OPTION_FIELDS}))
+    overrides.update(
+        _given({name: values.pop(name) for name in RUN_OPTION_FIELDS if name != "ray"})
+    )
+    overrides.update(_given({"ray_address": values.pop("ray_address")}))
     request = ResumeRequest(
         values.pop("output"), overrides, values.pop("force"), values.pop("retry_errors")
     )
     if values:
         raise TypeError(f"options with no place in the job: {', '.join(sorted(values))}")
     return request
+
+
+def _ray_settings(values: dict[str, Any]) -> RaySettings | None:
+    """`--ray` and its options (popped from `values`); a Ray option without `--ray` is refused."""
+    use_ray, address = values.pop("use_ray"), values.pop("ray_address")
+    given = {name: values.pop(name) for name in RAY_OPTIONS}
+    if not use_ray:
+        stray = [name for name, value in given.items() if value != getattr(RAY, name)]
+        if address is not None or stray:
+            flag = "ray_address" if address is not None else stray[0]
+            raise ConfigError(f"--{flag.replace('_', '-')} is for --ray jobs; add --ray")
+        return None
+    return RaySettings(address=address, **given)
 
 
 def _json_object(value: str | None, flag: str) -> dict[str, Any] | None:
@@ -151,6 +171,19 @@ def _given(values: dict[str, Any]) -> dict[str, Any]:
 def _fail(message: str, exit_code: int = 1) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(exit_code)
+
+
+def _ray_settings(values: dict[str, Any]) -> RaySettings | None:
+    """`--ray` and its options (popped from `values`); a Ray option without `--ray` is refused."""
+    use_ray, address = values.pop("use_ray"), values.pop("ray_address")
+    given = {name: values.pop(name) for name in RAY_OPTIONS}
+    if not use_ray:
+        stray = [name for name, value in given.items() if value != getattr(RAY, name)]
+        if address is not None or stray:
+            flag = "ray_address" if address is not None else stray[0]
+            raise ConfigError(f"--{flag.replace('_', '-')} is for --ray jobs; add --ray")
+        return None
+    return RaySettings(address=address, **given)
 
 
 def _json_object(value: str | None, flag: str) -> dict[str, Any] | None:
@@ -270,6 +303,12 @@ def run(
     drain_timeout_s: o.DrainTimeout = RUN.drain_timeout_s,
     max_in_flight: o.MaxInFlight = RUN.max_in_flight,
     shard: o.ShardOption = None,
+    use_ray: o.UseRay = False,
+    ray_address: o.RayAddress = None,
+    replicas: o.Replicas = RAY.replicas,
+    gpus_per_replica: o.GpusPerReplica = RAY.gpus_per_replica,
+    cpus_per_replica: o.CpusPerReplica = RAY.cpus_per_replica,
+    max_restarts: o.MaxRestarts = RAY.max_restarts,
     quiet: o.Quiet = False,
     log_interval_s: o.LogInterval = RUN.log_interval_s,
     metrics_file: o.MetricsFile = RUN.metrics_file,
@@ -297,6 +336,7 @@ def resume(
     drain_timeout_s: o.DrainTimeout = None,
     max_in_flight: o.MaxInFlight = None,
     data_parallel_size: o.DataParallelSize = None,
+    ray_address: o.RayAddress = None,
     quiet: o.Quiet = False,
     log_interval_s: o.LogInterval = RUN.log_interval_s,
     metrics_file: o.MetricsFile = RUN.metrics_file,

@@ -14,6 +14,7 @@ INPUT = "Input"
 ENGINE = "Engine"
 SAMPLING = "Sampling"
 STRUCTURED = "Structured output"
+RAY = "Ray (many machines)"
 JOB = "Job"
 DISPLAY = "Display"
 
@@ -128,6 +129,35 @@ DataParallelSize = Annotated[
         "least loaded.",
         rich_help_panel=ENGINE,
     ),
+]
+UseRay = Annotated[
+    bool,
+    typer.Option(
+        "--ray",
+        help="Run the engines as Ray actors (needs `pip install 'vbatch[ray]'`).",
+        rich_help_panel=RAY,
+    ),
+]
+RayAddress = Annotated[
+    str | None,
+    typer.Option(
+        help="The Ray cluster to join (default: RAY_ADDRESS, a running local cluster, or a new "
+        "local one); on resume of a --ray job, the one to join this time.",
+        rich_help_panel=RAY,
+    ),
+]
+Replicas = Annotated[int, typer.Option(help="Engine replicas (Ray actors).", rich_help_panel=RAY)]
+GpusPerReplica = Annotated[
+    float, typer.Option(help="GPUs Ray gives each replica.", rich_help_panel=RAY)
+]
+CpusPerReplica = Annotated[
+    float,
+    typer.Option(
+        help="CPUs Ray gives each replica; also its engine's threads.", rich_help_panel=RAY
+    ),
+]
+MaxRestarts = Annotated[
+    int, typer.Option(help="Times Ray may restart each replica that died.", rich_help_panel=RAY)
 ]
 ChatTemplateKwargs = Annotated[
     str | None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from vbatch.errors import (
 from vbatch.job.finalize import finalize
 from vbatch.job.journal import Journal
 from vbatch.job.manifest import Manifest
-from vbatch.job.options import RunOptions
+from vbatch.job.options import RaySettings, RunOptions, require_ray
 from vbatch.job.paths import resume_command
 from vbatch.job.reader import InputReader
 from vbatch.job.results import TokenStrings, error_row, openai_line, parquet_schema, result_row
@@ -35,6 +36,13 @@ def _make_llm(model: str | None, **kwargs: Any) -> Any:
     from vbatch.llm import LLM
 
     return LLM(model, **kwargs)
+
+
+def _ray_factory(settings: RaySettings) -> Callable[..., Any]:
+    require_ray()
+    from vbatch.ray_engines import RayEngines
+
+    return functools.partial(RayEngines, settings=settings)
 
 
 class JobExecution:
@@ -57,7 +65,9 @@ class JobExecution:
         self.manifest = manifest
         self.journal = journal
         self.options = options
-        self.llm_factory = llm_factory or _make_llm
+        self.llm_factory = llm_factory or (
+            _ray_factory(options.ray) if options.ray is not None else _make_llm
+        )
         self.columns = manifest.options.columns
         self.defaults = SamplingParams.from_dict(manifest.sampling)
         self.reader = InputReader(Path(manifest.input_path), manifest.input_format, self.columns)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from vbatch.errors import JobStateError, ModelLoadError
-from vbatch.job.options import RunOptions
+from vbatch.job.options import RaySettings, RunOptions
 from vbatch.job.paths import write_atomic
 from vbatch.job.rows import ColumnOptions
 from vbatch.job.shard import Shard
@@ -65,11 +64,12 @@ class JobOptions(msgspec.Struct, frozen=True, kw_only=True):
     drain_timeout_s: float = msgspec.field(default=RunOptions.drain_timeout_s, name="drain_timeout")
     max_in_flight: int | None = RunOptions.max_in_flight
     data_parallel_size: int = RunOptions.data_parallel_size
+    ray: RaySettings | None = None
 
     def run_options(self, overrides: dict[str, Any] | None = None) -> RunOptions:
         """The saved run options, with `overrides` (RunOptions fields) replacing some."""
         saved = {name: getattr(self, name) for name in RunOptions().result_settings()}
-        return replace(RunOptions(**saved), **(overrides or {}))
+        return RunOptions.restore(saved, overrides or {})
 
 
 def input_fingerprint(path: Path) -> InputFingerprint:

@@ -2,11 +2,42 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from vbatch.errors import ConfigError
 from vbatch.sampling_params import SamplingParams
+
+RAY_MISSING = "--ray needs Ray, which is not installed: pip install 'vbatch[ray]'"
+
+
+@dataclass(frozen=True)
+class RaySettings:
+    """Where a `--ray` job's replicas run: the cluster, how many, what each one asks Ray for."""
+
+    address: str | None = None
+    replicas: int = 1
+    gpus_per_replica: float = 0.0
+    cpus_per_replica: float = 1.0
+    max_restarts: int = 1
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ConfigError(f"--replicas must be at least 1, got {self.replicas}")
+        if self.cpus_per_replica <= 0 or self.gpus_per_replica < 0:
+            raise ConfigError("--cpus-per-replica must be > 0 and --gpus-per-replica >= 0")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+
+
+def require_ray() -> None:
+    """Refuse `--ray` in one line when the `ray` extra is not installed."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ConfigError(RAY_MISSING) from None
+
 
 # NOTE: a job is greedy (reproducible, so a resumed job equals an uninterrupted one) and allows
 # longer outputs than a bare SamplingParams.
@@ -27,10 +58,25 @@ class RunOptions:
     log_interval_s: float = 10.0
     metrics_file: Path | None = None
     clean: bool = False
+    ray: RaySettings | None = None
+
+    @classmethod
+    def restore(cls, saved: dict[str, Any], overrides: dict[str, Any]) -> RunOptions:
+        """The options a resumed job runs with: those it saved (`result_settings`), then
+        `overrides` (RunOptions fields, and `ray_address`, which only a `--ray` job takes)."""
+        values = {**saved, **overrides}
+        settings = values.pop("ray", None)
+        address = values.pop("ray_address", None)
+        if address is not None:
+            if settings is None:
+                raise ConfigError("--ray-address is for jobs started with --ray; this one was not")
+            settings = replace(settings, address=address)
+        return cls(**values, ray=settings)
 
     def result_settings(self) -> dict[str, Any]:
         """The options a job's manifest keeps, so that a resume goes on with them."""
         return {
+            "ray": self.ray,
             "commit_every_rows": self.commit_every_rows,
             "commit_every_seconds": self.commit_every_seconds,
             "max_errors": self.max_errors,

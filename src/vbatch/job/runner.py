@@ -33,7 +33,7 @@ from vbatch.job.manifest import (
     input_fingerprint,
     model_identity,
 )
-from vbatch.job.options import RunOptions
+from vbatch.job.options import RunOptions, require_ray
 from vbatch.job.paths import (
     LOCK_NAME,
     JobLock,
@@ -143,6 +143,8 @@ def start_job(
     output = spec.output_path
     job_dir = job_dir_for(output)
     fmt = output_format(output)
+    if options.ray is not None:
+        require_ray()
     _refuse_output_onto_input(spec.input_path, output, job_dir)
     output.parent.mkdir(parents=True, exist_ok=True)
     lock = JobLock(job_dir, create=True)
