@@ -19,7 +19,10 @@ logger = logging.getLogger(__name__)
 SUPPORTED_GGUF_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
+# NOTE: a llama-architecture file with a sliding window is a Mistral model.
+_SLIDING_LLAMA = ("MistralForCausalLM", "mistral")
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -35,6 +38,8 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
@@ -78,7 +83,10 @@ def _build_config(
         if embed is None:
             raise ModelLoadError(f"GGUF file {path} has no token_embd.weight tensor")
         vocab_size = embed.shape[0]
-    architecture, model_type = SUPPORTED_GGUF_ARCHITECTURES[arch]
+    window = metadata.get(f"{arch}.attention.sliding_window")
+    if window is not None and arch != "llama":
+        raise ModelLoadError(f"GGUF file {path}: a sliding window on {arch} is not supported")
+    architecture, model_type = _SLIDING_LLAMA if window else SUPPORTED_GGUF_ARCHITECTURES[arch]
     config: dict[str, Any] = {
         "architectures": [architecture],
         "model_type": model_type,
@@ -96,6 +104,8 @@ def _build_config(
         "attention_bias": arch == "qwen2",
         "torch_dtype": "float32",
     }
+    if window:
+        config["sliding_window"] = int(window)
     scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
     if scaling_type == "linear":
         config["rope_scaling"] = {
