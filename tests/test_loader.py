@@ -188,6 +188,8 @@ def write_gguf(
     writer.add_uint32(f"{arch}.attention.head_count_kv", config.num_key_value_heads)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
     writer.add_float32(f"{arch}.rope.freq_base", config.rope_parameters["rope_theta"])
+    if config.model_type == "mistral":
+        writer.add_uint32(f"{arch}.attention.sliding_window", config.sliding_window)
     writer.add_tokenizer_model(tokenizer_fields["tokenizer.ggml.model"])
     writer.add_tokenizer_pre(tokenizer_fields["tokenizer.ggml.pre"])
     writer.add_token_list(tokenizer_fields["tokenizer.ggml.tokens"])
@@ -199,6 +201,7 @@ def write_gguf(
     names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
     names |= {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
     names |= {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    names |= {"q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
     for name, tensor in reference.state_dict().items():
         array = tensor.numpy()
         if name == "model.embed_tokens.weight":
@@ -222,21 +225,36 @@ def write_gguf(
     writer.close()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_synthetic_gguf_round_trips(
-    arch: str,
+    family: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     tokenizer_fields: dict[str, Any],
 ) -> None:
+    """A Mistral GGUF is a llama one with a sliding window; Qwen3 adds per-head q/k norms."""
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import (
+        AutoModelForCausalLM,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path / "cache"))
-    shape = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
-    config_cls = LlamaConfig if arch == "llama" else Qwen2Config
-    config = config_cls(
-        **shape, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=arch == "llama"
+    arch = "llama" if family == "mistral" else family
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    config = (classes | {"mistral": MistralConfig})[family](
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=32,
+        tie_word_embeddings=arch == "llama",
     )
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(config).float().eval()
@@ -257,6 +275,8 @@ def test_synthetic_gguf_round_trips(
     assert got.architecture == type(reference).__name__
     assert got.tie_word_embeddings == (arch == "llama")
     assert got.attention_bias == (arch == "qwen2")
+    assert got.qk_norm == (arch == "qwen3")
+    assert got.sliding_windows == ((32, 32) if family == "mistral" else ())
     assert (got.num_attention_heads, got.num_key_value_heads, got.head_dim) == (4, 2, 16)
     assert got.rope_theta == config.rope_parameters["rope_theta"]
     assert got.rms_norm_eps == pytest.approx(config.rms_norm_eps)

@@ -531,6 +531,10 @@ def _spawn_core(
 ) -> Any:
     from vbatch.engine.core_process import run_engine_core
 
+    # NOTE: OpenMP threads that spin at barriers stall each other once the machine has other work
+    # (docs/performance.md: 24 rows, 128-164 s spinning, 22-24 s passive, on the busy 2-core
+    # machine), so the core inherits a passive wait unless the user chose a policy.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     ctx = multiprocessing.get_context("spawn")
     proc = ctx.Process(
         target=run_engine_core,

@@ -11,13 +11,18 @@ from typing import Any
 import numpy as np
 
 from vbatch.errors import ModelLoadError
+from vbatch.models.gguf_file import GGUFTensor, dequantize, read_gguf
+from vbatch.models.gguf_tokenizer import write_tokenizer
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_GGUF_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
+# NOTE: a llama-architecture file with a sliding window is a Mistral model.
+_SLIDING_LLAMA = ("MistralForCausalLM", "mistral")
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -33,50 +38,37 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
 def convert_gguf(path: Path, out_dir: Path) -> None:
     """Write an HF-style model directory for the GGUF file at `path` into `out_dir`."""
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:
-        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
-    metadata = _read_metadata(reader, path)
+    gguf_file = read_gguf(path)
+    metadata = gguf_file.metadata
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ModelLoadError(
             f"GGUF file {path} has unsupported architecture {arch!r}; "
             f"supported: {', '.join(sorted(SUPPORTED_GGUF_ARCHITECTURES))}"
         )
-    config = _build_config(metadata, arch, reader, path)
-    tensors = _convert_tensors(reader, config, arch, path)
+    config = _build_config(metadata, arch, gguf_file.tensors, path)
+    tensors = _convert_tensors(gguf_file.tensors, config, arch, path)
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     _write_generation_config(config, out_dir)
-    _write_tokenizer(path, out_dir)
+    write_tokenizer(path, metadata, out_dir)
 
     from safetensors.numpy import save_file
 
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _read_metadata(reader: Any, path: Path) -> dict[str, Any]:
-    metadata: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "token_type", "merges")):
-            continue
-        try:
-            metadata[key] = field.contents()
-        except Exception as e:
-            raise ModelLoadError(f"GGUF file {path} has an unreadable field {key}: {e}") from e
-    return metadata
-
-
-def _build_config(metadata: dict[str, Any], arch: str, reader: Any, path: Path) -> dict[str, Any]:
+def _build_config(
+    metadata: dict[str, Any], arch: str, tensors: list[GGUFTensor], path: Path
+) -> dict[str, Any]:
     def get(key: str, default: Any = None) -> Any:
         value = metadata.get(f"{arch}.{key}", default)
         if value is None:
@@ -87,11 +79,14 @@ def _build_config(metadata: dict[str, Any], arch: str, reader: Any, path: Path) 
     hidden_size = int(get("embedding_length"))
     vocab_size = metadata.get(f"{arch}.vocab_size")
     if vocab_size is None:
-        embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        embed = next((t for t in tensors if t.name == "token_embd.weight"), None)
         if embed is None:
             raise ModelLoadError(f"GGUF file {path} has no token_embd.weight tensor")
-        vocab_size = int(embed.shape[-1])
-    architecture, model_type = SUPPORTED_GGUF_ARCHITECTURES[arch]
+        vocab_size = embed.shape[0]
+    window = metadata.get(f"{arch}.attention.sliding_window")
+    if window is not None and arch != "llama":
+        raise ModelLoadError(f"GGUF file {path}: a sliding window on {arch} is not supported")
+    architecture, model_type = _SLIDING_LLAMA if window else SUPPORTED_GGUF_ARCHITECTURES[arch]
     config: dict[str, Any] = {
         "architectures": [architecture],
         "model_type": model_type,
@@ -109,6 +104,8 @@ def _build_config(metadata: dict[str, Any], arch: str, reader: Any, path: Path) 
         "attention_bias": arch == "qwen2",
         "torch_dtype": "float32",
     }
+    if window:
+        config["sliding_window"] = int(window)
     scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
     if scaling_type == "linear":
         config["rope_scaling"] = {
@@ -125,12 +122,10 @@ def _build_config(metadata: dict[str, Any], arch: str, reader: Any, path: Path) 
 
 
 def _convert_tensors(
-    reader: Any, config: dict[str, Any], arch: str, path: Path
+    gguf_tensors: list[GGUFTensor], config: dict[str, Any], arch: str, path: Path
 ) -> dict[str, np.ndarray]:
-    from gguf.quants import dequantize
-
     tensors: dict[str, np.ndarray] = {}
-    for tensor in reader.tensors:
+    for tensor in gguf_tensors:
         name = _hf_name(tensor.name)
         if name is None:
             if tensor.name == "rope_freqs.weight":
@@ -138,13 +133,9 @@ def _convert_tensors(
                 continue
             raise ModelLoadError(f"GGUF file {path} has an unknown tensor {tensor.name}")
         try:
-            # NOTE: GGUF lists shapes innermost-first; dequantize returns the row-major HF layout.
-            array = dequantize(tensor.data, tensor.tensor_type)
+            array = dequantize(tensor)
         except Exception as e:
             raise ModelLoadError(f"GGUF file {path}: cannot read tensor {tensor.name}: {e}") from e
-        array = np.ascontiguousarray(array.reshape(tuple(reversed(tensor.shape.tolist()))))
-        if array.dtype != np.float16:
-            array = array.astype(np.float32, copy=False)
         # NOTE: llama.cpp's converter interleaves each Q/K head's rotary halves; Qwen2 keeps HF's.
         if arch == "llama" and tensor.name.endswith("attn_q.weight"):
             array = unpermute_qk(array, config["num_attention_heads"])
@@ -178,13 +169,3 @@ def _hf_name(gguf_name: str) -> str | None:
 def _write_generation_config(config: dict[str, Any], out_dir: Path) -> None:
     generation = {key: config[key] for key in ("bos_token_id", "eos_token_id") if key in config}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
-
-
-def _write_tokenizer(path: Path, out_dir: Path) -> None:
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        tokenizer.save_pretrained(str(out_dir))
-    except Exception as e:
-        raise ModelLoadError(f"cannot build a tokenizer from GGUF file {path}: {e}") from e
