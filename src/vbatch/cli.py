@@ -173,32 +173,6 @@ def _fail(message: str, exit_code: int = 1) -> None:
     raise typer.Exit(exit_code)
 
 
-def _ray_settings(values: dict[str, Any]) -> RaySettings | None:
-    """`--ray` and its options (popped from `values`); a Ray option without `--ray` is refused."""
-    use_ray, address = values.pop("use_ray"), values.pop("ray_address")
-    given = {name: values.pop(name) for name in RAY_OPTIONS}
-    if not use_ray:
-        stray = [name for name, value in given.items() if value != getattr(RAY, name)]
-        if address is not None or stray:
-            flag = "ray_address" if address is not None else stray[0]
-            raise ConfigError(f"--{flag.replace('_', '-')} is for --ray jobs; add --ray")
-        return None
-    return RaySettings(address=address, **given)
-
-
-def _json_object(value: str | None, flag: str) -> dict[str, Any] | None:
-    """A flag's JSON object value (None when not given); anything else exits with one line."""
-    if value is None:
-        return None
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as e:
-        _fail(f"{flag} is not valid JSON ({e}): {value!r:.80}")
-    if not isinstance(parsed, dict):
-        _fail(f"{flag} must be a JSON object, like '{{\"enable_thinking\": false}}'")
-    return parsed
-
-
 def _guarded(fn: Callable[[], T]) -> T:
     """Print a VbatchError as one clear message, without a traceback, and exit non-zero. Any
     other exception is shown the same way (as a storage failure, or as an unexpected error);
