@@ -61,6 +61,17 @@ _MAIN_GUARD_HINT = (
 )
 
 
+def check_request_params(reqs: Sequence[AddRequest], vocab_size: int) -> None:
+    """Raise SamplingParamsError if any request's params are invalid now; each distinct params
+    object is validated once."""
+    checked: set[int] = set()
+    for req in reqs:
+        params = req.sampling_params
+        if id(params) not in checked:
+            params.validate(vocab_size)
+            checked.add(id(params))
+
+
 class EngineCoreClient:
     """The user-side end of the engine core: submit requests, read step outputs, shut down.
 
@@ -114,14 +125,14 @@ class EngineCoreClient:
     def add_requests(self, reqs: Sequence[AddRequest]) -> None:
         """Queue requests for the core; raises SamplingParamsError (sending none of them) if
         any one's params are invalid now, e.g. a field set after construction."""
+        self._conn.check_alive()
+        check_request_params(reqs, self.info.vocab_size)
+        self.send_checked(reqs)
+
+    def send_checked(self, reqs: Sequence[AddRequest]) -> None:
+        """Queue requests whose params `check_request_params` has passed."""
         conn = self._conn
         conn.check_alive()
-        checked: set[int] = set()
-        for req in reqs:
-            params = req.sampling_params
-            if id(params) not in checked:
-                params.validate(self.info.vocab_size)
-                checked.add(id(params))
         for req in reqs:
             conn.send_q.put(req)
         conn.wake()

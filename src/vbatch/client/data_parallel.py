@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from vbatch.client.core_client import EngineCoreClient
+from vbatch.client.core_client import EngineCoreClient, check_request_params
 from vbatch.client.placement import LoadBalancer, core_placements
 from vbatch.config import CorePlacement, EngineConfig
 from vbatch.engines import EngineReport, EngineState, sum_stats
@@ -76,12 +76,7 @@ class DataParallelClient:
     def add_requests(self, reqs: Sequence[AddRequest]) -> None:
         """Place each request on a core by load (and prompt prefix) and send it there; raises
         SamplingParamsError, sending none of them, if any one's params are invalid now."""
-        checked: set[int] = set()
-        for req in reqs:
-            params = req.sampling_params
-            if id(params) not in checked:
-                params.validate(self.info.vocab_size)
-                checked.add(id(params))
+        check_request_params(reqs, self.info.vocab_size)
         groups: list[list[AddRequest]] = [[] for _ in self._clients]
         for req in reqs:
             params = req.sampling_params
@@ -91,7 +86,7 @@ class DataParallelClient:
             groups[core].append(req)
         for client, group in zip(self._clients, groups, strict=True):
             if group:
-                client.add_requests(group)
+                client.send_checked(group)
 
     def abort(self, request_ids: Sequence[str], indices: Sequence[int] | None = None) -> None:
         """Abort these requests (with `indices`, only those samples) on the cores holding them."""

@@ -42,7 +42,7 @@ from vbatch.job.paths import (
     resume_command,
     tmp_output_path,
 )
-from vbatch.job.reader import InputReader, scan_input
+from vbatch.job.reader import InputReader, InputScan, scan_input
 from vbatch.job.results import OUTPUT_COLUMNS
 from vbatch.job.rows import ColumnOptions, RowParser
 from vbatch.job.shard import Shard, shard_of_output
@@ -148,8 +148,28 @@ def start_job(
     _refuse_output_onto_input(spec.input_path, output, job_dir)
     output.parent.mkdir(parents=True, exist_ok=True)
     lock = JobLock(job_dir, create=True)
+    return _create_and_execute(
+        output,
+        job_dir,
+        lock,
+        lambda: _prepare_job(spec, options, job_dir, fmt, overwrite=overwrite),
+        options,
+        llm_factory,
+    )
+
+
+def _create_and_execute(
+    output: Path,
+    job_dir: Path,
+    lock: JobLock,
+    write_manifest: Callable[[], Manifest],
+    options: RunOptions,
+    llm_factory: Callable[..., Any] | None,
+) -> Outcome:
+    """Under `lock`, write a new job's manifest, then execute the job. If writing fails, the
+    lock is released, and the directory removed unless a manifest made it a job."""
     try:
-        manifest = _prepare_job(spec, options, job_dir, fmt, overwrite=overwrite)
+        manifest = write_manifest()
     except BaseException:
         # NOTE: a directory without a manifest holds no job: it is only the lock we made.
         if not (job_dir / MANIFEST_NAME).exists():
@@ -304,13 +324,15 @@ def _start_shard_like(
     _refuse_clean_shard(options)
     job_dir = job_dir_for(output)
     lock = JobLock(job_dir, create=True)
-    try:
-        if (job_dir / MANIFEST_NAME).exists():
+    if (job_dir / MANIFEST_NAME).exists():
+        try:
             return _resume_locked(output, job_dir, lock, overrides, False, False, llm_factory)
-        columns = replace(sibling.options.columns, keep_all_columns=False)
-        reader = InputReader(input_path, sibling.input_format, columns)
-        parser = RowParser(columns, SamplingParams.from_dict(sibling.sampling))
-        scan = scan_input(reader, parser, shard=shard)
+        except BaseException:
+            lock.release()
+            raise
+
+    def write_manifest() -> Manifest:
+        scan = _rescan_input(sibling, shard)
         manifest = msgspec.structs.replace(
             sibling,
             output_path=str(output.absolute()),
@@ -319,12 +341,19 @@ def _start_shard_like(
             created=time.time(),
         )
         manifest.save(job_dir)
-    except BaseException:
-        if not (job_dir / MANIFEST_NAME).exists():
-            shutil.rmtree(job_dir, ignore_errors=True)
-        lock.release()
-        raise
-    return _execute(output, job_dir, manifest, options, llm_factory, retry_errors=False, lock=lock)
+        return manifest
+
+    return _create_and_execute(output, job_dir, lock, write_manifest, options, llm_factory)
+
+
+def _rescan_input(manifest: Manifest, shard: Shard | None) -> InputScan:
+    """The id pre-pass over a job's input again, with the job's own columns and row settings."""
+    columns = replace(manifest.options.columns, keep_all_columns=False)
+    reader = InputReader(Path(manifest.input_path), manifest.input_format, columns)
+    parser = RowParser(
+        columns, SamplingParams.from_dict(manifest.sampling), manifest.options.chat_template_kwargs
+    )
+    return scan_input(reader, parser, shard=shard)
 
 
 def _resume_locked(
@@ -385,14 +414,7 @@ def _accept_changes(
     """--force: adopt the changed input and model, so later resumes check against them."""
     from vbatch import __version__
 
-    columns = replace(manifest.options.columns, keep_all_columns=False)
-    reader = InputReader(Path(manifest.input_path), manifest.input_format, columns)
-    parser = RowParser(
-        columns,
-        SamplingParams.from_dict(manifest.sampling),
-        manifest.options.chat_template_kwargs,
-    )
-    scan = scan_input(reader, parser, shard=manifest.shard_spec)
+    scan = _rescan_input(manifest, manifest.shard_spec)
     if scan.duplicate is not None:
         raise InputError(f"{manifest.input_path}: {scan.duplicate}; ids must be unique")
     manifest.id_kind = _adopted_id_kind(job_dir, manifest, scan.id_kind)
