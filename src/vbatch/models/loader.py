@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,14 +217,20 @@ def model_file_hashes(path: Path) -> dict[str, str]:
     hashes = {}
     for file in files:
         digest = hashlib.sha256()
-        try:
-            with open(file, "rb") as f:
-                while chunk := f.read(_HASH_CHUNK):
-                    digest.update(chunk)
-        except OSError as e:
-            raise ModelLoadError(f"cannot read model file {file}: {e}") from e
+        for chunk in _chunks(file):
+            digest.update(chunk)
         hashes[file.relative_to(path).as_posix()] = digest.hexdigest()
     return hashes
+
+
+def _chunks(path: Path) -> Iterator[bytes]:
+    """`path`'s bytes in chunks, for hashing; an unreadable file is a ModelLoadError."""
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(_HASH_CHUNK):
+                yield chunk
+    except OSError as e:
+        raise ModelLoadError(f"cannot read model file {path}: {e}") from e
 
 
 def hash_files(paths: list[Path]) -> str:
@@ -236,12 +243,8 @@ def hash_files(paths: list[Path]) -> str:
         return memo[key]
     digest = hashlib.sha256()
     for path in paths:
-        try:
-            with open(path, "rb") as f:
-                while chunk := f.read(_HASH_CHUNK):
-                    digest.update(chunk)
-        except OSError as e:
-            raise ModelLoadError(f"cannot read model file {path}: {e}") from e
+        for chunk in _chunks(path):
+            digest.update(chunk)
     memo[key] = digest.hexdigest()
     _write_memo(memo_path, dict(list(memo.items())[-_MAX_MEMO_ENTRIES:]))
     return memo[key]
