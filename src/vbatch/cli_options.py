@@ -134,7 +134,7 @@ UseRay = Annotated[
     bool,
     typer.Option(
         "--ray",
-        help="Run the engines as Ray actors (needs `pip install 'vbatch[ray]'`).",
+        help="Run the engines as Ray actors (needs `pip install 'vbatch\\[ray]'`).",
         rich_help_panel=RAY,
     ),
 ]
@@ -332,10 +332,11 @@ ShardOption = Annotated[
     str | None,
     typer.Option(
         "--shard",
-        help="Run one shard of a job array: I/N (0 <= I < N) takes the rows whose id hashes "
-        "to I and writes them, for -o out.parquet, to out.shard-I-of-N.parquet (its own "
-        "job). auto reads SLURM_ARRAY_TASK_ID/COUNT, or JOB_COMPLETION_INDEX plus "
-        "VBATCH_SHARD_COUNT; auto/N sets N. Join the shards with `vbatch merge OUTPUT`.",
+        help="Run one shard of a job array: I/N (0 <= I < N <= 100000) takes the rows whose id "
+        "hashes to I and writes them, for -o out.parquet, to out.shard-I-of-N.parquet (its own "
+        "job). auto reads SLURM_ARRAY_TASK_ID/COUNT (a range array; a list "
+        "array needs I/N), or JOB_COMPLETION_INDEX plus VBATCH_SHARD_COUNT; auto/N sets N. "
+        "Join the shards with `vbatch merge OUTPUT`.",
         rich_help_panel=JOB,
     ),
 ]
