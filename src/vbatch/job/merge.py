@@ -24,8 +24,9 @@ from vbatch.job.paths import JobLock, fsync_dir, job_dir_for, output_format, res
 from vbatch.job.results import line_index
 from vbatch.job.shard import Shard, shards_on_disk
 
-# NOTE: settings that change no output row; shards may differ in them.
-_RUN_ONLY_ENGINE_ARGS = frozenset({"heartbeat_timeout_s"})
+# NOTE: settings that change no output row; shards may differ in them. Threads, like -dp (a run
+# option, never compared), spread the same arithmetic over CPUs: a row's tokens do not change.
+_RUN_ONLY_ENGINE_ARGS = frozenset({"heartbeat_timeout_s", "num_threads"})
 _RESULT_OPTIONS = ("columns", "include_token_ids", "parse_json", "openai_output")
 _RUN_ROWS = 65536
 
@@ -276,7 +277,7 @@ def _check_rows(jobs: list[ShardJob], fmt: str) -> int:
     """Every input row exactly once across the shards: no index twice, as many as the input."""
     arrays = []
     for job in jobs:
-        indices = _indices(job.output, fmt)
+        indices = _indices(job, fmt)
         assert job.state is not None and job.state.complete is not None
         if len(indices) != job.state.complete["rows"]:
             raise JobStateError(
@@ -301,13 +302,26 @@ def _check_rows(jobs: list[ShardJob], fmt: str) -> int:
     return len(indices)
 
 
-def _indices(path: Path, fmt: str) -> np.ndarray:
-    if fmt == "parquet":
-        import pyarrow.parquet as pq
+def _indices(job: ShardJob, fmt: str) -> np.ndarray:
+    """The input indices of a shard file's rows; a damaged file is named with the command that
+    makes it again (it is complete, so only a new run can)."""
+    import pyarrow as pa
 
-        return pq.read_table(path, columns=["index"]).column("index").to_numpy()
-    with open(path, "rb") as f:
-        return np.fromiter((line_index(line) for line in f), dtype=np.int64)
+    try:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(job.output, columns=["index"]).column("index").to_numpy()
+        with open(job.output, "rb") as f:
+            return np.fromiter((line_index(line) for line in f if line.strip()), dtype=np.int64)
+    except (pa.ArrowException, ValueError, KeyError, TypeError, AttributeError) as e:
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else "unreadable"
+        raise JobStateError(
+            f"shard {job.shard}: {job.output} is damaged ({type(e).__name__}: {detail}): "
+            "truncated or changed after its job finished. Run the shard again: remove "
+            f"{shlex.quote(str(job.output))} and {shlex.quote(str(job.job_dir))}, then "
+            f"`{resume_command(job.output)}` starts it with the other shards' settings"
+        ) from None
 
 
 def _write_merged(output: Path, jobs: list[ShardJob], fmt: str, *, ordered: bool) -> None:
