@@ -79,6 +79,9 @@ class LLM:
     False); tokenizing, detokenizing and stop strings stay here, once.
     """
 
+    # NOTE: a stop signal may raise out of this stream's waits (see EngineSet.waits_briefly).
+    waits_briefly = False
+
     def __init__(
         self,
         model: str | None = None,

@@ -7,23 +7,30 @@ import contextlib
 import dataclasses
 import heapq
 import itertools
-import logging
-import signal
-import threading
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError
 
+from vbatch.client.core_client import sweep_stale_ipc_dirs
 from vbatch.client.outputs import Request, RequestOutput
 from vbatch.client.tokenizer import TextTokenizer
-from vbatch.engine_sets.base import EngineReport, EngineState, RaySettings, sum_stats
+from vbatch.engine_sets.base import (
+    EngineReport,
+    EngineState,
+    RaySettings,
+    StartupCancelled,
+    sum_stats,
+)
+from vbatch.engine_sets.ray_cluster import ClusterWatch, RayCluster, gcs_problem, open_cluster
 from vbatch.engine_sets.ray_replica import ReplicaEngine
-from vbatch.errors import ConfigError, EngineDeadError, EngineStartupError
+from vbatch.errors import EngineDeadError, EngineStartupError
 from vbatch.llm import TOKENIZE_BATCH
 from vbatch.protocol import Ready, SchedulerStats
 from vbatch.sampling_params import SamplingParams
@@ -32,7 +39,8 @@ POLL_WAIT_S = 1.0
 REPLICA_NAME_PREFIX = "vbatch-replica-"
 _WAIT_CAP_S = 1.0
 STARTUP_GRACE_S = 60.0
-_KEPT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)
+# NOTE: how long replicas may wait for CPUs or GPUs before the job says so (and goes on waiting).
+PENDING_NOTICE_S = 20.0
 _SHUTDOWN_S = 10.0
 
 
@@ -61,6 +69,11 @@ class RayEngines:
     batches, finished rows come back by long polls, and a replica's death puts its rows back
     in the queue for the others (or for its restarted self). Fails only when none is left."""
 
+    # NOTE: every wait in here is a short poll, so a stop signal must only set a flag: an
+    # exception raised by a handler inside ray.wait breaks Ray ("SystemError: ... returned a
+    # result with an exception set").
+    waits_briefly = True
+
     def __init__(
         self,
         model: str | None,
@@ -68,79 +81,145 @@ class RayEngines:
         *,
         max_in_flight: int | None = None,
         on_progress: Callable[[str], None] | None = None,
+        on_notice: Callable[[str], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
         **engine_args: Any,
     ) -> None:
         from vbatch.models.loader import resolve_model
 
         self.settings = settings
         self._replicas: list[_Replica] = []
-        self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:
-            _init_ray(settings.address)
-        try:
-            self._check_resources()
-        except BaseException:
-            self.shutdown()
-            raise
-        self.tokenizer = TextTokenizer.from_dir(resolve_model(model).hf_dir)
-        args = {"num_threads": max(1, int(settings.cpus_per_replica)), **engine_args}
-        if max_in_flight is not None:
-            args["max_in_flight"] = max_in_flight
-        actor = ray.remote(ReplicaEngine)
-        # NOTE: named, so that `ray list actors` (and a test) can find a job's replicas.
-        prefix = f"{REPLICA_NAME_PREFIX}{uuid.uuid4().hex[:8]}-"
-        self._replicas = [
-            _Replica(
-                i,
-                actor.options(
-                    name=f"{prefix}{i}",
-                    num_cpus=settings.cpus_per_replica,
-                    num_gpus=settings.gpus_per_replica,
-                    max_restarts=settings.max_restarts,
-                    max_concurrency=4,
-                ).remote(model, args),
-            )
-            for i in range(settings.replicas)
-        ]
+        self._notice = on_notice or _ignore
+        self._should_stop = should_stop or _never
+        self._watch: ClusterWatch | None = None
         self._epochs = itertools.count()
         self._last_error = ""
+        self._nodes: dict[str, str] = {}
+        self._is_started = False
+        sweep_stale_ipc_dirs()
+        self.cluster: RayCluster = open_cluster(settings.address, on_progress, self._should_stop)
         try:
+            self._notice(f"Ray: using {self.cluster.description}")
+            if not self.cluster.address.startswith("ray://"):
+                self._watch = ClusterWatch(self.cluster.address)
+            self._nodes = _alive_nodes()
+            self._check_resources()
+            self.tokenizer = TextTokenizer.from_dir(resolve_model(model).hf_dir)
+            args = {"num_threads": max(1, int(settings.cpus_per_replica)), **engine_args}
+            if max_in_flight is not None:
+                # NOTE: the job's bound is for all replicas together, as it is for -dp cores.
+                args["max_in_flight"] = max(1, math.ceil(max_in_flight / settings.replicas))
+            actor = ray.remote(ReplicaEngine)
+            # NOTE: named, so that `ray list actors` (and a test) can find a job's replicas.
+            prefix = f"{REPLICA_NAME_PREFIX}{uuid.uuid4().hex[:8]}-"
+            self._replicas = [
+                _Replica(
+                    i,
+                    actor.options(
+                        name=f"{prefix}{i}",
+                        num_cpus=settings.cpus_per_replica,
+                        num_gpus=settings.gpus_per_replica,
+                        max_restarts=settings.max_restarts,
+                        max_concurrency=4,
+                    ).remote(model, args),
+                )
+                for i in range(settings.replicas)
+            ]
             self.engine_info: Ready = self._start(on_progress)
         except BaseException:
             self.shutdown()
             raise
 
+    def _free(self) -> str:
+        free, total = ray.available_resources(), ray.cluster_resources()
+        return ", ".join(
+            f"{free.get(name, 0):g} of {total.get(name, 0):g} {name}s free"
+            for name in ("CPU", "GPU")
+        )
+
     def _check_resources(self) -> None:
-        total = ray.cluster_resources()
+        """Refuse a replica no node could ever hold; say when the free resources hold fewer
+        replicas than asked for now (on a shared cluster they may free up later)."""
+        total, free = ray.cluster_resources(), ray.available_resources()
+        fits = self.settings.replicas
         for name, need in (
             ("CPU", self.settings.cpus_per_replica),
             ("GPU", self.settings.gpus_per_replica),
         ):
             if need > total.get(name, 0):
-                raise ConfigError(
+                raise EngineStartupError(
                     f"a replica asks for {need:g} {name}s, and the Ray cluster has "
                     f"{total.get(name, 0):g}; lower --{name.lower()}s-per-replica"
                 )
+            if need > 0:
+                fits = min(fits, int(free.get(name, 0) // need))
+        if fits < self.settings.replicas:
+            self._notice(
+                f"Ray: {fits} of {self.settings.replicas} replicas fit in the free resources "
+                f"now ({self._free()}); the others wait until the cluster has room"
+            )
 
     def _start(self, on_progress: Callable[[str], None] | None) -> Ready:
         """Wait for every replica, or for STARTUP_GRACE_S after the first is live (the others,
-        maybe waiting for resources, join the stream when they are up)."""
+        maybe waiting for resources, join the stream when they are up). Replicas still not
+        placed after PENDING_NOTICE_S are named, with the free resources."""
         for rep in self._replicas:
             rep.probe = rep.handle.ready.remote()
+        start_t = time.monotonic()
         first_live_t = None
+        is_pending_told = False
         while any(rep.state is EngineState.STARTING for rep in self._replicas):
+            if self._should_stop():
+                raise StartupCancelled
+            self._check_cluster()
             live = [rep for rep in self._replicas if rep.state is EngineState.LIVE]
             if live and first_live_t is None:
                 first_live_t = time.monotonic()
             if first_live_t is not None and time.monotonic() - first_live_t > STARTUP_GRACE_S:
                 break
+            stage = f"starting Ray replicas ({len(live)} of {len(self._replicas)} live)"
+            if not is_pending_told and time.monotonic() - start_t > PENDING_NOTICE_S:
+                is_pending_told = self._tell_pending()
+            if is_pending_told:
+                stage += f"; the others wait for resources ({self._free()})"
             if on_progress is not None:
-                on_progress(f"starting Ray replicas ({len(live)} of {len(self._replicas)} live)")
+                on_progress(stage)
             self._wait_probes(_WAIT_CAP_S)
-        info = next((rep.info for rep in self._replicas if rep.state is EngineState.LIVE), None)
-        if info is None:
+        if not any(rep.state is EngineState.LIVE for rep in self._replicas):
             raise EngineStartupError(f"no Ray replica started: {self._last_error}")
-        return info
+        self._is_started = True
+        return self._set_info()
+
+    def _tell_pending(self) -> bool:
+        """Say how many replicas Ray has not placed for want of resources; whether any are."""
+        from ray.util.state import list_actors
+
+        names = {rep.handle._actor_id.hex() for rep in self._replicas}
+        try:
+            actors = list_actors(filters=[("state", "=", "PENDING_CREATION")], timeout=5)
+        except Exception:
+            return False
+        pending = [a for a in actors if a.actor_id in names]
+        if pending:
+            self._notice(
+                f"Ray: {len(pending)} of {len(self._replicas)} replicas are pending, waiting "
+                f"for CPUs or GPUs ({self._free()}); they join the job once the cluster has room"
+            )
+        return bool(pending)
+
+    def _set_info(self) -> Ready:
+        """The set's engine facts: the KV cache summed over the replicas that have started."""
+        infos = [rep.info for rep in self._replicas if rep.info is not None]
+        self.engine_info = msgspec.structs.replace(
+            infos[0],
+            num_kv_blocks=sum(i.num_kv_blocks for i in infos),
+            kv_cache_bytes=sum(i.kv_cache_bytes for i in infos),
+        )
+        return self.engine_info
+
+    def _check_cluster(self) -> None:
+        if self._watch is not None and self._watch.lost is not None:
+            raise EngineDeadError(self._watch.lost)
 
     @property
     def latest_stats(self) -> SchedulerStats | None:
@@ -176,10 +255,9 @@ class RayEngines:
                 live = [rep for rep in self._replicas if rep.state is EngineState.LIVE]
                 if is_exhausted and not queue and not any(rep.in_flight for rep in live):
                     return
+                self._check_cluster()
                 if not live and not self._is_coming():
-                    raise EngineDeadError(
-                        f"every Ray replica died ({self._last_error}); no restart is left"
-                    )
+                    raise EngineDeadError(self._death_cause())
                 timeout = _WAIT_CAP_S
                 if idle_deadline is not None:
                     timeout = min(timeout, max(0.0, idle_deadline - time.monotonic()))
@@ -197,6 +275,22 @@ class RayEngines:
                         idle_deadline = now + idle_s
         finally:
             self._end_stream(epoch)
+
+    def _death_cause(self) -> str:
+        """Why no replica is left: the cluster or a node gone, else the replicas' own deaths."""
+        address = self.cluster.address
+        if not address.startswith("ray://"):
+            problem = gcs_problem(address)
+            if problem is not None:
+                return f"the Ray cluster is gone: its GCS at {address} does not answer ({problem})"
+        alive = _alive_nodes()
+        gone = [name for node, name in self._nodes.items() if node not in alive]
+        if gone:
+            return (
+                f"the Ray node {', '.join(gone)} is gone (its raylet died or the machine left "
+                f"the cluster), and its replicas with it ({self._last_error})"
+            )
+        return f"every Ray replica died ({self._last_error}); no restart is left"
 
     def _is_coming(self) -> bool:
         """Whether a replica is starting or restarting, so rows may still run."""
@@ -298,10 +392,13 @@ class RayEngines:
                 rep.probe = rep.handle.ready.remote()
                 continue
             rep.token = token
-            rep.window = max_in_flight + TOKENIZE_BATCH
+            # NOTE: the same look-ahead as one local engine, split over the replicas.
+            rep.window = max_in_flight + math.ceil(TOKENIZE_BATCH / len(self._replicas))
             rep.seq = itertools.count()
             rep.is_told_final = False
             rep.state = EngineState.LIVE
+            if self._is_started:
+                self._set_info()
 
     def _fail(
         self,
@@ -331,8 +428,12 @@ class RayEngines:
     def _end_stream(self, epoch: int) -> None:
         """Stop every replica's rows of this stream (a stream closed early leaves some)."""
         calls = []
+        is_lost = self._watch is not None and self._watch.lost is not None
         for rep in self._replicas:
             rep.poll = None
+            if is_lost:
+                rep.in_flight.clear()
+                continue
             if rep.state is EngineState.LIVE and rep.in_flight:
                 calls.append(rep.handle.abort.remote(epoch))
             rep.in_flight.clear()
@@ -340,36 +441,35 @@ class RayEngines:
             ray.get(calls, timeout=_SHUTDOWN_S)
 
     def shutdown(self) -> None:
-        calls = [
-            rep.handle.shutdown.remote() for rep in self._replicas if rep.state is EngineState.LIVE
-        ]
+        """Stop the replicas, leave the cluster (stopping it if vbatch started it)."""
+        is_lost = self._watch is not None and self._watch.lost is not None
         try:
-            ray.wait(calls, num_returns=len(calls), timeout=_SHUTDOWN_S)
+            if not is_lost:
+                calls = [
+                    rep.handle.shutdown.remote()
+                    for rep in self._replicas
+                    if rep.state is EngineState.LIVE
+                ]
+                with contextlib.suppress(RayError):
+                    ray.wait(calls, num_returns=len(calls), timeout=_SHUTDOWN_S)
+                for rep in self._replicas:
+                    with contextlib.suppress(RayError):
+                        ray.kill(rep.handle)
         finally:
             for rep in self._replicas:
-                ray.kill(rep.handle)
                 rep.state = EngineState.DEAD
-            if self._owns_ray:
-                ray.shutdown()
+            if self._watch is not None:
+                self._watch.close()
+            self.cluster.stop()
 
 
-def _init_ray(address: str | None) -> None:
-    """Join or start the Ray cluster, keeping this process's signal handlers.
-
-    NOTE: ray.init installs its own SIGTERM (and SIGINT) handlers, which would exit at once
-    instead of letting the job drain, commit and print the resume command."""
-    main = threading.current_thread() is threading.main_thread()
-    handlers = {signum: signal.getsignal(signum) for signum in _KEPT_SIGNALS} if main else {}
-    # NOTE: Ray's own log lines would break up the dashboard; its errors still raise.
-    ray.init(
-        address=address,
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level=logging.ERROR,
-    )
-    for signum, handler in handlers.items():
-        if handler is not None:
-            signal.signal(signum, handler)
+def _alive_nodes() -> dict[str, str]:
+    """The cluster's live nodes: id -> a name for messages (its address)."""
+    try:
+        nodes = ray.nodes()
+    except RayError:
+        return {}
+    return {n["NodeID"]: n.get("NodeManagerAddress", n["NodeID"][:8]) for n in nodes if n["Alive"]}
 
 
 def _as_row(position: int, item: Any, defaults: SamplingParams) -> tuple[int, Request]:
@@ -392,3 +492,11 @@ def _error_text(error: BaseException) -> str:
     cause = getattr(error, "cause", None)
     text = str(cause if isinstance(cause, BaseException) else error).strip()
     return text.splitlines()[-1] if text else type(error).__name__
+
+
+def _ignore(text: str) -> None:
+    return None
+
+
+def _never() -> bool:
+    return False
