@@ -129,9 +129,8 @@ def current_cluster_file() -> Path:
     return Path(get_ray_address_file(None))
 
 
-def _check_answers(
-    gcs: str, given: str, should_stop: Callable[[], bool] | None, timeout: float = CONNECT_TIMEOUT_S
-) -> None:
+def _check_answers(gcs: str, given: str, should_stop: Callable[[], bool] | None) -> None:
+    timeout = CONNECT_TIMEOUT_S
     deadline = time.monotonic() + timeout
     while True:
         problem = gcs_problem(gcs)
