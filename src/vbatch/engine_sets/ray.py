@@ -167,7 +167,7 @@ class RayEngines:
             rep.probe = rep.handle.ready.remote()
         start_t = time.monotonic()
         first_live_t = None
-        is_pending_told = False
+        is_told = False
         while any(rep.state is EngineState.STARTING for rep in self._replicas):
             if self._should_stop():
                 raise StartupCancelled
@@ -178,10 +178,11 @@ class RayEngines:
             if first_live_t is not None and time.monotonic() - first_live_t > STARTUP_GRACE_S:
                 break
             stage = f"starting Ray replicas ({len(live)} of {len(self._replicas)} live)"
-            if not is_pending_told and time.monotonic() - start_t > PENDING_NOTICE_S:
-                is_pending_told = self._tell_pending()
-            if is_pending_told:
-                stage += f"; the others wait for resources ({self._free()})"
+            if not is_told and time.monotonic() - start_t > PENDING_NOTICE_S:
+                self._tell_pending()
+                is_told = True
+            if is_told:
+                stage += f" ({self._free()})"
             if on_progress is not None:
                 on_progress(stage)
             self._wait_probes(_WAIT_CAP_S)
@@ -190,22 +191,23 @@ class RayEngines:
         self._is_started = True
         return self._set_info()
 
-    def _tell_pending(self) -> bool:
-        """Say how many replicas Ray has not placed for want of resources; whether any are."""
-        from ray.util.state import list_actors
-
-        names = {rep.handle._actor_id.hex() for rep in self._replicas}
-        try:
-            actors = list_actors(filters=[("state", "=", "PENDING_CREATION")], timeout=5)
-        except Exception:
-            return False
-        pending = [a for a in actors if a.actor_id in names]
-        if pending:
-            self._notice(
-                f"Ray: {len(pending)} of {len(self._replicas)} replicas are pending, waiting "
-                f"for CPUs or GPUs ({self._free()}); they join the job once the cluster has room"
+    def _tell_pending(self) -> None:
+        """Say how many replicas still start, with the cluster's free resources: when those
+        hold no replica, they are waiting for CPUs or GPUs."""
+        starting = sum(rep.state is EngineState.STARTING for rep in self._replicas)
+        free = ray.available_resources()
+        is_short = any(
+            need > free.get(name, 0)
+            for name, need in (
+                ("CPU", self.settings.cpus_per_replica),
+                ("GPU", self.settings.gpus_per_replica),
             )
-        return bool(pending)
+        )
+        why = "waiting for CPUs or GPUs" if is_short else "still loading"
+        self._notice(
+            f"Ray: {starting} of {len(self._replicas)} replicas are pending, {why} "
+            f"({self._free()}); they join the job once they are up"
+        )
 
     def _set_info(self) -> Ready:
         """The set's engine facts: the KV cache summed over the replicas that have started."""
