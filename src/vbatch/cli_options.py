@@ -141,8 +141,9 @@ UseRay = Annotated[
 RayAddress = Annotated[
     str | None,
     typer.Option(
-        help="The Ray cluster to join (default: RAY_ADDRESS, a running local cluster, or a new "
-        "local one); on resume of a --ray job, the one to join this time.",
+        help="The Ray cluster to join, HOST:PORT or auto (checked to answer first; default: "
+        "RAY_ADDRESS, else a new local cluster that stops with the job); on resume of a --ray "
+        "job, the one to join this time.",
         rich_help_panel=RAY,
     ),
 ]
