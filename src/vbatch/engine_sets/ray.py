@@ -30,6 +30,7 @@ from vbatch.engine_sets.base import (
 )
 from vbatch.engine_sets.ray_cluster import ClusterWatch, RayCluster, gcs_problem, open_cluster
 from vbatch.engine_sets.ray_replica import ReplicaEngine
+from vbatch.engine_sets.stream import stream_loop
 from vbatch.errors import EngineDeadError, EngineStartupError
 from vbatch.llm import TOKENIZE_BATCH
 from vbatch.protocol import Ready, SchedulerStats
@@ -246,35 +247,13 @@ class RayEngines:
         defaults.validate(self.engine_info.vocab_size)
         epoch = next(self._epochs)
         source = (_as_row(pos, item, defaults) for pos, item in enumerate(inputs))
-        queue: collections.deque[tuple[int, Request]] = collections.deque()
-        is_exhausted = False
-        idle_deadline = None if idle_s is None else time.monotonic() + idle_s
         for rep in self._replicas:
             rep.is_told_final = False
         try:
-            while True:
-                is_exhausted = self._dispatch(epoch, source, queue, is_exhausted)
-                live = [rep for rep in self._replicas if rep.state is EngineState.LIVE]
-                if is_exhausted and not queue and not any(rep.in_flight for rep in live):
-                    return
-                self._check_cluster()
-                if not live and not self._is_coming():
-                    raise EngineDeadError(self._death_cause())
-                timeout = _WAIT_CAP_S
-                if idle_deadline is not None:
-                    timeout = min(timeout, max(0.0, idle_deadline - time.monotonic()))
-                finished = self._wait(epoch, live, queue, timeout)
-                for out in finished:
-                    if on_output is not None:
-                        on_output(out)
-                    yield out
-                if idle_deadline is not None:
-                    now = time.monotonic()
-                    if finished:
-                        idle_deadline = now + idle_s
-                    elif now >= idle_deadline:
-                        yield None
-                        idle_deadline = now + idle_s
+            for _, out in stream_loop(_RayStream(self, epoch, source), idle_s):
+                if on_output is not None and out is not None:
+                    on_output(out)
+                yield out
         finally:
             self._end_stream(epoch)
 
@@ -341,7 +320,7 @@ class RayEngines:
         live: list[_Replica],
         queue: collections.deque[tuple[int, Request]],
         timeout: float,
-    ) -> list[RequestOutput]:
+    ) -> list[tuple[int, RequestOutput]]:
         """Wait for a poll or a restart probe; returns the rows finished meanwhile."""
         for rep in live:
             if rep.poll is None:
@@ -349,7 +328,7 @@ class RayEngines:
         by_ref = {rep.poll: rep for rep in live}
         by_ref.update({rep.probe: rep for rep in self._replicas if rep.probe is not None})
         done, _ = ray.wait(list(by_ref), num_returns=1, timeout=timeout)
-        finished: list[RequestOutput] = []
+        finished: list[tuple[int, RequestOutput]] = []
         for ref in done:
             rep = by_ref[ref]
             if ref == rep.probe:
@@ -368,7 +347,7 @@ class RayEngines:
             outputs, rep.stats = polled
             for position, out in outputs:
                 if rep.in_flight.pop(position, None) is not None:
-                    finished.append(out)
+                    finished.append((position, out))
         return finished
 
     def _wait_probes(self, timeout: float | None) -> None:
@@ -463,6 +442,49 @@ class RayEngines:
             if self._watch is not None:
                 self._watch.close()
             self.cluster.stop()
+
+
+class _RayStream:
+    """`StreamEngine` over the replicas for one stream (`epoch`): `queue` holds rows taken
+    back from failed replicas, sent again before new input."""
+
+    def __init__(
+        self, engines: RayEngines, epoch: int, source: Iterator[tuple[int, Request]]
+    ) -> None:
+        self.engines = engines
+        self.epoch = epoch
+        self.source = source
+        self.queue: collections.deque[tuple[int, Request]] = collections.deque()
+        self.is_exhausted = False
+        self.finished: list[tuple[int, RequestOutput]] = []
+
+    def _live(self) -> list[_Replica]:
+        return [rep for rep in self.engines._replicas if rep.state is EngineState.LIVE]
+
+    def fill(self) -> bool:
+        self.is_exhausted = self.engines._dispatch(
+            self.epoch, self.source, self.queue, self.is_exhausted
+        )
+        return not self.is_exhausted
+
+    def take_finished(self) -> list[tuple[int, RequestOutput]]:
+        finished, self.finished = self.finished, []
+        return finished
+
+    def is_idle(self) -> bool:
+        return not self.queue and not any(rep.in_flight for rep in self._live())
+
+    def wait_limit(self, is_more: bool) -> float | None:
+        return _WAIT_CAP_S
+
+    def wait(self, timeout: float | None) -> None:
+        engines = self.engines
+        engines._check_cluster()
+        live = self._live()
+        if not live and not engines._is_coming():
+            raise EngineDeadError(engines._death_cause())
+        wait_s = _WAIT_CAP_S if timeout is None else timeout
+        self.finished += engines._wait(self.epoch, live, self.queue, wait_s)
 
 
 def _alive_nodes() -> dict[str, str]:
