@@ -63,6 +63,7 @@ def tiny_family_configs() -> dict[str, Any]:
     from transformers import (
         Gemma2Config,
         Gemma3TextConfig,
+        LlamaConfig,
         MistralConfig,
         MixtralConfig,
         Phi3Config,
@@ -72,6 +73,7 @@ def tiny_family_configs() -> dict[str, Any]:
 
     shape = TINY_SHAPE
     return {
+        "llama-bias": lambda: LlamaConfig(**shape, attention_bias=True, mlp_bias=True),
         "qwen3": lambda: Qwen3Config(**shape, head_dim=24, tie_word_embeddings=True),
         "mistral-sliding": lambda: MistralConfig(
             **{**shape, "num_key_value_heads": 1}, sliding_window=5

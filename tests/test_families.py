@@ -51,6 +51,7 @@ def load(model_dir: Path, ops: str) -> LlamaForCausalLM:
 # --- config hooks ---
 
 EXPECTED_HOOKS: dict[str, dict[str, Any]] = {
+    "llama-bias": {"attention_bias": True, "o_proj_bias": True, "mlp_bias": True},
     "qwen3": {"qk_norm": True, "head_dim": 24, "tie_word_embeddings": True, "sliding_windows": ()},
     "mistral-sliding": {"sliding_windows": (5, 5), "num_key_value_heads": 1},
     "gemma2": {
@@ -118,7 +119,13 @@ def test_unsupported_architecture_names_every_supported_one() -> None:
     assert all(name in message for name in SUPPORTED_ARCHITECTURES)
 
 
-BASE = {"vocab_size": 32, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4}
+BASE = {
+    "vocab_size": 32,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+}
 
 
 def test_gemma3_hub_config_without_layer_types() -> None:
