@@ -80,6 +80,15 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
 
+    @property
+    def long_rope_from(self) -> int | None:
+        """With longrope, the pre-training length: a longer sequence rotates every position by
+        the long factors, so its K/V are recomputed once it grows past it; else None."""
+        scaling = self.rope_scaling
+        if scaling is None or scaling["rope_type"] != "longrope":
+            return None
+        return int(scaling["original_max_position_embeddings"])
+
     def uses_sliding_rope(self, layer: int) -> bool:
         return self.sliding_rope_theta is not None and self.sliding_window(layer) is not None
 

@@ -218,6 +218,8 @@ def _gemma3(raw: Raw, base: dict[str, Any]) -> Hooks:
     local.setdefault("rope_theta", 10000.0)
     hooks.update(_rope_hooks(full, {}, base))
     hooks["sliding_rope_theta"], hooks["sliding_rope_scaling"], _ = rope_settings(local, {}, base)
+    if (hooks["sliding_rope_scaling"] or {}).get("rope_type") == "longrope":
+        raise ModelLoadError("longrope scaling on Gemma 3's sliding layers is not supported")
     return hooks
 
 

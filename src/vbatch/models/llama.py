@@ -236,6 +236,12 @@ class LlamaForCausalLM(nn.Module):
         self.greedy_screen: Int8GreedyScreen | None = None
 
     @property
+    def long_rope_offset(self) -> int | None:
+        """With longrope, what a position of a sequence past the pre-training length adds to
+        index its long-factor rotation (see RotaryEmbedding); else None."""
+        return self.rotary.long_offset
+
+    @property
     def supports_cuda_graphs(self) -> bool:
         """False with MoE layers: routing sizes each expert's batch on the host."""
         return not any(self.config.moe_layers)
