@@ -21,6 +21,8 @@ import torch
 from benchmarks.tiny_model import TINY_SHAPE, build_tiny_model
 from vbatch.config import EngineConfig
 from vbatch.engine.core import EngineCore
+from vbatch.engine.scheduler import Scheduler, SchedulerConfig
+from vbatch.engine.sequence import Sequence, SequenceStatus
 from vbatch.layers import native
 from vbatch.protocol import AddRequest, pack_token_ids
 from vbatch.sampling_params import SamplingParams
@@ -76,9 +78,9 @@ def run(core: EngineCore, requests: dict[str, tuple[list[int], int]]) -> dict[st
     return tokens
 
 
-@pytest.mark.parametrize("ops", ["torch", "native"])
+@pytest.mark.parametrize(("ops", "async_scheduling"), [("torch", True), ("native", False)])
 def test_generation_past_the_pretraining_length_matches_transformers(
-    ops: str, phi3: tuple[Any, Path]
+    ops: str, async_scheduling: bool, phi3: tuple[Any, Path]
 ) -> None:
     if ops == "native" and not native.is_available():
         pytest.skip("native kernels could not be built here")
@@ -96,6 +98,7 @@ def test_generation_past_the_pretraining_length_matches_transformers(
             max_num_batched_tokens=16,
             num_kv_blocks=96,
             max_num_seqs=8,
+            async_scheduling=async_scheduling,
         )
     )
     assert core.scheduler.config.long_rope_from == ORIGINAL_LEN
@@ -119,3 +122,37 @@ def test_generation_past_the_pretraining_length_matches_transformers(
         check_against_full_forward(reference, prompt, got[rid])
     # NOTE: the 24-token prompt's 6 long-factor blocks; the short ones are not reused.
     assert core.stats().prefix_cache_hits - hits_before == 24
+
+
+def test_a_seq_growing_past_the_length_is_recomputed_without_short_factor_hits() -> None:
+    """The Scheduler's part, torch-free: a prompt past the length is long from the start; a seq
+    whose next token takes it past the length is not planned ahead, and once it has that token
+    it waits at the head of the queue to compute all of its tokens, none from the prefix cache
+    its short-factor blocks are in."""
+    config = SchedulerConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        block_size=4,
+        num_kv_blocks=32,
+        long_rope_from=8,
+    )
+    sched = Scheduler(config, eos_token_ids=[2])
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    short = Sequence("short", list(range(3, 10)), params)
+    other = Sequence("other", [20, 21, 22], params)
+    long = Sequence("long", list(range(30, 40)), params)
+    for seq in (short, other, long):
+        sched.add(seq)
+    assert long.long_rope and not short.long_rope and not other.long_rope
+    sched.update(sched.schedule(), [11, 12, 13])
+    assert not short.long_rope and short.num_tokens == 8
+    out = sched.schedule()
+    assert out.seqs == [short, other, long] and out.num_new_tokens == [1, 1, 1]
+    assert sched.schedule_ahead(out) is None, "short's next token takes it past the length"
+    sched.update(out, [14, 15, 16])
+    assert short.long_rope and short.status == SequenceStatus.WAITING
+    assert short.num_computed_tokens == 0 and not short.block_table
+    assert list(sched.waiting) == [short] and sched.running == [other, long]
+    out = sched.schedule()
+    assert out.seqs == [other, long, short] and out.num_new_tokens == [1, 1, 9]
