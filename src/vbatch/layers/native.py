@@ -83,7 +83,6 @@ def build_key(csrc_dir: Path, with_cuda: bool) -> str:
 def build_and_load(csrc_dir: Path, root: Path, with_cuda: bool) -> Path:
     """Builds the library under root/<key> (once per key, under a file lock) and loads it."""
     from filelock import FileLock
-    from torch.utils import cpp_extension
 
     build_dir = root / "native" / build_key(csrc_dir, with_cuda)
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -94,6 +93,8 @@ def build_and_load(csrc_dir: Path, root: Path, with_cuda: bool) -> Path:
             # NOTE: we hold the lock, so cpp_extension's own baton file can only be a stale one
             # left by a killed build, and it would make load() wait forever.
             (build_dir / "lock").unlink(missing_ok=True)
+            from torch.utils import cpp_extension
+
             cpp_extension.load(
                 name=EXTENSION_NAME,
                 sources=[str(p) for p in _sources(csrc_dir, with_cuda)],
