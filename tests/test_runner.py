@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -323,3 +325,30 @@ def test_hard_stop_commits_finished_rows_and_resumes(
     done = resume_job(job.output_path, {"display": "quiet"}, llm_factory=shared_llm)
     assert done.exit_code == 0
     assert sorted(r["id"] for r in read_output(job.output_path)) == sorted(r["id"] for r in records)
+
+
+def test_the_core_starts_before_the_input_is_scanned_and_stops_with_a_refused_job(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without an llm_factory the engine core is spawned before the scan (its start-up overlaps
+    the client's work); a job the scan refuses stops it at once."""
+    from vbatch.job import runner
+
+    real_scan = runner.scan_input
+    pattern = os.path.join(tempfile.gettempdir(), f"vbatch-{os.getpid()}-*")
+    # NOTE: other tests' shared LLM keeps its own socket directory.
+    before = set(glob.glob(pattern))
+    core_dirs: list[set[str]] = []
+
+    def scan(*args: Any, **kwargs: Any) -> Any:
+        core_dirs.append(set(glob.glob(pattern)) - before)
+        return real_scan(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "scan_input", scan)
+    rows = [{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}]
+    job = spec(tmp_path, write_jsonl(tmp_path / "in.jsonl", rows), "out.jsonl", tiny_model_dir)
+    job.engine_args.update(device="cpu", num_threads=1)
+    with pytest.raises(InputError, match="duplicate id"):
+        start_job(job, QUIET)
+    assert len(core_dirs) == 1 and len(core_dirs[0]) == 1
+    assert not os.path.exists(core_dirs[0].pop())

@@ -88,9 +88,11 @@ class EngineCoreClient:
         *,
         placement: CorePlacement | None = None,
         on_result: Callable[[], None] | None = None,
+        wait: bool = True,
     ) -> None:
         """`placement` pins the core (one of several); `on_result` is called, on the socket
-        thread, after each item that get_outputs would return (outputs or the core's death)."""
+        thread, after each item that get_outputs would return (outputs or the core's death).
+        With `wait=False` the core starts in the background and `wait_ready()` must follow."""
         self.config = config
         sweep_stale_ipc_dirs()
         self._conn = _Connection(config, placement, on_result)
@@ -99,6 +101,11 @@ class EngineCoreClient:
         self._finalizer = weakref.finalize(self, self._conn.close)
         self._finalizer.atexit = False
         self._conn.start()
+        if wait:
+            self.wait_ready(on_progress)
+
+    def wait_ready(self, on_progress: Callable[[str], None] | None = None) -> None:
+        """Wait for the core's READY (sets `info`); a failed start shuts the client down."""
         try:
             self.info: Ready = self._conn.wait_ready(on_progress)
         except BaseException:
