@@ -232,10 +232,15 @@ def test_a_tokenizer_that_fails_to_load_stops_the_core_started_beside_it(
     fails, the core is stopped, not left running."""
     import psutil
 
+    def cores() -> set[int]:
+        children = psutil.Process().children()
+        return {p.pid for p in children if "spawn_main" in " ".join(p.cmdline())}
+
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model_dir)
     (model_dir / "tokenizer.json").write_text("{not json")
+    # NOTE: this module's shared LLM keeps its own core.
+    before = cores()
     with pytest.raises(VbatchError):
         LLM(str(model_dir), device="cpu", num_threads=1, attention_backend="torch")
-    cores = [p for p in psutil.Process().children() if p.name() != "resource_tracker"]
-    assert not [p for p in cores if "spawn_main" in " ".join(p.cmdline())]
+    assert cores() <= before
