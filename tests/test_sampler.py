@@ -12,7 +12,7 @@ import torch
 from vbatch.engine.sampler import (
     CANDIDATE_GROWTH,
     Sampler,
-    _apply_penalties,
+    _apply_transforms,
     _draw,
     _keep_prefix,
     _nucleus_groups,
@@ -249,7 +249,7 @@ def test_penalties_follow_the_formula() -> None:
             seq.append_token(token)
     logits = torch.randn(3, vocab) * 2
     logits[0, 1], logits[0, 3] = 1.5, -0.7
-    penalized = _apply_penalties(logits, SamplingMetadata.build(seqs, CPU, vocab, {}))
+    penalized = _apply_transforms(logits, SamplingMetadata.build(seqs, CPU, vocab, {}))
     output_counts = {2: 1, 3: 3}
     expected = logits.clone()
     for token in range(vocab):

@@ -25,6 +25,7 @@ import zmq
 
 from vbatch.config import CorePlacement, EngineConfig
 from vbatch.errors import VbatchError
+from vbatch.sampling_params import trust_decoded
 from vbatch.protocol import (
     Abort,
     AddRequest,
@@ -82,6 +83,7 @@ def run_engine_core(
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {*_OWN_SIGNALS, signal.SIGALRM})
+    trust_decoded()
     in_q: queue.Queue[Any] = queue.Queue()
     out_q: queue.Queue[Any] = queue.Queue()
     watchdog = _Watchdog(config, parent_pid, ipc_dir, out_q)

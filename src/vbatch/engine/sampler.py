@@ -1,4 +1,5 @@
-"""Sampler: one step's logits to next tokens (penalties, top-k/top-p/min-p, seeds, logprobs)."""
+"""Sampler: one step's logits to next tokens (penalties, logit bias, allowed tokens, bans,
+top-k/top-p/min-p, seeds, logprobs)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ class SamplerOutput:
 class Sampler:
     """Stateless: a call reads `logits` and `meta` only and never writes to `logits`.
 
-    Order: penalties and min_tokens bans, then greedy argmax, or temperature, top-k, top-p (over
+    Order: penalties, logit bias, allowed tokens, min_tokens and bad-word bans, then greedy argmax, or temperature, top-k, top-p (over
     the top-k renormalised mass), min-p, and an inverse-CDF draw over kept tokens in id order.
     Logprobs are of the raw model output, before any of these transforms (as vLLM V1 does).
     A call never waits for the device, except top-p's check of its candidate widths.
@@ -67,7 +68,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(
                 logits.index_select(0, meta.logprob_rows).float(), dim=-1
             )
-        logits = _apply_penalties(logits, meta)
+        logits = _apply_transforms(logits, meta)
         token_ids = logits.argmax(dim=-1) if meta.is_all_greedy else _sample(logits, meta)
         out = SamplerOutput(token_ids, None, None, None, meta.logprob_rows_cpu, meta.num_logprobs)
         if raw_logprobs is not None:
@@ -79,10 +80,11 @@ class Sampler:
         return out
 
 
-def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """A float32 copy with penalties and bans applied; `logits` itself when there are none."""
+def _apply_transforms(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """A float32 copy with penalties, bias, allowed tokens and bans applied; `logits` itself
+    (as float32) when there are none."""
     pen = meta.penalties
-    if pen is None and meta.banned is None:
+    if pen is None and meta.banned is None and meta.logit_bias is None and meta.allowed is None:
         return logits.float()
     logits = logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
     if pen is not None:
@@ -90,6 +92,12 @@ def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
         seen = flat[pen.keys]
         seen = torch.where(seen > 0, seen / pen.repetition, seen * pen.repetition)
         flat[pen.keys] = seen - pen.subtract
+    if meta.logit_bias is not None:
+        rows, ids, values = meta.logit_bias
+        logits.index_put_((rows, ids), values, accumulate=True)
+    if meta.allowed is not None:
+        rows, mask = meta.allowed
+        logits[rows] = logits[rows].masked_fill(~mask, -math.inf)
     if meta.banned is not None:
         logits[meta.banned] = -math.inf
     return logits
