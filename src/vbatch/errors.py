@@ -38,6 +38,14 @@ class InputError(VbatchError):
     """The input file or one of its columns cannot be used."""
 
 
+class PromptTypeError(VbatchError, TypeError):
+    """The Python API was given a prompt of a kind it does not take (a TypeError too)."""
+
+
+class PromptValueError(VbatchError, ValueError):
+    """The Python API was given a prompt it cannot use as it is (a ValueError too)."""
+
+
 class JobStateError(VbatchError):
     """The job directory is missing, corrupt, or does not match this run."""
 

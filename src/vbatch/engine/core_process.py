@@ -25,7 +25,6 @@ import zmq
 
 from vbatch.config import CorePlacement, EngineConfig
 from vbatch.errors import VbatchError
-from vbatch.sampling_params import trust_decoded
 from vbatch.protocol import (
     Abort,
     AddRequest,
@@ -46,6 +45,7 @@ from vbatch.protocol import (
     encoder,
     undecodable_target,
 )
+from vbatch.sampling_params import trust_decoded
 
 STATS_INTERVAL_S = 0.5
 PARENT_POLL_S = 0.25

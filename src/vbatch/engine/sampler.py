@@ -55,8 +55,9 @@ class SamplerOutput:
 class Sampler:
     """Stateless: a call reads `logits` and `meta` only and never writes to `logits`.
 
-    Order: penalties, logit bias, allowed tokens, min_tokens and bad-word bans, then greedy argmax, or temperature, top-k, top-p (over
-    the top-k renormalised mass), min-p, and an inverse-CDF draw over kept tokens in id order.
+    Order: penalties, logit bias, allowed tokens, min_tokens and bad-word bans, then greedy
+    argmax, or temperature, top-k, top-p (over the top-k renormalised mass), min-p, and an
+    inverse-CDF draw over kept tokens in id order.
     Logprobs are of the raw model output, before any of these transforms (as vLLM V1 does).
     A call never waits for the device, except top-p's check of its candidate widths.
     """

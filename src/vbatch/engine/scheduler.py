@@ -102,7 +102,9 @@ class Scheduler:
                 f"the prompt has {num_prompt_tokens} tokens, which leaves no room for output "
                 f"within the maximum model length of {max_model_len} tokens"
             )
-        max_num_tokens = min(num_prompt_tokens + (params.max_tokens or max_model_len), max_model_len)
+        max_num_tokens = min(
+            num_prompt_tokens + (params.max_tokens or max_model_len), max_model_len
+        )
         num_blocks = -(-max_num_tokens // self.config.block_size)
         if self.config.sliding_window is not None:
             num_blocks = min(num_blocks, self.max_live_blocks)

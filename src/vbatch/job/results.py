@@ -62,7 +62,7 @@ OPENAI_ID_PREFIX = "vbatch_req_"
 
 
 def _logprob_entries(output: CompletionOutput) -> list[dict[str, Any]] | None:
-    if output.logprobs is None:
+    if output.token_logprobs is None:
         return None
     return [
         {
@@ -71,7 +71,7 @@ def _logprob_entries(output: CompletionOutput) -> list[dict[str, Any]] | None:
             "top_token_ids": list(entry.top_token_ids),
             "top_logprobs": list(entry.top_logprobs),
         }
-        for token_id, entry in zip(output.token_ids, output.logprobs, strict=False)
+        for token_id, entry in zip(output.token_ids, output.token_logprobs, strict=False)
     ]
 
 
@@ -98,7 +98,7 @@ def result_row(
     outputs = result.outputs
     first = outputs[0]
     is_multi = len(outputs) > 1
-    has_logprobs = any(o.logprobs is not None for o in outputs)
+    has_logprobs = any(o.token_logprobs is not None for o in outputs)
     stop_reason = first.stop_reason
     reasonings, texts = zip(*(_split(o, reasoning_parser) for o in outputs), strict=True)
     has_reasoning = any(r is not None for r in reasonings)
