@@ -46,13 +46,14 @@ VLLM_ONLY = frozenset(
         "runner",
     }
 )
-# NOTE: settings that vbatch honours as it is (disable_log_stats: the API logs no stats).
-_QUIET_WHEN = {
-    "disable_log_stats": True,
-    "enable_chunked_prefill": True,
-    "task": "generate",
-    "runner": "generate",
-    "trust_remote_code": False,
+# NOTE: values that vbatch honours as it is, so they pass without a warning (the API logs no
+# stats, and every prefill is chunked).
+_QUIET_VALUES: dict[str, tuple[Any, ...]] = {
+    "disable_log_stats": (True, False),
+    "enable_chunked_prefill": (True,),
+    "task": ("generate", "auto"),
+    "runner": ("generate", "auto"),
+    "trust_remote_code": (False,),
 }
 DTYPE_NAMES = {
     "auto": "auto",
@@ -122,7 +123,7 @@ def map_llm_args(args: dict[str, Any], llm_params: frozenset[str]) -> LLMSetting
             if value is not None:
                 settings.engine[name] = value
         elif name in VLLM_ONLY:
-            if _QUIET_WHEN.get(name, object()) != value and value is not None:
+            if value is not None and value not in _QUIET_VALUES.get(name, ()):
                 ignored.append(name)
         else:
             accepted = sorted(

@@ -14,8 +14,9 @@ class ConfigError(VbatchError):
     """An engine or job setting is invalid."""
 
 
-class SamplingParamsError(VbatchError):
-    """A sampling parameter is missing, of the wrong type or out of range."""
+class SamplingParamsError(VbatchError, ValueError):
+    """A sampling parameter is missing, of the wrong type or out of range (a ValueError too,
+    as vLLM raises)."""
 
 
 class ModelLoadError(VbatchError):
