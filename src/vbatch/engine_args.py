@@ -71,7 +71,6 @@ _REFUSED = {
     "data_parallel_size=N (the CLI's -dp N)",
     "revision": "name the revision in the model id instead: model='org/name@revision'",
     "speculative_config": "vbatch has no speculative decoding",
-    "enable_lora": "LoRA adapters are not supported by this LLM",
 }
 GENERATION_CONFIG_KEYS = {
     "temperature": "temperature",
@@ -103,8 +102,6 @@ def map_llm_args(args: dict[str, Any], llm_params: frozenset[str]) -> LLMSetting
             if name in ("tensor_parallel_size", "pipeline_parallel_size") and value in (1, None):
                 continue
             if name in ("revision", "speculative_config") and value is None:
-                continue
-            if name == "enable_lora" and not value:
                 continue
             raise ConfigError(f"{name}={value!r} is not supported: {_REFUSED[name]}")
         if name == "tokenizer":
