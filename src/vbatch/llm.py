@@ -14,7 +14,6 @@ from typing import Any
 import msgspec
 
 from vbatch.client.core_client import EngineCoreClient
-from vbatch.client.data_parallel import DataParallelClient
 from vbatch.client.detokenizer import IncrementalDetokenizer
 from vbatch.client.hf_tokenizer import HFTokenizer
 from vbatch.client.outputs import (
@@ -35,7 +34,8 @@ from vbatch.client.reasoning import check_reasoning_parser
 from vbatch.client.tokenizer import TextTokenizer, check_template_kwargs
 from vbatch.config import EngineConfig
 from vbatch.engine_args import default_sampling_params, map_llm_args
-from vbatch.engines import EngineReport, EngineState
+from vbatch.engine_sets.base import EngineReport, EngineState
+from vbatch.engine_sets.data_parallel import DataParallelClient
 from vbatch.errors import ConfigError, ModelLoadError, SamplingParamsError, VbatchError
 from vbatch.protocol import (
     AddRequest,

@@ -21,12 +21,11 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from vbatch.client.outputs import Request, RequestOutput
 from vbatch.client.tokenizer import TextTokenizer
-from vbatch.engines import EngineReport, EngineState, sum_stats
+from vbatch.engine_sets.base import EngineReport, EngineState, RaySettings, sum_stats
+from vbatch.engine_sets.ray_replica import ReplicaEngine
 from vbatch.errors import ConfigError, EngineDeadError, EngineStartupError
-from vbatch.job.options import RaySettings
 from vbatch.llm import TOKENIZE_BATCH
 from vbatch.protocol import Ready, SchedulerStats
-from vbatch.ray_replica import ReplicaEngine
 from vbatch.sampling_params import SamplingParams
 
 POLL_WAIT_S = 1.0
@@ -163,7 +162,7 @@ class RayEngines:
     ) -> Iterator[RequestOutput | None]:
         """Yield finished rows in completion order; `on_output` runs on the caller's thread."""
         defaults = sampling_params or SamplingParams()
-        defaults.validate(self.engine_info.vocab_size)
+        defaults.check_vocab(self.engine_info.vocab_size)
         epoch = next(self._epochs)
         source = (_as_row(pos, item, defaults) for pos, item in enumerate(inputs))
         queue: collections.deque[tuple[int, Request]] = collections.deque()
