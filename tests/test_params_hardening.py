@@ -8,6 +8,8 @@ string is aborted in the core alone, while its siblings go on.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -281,3 +283,44 @@ def test_request_state_counts_its_open_samples(tokenizer: Any) -> None:
 class _NoScan(list):
     def __iter__(self) -> Iterator[Any]:
         raise AssertionError("RequestState scanned all of its samples' reasons")
+
+
+def test_params_are_validated_once_where_they_are_made(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE: they were validated three more times per row in this process (generate, submit,
+    # the core client) and once in the core's decode.
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    calls = Counter[str]()
+    original = SamplingParams.validate
+
+    def counting(self: SamplingParams, vocab_size: int | None = None) -> SamplingParams:
+        calls["validate"] += 1
+        return original(self, vocab_size)
+
+    monkeypatch.setattr(SamplingParams, "validate", counting)
+    outs = llm.generate(["a", "b", "c"], params, use_tqdm=False)
+    assert all(o.error is None for o in outs)
+    assert calls["validate"] == 0
+
+
+def test_the_core_trusts_decoded_params(tmp_path: Path) -> None:
+    script = (
+        "import msgspec\n"
+        "from vbatch.protocol import AddRequest, core_decoder, encoder, pack_token_ids\n"
+        "from vbatch.sampling_params import SamplingParams, trust_decoded\n"
+        "p = SamplingParams(max_tokens=2)\n"
+        "msgspec.structs.force_setattr(p, 'top_p', 5.0)\n"
+        "data = encoder.encode(AddRequest('r', pack_token_ids([1]), p))\n"
+        "try:\n"
+        "    core_decoder.decode(data)\n"
+        "except Exception:\n"
+        "    print('validated')\n"
+        "trust_decoded()\n"
+        "print(core_decoder.decode(data).sampling_params.top_p)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["validated", "5.0"]
