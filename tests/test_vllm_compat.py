@@ -5,6 +5,7 @@ reproducibility; and every input generate/chat cannot use raises."""
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import textwrap
@@ -281,3 +282,23 @@ def test_a_vllm_script_runs_with_its_import_changed(tiny_model_dir: Path, tmp_pa
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("Generated text:") == 2
+
+
+@pytest.mark.slow
+def test_vllm_examples_on_the_default_model() -> None:
+    pytest.importorskip("xgrammar")
+    schema = {
+        "type": "object",
+        "properties": {"brand": {"type": "string"}, "year": {"type": "integer"}},
+        "required": ["brand", "year"],
+    }
+    with LLM(max_num_seqs=8) as llm:
+        (chat,) = llm.chat(CONVERSATION, SamplingParams(temperature=0.5, max_tokens=16))
+        assert chat.outputs[0].text
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=64,
+            structured_outputs=StructuredOutputsParams(json=schema),
+        )
+        (car,) = llm.generate("Describe a famous car as JSON with its brand and year.", params)
+    assert set(json.loads(car.outputs[0].text)) == {"brand", "year"}
