@@ -358,6 +358,7 @@ def test_logprobs_are_raw_and_sorted() -> None:
         assert lp.top_token_ids == top_ids.tolist()
         assert lp.top_logprobs == pytest.approx(top_vals.tolist(), abs=1e-4)
         assert lp.top_logprobs == sorted(lp.top_logprobs, reverse=True)
+        assert lp.rank == int((raw[row] > raw[row, token_ids[row]]).sum()) + 1
     no_logprobs = SamplingMetadata.build(make_seqs(SamplingParams()), CPU, VOCAB, {})
     out = Sampler()(logits[:1], no_logprobs)
     assert out.chosen_logprobs is None and out.to_host()[1] is None

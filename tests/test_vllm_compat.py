@@ -152,6 +152,12 @@ def test_sampling_params_as_vllm_scripts_use_them(llm: LLM) -> None:
     assert completion.cumulative_logprob == pytest.approx(
         sum(e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs, strict=True))
     )
+    params.temperature = 1.0
+    params.seed = 5
+    params.logprobs = 0
+    (sampled,) = llm.generate("Hello", params, use_tqdm=False)
+    for token_id, entry in zip(sampled.outputs[0].token_ids, sampled.outputs[0].logprobs or []):
+        assert entry[token_id].rank is not None and entry[token_id].rank >= 1
     clone = params.clone()
     clone.max_tokens = None
     clone.truncate_prompt_tokens = 2

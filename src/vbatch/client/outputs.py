@@ -15,8 +15,8 @@ from vbatch.sampling_params import SamplingParams
 
 
 class Logprob(NamedTuple):
-    """vLLM's per-token logprob entry: `rank` is 1 for the most likely token (None for a
-    sampled token outside the requested top ones); `decoded_token` is its text."""
+    """vLLM's per-token logprob entry: `rank` is 1 for the most likely token; `decoded_token`
+    is its text."""
 
     logprob: float
     rank: int | None
@@ -64,8 +64,9 @@ class CompletionOutput:
                 )
             }
             if token_id not in ranked:
+                rank = entry.rank or None
                 ranked = {
-                    token_id: Logprob(entry.logprob, None, decode(token_id) if decode else None),
+                    token_id: Logprob(entry.logprob, rank, decode(token_id) if decode else None),
                     **ranked,
                 }
             result.append(ranked)

@@ -33,6 +33,7 @@ class SamplerOutput:
     logprob_rows_cpu: list[int]
     num_logprobs: list[int]
     grammar: StepMask | None = None  # the constrained rows, whose matchers take the tokens
+    chosen_ranks: torch.Tensor | None = None  # [m] int64, 1 + tokens more likely than chosen
 
     @classmethod
     def of_token_ids(cls, token_ids: torch.Tensor) -> SamplerOutput:
@@ -44,11 +45,18 @@ class SamplerOutput:
         if self.chosen_logprobs is None:
             return to_host([self.token_ids])[0].tolist(), None
         assert self.top_logprobs is not None and self.top_token_ids is not None
-        tensors = [self.token_ids, self.chosen_logprobs, self.top_logprobs, self.top_token_ids]
-        token_ids, chosen, top_vals, top_ids = (t.tolist() for t in to_host(tensors))
+        assert self.chosen_ranks is not None
+        tensors = [
+            self.token_ids,
+            self.chosen_logprobs,
+            self.top_logprobs,
+            self.top_token_ids,
+            self.chosen_ranks,
+        ]
+        token_ids, chosen, top_vals, top_ids, ranks = (t.tolist() for t in to_host(tensors))
         logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
         for j, (row, k) in enumerate(zip(self.logprob_rows_cpu, self.num_logprobs, strict=True)):
-            logprobs[row] = TokenLogprobs(chosen[j], top_ids[j][:k], top_vals[j][:k])
+            logprobs[row] = TokenLogprobs(chosen[j], top_ids[j][:k], top_vals[j][:k], ranks[j])
         return token_ids, logprobs
 
 
@@ -76,6 +84,7 @@ class Sampler:
             assert meta.logprob_rows is not None
             chosen_ids = token_ids.index_select(0, meta.logprob_rows).unsqueeze(1)
             out.chosen_logprobs = raw_logprobs.gather(1, chosen_ids).squeeze(1)
+            out.chosen_ranks = (raw_logprobs > out.chosen_logprobs.unsqueeze(1)).sum(dim=1) + 1
             # [m, max_num], descending
             out.top_logprobs, out.top_token_ids = raw_logprobs.topk(max(meta.num_logprobs), dim=-1)
         return out
