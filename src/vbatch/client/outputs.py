@@ -76,7 +76,9 @@ class CompletionOutput:
 @dataclass
 class Request:
     """One input item: a prompt, a conversation or token ids, with optional own sampling params
-    and chat-template variables (over the LLM's own, for a conversation)."""
+    and chat-template variables (over the LLM's own, for a conversation); a conversation may
+    name its own template, and continue its final message instead of opening a new turn. Every
+    per-prompt option of `generate`/`chat` travels here."""
 
     id: Any = None
     index: int | None = None
