@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import queue
@@ -226,12 +227,12 @@ class LLM:
     ) -> list[RequestOutput]:
         params = per_prompt_params(sampling_params, len(requests), self.default_sampling_params)
         checked: dict[int, str | None] = {}
-        for req, p in zip(requests, params, strict=True):
-            problem = self._check_params(p, checked)
+        for k, (req, p) in enumerate(zip(requests, params, strict=True)):
+            if req.sampling_params is None:
+                requests[k] = req = dataclasses.replace(req, sampling_params=p)
+            problem = self._check_params(req.sampling_params, checked)
             if problem is not None:
                 raise SamplingParamsError(problem)
-            if req.sampling_params is None:
-                req.sampling_params = p
         results: list[RequestOutput | None] = [None] * len(requests)
         stream = self._stream(requests, self.default_sampling_params, None)
         bar = None
