@@ -359,7 +359,7 @@ def test_real_model_chat_job_end_to_end(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "wrote out.parquet: 3 rows, 0 errored" in proc.stderr
     table = pq.read_table(tmp_path / "out.parquet")
-    assert table.column_names[:16] == [
+    assert table.column_names[:17] == [
         "id",
         "index",
         "text",
@@ -376,8 +376,9 @@ def test_real_model_chat_job_end_to_end(tmp_path: Path) -> None:
         "latency_s",
         "error",
         "structured_complete",
+        "structured_valid",
     ]
-    assert table.column_names[16:] == ["messages"]
+    assert table.column_names[17:] == ["messages"]
     out = {r["id"]: r for r in table.to_pylist()}
     assert set(out) == {"capital", "color", "math"}
     assert all(r["text"] and r["finish_reason"] in ("stop", "length") for r in out.values())

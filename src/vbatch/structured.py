@@ -18,6 +18,8 @@ EXTRA_HINT = "structured output needs xgrammar: pip install 'vbatch[structured]'
 # NOTE: checked before any recursive code (json, msgpack, xgrammar) sees the schema, so a deep
 # one is an error row rather than a RecursionError; real schemas nest a few dozen levels.
 MAX_SCHEMA_DEPTH = 128
+# NOTE: xgrammar's messages start with "[15:09:35] /project/cpp/regex_converter.cc:94: ".
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _BRACKET = re.compile(r"[\[\]{}]")
 # NOTE: keywords xgrammar accepts but does not enforce (its grammar allows outputs that break
@@ -217,16 +219,52 @@ def cli_structured(
     if importlib.util.find_spec("xgrammar") is None:
         raise SamplingParamsError(EXTRA_HINT)
     [(kind, value)] = given.items()
+    flag = f"--{kind.replace('_', '-')}"
     if isinstance(value, Path):
         try:
             value = value.read_text()
         except OSError as e:
-            raise SamplingParamsError(
-                f"cannot read the --{kind.replace('_', '-')} file: {e}"
-            ) from None
+            raise SamplingParamsError(f"cannot read the {flag} file: {e}") from None
     elif kind == "choice":
         value = [c.strip() for c in value.split(",") if c.strip()]
-    return msgspec.to_builtins(StructuredOutput(**{kind: value}))
+    try:
+        structured = StructuredOutput(**{kind: value})
+        _check_parses(structured)
+    except SamplingParamsError as e:
+        raise SamplingParamsError(f"{flag}: {e}") from None
+    return msgspec.to_builtins(structured)
+
+
+def _check_parses(structured: StructuredOutput) -> None:
+    """Refuse a constraint xgrammar cannot read (no tokenizer needed), so that a bad job-wide
+    one is one error before the job starts rather than an error row per row."""
+    from xgrammar import Grammar
+
+    try:
+        if structured.json_schema is not None:
+            assert isinstance(structured.json_schema, str)
+            Grammar.from_json_schema(
+                structured.json_schema, any_whitespace=False, strict_mode=structured.strict
+            )
+        elif structured.regex is not None:
+            Grammar.from_regex(structured.regex)
+        elif structured.choice is not None:
+            Grammar.from_ebnf(choice_ebnf(structured.choice))
+        elif structured.grammar is not None:
+            Grammar.from_ebnf(structured.grammar)
+    except Exception as e:
+        raise SamplingParamsError(f"invalid {structured.kind}: {xgrammar_message(e)}") from None
+
+
+def choice_ebnf(labels: list[str]) -> str:
+    """A grammar of exactly these labels. Each is written as itself, not escaped to ASCII:
+    xgrammar's EBNF reads a `\\ud83d\\ude00` surrogate pair as two code points."""
+    return "root ::= " + " | ".join(json.dumps(label, ensure_ascii=False) for label in labels)
+
+
+def xgrammar_message(error: Exception) -> str:
+    """An xgrammar exception's message without its log prefix."""
+    return _LOG_PREFIX.sub("", str(error).strip())
 
 
 def _schema_text(schema: Any) -> str:
@@ -253,7 +291,7 @@ def _schema_text(schema: Any) -> str:
 def _check_depth(depth: int) -> None:
     if depth > MAX_SCHEMA_DEPTH:
         raise SamplingParamsError(
-            f"json_schema nests {depth} levels deep; the limit is {MAX_SCHEMA_DEPTH}"
+            f"json_schema nests more than {MAX_SCHEMA_DEPTH} levels deep, vbatch's limit"
         )
 
 
@@ -307,18 +345,18 @@ def unenforced_keywords(structured: StructuredOutput) -> list[str]:
         return ["duplicate keys (json_object)"]
     if not isinstance(structured.json_schema, str):
         return []
-    found: dict[str, None] = {}
+    found: set[str] = set()
     for node in subschemas(json.loads(structured.json_schema)):
-        found.update((key, None) for key in UNENFORCED if key in node)
+        found.update(key for key in UNENFORCED if key in node)
         if "patternProperties" in node or isinstance(node.get("additionalProperties"), dict):
-            found["duplicate keys (patternProperties/additionalProperties)"] = None
+            found.add("duplicate keys (patternProperties/additionalProperties)")
         for key, approximation in (
             ("allOf", "allOf with multiple options"),
             ("oneOf", "oneOf (approximated as anyOf)"),
         ):
             if isinstance(node.get(key), list) and len(node[key]) > 1:
-                found[approximation] = None
-    return list(found)
+                found.add(approximation)
+    return sorted(found)
 
 
 def _as_object(value: Any, name: str) -> Mapping[str, Any]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
-import json
 import os
 import re
 import threading
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vbatch.engine.sequence import Sequence
-from vbatch.structured import EXTRA_HINT, StructuredOutput
+from vbatch.structured import EXTRA_HINT, StructuredOutput, choice_ebnf, xgrammar_message
 
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
@@ -29,8 +28,6 @@ MAX_CACHED_GRAMMARS = 1024
 # NOTE: compile workers: one long compile leaves another for the rest, smallest first.
 NUM_COMPILE_WORKERS = 2
 COMPILE_BUDGET_S = 120.0
-# NOTE: xgrammar's messages start with "[15:09:35] /project/cpp/regex_converter.cc:94: ".
-_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 # NOTE: xgrammar 0.2.9 compiles a string's minLength/maxLength into a rule over this class, which
 # admits raw control characters no strict JSON parser accepts (xgrammar issue #800); vbatch
 # narrows it in the grammar's EBNF to what JSON lets a string hold unescaped. Only the rule is
@@ -178,7 +175,7 @@ class GrammarCache:
             assert spec.grammar is not None
             return compiler.compile_grammar(spec.grammar)
         except Exception as e:
-            message = _LOG_PREFIX.sub("", str(e).strip())
+            message = xgrammar_message(e)
             if spec.strict and "additional properties aren't allowed" in message:
                 message += _STRICT_HINT
             raise GrammarError(f"invalid {spec.kind}: {message}") from None
@@ -225,12 +222,6 @@ def json_schema_ebnf(schema: str, strict: bool) -> str:
 
     grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
     return _BOUNDED_CHARACTERS.sub(_JSON_CHARACTERS, str(grammar))
-
-
-def choice_ebnf(labels: list[str]) -> str:
-    """A grammar of exactly these labels. Each is written as itself, not escaped to ASCII:
-    xgrammar's EBNF reads a `\\ud83d\\ude00` surrogate pair as two code points."""
-    return "root ::= " + " | ".join(json.dumps(label, ensure_ascii=False) for label in labels)
 
 
 def new_matcher(grammar: CompiledGrammar) -> GrammarMatcher:
