@@ -23,12 +23,15 @@ class OutputChecker:
     def __init__(self, warn: Callable[[str], None] | None = None) -> None:
         self._warn = warn or _print_warning
         self._seen: set[bytes] = set()
+        self._last: StructuredOutput | None = None
 
     def note(self, structured: StructuredOutput | None) -> None:
         """Warn, the first time a constraint is seen, about each keyword it uses that the
         grammar does not enforce."""
-        if structured is None or not structured.is_json:
+        # NOTE: a job-wide constraint is one object for every row: no key to compute again.
+        if structured is None or structured is self._last or not structured.is_json:
             return
+        self._last = structured
         key = structured.key
         if key in self._seen:
             return
