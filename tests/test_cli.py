@@ -159,6 +159,7 @@ RUN_OPTIONS: dict[str, tuple[list[str], str, Any]] = {
         {"grammar": 'root ::= "a"'},
     ),
     "parse_json": (["--parse-json"], "spec.parse_json", True),
+    "require_valid_json": (["--require-valid-json"], "spec.require_valid_json", True),
     "ordered": (["--ordered"], "spec.ordered", True),
     "overwrite": (["--overwrite"], "overwrite", True),
     "clean": (["--clean"], "options.clean", True),
