@@ -151,7 +151,10 @@ class GrammarCache:
             except GrammarError as e:
                 _settle(future, error=e)
             with self._lock:
-                if self._running.pop(future, None) is None:
+                if future in self._running:
+                    del self._running[future]
+                else:
+                    # NOTE: the budget failed this compile and let a new worker take its place.
                     self._max_workers -= 1
 
     def _compile(self, spec: StructuredOutput, future: Future[CompiledGrammar]) -> CompiledGrammar:
