@@ -142,3 +142,24 @@ def test_bounded_string_schemas_compile_about_as_fast_as_xgrammar_alone(
         compiler.compile_grammar(json_schema_ebnf(schema, strict=True))
         ours.append(time.perf_counter() - start)
     assert statistics.median(ours) < 1.5 * statistics.median(theirs) + 0.05, (ours, theirs)
+
+
+def test_the_engine_fails_a_request_whose_compile_passes_the_budget(tiny_model_dir: Path) -> None:
+    from vbatch.config import EngineConfig
+    from vbatch.engine.core import EngineCore
+    from vbatch.protocol import AddRequest, FinishReason, pack_token_ids
+    from vbatch.sampling_params import SamplingParams
+
+    core = EngineCore(EngineConfig(model=str(tiny_model_dir), num_threads=1))
+    core.grammars.budget_s = 0.5
+    slow = SamplingParams(max_tokens=4, structured={"regex": '[^\\x00-\\x1f"]{0,2002}'})
+    small = SamplingParams(max_tokens=4, structured={"choice": ["yes", "no"]})
+    for rid, params in (("slow", slow), ("small", small)):
+        assert core.add_request(AddRequest(rid, pack_token_ids([1, 500, 77]), params)) == []
+    finishes = {}
+    while core.has_unfinished():
+        finishes.update((f.request_id, f) for f in core.step().finished)
+    assert finishes["small"].finish_reason == FinishReason.STOP
+    assert finishes["slow"].finish_reason == FinishReason.ERROR
+    assert "within the 0.5 s compile budget" in (finishes["slow"].error or "")
+    core.shutdown()
