@@ -422,3 +422,10 @@ def test_bad_chat_template_kwargs_and_reasoning_parser_are_one_line_errors(
     assert result.exit_code == 1
     assert result.output.startswith(f"error: {message}") and result.output.count("\n") == 1
     assert not output.exists() and not (tmp_path / "o.jsonl.vbatch").exists()
+
+
+def test_the_ray_extra_survives_rich_markup_in_help_and_docs() -> None:
+    """rich took `[ray]` for a style tag: the help said "pip install 'vbatch'"."""
+    result = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "200"})
+    assert "pip install 'vbatch[ray]'" in result.output, result.output
+    assert "vbatch[ray]" in DOCS.read_text().split(MARKER, 1)[1]

@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from vbatch.engine_sets.base import EngineSet
-from vbatch.engine_sets.factory import open_engine_set
+from vbatch.engine_sets.base import EngineSet, StartupCancelled
+from vbatch.engine_sets.factory import open_engine_set, starts_briefly
 from vbatch.errors import (
     InputError,
     VbatchError,
@@ -33,6 +33,9 @@ from vbatch.sampling_params import SamplingParams
 
 EXIT_INTERRUPTED = 75
 MIN_IDLE_S = 0.05
+# NOTE: the stream ticks at least this often, so a stop flag set by a signal is seen in time
+# by engine sets that a signal must not interrupt (EngineSet.waits_briefly).
+MAX_IDLE_S = 1.0
 
 
 class JobExecution:
@@ -84,6 +87,7 @@ class JobExecution:
         self.token_text: Callable[[int], str] = str
         self.token_bytes: Callable[[int], list[int]] | None = None
         self.metrics: Any = None
+        self.interruptible = True
 
     def _max_errors(self, limit: float | None) -> int | None:
         if limit is None:
@@ -206,7 +210,8 @@ class JobExecution:
     def _run_engine(self) -> None:
         self.metrics.set_state("loading model")
         engine_args = dict(self.manifest.engine)
-        self.stop.is_waiting = True
+        self.interruptible = not starts_briefly(self.options.ray)
+        self.stop.is_waiting = self.interruptible
         try:
             llm = self.llm_factory(
                 self.manifest.model_to_load(),
@@ -214,12 +219,15 @@ class JobExecution:
                 max_in_flight=self.options.max_in_flight,
                 data_parallel_size=self.options.data_parallel_size,
                 on_progress=self.metrics.set_startup_stage,
+                on_notice=self.metrics.add_notice,
+                should_stop=lambda: self.stop.is_stopping,
                 **engine_args,
             )
-        except StopNow:
+        except (StopNow, StartupCancelled):
             return
         finally:
             self.stop.is_waiting = False
+        self.interruptible = not getattr(llm, "waits_briefly", False)
         try:
             self.metrics.set_engine_info(llm.engine_info)
             self.metrics.set_stats_source(lambda: llm.latest_stats, llm.engine_reports)
@@ -240,10 +248,11 @@ class JobExecution:
         # NOTE: with idle_s, the stream also yields None when no row finished for that long, so
         # the time-based commit fires while every row in flight is slow (or the engine stalls).
         every_s = self.options.commit_every_seconds
-        stream = llm.stream(self._requests(), self.defaults, idle_s=max(every_s, MIN_IDLE_S))
+        idle_s = min(max(every_s, MIN_IDLE_S), MAX_IDLE_S)
+        stream = llm.stream(self._requests(), self.defaults, idle_s=idle_s)
         try:
             while not self.stop.stop_now:
-                self.stop.is_waiting = True
+                self.stop.is_waiting = self.interruptible
                 try:
                     result = next(stream)
                 except StopIteration:
@@ -296,7 +305,7 @@ class JobExecution:
                 continue
             self.in_flight[row.index] = row
             self.checker.note((row.sampling_params or self.defaults).structured)
-            self.stop.is_waiting = True
+            self.stop.is_waiting = self.interruptible
             yield Request(
                 id=row.id,
                 index=row.index,
@@ -305,7 +314,7 @@ class JobExecution:
                 sampling_params=row.sampling_params,
                 chat_template_kwargs=row.chat_template_kwargs,
             )
-        self.stop.is_waiting = True
+        self.stop.is_waiting = self.interruptible
 
     def _emit(self, row: InputRow, values: dict[str, Any]) -> None:
         line = None
