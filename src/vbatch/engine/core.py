@@ -88,6 +88,7 @@ class EngineCore:
                 num_kv_blocks=self.runner.num_kv_blocks,
                 enable_prefix_caching=config.enable_prefix_caching,
                 sliding_window=_kv_window(self.model_config.sliding_windows),
+                long_rope_from=self.model_config.long_rope_from,
             ),
             eos_token_ids=self.model_config.eos_token_ids,
         )
