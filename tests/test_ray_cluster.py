@@ -213,3 +213,36 @@ def test_a_sigkilled_driver_takes_its_cluster_with_it(
     proc.kill()
     proc.communicate(timeout=TIMEOUT_S)
     wait_gone(keeper, timeout=20)
+
+
+def test_a_new_run_sweeps_what_a_dead_cluster_left(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cluster whose driver and keeper were both SIGKILLed: what is left of its process group
+    (here one process titled like a Ray agent) is killed and its directory removed."""
+    monkeypatch.setenv("TMPDIR", str(short_tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    leader = subprocess.Popen(
+        ["bash", "-c", "(exec -a ray::DashboardAgent sleep 120) & echo $!"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert leader.stdout is not None
+    orphan = psutil.Process(int(leader.stdout.readline()))
+    leader.wait()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    left = short_tmp / f"vbatch-ray-{dead.pid}-x"
+    left.mkdir()
+    (left / "keeper.pid").write_text(str(leader.pid))
+    alive = short_tmp / f"vbatch-ray-{os.getpid()}-y"
+    alive.mkdir()
+    (alive / "keeper.pid").write_text(str(leader.pid))
+    try:
+        assert ray_cluster.sweep_dead_clusters() == [leader.pid]
+        orphan.wait(timeout=10)
+        assert not left.exists() and alive.exists()
+    finally:
+        with contextlib.suppress(psutil.Error):
+            orphan.kill()
