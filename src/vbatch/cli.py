@@ -268,6 +268,7 @@ def run(
     choice: o.Choice = None,
     grammar: o.Grammar = None,
     parse_json: o.ParseJson = False,
+    require_valid_json: o.RequireValidJson = False,
     reasoning_parser: o.ReasoningParserOption = None,
     ordered: o.Ordered = False,
     overwrite: o.Overwrite = False,

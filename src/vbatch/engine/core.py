@@ -163,6 +163,7 @@ class EngineCore:
         if block:
             futures = [future for _, future in self._compiling.values()]
             wait(futures, timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+        self.grammars.check_budget()
         errors = []
         for request_id, (seqs, future) in list(self._compiling.items()):
             if not future.done():
