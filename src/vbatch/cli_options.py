@@ -281,6 +281,15 @@ ParseJson = Annotated[
         "--parse-json", help="Add a `json` column: the parsed output.", rich_help_panel=STRUCTURED
     ),
 ]
+RequireValidJson = Annotated[
+    bool,
+    typer.Option(
+        "--require-valid-json",
+        help="A JSON output that does not validate against its schema is an error row "
+        "(without it, its `structured_valid` is false).",
+        rich_help_panel=STRUCTURED,
+    ),
+]
 
 Ordered = Annotated[
     bool,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from vbatch.job.reader import InputReader
 from vbatch.job.results import TokenStrings, error_row, openai_line, parquet_schema, result_row
 from vbatch.job.rows import InputRow, RowParser
 from vbatch.job.stopping import StopControl, StopNow, StopOnSignal
+from vbatch.job.validation import OutputChecker
 from vbatch.job.writer import open_writer
 from vbatch.sampling_params import SamplingParams
 
@@ -74,6 +76,8 @@ class JobExecution:
         self.writer = open_writer(job_dir, journal, manifest, self.schema)
         self.in_flight: dict[int, InputRow] = {}
         self.num_errors = len(journal.state.errors)
+        self.num_invalid = 0
+        self.checker = OutputChecker()
         self.max_errors = self._max_errors(options.max_errors)
         self.stop = StopControl(options.drain_timeout_s)
         self.is_stop_shown = False
@@ -168,7 +172,12 @@ class JobExecution:
             except Exception as e:
                 raise self._resumable(e, output, commit=False) from e
             self.metrics.set_state("done")
-            return 0, f"wrote {output}: {num_done} rows, {self.num_errors} errored"
+            invalid = (
+                f", {self.num_invalid} with JSON invalid against its schema (structured_valid)"
+                if self.num_invalid
+                else ""
+            )
+            return 0, f"wrote {output}: {num_done} rows, {self.num_errors} errored{invalid}"
         self.metrics.set_state("interrupted")
         return EXIT_INTERRUPTED, (
             f"interrupted: {num_done} of {self.manifest.num_rows} rows are committed. "
@@ -261,12 +270,19 @@ class JobExecution:
                 row = self.in_flight.pop(result.index)
                 if result.error is None and any(o.finish_reason == "abort" for o in result.outputs):
                     continue
+                structured = (row.sampling_params or self.defaults).structured
                 values = result_row(
                     row,
                     result,
                     include_token_ids=self.manifest.options.include_token_ids,
                     parse_json=self.manifest.options.parse_json,
                     reasoning_parser=self.manifest.options.reasoning_parser,
+                    check=(
+                        functools.partial(self.checker.check, structured)
+                        if structured is not None and structured.is_json
+                        else None
+                    ),
+                    require_valid=self.manifest.options.require_valid_json,
                 )
                 self._emit(row, values)
         except StopNow:
@@ -288,6 +304,7 @@ class JobExecution:
                 self._emit(row, error_row(row, row.error))
                 continue
             self.in_flight[row.index] = row
+            self.checker.note((row.sampling_params or self.defaults).structured)
             self.stop.is_waiting = self.interruptible
             yield Request(
                 id=row.id,
@@ -306,6 +323,8 @@ class JobExecution:
                 row, values, self.manifest.model.name, self.token_text, self.token_bytes
             )
         self.writer.add(values, row.kept, line)
+        if values["structured_valid"] is False:
+            self.num_invalid += 1
         is_error = values["error"] is not None
         self.metrics.on_result(
             finish_reason=values["finish_reason"],

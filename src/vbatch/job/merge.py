@@ -27,7 +27,13 @@ from vbatch.job.shard import Shard, shards_on_disk
 # NOTE: settings that change no output row; shards may differ in them. Threads, like -dp (a run
 # option, never compared), spread the same arithmetic over CPUs: a row's tokens do not change.
 _RUN_ONLY_ENGINE_ARGS = frozenset({"heartbeat_timeout_s", "num_threads"})
-_RESULT_OPTIONS = ("columns", "include_token_ids", "parse_json", "openai_output")
+_RESULT_OPTIONS = (
+    "columns",
+    "include_token_ids",
+    "parse_json",
+    "require_valid_json",
+    "openai_output",
+)
 _RUN_ROWS = 65536
 
 

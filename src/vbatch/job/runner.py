@@ -80,6 +80,7 @@ class JobSpec:
     ordered: bool = False
     include_token_ids: bool = False
     parse_json: bool = False
+    require_valid_json: bool = False
     shard: Shard | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_parser: str | None = None
@@ -269,6 +270,7 @@ def _prepare_job(
             ordered=spec.ordered,
             include_token_ids=spec.include_token_ids,
             parse_json=spec.parse_json,
+            require_valid_json=spec.require_valid_json,
             openai_output=scan.is_openai and fmt == "jsonl",
             chat_template_kwargs=template_kwargs,
             reasoning_parser=spec.reasoning_parser,
