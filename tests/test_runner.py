@@ -323,3 +323,22 @@ def test_hard_stop_commits_finished_rows_and_resumes(
     done = resume_job(job.output_path, {"display": "quiet"}, llm_factory=shared_llm)
     assert done.exit_code == 0
     assert sorted(r["id"] for r in read_output(job.output_path)) == sorted(r["id"] for r in records)
+
+
+def test_the_manifest_records_the_kernels_the_engine_chose(
+    tmp_path: Path, shared_llm: Callable[..., Any]
+) -> None:
+    job = JobSpec(write_jsonl(tmp_path / "in.jsonl", [{"prompt": "ok"}]), tmp_path / "out.jsonl")
+    kernels: list[list[str]] = []
+
+    def factory(model: str, **kwargs: Any) -> Any:
+        llm = shared_llm(model, **kwargs)
+        kernels.append(llm.engine_info.kernels)
+        return llm
+
+    assert start_job(job, QUIET, llm_factory=factory).exit_code == 0
+    if not kernels[0]:
+        pytest.skip("no kernel choice on this machine (no native kernels)")
+    manifest = orjson.loads((job_dir_for(job.output_path) / "manifest.json").read_bytes())
+    assert manifest["kernels"] == kernels[0]
+    assert "greedy_screen" not in manifest["engine"]  # auto: chosen by measurement, not recorded
