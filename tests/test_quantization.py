@@ -178,6 +178,6 @@ def test_int8_that_is_not_faster_warns_with_the_measured_figures(
     )
     info = EngineCore(config).info
     (warning,) = info.kernel_warnings
-    assert "not faster than fp32 on this CPU" in warning
+    assert "is not 1.3x faster than fp32 on this CPU" in warning
     assert "0.5x fp32" in warning and "fp32 1.50 ms" in warning and "int_mm 3.00 ms" in warning
     assert any(note.startswith("int8 linears through int_mm") for note in info.kernels)

@@ -110,8 +110,8 @@ class ModelRunner:
             self.kernel_notes.append(describe_int8_choice(choice))
             if float(choice["speedup"]) < WORTHWHILE_SPEEDUP:  # type: ignore[arg-type]
                 self.kernel_warnings.append(
-                    f"--quantization int8 is not faster than fp32 on this CPU: "
-                    f"{describe_int8_choice(choice)}"
+                    f"--quantization int8 is not {WORTHWHILE_SPEEDUP:g}x faster than fp32 on "
+                    f"this CPU: {describe_int8_choice(choice)}"
                 )
         if config.greedy_screen is not False and can_use_greedy_screen(self.device, self.dtype):
             progress("choosing kernels")
