@@ -212,7 +212,7 @@ class RayEngines:
     ) -> Iterator[RequestOutput | None]:
         """Yield finished rows in completion order; `on_output` runs on the caller's thread."""
         defaults = sampling_params or SamplingParams()
-        defaults.validate(self.engine_info.vocab_size)
+        defaults.check_vocab(self.engine_info.vocab_size)
         epoch = next(self._epochs)
         source = (_as_row(pos, item, defaults) for pos, item in enumerate(inputs))
         for rep in self._replicas:
