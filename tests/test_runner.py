@@ -352,3 +352,22 @@ def test_the_core_starts_before_the_input_is_scanned_and_stops_with_a_refused_jo
         start_job(job, QUIET)
     assert len(core_dirs) == 1 and len(core_dirs[0]) == 1
     assert not os.path.exists(core_dirs[0].pop())
+
+
+def test_the_manifest_records_the_kernels_the_engine_chose(
+    tmp_path: Path, shared_llm: Callable[..., Any]
+) -> None:
+    job = JobSpec(write_jsonl(tmp_path / "in.jsonl", [{"prompt": "ok"}]), tmp_path / "out.jsonl")
+    kernels: list[list[str]] = []
+
+    def factory(model: str, **kwargs: Any) -> Any:
+        llm = shared_llm(model, **kwargs)
+        kernels.append(llm.engine_info.kernels)
+        return llm
+
+    assert start_job(job, QUIET, llm_factory=factory).exit_code == 0
+    if not kernels[0]:
+        pytest.skip("no kernel choice on this machine (no native kernels)")
+    manifest = orjson.loads((job_dir_for(job.output_path) / "manifest.json").read_bytes())
+    assert manifest["kernels"] == kernels[0]
+    assert "greedy_screen" not in manifest["engine"]  # auto: chosen by measurement, not recorded

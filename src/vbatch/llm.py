@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -204,6 +205,8 @@ class LLM:
                 raise
             self._client.wait_ready(on_progress)
         self.engine_info: Ready = self._client.info
+        for warning in self.engine_info.kernel_warnings:
+            logging.getLogger("vbatch").warning(warning)
         # NOTE: each running sequence holds at least one KV block, so more than
         # num_kv_blocks (summed over the cores) can never run together; twice that keeps the
         # schedulers fed.

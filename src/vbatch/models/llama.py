@@ -234,6 +234,8 @@ class LlamaForCausalLM(nn.Module):
         ]
         self._embedding_multipliers: dict[torch.dtype, float] = {}
         self.greedy_screen: Int8GreedyScreen | None = None
+        # NOTE: set by load_model under int8 quantization (quantize_linears' measured choice)
+        self.quantization_choice: dict[str, object] | None = None
 
     @property
     def long_rope_offset(self) -> int | None:
@@ -402,7 +404,7 @@ def load_model(
         raise ModelLoadError(f"model in {hf_dir} lacks weights for {', '.join(missing[:5])}")
     if quantization is not None:
         # NOTE: the MoE router stays float32: a rounding there changes which experts run.
-        quantize_linears(llm.layers, skip=("lm_head", "mlp.gate"))
+        llm.quantization_choice = quantize_linears(llm.layers, skip=("lm_head", "mlp.gate"))
     return llm.eval()
 
 
