@@ -419,3 +419,45 @@ def test_bad_chat_template_kwargs_and_reasoning_parser_are_one_line_errors(
     assert result.exit_code == 1
     assert result.output.startswith(f"error: {message}") and result.output.count("\n") == 1
     assert not output.exists() and not (tmp_path / "o.jsonl.vbatch").exists()
+
+
+@pytest.mark.parametrize(
+    ("flag", "bad"),
+    [
+        ("--max-errors", "nan"),
+        ("--max-errors", "inf"),
+        ("--max-errors", "-1"),
+        ("--commit-every-seconds", "nan"),
+        ("--commit-every-rows", "-1"),
+        ("--max-in-flight", "0"),
+        ("--num-threads", "0"),
+        ("--num-threads", "-1"),
+        ("--kv-cache-memory", "nan"),
+        ("--kv-cache-memory", "0"),
+        ("--log-interval", "0"),
+        ("--drain-timeout", "inf"),
+        ("--heartbeat-timeout", "nan"),
+        ("--max-num-seqs", "0"),
+        ("--max-tokens", "0"),
+        ("--temperature", "nan"),
+        ("--top-p", "0"),
+        ("--min-p", "2"),
+        ("--n", "257"),
+        ("--logprobs", "21"),
+        ("--seed", str(2**64)),
+        ("--cpus-per-replica", "0"),
+        ("-dp", "0"),
+    ],
+)
+def test_a_numeric_flag_out_of_range_exits_2_at_parse_time_and_leaves_nothing(
+    tmp_path: Path, flag: str, bad: str
+) -> None:
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    output = tmp_path / "out.jsonl"
+    runner = CliRunner()
+    result = runner.invoke(app, ["run", str(tmp_path / "in.jsonl"), "-o", str(output), flag, bad])
+    assert result.exit_code == 2, (flag, bad, result.output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+    if flag in ("--max-errors", "--commit-every-rows", "--max-in-flight", "--log-interval"):
+        result = runner.invoke(app, ["resume", str(output), flag, bad])
+        assert result.exit_code == 2, (flag, bad, result.output)
