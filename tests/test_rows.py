@@ -97,8 +97,8 @@ def test_openai_completions_line() -> None:
         ({"prompt": ""}, "line 9: prompt is empty"),
         ({"prompt": 5}, "line 9: prompt must be a string, got int"),
         ({"messages": "hi"}, "line 9: messages must be a non-empty list"),
-        ({"messages": [{"content": "x"}]}, "line 9: messages[0] must be an object"),
-        ({"prompt": "x", "messages": [{"role": "user"}]}, "row has both"),
+        ({"messages": [{"content": "x"}]}, "line 9: messages[0] must have a string 'role'"),
+        ({"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "row has both"),
         ({"prompt": "x", "sampling_params": {"temperature": -1}}, "temperature must be >= 0"),
         ({"prompt": "x", "sampling_params": {"max_tokens": "9"}}, "max_tokens must be an integer"),
         ({"prompt": "x", "sampling_params": {"bogus": 1}}, "unknown sampling parameter"),
@@ -111,21 +111,33 @@ def test_openai_completions_line() -> None:
             "unsupported body field 'tools'",
         ),
         ({"custom_id": "a", "body": {"messages": []}}, "body.messages must be a non-empty list"),
-        ({"custom_id": "a", "body": {"messages": [{"role": "user"}], "n": 0}}, "n must be at"),
         (
-            {"messages": [{"role": "user"}], "chat_template_kwargs": ["enable_thinking"]},
+            {"custom_id": "a", "body": {"messages": [{"role": "user", "content": "x"}], "n": 0}},
+            "n must be at",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "chat_template_kwargs": ["enable_thinking"],
+            },
             "chat_template_kwargs must be an object of template variables",
         ),
         (
-            {"messages": [{"role": "user"}], "chat_template_kwargs": "{enable_thinking"},
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "chat_template_kwargs": "{enable_thinking",
+            },
             "chat_template_kwargs is not valid JSON",
         ),
         (
-            {"messages": [{"role": "user"}], "chat_template_kwargs": {"messages": []}},
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "chat_template_kwargs": {"messages": []},
+            },
             "chat_template_kwargs may not set 'messages'",
         ),
         (
-            {"messages": [{"role": "user"}], "chat_template_kwargs": {"a-b": 1}},
+            {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a-b": 1}},
             "not a template variable name",
         ),
         (
@@ -133,7 +145,10 @@ def test_openai_completions_line() -> None:
             "chat_template_kwargs applies to chat messages, and this row has a prompt",
         ),
         (
-            {"custom_id": "a", "body": {"messages": [{"role": "user"}], "chat_template_kwargs": 1}},
+            {
+                "custom_id": "a",
+                "body": {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": 1},
+            },
             "body.chat_template_kwargs must be an object",
         ),
     ],

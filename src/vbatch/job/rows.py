@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from vbatch.client.tokenizer import check_template_kwargs
+from vbatch.client.tokenizer import check_template_kwargs, validate_messages
 from vbatch.errors import InputError, SamplingParamsError
 from vbatch.sampling_params import SamplingParams
 from vbatch.structured import from_response_format, row_structured
@@ -116,9 +116,11 @@ class RowParser:
             else:
                 self._parse_plain(record, row)
         except (RowError, SamplingParamsError, InputError) as e:
-            row.prompt = row.messages = row.sampling_params = None
-            row.chat_template_kwargs = None
-            row.error = f"{location}: {e}"
+            _fail(row, f"{location}: {e}")
+        except Exception as e:
+            # NOTE: any other failure (a RecursionError on a deeply nested value, say) is still
+            # this row's: it becomes an error row, so the job and every resume get past it.
+            _fail(row, f"{location}: the row could not be read: {type(e).__name__}: {e}")
         row.kept = self._kept(record)
         return row
 
@@ -137,7 +139,7 @@ class RowParser:
         if prompt is not None and messages is not None:
             raise RowError(f"row has both {prompt_column!r} and {messages_column!r}; give one")
         if messages is not None:
-            row.messages = check_messages(messages, messages_column)
+            row.messages = validate_messages(messages, messages_column)
         elif prompt is not None:
             row.prompt = check_prompt(prompt, prompt_column)
         else:
@@ -183,11 +185,17 @@ class RowParser:
             raise RowError(f"body must be an object, got {type(body).__name__}")
         row.openai_kind = OPENAI_URLS[url]
         if row.openai_kind == "chat":
-            row.messages = check_messages(body.get("messages"), "body.messages")
+            row.messages = validate_messages(body.get("messages"), "body.messages")
         else:
             row.prompt = check_prompt(body.get("prompt"), "body.prompt")
         row.sampling_params = self.defaults.updated(openai_overrides(body, row.openai_kind))
         self._template_kwargs(row, body.get("chat_template_kwargs"), "body.chat_template_kwargs")
+
+
+def _fail(row: InputRow, message: str) -> None:
+    row.prompt = row.messages = row.sampling_params = None
+    row.chat_template_kwargs = None
+    row.error = message
 
 
 def openai_overrides(body: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -218,15 +226,3 @@ def check_prompt(prompt: Any, column: str) -> str:
     if not prompt.strip():
         raise RowError(f"{column} is empty")
     return prompt
-
-
-def check_messages(messages: Any, column: str) -> list[dict[str, Any]]:
-    if not isinstance(messages, list) or not messages:
-        raise RowError(f"{column} must be a non-empty list of messages, got {messages!r:.80}")
-    for number, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise RowError(f"{column}[{number}] must be an object with a string 'role'")
-        content = message.get("content")
-        if content is not None and not isinstance(content, (str, list)):
-            raise RowError(f"{column}[{number}].content must be a string or a list of parts")
-    return messages
