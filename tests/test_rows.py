@@ -11,6 +11,8 @@ from vbatch.sampling_params import SamplingParams
 
 DEFAULTS = SamplingParams(max_tokens=32, temperature=0.0)
 
+CHAT = [{"role": "user", "content": "x"}]
+
 
 def parse(record: Any, options: ColumnOptions | None = None, index: int = 7) -> Any:
     return RowParser(options or ColumnOptions(), DEFAULTS).parse(record, index, "line 9")
@@ -98,7 +100,7 @@ def test_openai_completions_line() -> None:
         ({"prompt": 5}, "line 9: prompt must be a string, got int"),
         ({"messages": "hi"}, "line 9: messages must be a non-empty list"),
         ({"messages": [{"content": "x"}]}, "line 9: messages[0] must have a string 'role'"),
-        ({"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "row has both"),
+        ({"prompt": "x", "messages": CHAT}, "row has both"),
         ({"prompt": "x", "sampling_params": {"temperature": -1}}, "temperature must be >= 0"),
         ({"prompt": "x", "sampling_params": {"max_tokens": "9"}}, "max_tokens must be an integer"),
         ({"prompt": "x", "sampling_params": {"bogus": 1}}, "unknown sampling parameter"),
@@ -112,32 +114,32 @@ def test_openai_completions_line() -> None:
         ),
         ({"custom_id": "a", "body": {"messages": []}}, "body.messages must be a non-empty list"),
         (
-            {"custom_id": "a", "body": {"messages": [{"role": "user", "content": "x"}], "n": 0}},
+            {"custom_id": "a", "body": {"messages": CHAT, "n": 0}},
             "n must be at",
         ),
         (
             {
-                "messages": [{"role": "user", "content": "x"}],
+                "messages": CHAT,
                 "chat_template_kwargs": ["enable_thinking"],
             },
             "chat_template_kwargs must be an object of template variables",
         ),
         (
             {
-                "messages": [{"role": "user", "content": "x"}],
+                "messages": CHAT,
                 "chat_template_kwargs": "{enable_thinking",
             },
             "chat_template_kwargs is not valid JSON",
         ),
         (
             {
-                "messages": [{"role": "user", "content": "x"}],
+                "messages": CHAT,
                 "chat_template_kwargs": {"messages": []},
             },
             "chat_template_kwargs may not set 'messages'",
         ),
         (
-            {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a-b": 1}},
+            {"messages": CHAT, "chat_template_kwargs": {"a-b": 1}},
             "not a template variable name",
         ),
         (
@@ -147,7 +149,7 @@ def test_openai_completions_line() -> None:
         (
             {
                 "custom_id": "a",
-                "body": {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": 1},
+                "body": {"messages": CHAT, "chat_template_kwargs": 1},
             },
             "body.chat_template_kwargs must be an object",
         ),
