@@ -461,3 +461,19 @@ def test_a_numeric_flag_out_of_range_exits_2_at_parse_time_and_leaves_nothing(
     if flag in ("--max-errors", "--commit-every-rows", "--max-in-flight", "--log-interval"):
         result = runner.invoke(app, ["resume", str(output), flag, bad])
         assert result.exit_code == 2, (flag, bad, result.output)
+
+
+def test_openai_lines_default_to_openais_sampling_unless_the_flag_is_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import vbatch.job.runner
+
+    specs: list[Any] = []
+    monkeypatch.setattr(vbatch.job.runner, "start_job", lambda spec, *a, **k: specs.append(spec))
+    for extra, expected in (
+        ([], {"temperature": 1.0, "top_p": 1.0}),
+        (["--temperature", "0"], {"top_p": 1.0}),
+        (["--temperature", "0.5", "--top-p", "0.9"], {}),
+    ):
+        CliRunner().invoke(app, ["run", "in.jsonl", "-o", str(tmp_path / "o.jsonl"), *extra])
+        assert specs.pop().openai_defaults == expected, extra

@@ -71,7 +71,14 @@ class JobExecution:
         self.columns = manifest.options.columns
         self.defaults = SamplingParams.from_dict(manifest.sampling)
         self.reader = InputReader(Path(manifest.input_path), manifest.input_format, self.columns)
-        self.parser = RowParser(self.columns, self.defaults, manifest.options.chat_template_kwargs)
+        model = manifest.model
+        self.parser = RowParser(
+            self.columns,
+            self.defaults,
+            manifest.options.chat_template_kwargs,
+            model_names=frozenset(n for n in (model.source, model.name, model.repo_id) if n),
+            openai_defaults=self.defaults.updated(manifest.options.openai_defaults),
+        )
         self.schema = None
         if manifest.output_format == "parquet":
             kept = self.columns.keep_columns

@@ -70,6 +70,7 @@ class JobSpec:
     shard: Shard | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_parser: str | None = None
+    openai_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,7 @@ def _prepare_job(
     if clashes:
         raise InputError(f"--keep-columns {', '.join(clashes)} would overwrite output fields")
     defaults = SamplingParams.from_dict(spec.sampling)
+    defaults.updated(spec.openai_defaults)
     config = EngineConfig.from_dict({**spec.engine_args, "model": spec.model})
     if options.data_parallel_size > 1:
         from vbatch.client.placement import core_placements
@@ -237,6 +239,7 @@ def _prepare_job(
             openai_output=scan.is_openai and fmt == "jsonl",
             chat_template_kwargs=template_kwargs,
             reasoning_parser=spec.reasoning_parser,
+            openai_defaults=dict(spec.openai_defaults),
             **options.result_settings(),
         ),
         shard=None if spec.shard is None else _shard_record(spec.shard, scan.input_rows),
