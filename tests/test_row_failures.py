@@ -11,7 +11,6 @@ from helpers import read_jsonl, with_chat_template
 from vbatch.job.rows import ColumnOptions
 from vbatch.job.runner import JobSpec, RunOptions, start_job
 
-QUIET = RunOptions(display="quiet")
 # NOTE: a template that trusts its inputs' types, as real ones do.
 TEMPLATE = (
     "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}"
@@ -56,8 +55,11 @@ def test_rows_that_raise_at_each_stage_become_error_rows(
         sampling={"max_tokens": 2, "temperature": 0.0},
         columns=ColumnOptions(keep_columns=("extra",)),
     )
-    outcome = start_job(spec, QUIET)
+    metrics = tmp_path / "metrics.json"
+    outcome = start_job(spec, RunOptions(display="quiet", metrics_file=metrics))
     assert outcome.exit_code == 0, outcome.message
+    # NOTE: every failure here is the row's, none the engine's.
+    assert json.loads(metrics.read_text())["errors_by_kind"] == {"input": 4}
     results = {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
     assert len(results) == len(lines)
     assert results["ok"]["error"] is None and results["ok"]["extra"] == 1
