@@ -141,6 +141,7 @@ def test_a_version_2_manifest_loads_typed_and_saves_unchanged(tmp_path: Path) ->
         "chat_template_kwargs": None,
         "reasoning_parser": None,
         "openai_defaults": {},
+        "require_valid_json": False,
         "data_parallel_size": 1,
         "ray": None,
     }

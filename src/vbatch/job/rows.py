@@ -176,8 +176,10 @@ class RowParser:
             # NOTE: a null field is an absent one (Parquet writes nulls for unset struct fields).
             given = {key: value for key, value in overrides.items() if value is not None}
             row.sampling_params = self.defaults.updated(given)
-        structured = row_structured(record.get("response_format"), record.get("guided"))
-        if structured is not None:
+        response_format, guided = record.get("response_format"), record.get("guided")
+        if response_format is not None or guided is not None:
+            # NOTE: {"type": "text"} (None) also overrides a job-wide constraint.
+            structured = row_structured(response_format, guided)
             params = row.sampling_params or self.defaults
             row.sampling_params = params.updated({"structured": structured})
         self._template_kwargs(row, record.get("chat_template_kwargs"), "chat_template_kwargs")
@@ -251,8 +253,7 @@ def openai_overrides(body: dict[str, Any], kind: str) -> dict[str, Any]:
         elif key == "top_logprobs":
             overrides["logprobs"] = value
         elif key == "response_format":
-            if (structured := from_response_format(value)) is not None:
-                overrides["structured"] = structured
+            overrides["structured"] = from_response_format(value)
         elif key not in OPENAI_IGNORED_KEYS:
             raise RowError(f"unsupported body field {key!r}")
     return overrides
