@@ -150,8 +150,14 @@ class EngineCore:
         vocab_size = self.model_config.vocab_size
         if max(prompt_token_ids) >= vocab_size or min(prompt_token_ids) < 0:
             return [_error(req.request_id, f"prompt token ids must lie in [0, {vocab_size})")]
-        if params.stop_token_ids and max(params.stop_token_ids) >= vocab_size:
-            return [_error(req.request_id, f"stop_token_ids must lie in [0, {vocab_size})")]
+        if params.max_token_id() >= vocab_size:
+            return [
+                _error(
+                    req.request_id,
+                    f"stop_token_ids, logit_bias, allowed_token_ids and bad-word token ids must "
+                    f"lie in [0, {vocab_size})",
+                )
+            ]
         seqs = [Sequence(req.request_id, prompt_token_ids, params, i) for i in range(params.n)]
         self.requests[req.request_id] = seqs
         self.num_unfinished[req.request_id] = len(seqs)
