@@ -434,14 +434,19 @@ def test_openai_batch_output_shapes(
     assert offsets == sorted(offsets)
 
 
-def test_openai_lines_echo_parts_and_model_names_in_a_job(
-    tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any]
+def test_openai_lines_echo_parts_logit_bias_and_model_names_in_a_job(
+    tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any], tokenizer: Any
 ) -> None:
     parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
     image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
     lines = [
         {"custom_id": "echo", "url": "/v1/completions", "body": {"prompt": "Hello", "echo": True}},
         {"custom_id": "plain", "url": "/v1/completions", "body": {"prompt": "Hello"}},
+        {
+            "custom_id": "bias",
+            "url": "/v1/completions",
+            "body": {"prompt": "Hello", "logit_bias": {"1000": 100}},
+        },
         {"custom_id": "parts", "body": {"messages": [{"role": "user", "content": parts}]}},
         {"custom_id": "joined", "body": {"messages": [{"role": "user", "content": "hi\nthere"}]}},
         {"custom_id": "image", "body": {"messages": [{"role": "user", "content": [image]}]}},
@@ -458,6 +463,7 @@ def test_openai_lines_echo_parts_and_model_names_in_a_job(
         return choice["text"] if "text" in choice else choice["message"]["content"]
 
     assert text("echo") == "Hello" + text("plain")
+    assert text("bias") == tokenizer.decode([1000] * 3)
     assert text("parts") == text("joined") and got["same"]["error"] is None
     assert "the model is text-only" in got["image"]["error"]["message"]
     assert "body.model 'gpt-4o' is not this job's model" in got["other"]["error"]["message"]
