@@ -20,11 +20,13 @@ from vbatch.client.outputs import (
     RequestState,
     error_output,
 )
+from vbatch.client.pooling_outputs import PoolingState
 from vbatch.client.reasoning import check_reasoning_parser
 from vbatch.client.tokenizer import TextTokenizer, check_template_kwargs
 from vbatch.config import EngineConfig
 from vbatch.engines import EngineReport, EngineState
 from vbatch.errors import ConfigError, SamplingParamsError, VbatchError
+from vbatch.llm_pooling import PoolingMethods
 from vbatch.protocol import (
     AddRequest,
     EngineOutputs,
@@ -65,7 +67,7 @@ def _check_main_guard() -> None:
         frame = frame.f_back
 
 
-class LLM:
+class LLM(PoolingMethods):
     """Offline generation over one engine-core subprocess, or `data_parallel_size` of them.
 
     Invariants: at most `max_in_flight` requests are in the core at once; one stream runs at a
@@ -123,7 +125,7 @@ class LLM:
         self.max_in_flight = max(1, max_in_flight if max_in_flight is not None else default)
         self._request_ids = itertools.count()
         self._is_streaming = False
-        self._live: dict[str, RequestState] = {}
+        self._live: dict[str, RequestState | PoolingState] = {}
 
     @property
     def latest_stats(self) -> SchedulerStats | None:
@@ -202,7 +204,7 @@ class LLM:
         defaults.validate(self.engine_info.vocab_size)
         self._is_streaming = True
         source = enumerate(inputs)
-        live: dict[str, RequestState] = {}
+        live: dict[str, RequestState | PoolingState] = {}
         self._live = live
         ready: list[tuple[int, RequestOutput]] = []
         callbacks = _CallbackThread(on_output, self.max_in_flight) if on_output else None
@@ -249,11 +251,12 @@ class LLM:
         self,
         batch: list[tuple[int, Any]],
         defaults: SamplingParams,
-        live: dict[str, RequestState],
+        live: dict[str, RequestState | PoolingState],
         ready: list[tuple[int, RequestOutput]],
     ) -> None:
         """Tokenize a batch and send it to the core; unusable items go straight to `ready`."""
         requests = []
+        pooling = []
         # NOTE: each distinct params object is validated once per batch (tens of microseconds).
         checked: dict[int, str | None] = {id(defaults): None}
         for position, item in batch:
@@ -261,6 +264,9 @@ class LLM:
                 req = _as_request(item)
             except VbatchError as e:
                 ready.append((position, error_output(Request(), position, [], str(e), 1)))
+                continue
+            if req.pooling_params is not None:
+                pooling.append((position, req))
                 continue
             problem = self._check_params(req.sampling_params or defaults, checked)
             if problem is not None:
@@ -289,6 +295,8 @@ class LLM:
             adds.append(AddRequest(rid, pack_token_ids(prompt_ids), params, time.time()))
         if adds:
             self._client.add_requests(adds)
+        if pooling:
+            self._submit_pooling(pooling, live, ready)
 
     def _check_params(self, params: Any, checked: dict[int, str | None]) -> str | None:
         """Why `params` cannot be sent to the core, or None; memoized in `checked` by id."""
@@ -339,7 +347,7 @@ class LLM:
     def _collect(
         self,
         steps: list[EngineOutputs],
-        live: dict[str, RequestState],
+        live: dict[str, RequestState | PoolingState],
         ready: list[tuple[int, RequestOutput]],
     ) -> None:
         """Apply the core's outputs; finished requests move to `ready`.
@@ -352,6 +360,10 @@ class LLM:
         stopped: list[tuple[str, int]] = []
         done: list[str] = []
         for step in steps:
+            for pooled in step.pooled:
+                entry = live.get(pooled.request_id)
+                if entry is not None:
+                    entry.pooled = pooled
             for rid, num_cached in step.num_cached_tokens.items():
                 entry = live.get(rid)
                 if entry is not None:
@@ -376,7 +388,10 @@ class LLM:
                 del live[rid]
                 if entry.num_core_live > 0:
                     aborts.append(rid)
-                ready.append((entry.position, entry.to_output()))
+                out = entry.to_output()
+                if isinstance(entry, RequestState):
+                    out = self._with_prompt_logprobs(entry, out)
+                ready.append((entry.position, out))
             done.clear()
         if aborts:
             self._client.abort(aborts)

@@ -8,7 +8,8 @@ from typing import Any
 
 from vbatch.client.detokenizer import IncrementalDetokenizer
 from vbatch.client.reasoning import split_reasoning
-from vbatch.protocol import FinishReason, SampleFinish, TokenLogprobs
+from vbatch.pooling_params import PoolingParams
+from vbatch.protocol import FinishReason, PooledOutput, SampleFinish, TokenLogprobs
 from vbatch.sampling_params import SamplingParams
 
 
@@ -29,15 +30,18 @@ class CompletionOutput:
 @dataclass
 class Request:
     """One input item: a prompt, a conversation or token ids, with optional own sampling params
-    and chat-template variables (over the LLM's own, for a conversation)."""
+    and chat-template variables (over the LLM's own, for a conversation). With `pooling_params`
+    it is a prefill-only request (embed, classify, prompt logprobs), whose `prompt` may be a list
+    of strings, each pooled on its own."""
 
     id: Any = None
     index: int | None = None
-    prompt: str | None = None
+    prompt: str | list[str] | None = None
     messages: list[dict] | None = None
     prompt_token_ids: list[int] | None = None
     sampling_params: SamplingParams | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -53,6 +57,8 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     error: str | None = None
+    # NOTE: with SamplingParams.prompt_logprobs, vLLM's list: None, then {token id: Logprob}.
+    prompt_logprobs: list[dict[int, Any] | None] | None = None
 
 
 @dataclass
@@ -77,6 +83,8 @@ class RequestState:
     error: str | None = None
     structured: bool = False
     reasoning_parser: str | None = None
+    # NOTE: the prompt logprobs the core sent (SamplingParams.prompt_logprobs), before any token.
+    pooled: PooledOutput | None = None
     num_open: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -88,7 +88,8 @@ class ModelRunner:
             model_config,
             config.quantization,
         )
-        if config.greedy_screen and can_use_greedy_screen(self.device, self.dtype):
+        has_lm_head = model_config.head == "lm"
+        if config.greedy_screen and has_lm_head and can_use_greedy_screen(self.device, self.dtype):
             self.model.enable_greedy_screen()
         progress("sizing KV cache")
         self.block_bytes = kv_block_bytes(model_config, self.block_size, self.kv_cache_dtype)

@@ -66,6 +66,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
     moe_layers: tuple[bool, ...] = field(default=())  # per layer; () means no MoE layer
+    # What follows the final norm: the LM head ("lm"), a classifier's `score` linear to
+    # num_labels ("score", *ForSequenceClassification), or nothing ("none", the bare *Model).
+    head: str = "lm"
+    num_labels: int = 0
 
     @property
     def attention_scale(self) -> float:
@@ -109,7 +113,10 @@ class ModelConfig:
         cls, raw: dict[str, Any], generation: dict[str, Any] | None = None
     ) -> ModelConfig:
         architectures = raw.get("architectures") or []
-        architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        architecture, head = next(
+            (found for a in architectures if (found := _decoder_architecture(a)) is not None),
+            (None, "lm"),
+        )
         if architecture is None:
             raise ModelLoadError(
                 f"unsupported architecture {architectures or raw.get('model_type')!r}; "
@@ -139,6 +146,8 @@ class ModelConfig:
             attention_bias=bool(raw.get("attention_bias", False)),
             bos_token_id=raw.get("bos_token_id", (generation or {}).get("bos_token_id")),
             eos_token_ids=_eos_token_ids(raw, generation or {}),
+            head=head,
+            num_labels=_num_labels(raw) if head == "score" else 0,
         )
         # NOTE: the family reader sees the common fields and returns what it adds or overrides,
         # rope included (its parameters live in family-specific places).
@@ -162,6 +171,25 @@ class ModelConfig:
             raise ModelLoadError(
                 f"bad experts: top {self.num_experts_per_tok} of {self.num_experts}"
             )
+
+
+def _decoder_architecture(name: str) -> tuple[str, str] | None:
+    """(the supported causal-LM architecture, head) that `name` is: `XForCausalLM` itself,
+    `XForSequenceClassification` with a score head, the bare `XModel` with none."""
+    for suffix, head in (("ForCausalLM", "lm"), ("ForSequenceClassification", "score")):
+        if name.endswith(suffix):
+            causal = name.removesuffix(suffix) + "ForCausalLM"
+            return (causal, head) if causal in SUPPORTED_ARCHITECTURES else None
+    if name.endswith("Model"):
+        causal = name.removesuffix("Model") + "ForCausalLM"
+        return (causal, "none") if causal in SUPPORTED_ARCHITECTURES else None
+    return None
+
+
+def _num_labels(raw: dict[str, Any]) -> int:
+    if "num_labels" in raw:
+        return int(raw["num_labels"])
+    return len(raw.get("id2label") or {}) or 2
 
 
 def _eos_token_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
