@@ -268,6 +268,8 @@ def run(
     grammar: o.Grammar = None,
     parse_json: o.ParseJson = False,
     reasoning_parser: o.ReasoningParserOption = None,
+    task: o.TaskOption = o.Task.GENERATE,
+    dimensions: o.Dimensions = None,
     ordered: o.Ordered = False,
     overwrite: o.Overwrite = False,
     clean: o.Clean = RUN.clean,

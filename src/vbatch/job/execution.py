@@ -22,9 +22,26 @@ from vbatch.job.manifest import Manifest
 from vbatch.job.options import RaySettings, RunOptions, require_ray
 from vbatch.job.paths import resume_command
 from vbatch.job.reader import InputReader
-from vbatch.job.results import TokenStrings, error_row, openai_line, parquet_schema, result_row
+from vbatch.job.results import (
+    OPENAI_ID_PREFIX,
+    TokenStrings,
+    error_row,
+    openai_custom_id,
+    openai_line,
+    parquet_schema,
+    result_row,
+)
 from vbatch.job.rows import InputRow, RowParser
 from vbatch.job.stopping import StopControl, StopNow, StopOnSignal
+from vbatch.job.tasks import (
+    Task,
+    embedding_dimension,
+    openai_embeddings_line,
+    pooled_error_row,
+    pooled_row,
+    pooling_params,
+    task_schema,
+)
 from vbatch.job.writer import open_writer
 from vbatch.sampling_params import SamplingParams
 
@@ -72,6 +89,9 @@ class JobExecution:
         self.defaults = SamplingParams.from_dict(manifest.sampling)
         self.reader = InputReader(Path(manifest.input_path), manifest.input_format, self.columns)
         self.parser = RowParser(self.columns, self.defaults, manifest.options.chat_template_kwargs)
+        self.task = manifest.options.task
+        self.task_params = pooling_params(self.task, manifest.options.dimensions)
+        self.labels: dict[int, str] = {}
         self.schema = None
         if manifest.output_format == "parquet":
             kept = self.columns.keep_columns
@@ -82,6 +102,13 @@ class JobExecution:
                 manifest.options.parse_json,
                 reasoning=manifest.options.reasoning_parser is not None,
             )
+            if self.task_params is not None:
+                self.schema = task_schema(
+                    self.task,
+                    manifest.id_kind,
+                    self._dimension(),
+                    [self.schema.field(name) for name in kept],
+                )
         self.writer = open_writer(job_dir, journal, manifest, self.schema)
         self.in_flight: dict[int, InputRow] = {}
         self.num_errors = len(journal.state.errors)
@@ -94,6 +121,14 @@ class JobExecution:
         self.token_text: Callable[[int], str] = str
         self.token_bytes: Callable[[int], list[int]] | None = None
         self.metrics: Any = None
+
+    def _dimension(self) -> int | None:
+        if self.task != Task.EMBED.value:
+            return None
+        from vbatch.models.loader import resolve_model
+
+        model = resolve_model(self.manifest.model_to_load())
+        return embedding_dimension(model.hf_dir, self.manifest.options.dimensions)
 
     def _max_errors(self, limit: float | None) -> int | None:
         if limit is None:
@@ -229,6 +264,8 @@ class JobExecution:
             self.metrics.set_stats_source(lambda: llm.latest_stats, llm.engine_reports)
             tokens = TokenStrings(lambda: llm.tokenizer)
             self.token_text, self.token_bytes = tokens.text, tokens.bytes
+            if self.task == Task.CLASSIFY.value:
+                self.labels = llm.id2label()
             self.metrics.set_state("running")
             self._loop(llm)
             self._commit()
@@ -263,6 +300,17 @@ class JobExecution:
                         self._commit()
                     continue
                 row = self.in_flight.pop(result.index)
+                pooled_task = self._pooled_task(row)
+                if pooled_task is not None:
+                    values = pooled_row(
+                        row,
+                        result,
+                        pooled_task,
+                        self.labels,
+                        include_tokens=self.manifest.options.include_token_ids,
+                    )
+                    self._emit(row, values)
+                    continue
                 if result.error is None and any(o.finish_reason == "abort" for o in result.outputs):
                     continue
                 values = result_row(
@@ -288,8 +336,12 @@ class JobExecution:
             if self.stop.is_stopping:
                 self._show_stop()
                 break
+            if row.error is None:
+                row.error = self._task_mismatch(row)
             if row.error is not None:
-                self._emit(row, error_row(row, row.error))
+                task = self._pooled_task(row)
+                values = error_row(row, row.error) if task is None else None
+                self._emit(row, values or pooled_error_row(row, str(task), row.error))
                 continue
             self.in_flight[row.index] = row
             self.stop.is_waiting = True
@@ -300,22 +352,49 @@ class JobExecution:
                 messages=row.messages,
                 sampling_params=row.sampling_params,
                 chat_template_kwargs=row.chat_template_kwargs,
+                pooling_params=row.pooling_params or self.task_params,
             )
         self.stop.is_waiting = True
+
+    def _pooled_task(self, row: InputRow) -> str | None:
+        """The pooling task whose row shape `row` gets (an embeddings line's in any job)."""
+        if row.openai_kind == "embeddings":
+            return Task.EMBED.value
+        return None if self.task_params is None else self.task
+
+    def _task_mismatch(self, row: InputRow) -> str | None:
+        """Why `row` cannot run in this job's task, or None."""
+        where = row.location
+        if self.task_params is not None and row.openai_kind in ("chat", "completions"):
+            return f"{where}: a {row.openai_kind} line in a --task {self.task} job"
+        if row.openai_kind == "embeddings" and self.task not in ("embed", "generate"):
+            return f"{where}: an embeddings line in a --task {self.task} job"
+        if row.openai_kind == "embeddings" and self.task == "generate" and self.schema is not None:
+            return f"{where}: embeddings lines in a Parquet output need --task embed"
+        return None
 
     def _emit(self, row: InputRow, values: dict[str, Any]) -> None:
         line = None
         if self.manifest.options.openai_output:
-            line = openai_line(
-                row, values, self.manifest.model.name, self.token_text, self.token_bytes
-            )
+            if row.openai_kind == "embeddings":
+                line = openai_embeddings_line(
+                    row,
+                    values,
+                    self.manifest.model.name,
+                    openai_custom_id(row),
+                    f"{OPENAI_ID_PREFIX}{row.index}",
+                )
+            else:
+                line = openai_line(
+                    row, values, self.manifest.model.name, self.token_text, self.token_bytes
+                )
         self.writer.add(values, row.kept, line)
         is_error = values["error"] is not None
         self.metrics.on_result(
             finish_reason=values["finish_reason"],
             prompt_tokens=values["prompt_tokens"],
-            completion_tokens=values["completion_tokens"],
-            cached_tokens=values["cached_tokens"],
+            completion_tokens=values.get("completion_tokens", 0),
+            cached_tokens=values.get("cached_tokens", 0),
             error_kind=("input" if row.error is not None else "engine") if is_error else None,
         )
         if is_error:

@@ -57,6 +57,9 @@ class JobOptions(msgspec.Struct, frozen=True, kw_only=True):
     openai_output: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_parser: str | None = None
+    # NOTE: `--task` (job/tasks.py) and the embeddings' Matryoshka width (`--dimensions`).
+    task: str = "generate"
+    dimensions: int | None = None
     commit_every_rows: int = RunOptions.commit_every_rows
     commit_every_seconds: float = RunOptions.commit_every_seconds
     max_errors: float | None = RunOptions.max_errors

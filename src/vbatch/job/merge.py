@@ -25,7 +25,14 @@ from vbatch.job.shard import Shard, shard_counts
 
 # NOTE: settings that change no output row; shards may differ in them.
 _RUN_ONLY_ENGINE_ARGS = frozenset({"heartbeat_timeout_s"})
-_RESULT_OPTIONS = ("columns", "include_token_ids", "parse_json", "openai_output")
+_RESULT_OPTIONS = (
+    "columns",
+    "include_token_ids",
+    "parse_json",
+    "openai_output",
+    "task",
+    "dimensions",
+)
 _RUN_ROWS = 65536
 
 

@@ -70,6 +70,8 @@ class JobSpec:
     shard: Shard | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_parser: str | None = None
+    task: str = "generate"
+    dimensions: int | None = None
 
 
 @dataclass(frozen=True)
@@ -237,6 +239,8 @@ def _prepare_job(
             openai_output=scan.is_openai and fmt == "jsonl",
             chat_template_kwargs=template_kwargs,
             reasoning_parser=spec.reasoning_parser,
+            task=spec.task,
+            dimensions=spec.dimensions,
             **options.result_settings(),
         ),
         shard=None if spec.shard is None else _shard_record(spec.shard, scan.input_rows),
