@@ -121,7 +121,8 @@ class LLM(PoolingMethods):
         # num_kv_blocks (summed over the cores) can never run together; twice that keeps the
         # schedulers fed.
         max_num_seqs = config.max_num_seqs * data_parallel_size
-        default = 2 * min(max_num_seqs, self.engine_info.num_kv_blocks)
+        # NOTE: an encoder's engine has no KV blocks (num_kv_blocks 0).
+        default = 2 * min(max_num_seqs, self.engine_info.num_kv_blocks or max_num_seqs)
         self.max_in_flight = max(1, max_in_flight if max_in_flight is not None else default)
         self._request_ids = itertools.count()
         self._is_streaming = False

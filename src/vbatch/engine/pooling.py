@@ -213,11 +213,11 @@ class PoolingQueue:
             normalize = pooling.normalize if params.normalize is None else params.normalize
             vectors = [pool(hidden, pooling.mode) for hidden in rows]
             data = finish_embedding(torch.stack(vectors), params.dimensions, normalize)
-            return PooledOutput(job.request_id, _float32_bytes(data))
+            return PooledOutput(job.request_id, float32_bytes(data))
         if params.task == PoolingTask.CLASSIFY:
             assert model.score is not None, "checked on add"
             last = torch.stack([hidden[-1] for hidden in rows])
-            return PooledOutput(job.request_id, _float32_bytes(model.score(last).float()))
+            return PooledOutput(job.request_id, float32_bytes(model.score(last).float()))
         return self._prompt_logprobs(job, rows)
 
     def _prompt_logprobs(self, job: PoolingJob, rows: list[torch.Tensor]) -> PooledOutput:
@@ -242,14 +242,14 @@ class PoolingQueue:
             return PooledOutput(job.request_id, b"")
         return PooledOutput(
             job.request_id,
-            _float32_bytes(torch.cat(logprobs)),
+            float32_bytes(torch.cat(logprobs)),
             _bytes(torch.cat(ranks), "<i4"),
             _bytes(torch.cat(top_ids), "<i4") if k else b"",
-            _float32_bytes(torch.cat(top_logprobs)) if k else b"",
+            float32_bytes(torch.cat(top_logprobs)) if k else b"",
         )
 
 
-def _float32_bytes(tensor: torch.Tensor) -> bytes:
+def float32_bytes(tensor: torch.Tensor) -> bytes:
     return _bytes(tensor.float(), "<f4")
 
 

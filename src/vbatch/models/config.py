@@ -17,6 +17,18 @@ from vbatch.models import families
 
 SUPPORTED_ARCHITECTURES = families.SUPPORTED_ARCHITECTURES
 SUPPORTED_ROPE_TYPES = families.SUPPORTED_ROPE_TYPES
+# NOTE: encoder-only models run by models/bert.py (XLM-RoBERTa and RoBERTa are BERT with
+# positions counted from the padding id + 1).
+ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel", "RobertaModel")
+
+
+def is_encoder_dir(path: str | Path) -> bool:
+    """Whether the model in `path` is an encoder-only one (by its config.json)."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return any(a in ENCODER_ARCHITECTURES for a in raw.get("architectures") or [])
 
 
 @dataclass(frozen=True)
