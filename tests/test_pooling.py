@@ -141,3 +141,30 @@ def test_long_prompts_are_errors_unless_truncated(embedder: Path) -> None:
     assert "truncate_prompt_tokens" in refused.error
     assert kept.error is None
     assert truncated.error is None and len(truncated.prompt_token_ids) == 100
+
+
+@pytest.mark.slow
+def test_pooling_and_prompt_logprobs_under_data_parallel(
+    embedder: Path, tiny_model_dir: Path
+) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    texts = TEXTS * 4
+    reference = SentenceTransformer(str(embedder), device="cpu").encode(texts)
+    engine = {**ENGINE, "num_threads": 2}
+    with LLM(str(embedder), data_parallel_size=2, **engine) as llm:
+        outs = llm.embed(texts)
+    for out, ref in zip(outs, reference, strict=True):
+        assert np.abs(np.array(out.outputs.embedding) - ref).max() <= 1e-4
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=0)
+    with LLM(str(tiny_model_dir), data_parallel_size=2, **engine) as llm:
+        generated = llm.generate(texts, params)
+    for out in generated:
+        ids = out.prompt_token_ids
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ids)
+        if len(ids) < 2:
+            continue
+        want = _reference_logprobs(tiny_model_dir, ids)
+        targets = want.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
+        got = [entry[ids[pos + 1]].logprob for pos, entry in enumerate(out.prompt_logprobs[1:])]
+        assert np.abs(np.array(got) - targets).max() <= 1e-4

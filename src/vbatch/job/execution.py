@@ -152,6 +152,7 @@ class JobExecution:
             model=self.manifest.model.name,
             input_path=self.manifest.input_path,
             output_path=str(output),
+            task=self.manifest.options.task,
         )
         display = ProgressDisplay(
             self.metrics,

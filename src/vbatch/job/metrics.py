@@ -89,6 +89,7 @@ class JobSnapshot:
     since_commit_s: float | None
     drain_left_s: float | None
     engines: tuple[EngineSnapshot, ...] = ()
+    task: str = "generate"  # --task: a pooling job generates no tokens
 
     @property
     def num_truncated(self) -> int:
@@ -133,8 +134,10 @@ class JobMetrics:
         input_path: str = "",
         output_path: str = "",
         clock: Callable[[], float] = time.monotonic,
+        task: str = "generate",
     ) -> None:
         self._clock = clock
+        self._task = task
         self._lock = threading.Lock()
         self._model = model
         self._input_path = input_path
@@ -352,6 +355,7 @@ class JobMetrics:
                 max(self._drain_deadline - now, 0.0) if self._drain_deadline is not None else None
             ),
             engines=_engine_snapshots(self._reports, base.reports),
+            task=self._task,
         )
 
 
