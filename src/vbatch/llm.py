@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from vbatch.client.core_client import EngineCoreClient
-from vbatch.client.data_parallel import DataParallelClient
 from vbatch.client.detokenizer import IncrementalDetokenizer
 from vbatch.client.outputs import (
     CompletionOutput,
@@ -24,7 +23,8 @@ from vbatch.client.pooling_outputs import PoolingState
 from vbatch.client.reasoning import check_reasoning_parser
 from vbatch.client.tokenizer import TextTokenizer, check_template_kwargs
 from vbatch.config import EngineConfig
-from vbatch.engines import EngineReport, EngineState
+from vbatch.engine_sets.base import EngineReport, EngineState
+from vbatch.engine_sets.data_parallel import DataParallelClient
 from vbatch.errors import ConfigError, SamplingParamsError, VbatchError
 from vbatch.llm_pooling import PoolingMethods
 from vbatch.protocol import (
