@@ -3,7 +3,6 @@ output shapes, the submission of pooling requests, and prompt logprobs on genera
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -26,6 +25,7 @@ from vbatch.client.pooling_outputs import (
     prompt_logprobs_of,
 )
 from vbatch.errors import VbatchError
+from vbatch.models.config import read_id2label
 from vbatch.pooling_params import PoolingParams, PoolingTask
 from vbatch.protocol import AddRequest, pack_token_ids
 from vbatch.sampling_params import SamplingParams
@@ -152,11 +152,7 @@ class PoolingMethods:
 
     def id2label(self) -> dict[int, str]:
         """The classifier's label names from config.json (empty without them)."""
-        try:
-            raw = json.loads((self.model.hf_dir / "config.json").read_text())
-        except (OSError, ValueError):
-            return {}
-        return {int(k): str(v) for k, v in (raw.get("id2label") or {}).items()}
+        return read_id2label(self.model.hf_dir)
 
     def _submit_pooling(
         self,

@@ -44,6 +44,7 @@ from vbatch.job.tasks import (
     task_schema,
 )
 from vbatch.job.writer import open_writer
+from vbatch.models.config import read_id2label
 from vbatch.sampling_params import SamplingParams
 
 EXIT_INTERRUPTED = 75
@@ -111,10 +112,12 @@ class JobExecution:
     def _dimension(self) -> int | None:
         if self.task != Task.EMBED.value:
             return None
+        return embedding_dimension(self._model_dir(), self.manifest.options.dimensions)
+
+    def _model_dir(self) -> Path:
         from vbatch.models.loader import resolve_model
 
-        model = resolve_model(self.manifest.model_to_load())
-        return embedding_dimension(model.hf_dir, self.manifest.options.dimensions)
+        return resolve_model(self.manifest.model_to_load()).hf_dir
 
     def _max_errors(self, limit: float | None) -> int | None:
         if limit is None:
@@ -253,7 +256,7 @@ class JobExecution:
             tokens = TokenStrings(lambda: llm.tokenizer)
             self.token_text, self.token_bytes = tokens.text, tokens.bytes
             if self.task == Task.CLASSIFY.value:
-                self.labels = llm.id2label()
+                self.labels = read_id2label(self._model_dir())
             self.metrics.set_state("running")
             self._loop(llm)
             self._commit()

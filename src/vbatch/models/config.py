@@ -22,6 +22,15 @@ SUPPORTED_ROPE_TYPES = families.SUPPORTED_ROPE_TYPES
 ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel", "RobertaModel")
 
 
+def read_id2label(path: str | Path) -> dict[int, str]:
+    """A classifier's label names from its config.json (empty without them)."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+        return {int(k): str(v) for k, v in (raw.get("id2label") or {}).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
 def is_encoder_dir(path: str | Path) -> bool:
     """Whether the model in `path` is an encoder-only one (by its config.json)."""
     try:
