@@ -140,6 +140,7 @@ def test_a_version_2_manifest_loads_typed_and_saves_unchanged(tmp_path: Path) ->
     added = {
         "chat_template_kwargs": None,
         "reasoning_parser": None,
+        "require_valid_json": False,
         "task": "generate",
         "dimensions": None,
         "data_parallel_size": 1,

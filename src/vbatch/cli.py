@@ -268,6 +268,7 @@ def run(
     choice: o.Choice = None,
     grammar: o.Grammar = None,
     parse_json: o.ParseJson = False,
+    require_valid_json: o.RequireValidJson = False,
     reasoning_parser: o.ReasoningParserOption = None,
     task: o.TaskOption = o.Task.GENERATE,
     dimensions: o.Dimensions = None,
@@ -369,8 +370,9 @@ def status(
 
 def _shard_lines(output: Path, shards: list[dict[str, Any]], *, is_merged: bool) -> str:
     """The per-shard table of `vbatch status`."""
-    counts = {state: sum(s["state"] == state for s in shards) for state in ("complete",)}
-    lines = [f"shards of {output}: {counts['complete']} of {len(shards)} complete"]
+    num_complete = sum(s["state"] == "complete" for s in shards)
+    count = int(shards[0]["shard"].rpartition("/")[2])
+    lines = [f"shards of {output}: {num_complete} of {count} complete"]
     for s in shards:
         if s["state"] == "not started":
             lines.append(f"  {s['shard']:>7}  not started")
@@ -380,7 +382,7 @@ def _shard_lines(output: Path, shards: list[dict[str, Any]], *, is_merged: bool)
         lines.append(f"  {s['shard']:>7}  {s['state']:<10}  {progress}  {how}")
     if is_merged:
         lines.append(f"merged:      {output} exists")
-    elif counts["complete"] == len(shards):
+    elif num_complete == count:
         lines.append(f"merge with:  vbatch merge {shlex.quote(str(output))}")
     return "\n".join(lines)
 

@@ -25,6 +25,7 @@ from vbatch.client.tokenizer import TextTokenizer, check_template_kwargs
 from vbatch.config import EngineConfig
 from vbatch.engine_sets.base import EngineReport, EngineState
 from vbatch.engine_sets.data_parallel import DataParallelClient
+from vbatch.engine_sets.stream import stream_loop
 from vbatch.errors import ConfigError, SamplingParamsError, VbatchError
 from vbatch.llm_pooling import PoolingMethods
 from vbatch.protocol import (
@@ -67,6 +68,46 @@ def _check_main_guard() -> None:
         frame = frame.f_back
 
 
+class _LocalStream:
+    """`StreamEngine` over this process's core client: inputs tokenized in batches of
+    TOKENIZE_BATCH, at most `max_in_flight` requests in the core."""
+
+    def __init__(
+        self,
+        llm: LLM,
+        inputs: Iterable[str | list[dict] | Request],
+        defaults: SamplingParams,
+        live: dict[str, RequestState | PoolingState],
+    ) -> None:
+        self.llm = llm
+        self.source = enumerate(inputs)
+        self.defaults = defaults
+        self.live = live
+        self.ready: list[tuple[int, RequestOutput]] = []
+        self.is_exhausted = False
+
+    def fill(self) -> bool:
+        room = self.llm.max_in_flight - len(self.live)
+        if not self.is_exhausted and room > 0:
+            batch = list(itertools.islice(self.source, min(room, TOKENIZE_BATCH)))
+            self.is_exhausted = len(batch) < min(room, TOKENIZE_BATCH)
+            self.llm._submit(batch, self.defaults, self.live, self.ready)
+        return not self.is_exhausted
+
+    def take_finished(self) -> list[tuple[int, RequestOutput]]:
+        ready, self.ready = self.ready, []
+        return ready
+
+    def is_idle(self) -> bool:
+        return not self.live
+
+    def wait_limit(self, is_more: bool) -> float | None:
+        return 0.0 if is_more and len(self.live) < self.llm.max_in_flight else None
+
+    def wait(self, timeout: float | None) -> None:
+        self.llm._collect(self.llm._client.get_outputs(timeout=timeout), self.live, self.ready)
+
+
 class LLM(PoolingMethods):
     """Offline generation over one engine-core subprocess, or `data_parallel_size` of them.
 
@@ -80,6 +121,9 @@ class LLM(PoolingMethods):
     request goes to one of them (by load, and by prompt prefix unless `prefix_placement` is
     False); tokenizing, detokenizing and stop strings stay here, once.
     """
+
+    # NOTE: a stop signal may raise out of this stream's waits (see EngineSet.waits_briefly).
+    waits_briefly = False
 
     def __init__(
         self,
@@ -204,41 +248,14 @@ class LLM(PoolingMethods):
         # NOTE: again here, not only at construction: a field may have been set since.
         defaults.validate(self.engine_info.vocab_size)
         self._is_streaming = True
-        source = enumerate(inputs)
         live: dict[str, RequestState | PoolingState] = {}
         self._live = live
-        ready: list[tuple[int, RequestOutput]] = []
         callbacks = _CallbackThread(on_output, self.max_in_flight) if on_output else None
-        is_exhausted = False
-        idle_deadline = None if idle_s is None else time.monotonic() + idle_s
         try:
-            while True:
-                room = self.max_in_flight - len(live)
-                if not is_exhausted and room > 0:
-                    batch = list(itertools.islice(source, min(room, TOKENIZE_BATCH)))
-                    is_exhausted = len(batch) < min(room, TOKENIZE_BATCH)
-                    self._submit(batch, defaults, live, ready)
-                for position, out in ready:
-                    if callbacks is not None:
-                        callbacks.put(out)
-                    yield position, out
-                if ready and idle_s is not None:
-                    idle_deadline = time.monotonic() + idle_s
-                ready.clear()
-                if not live:
-                    if is_exhausted:
-                        break
-                    continue
-                is_filling = not is_exhausted and len(live) < self.max_in_flight
-                timeout = 0.0 if is_filling else None
-                if idle_s is not None and idle_deadline is not None:
-                    if time.monotonic() >= idle_deadline:
-                        yield -1, None
-                        idle_deadline = time.monotonic() + idle_s
-                    left = max(0.0, idle_deadline - time.monotonic())
-                    timeout = left if timeout is None else min(timeout, left)
-                steps = self._client.get_outputs(timeout=timeout)
-                self._collect(steps, live, ready)
+            for position, out in stream_loop(_LocalStream(self, inputs, defaults, live), idle_s):
+                if callbacks is not None and out is not None:
+                    callbacks.put(out)
+                yield position, out
             if callbacks is not None:
                 callbacks.close()
         finally:

@@ -92,6 +92,7 @@ class EngineCore:
                 num_kv_blocks=self.runner.num_kv_blocks,
                 enable_prefix_caching=config.enable_prefix_caching,
                 sliding_window=_kv_window(self.model_config.sliding_windows),
+                long_rope_from=self.model_config.long_rope_from,
             ),
             eos_token_ids=self.model_config.eos_token_ids,
         )
@@ -231,6 +232,7 @@ class EngineCore:
         if block:
             futures = [future for _, future in self._compiling.values()]
             wait(futures, timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+        self.grammars.check_budget()
         errors = []
         for request_id, (seqs, future) in list(self._compiling.items()):
             if not future.done():

@@ -27,6 +27,9 @@ class SchedulerConfig:
     # NOTE: set only when every layer attends within a window (the largest of them): blocks
     # before it are then released as sequences move on.
     sliding_window: int | None = None
+    # NOTE: set for a longrope model: its pre-training length. A longer seq runs on the long
+    # factors, every position of it (as transformers); one that grows past it is recomputed.
+    long_rope_from: int | None = None
 
 
 class Scheduler:
@@ -119,6 +122,8 @@ class Scheduler:
         seq.max_num_tokens = min(
             seq.num_prompt_tokens + params.max_tokens, self.config.max_model_len
         )
+        long_from = self.config.long_rope_from
+        seq.long_rope = long_from is not None and seq.num_tokens > long_from
         eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids
         # NOTE: seqs without stop ids share one set, which then stays in cache for update().
         seq.finish_token_ids = (
@@ -192,11 +197,13 @@ class Scheduler:
             return None
         if self.waiting and len(running) < self.config.max_num_seqs:
             return None
+        long_from = self.config.long_rope_from
         for seq in seqs:
             if (
                 seq.finish_reason is not None
                 or len(seq.token_ids) + 1 >= seq.max_num_tokens
                 or _reads_output_tokens(seq)
+                or (long_from is not None and _will_pass(seq, long_from))
             ):
                 return None
         if not self.block_manager.append_blocks(seqs, lookahead=1):
@@ -240,8 +247,12 @@ class Scheduler:
         update = applied.update
         if update.finished:
             self.running = [seq for seq in self.running if seq.finish_reason is None]
-        self._decode_crossing = applied.crossing
-        is_continuable = applied.crossing is not None and not update.finished
+        crossing = applied.crossing
+        long_from = self.config.long_rope_from
+        if long_from is not None and self._recompute_past(update.seqs, long_from):
+            crossing = None
+        self._decode_crossing = crossing
+        is_continuable = crossing is not None and not update.finished
         self._continuable_step = out.step_id if is_continuable else -1
         return update
 
@@ -359,6 +370,32 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    def _recompute_past(self, seqs: list[Sequence], long_from: int) -> bool:
+        """Requeue, at the head, the unfinished `seqs` that have just grown past the pre-training
+        length `long_from` with K/V made on longrope's short factors, to recompute them all on
+        the long ones (as transformers drops its cache there); True if any was."""
+        passed = [
+            seq
+            for seq in seqs
+            if not seq.long_rope and seq.finish_reason is None and len(seq.token_ids) > long_from
+        ]
+        if not passed:
+            return False
+        self._applier.end_run()
+        is_passed = {id(seq) for seq in passed}
+        self.running = [seq for seq in self.running if id(seq) not in is_passed]
+        for seq in reversed(passed):
+            self.block_manager.free(seq)
+            self._claims.release(seq)
+            seq.num_computed_tokens = 0
+            # NOTE: counted as preempted, so re-admission keeps its first prompt-cache hit count.
+            seq.num_preemptions += 1
+            seq.long_rope = True
+            seq.full_block_hashes.clear()
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+        return True
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
@@ -367,6 +404,11 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self._claims.release(seq)
         self.num_preemptions += 1
+
+
+def _will_pass(seq: Sequence, long_from: int) -> bool:
+    """Whether the token `seq` samples next takes it past longrope's short factors."""
+    return not seq.long_rope and len(seq.token_ids) + 1 > long_from
 
 
 def _reads_output_tokens(seq: Sequence) -> bool:

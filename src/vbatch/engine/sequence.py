@@ -47,6 +47,7 @@ class Sequence:
         "full_block_hashes",
         "grammar",
         "index",
+        "long_rope",
         "max_num_tokens",
         "num_cached_tokens",
         "num_dropped_blocks",
@@ -83,6 +84,9 @@ class Sequence:
         # size), as far as the BlockManager has needed them; a block's key never changes, as a
         # token list only grows.
         self.full_block_hashes: list[bytes] = []
+        # NOTE: with longrope, whether its K/V are (to be) made with the long factors: set once
+        # it is longer than the pre-training length, and then for good (see Scheduler).
+        self.long_rope = False
         self.status = SequenceStatus.WAITING
         self.params = params
         self.finish_reason: FinishReason | None = None

@@ -98,8 +98,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.act = ACTIVATIONS[config.hidden_act]
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        bias = config.mlp_bias
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= MAX_TRANSPOSED_ROWS and _is_cpu_float32_linear(self.gate_up_proj, x):
@@ -117,9 +118,16 @@ class LlamaMLP(nn.Module):
             x = F.pad(x, (0, 0, 0, pad))
         size = self.intermediate_size
         # [2 * intermediate_size, padded num_tokens]
-        gate_up = torch.mm(self.gate_up_proj.weight, x.t())
+        gate_up = _mm_columns(self.gate_up_proj, x.t())
         act = self.act(gate_up[:size]).mul_(gate_up[size:])
-        return torch.mm(self.down_proj.weight, act)[:, :num_tokens].t().contiguous()
+        return _mm_columns(self.down_proj, act)[:, :num_tokens].t().contiguous()
+
+
+def _mm_columns(layer: nn.Linear, x_t: torch.Tensor) -> torch.Tensor:
+    """layer(x) transposed, from x^T [in_features, n]: W @ x^T, plus the bias per column."""
+    if layer.bias is None:
+        return torch.mm(layer.weight, x_t)
+    return torch.addmm(layer.bias[:, None], layer.weight, x_t)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -232,6 +240,12 @@ class LlamaForCausalLM(nn.Module):
         ]
         self._embedding_multipliers: dict[torch.dtype, float] = {}
         self.greedy_screen: Int8GreedyScreen | None = None
+
+    @property
+    def long_rope_offset(self) -> int | None:
+        """With longrope, what a position of a sequence past the pre-training length adds to
+        index its long-factor rotation (see RotaryEmbedding); else None."""
+        return self.rotary.long_offset
 
     @property
     def supports_cuda_graphs(self) -> bool:
