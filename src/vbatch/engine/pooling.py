@@ -156,14 +156,23 @@ class PoolingQueue:
         try:
             with torch.inference_mode():
                 hidden = self._forward(seqs)
-                outputs = []
-                start = 0
+                rows = list(hidden.split([seq.num_prompt_tokens for seq in seqs]))
+                rows_of = {}
                 for job in jobs:
-                    rows = []
-                    for prompt in job.prompts:
-                        rows.append(hidden[start : start + len(prompt)])
-                        start += len(prompt)
-                    outputs.append(self._output(job, rows))
+                    rows_of[job.request_id], rows = (
+                        rows[: len(job.prompts)],
+                        rows[len(job.prompts) :],
+                    )
+                scored = [job for job in jobs if job.params.task == PoolingTask.PROMPT_LOGPROBS]
+                done = dict(
+                    zip((job.request_id for job in scored), self._prompt_logprobs(scored, rows_of))
+                )
+                outputs = [
+                    done[job.request_id]
+                    if job.request_id in done
+                    else self._output(job, rows_of[job.request_id])
+                    for job in jobs
+                ]
         finally:
             for seq in seqs:
                 self.block_manager.free(seq)
@@ -218,35 +227,61 @@ class PoolingQueue:
             assert model.score is not None, "checked on add"
             last = torch.stack([hidden[-1] for hidden in rows])
             return PooledOutput(job.request_id, float32_bytes(model.score(last).float()))
-        return self._prompt_logprobs(job, rows)
+        raise AssertionError(f"{params.task} jobs are answered by _prompt_logprobs")
 
-    def _prompt_logprobs(self, job: PoolingJob, rows: list[torch.Tensor]) -> PooledOutput:
-        """Each prompt position's logprob after the first (the token given what precedes it),
-        its rank, and the top `top_logprobs` alternatives."""
-        k = job.params.top_logprobs
-        logprobs, ranks, top_ids, top_logprobs = [], [], [], []
-        for prompt, hidden in zip(job.prompts, rows, strict=True):
-            targets = torch.tensor(prompt[1:], dtype=torch.int64, device=hidden.device)
-            for start in range(0, len(prompt) - 1, LOGITS_CHUNK):
-                end = min(start + LOGITS_CHUNK, len(prompt) - 1)
-                chunk = self.runner.model.compute_logits(hidden[start:end]).float()
-                chunk = torch.log_softmax(chunk, dim=-1)
-                target = chunk.gather(1, targets[start:end, None])
-                logprobs.append(target[:, 0])
-                ranks.append((chunk > target).sum(-1).to(torch.int32) + 1)
-                if k:
-                    values, ids = chunk.topk(k, dim=-1)
-                    top_ids.append(ids.to(torch.int32))
-                    top_logprobs.append(values)
-        if not logprobs:
-            return PooledOutput(job.request_id, b"")
-        return PooledOutput(
-            job.request_id,
-            float32_bytes(torch.cat(logprobs)),
-            _bytes(torch.cat(ranks), "<i4"),
-            _bytes(torch.cat(top_ids), "<i4") if k else b"",
-            float32_bytes(torch.cat(top_logprobs)) if k else b"",
+    def _prompt_logprobs(
+        self, jobs: list[PoolingJob], rows_of: dict[str, list[torch.Tensor]]
+    ) -> list[PooledOutput]:
+        """Each prompt position's logprob after the first (the token given what precedes it)
+        for every job of the step at once, the LM head over LOGITS_CHUNK rows at a time; with
+        the ranks and top `top_logprobs` alternatives a generation's prompt_logprobs return."""
+        if not jobs:
+            return []
+        # [num_scored, hidden_size]: each prompt's rows but its last, which predicts no token
+        hidden = torch.cat([h[:-1] for job in jobs for h in rows_of[job.request_id]])
+        targets = torch.tensor(
+            [t for job in jobs for prompt in job.prompts for t in prompt[1:]],
+            dtype=torch.int64,
+            device=hidden.device,
         )
+        k = max(job.params.top_logprobs for job in jobs)
+        with_ranks = any(job.then for job in jobs)
+        logprobs, ranks, top_ids, top_values = [], [], [], []
+        for start in range(0, len(targets), LOGITS_CHUNK):
+            logits = self.runner.model.compute_logits(hidden[start : start + LOGITS_CHUNK])
+            # NOTE: logit - logsumexp reads the logits once; log_softmax would also write them.
+            lse = torch.logsumexp(logits, dim=-1)
+            target = logits.gather(1, targets[start : start + LOGITS_CHUNK, None])[:, 0]
+            logprobs.append(target - lse)
+            if with_ranks:
+                ranks.append((logits > target[:, None]).sum(-1).to(torch.int32) + 1)
+            if k:
+                values, ids = logits.topk(k, dim=-1)
+                top_ids.append(ids.to(torch.int32))
+                top_values.append(values - lse[:, None])
+        all_logprobs = torch.cat(logprobs) if logprobs else None
+        all_ranks = torch.cat(ranks) if ranks else None
+        all_ids = torch.cat(top_ids) if top_ids else None
+        all_values = torch.cat(top_values) if top_values else None
+        outputs = []
+        start = 0
+        for job in jobs:
+            end = start + sum(len(prompt) - 1 for prompt in job.prompts)
+            own_k = job.params.top_logprobs
+            has_rows = all_logprobs is not None and end > start
+            outputs.append(
+                PooledOutput(
+                    job.request_id,
+                    float32_bytes(all_logprobs[start:end]) if has_rows else b"",
+                    _bytes(all_ranks[start:end], "<i4")
+                    if has_rows and all_ranks is not None
+                    else b"",
+                    _bytes(all_ids[start:end, :own_k], "<i4") if has_rows and own_k else b"",
+                    float32_bytes(all_values[start:end, :own_k]) if has_rows and own_k else b"",
+                )
+            )
+            start = end
+        return outputs
 
 
 def float32_bytes(tensor: torch.Tensor) -> bytes:
