@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -131,7 +132,7 @@ def test_per_request_errors_are_outputs_not_exceptions(llm: LLM) -> None:
     ]
     outs = {o.request_id: o for o in llm.stream(inputs, GREEDY)}
     assert outs["ok"].error is None
-    assert outs[4].error is None and outs[4].outputs[0].finish_reason == "length"
+    assert outs["4"].error is None and outs["4"].outputs[0].finish_reason == "length"
     for rid in ("long", "bad", "empty"):
         assert outs[rid].error, rid
         assert outs[rid].outputs[0].finish_reason == "error"
@@ -165,9 +166,12 @@ def test_a_second_concurrent_stream_is_refused(llm: LLM) -> None:
     assert_idle(llm)
 
 
-def test_generate_with_progress_bar(llm: LLM) -> None:
-    outs = llm.generate(["x", "y"], GREEDY, use_progress=True)
+def test_generate_with_progress_bar(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    outs = llm.generate(["x", "y"], GREEDY, use_tqdm=True)
     assert [o.index for o in outs] == [0, 1]
+    assert "Processed prompts" in capsys.readouterr().err
+    llm.generate(["x"], GREEDY, use_tqdm=False)
+    assert "Processed prompts" not in capsys.readouterr().err
 
 
 def test_a_dead_core_ends_the_stream_with_engine_dead_error(tiny_model_dir: Path) -> None:
@@ -222,3 +226,24 @@ def test_generate_on_smollm2_is_token_exact_with_hf(
     got = [o.outputs[0].token_ids for o in outs]
     assert all(len(tokens) == num_tokens for tokens in got)
     assert_greedy_matches_hf(prompts[:num_prompts], got)
+
+
+def test_a_tokenizer_that_fails_to_load_stops_the_core_started_beside_it(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The core starts before the tokenizer loads (to overlap the two); when the tokenizer
+    fails, the core is stopped, not left running."""
+    import psutil
+
+    def cores() -> set[int]:
+        children = psutil.Process().children()
+        return {p.pid for p in children if "spawn_main" in " ".join(p.cmdline())}
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    (model_dir / "tokenizer.json").write_text("{not json")
+    # NOTE: this module's shared LLM keeps its own core.
+    before = cores()
+    with pytest.raises(VbatchError):
+        LLM(str(model_dir), device="cpu", num_threads=1, attention_backend="torch")
+    assert cores() <= before

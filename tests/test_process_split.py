@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import orjson
 import pytest
 from helpers import wait_gone
@@ -32,7 +33,8 @@ ENGINE = dict(device="cpu", num_threads=1, max_num_seqs=8, num_kv_blocks=64)
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 # NOTE: token ids that no other prompt here contains; a prompt holding one triggers the fault
 # that FAULTS_ENV assigns it in the core.
-RAISE, FATAL, BUSY, HANG = 40001, 40002, 40003, 40004
+RAISE, FATAL, BUSY, HANG, SPIN, SPIN_FOREVER = 40001, 40002, 40003, 40004, 40005, 40006
+SPIN_STEP_S = 5.0
 BUSY_STEP_S = 8.0
 HEARTBEAT_TIMEOUT_S = 12.0
 
@@ -67,25 +69,20 @@ def own(tiny_model_dir: Path) -> Iterator[LLM]:
 
 
 def test_undecodable_and_unencodable_requests_come_back_as_error_outputs(shared: LLM) -> None:
-    # NOTE: fields set after construction skip validation at construction; the client checks
-    # them again at submit (the core's strict decode and msgpack would refuse them too, see
-    # test_core_process.py). None of them may hang generate().
+    # NOTE: fields forced past validation (an assignment re-validates): the core's strict
+    # decode refuses a wrong type and msgpack an int past 64 bits. None may hang generate().
     wrong_type = SamplingParams(max_tokens=3)
-    wrong_type.ignore_eos = "yes"  # type: ignore[assignment]
-    out_of_range = SamplingParams(max_tokens=3)
-    out_of_range.max_tokens = 0
+    msgspec.structs.force_setattr(wrong_type, "ignore_eos", "yes")
     unpackable = SamplingParams(max_tokens=3, seed=1)
-    unpackable.seed = 2**64
+    msgspec.structs.force_setattr(unpackable, "seed", 2**64)
     inputs = [
         Request(id="type", prompt="a", sampling_params=wrong_type),
-        Request(id="range", prompt="b", sampling_params=out_of_range),
         Request(id="pack", prompt="c", sampling_params=unpackable),
     ]
     outs = {o.request_id: o for o in shared.generate(inputs)}
     for rid, expected in (
-        ("type", "ignore_eos must be true or false"),
-        ("range", "max_tokens must be at least 1"),
-        ("pack", "seed must fit in a 64-bit signed integer"),
+        ("type", "sampling_params.ignore_eos"),
+        ("pack", "64"),
     ):
         assert outs[rid].error is not None and expected in outs[rid].error, outs[rid].error
         assert outs[rid].outputs[0].finish_reason == "error"
@@ -148,6 +145,36 @@ def test_a_core_stuck_in_a_step_is_killed_as_hung(own: LLM) -> None:
         own.generate([faulty(HANG)])
     assert HEARTBEAT_TIMEOUT_S <= time.monotonic() - start < HEARTBEAT_TIMEOUT_S + 15
     assert wait_gone(pid, 10)
+
+
+def spinning_llm(model_dir: Path) -> LLM:
+    """An LLM whose core computes, busy, for SPIN_STEP_S (or for ever) in a step of a prompt
+    holding SPIN (SPIN_FOREVER), under a 2 s heartbeat timeout."""
+    os.environ[FAULTS_ENV] = f"spin:{SPIN}:{SPIN_STEP_S},spin:{SPIN_FOREVER}:3600"
+    try:
+        return LLM(str(model_dir), heartbeat_timeout_s=2, max_num_batched_tokens=32, **ENGINE)
+    finally:
+        del os.environ[FAULTS_ENV]
+
+
+def test_a_slow_step_that_computes_is_not_killed_as_hung(tiny_model_dir: Path) -> None:
+    with spinning_llm(tiny_model_dir) as llm:
+        start = time.monotonic()
+        (out,) = llm.generate([faulty(SPIN, max_tokens=2)])
+        assert time.monotonic() - start >= SPIN_STEP_S
+        assert out.error is None and len(out.outputs[0].token_ids) == 2
+
+
+def test_a_computing_step_past_its_measured_limit_is_killed(tiny_model_dir: Path) -> None:
+    with spinning_llm(tiny_model_dir) as llm:
+        pid = llm.engine_info.pid
+        (warm,) = llm.generate(["measure some steps"], GREEDY)
+        assert warm.error is None
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="sized from the step times measured so far"):
+            llm.generate([faulty(SPIN_FOREVER)])
+        assert 2.0 <= time.monotonic() - start < 90.0
+        assert wait_gone(pid, 10)
 
 
 def test_a_stopped_core_is_detected_and_killed(tiny_model_dir: Path) -> None:

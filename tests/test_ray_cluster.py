@@ -213,3 +213,62 @@ def test_a_sigkilled_driver_takes_its_cluster_with_it(
     proc.kill()
     proc.communicate(timeout=TIMEOUT_S)
     wait_gone(keeper, timeout=20)
+
+
+def test_a_new_run_sweeps_what_a_dead_cluster_left(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cluster whose driver and keeper were both SIGKILLed: what is left of its process group
+    (here one process titled like a Ray agent) is killed and its directory removed."""
+    monkeypatch.setenv("TMPDIR", str(short_tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    leader = subprocess.Popen(
+        ["bash", "-c", "(exec -a ray::DashboardAgent sleep 120) & echo $!"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert leader.stdout is not None
+    orphan = psutil.Process(int(leader.stdout.readline()))
+    leader.wait()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    left = short_tmp / f"vbatch-ray-{dead.pid}-x"
+    left.mkdir()
+    (left / "keeper.pid").write_text(str(leader.pid))
+    alive = short_tmp / f"vbatch-ray-{os.getpid()}-y"
+    alive.mkdir()
+    (alive / "keeper.pid").write_text(str(leader.pid))
+    try:
+        assert ray_cluster.sweep_dead_clusters() == [leader.pid]
+        orphan.wait(timeout=10)
+        assert not left.exists() and alive.exists()
+    finally:
+        with contextlib.suppress(psutil.Error):
+            orphan.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["cluster", "replicas"])
+def test_sigterm_during_start_up_exits_75_and_leaves_nothing(
+    short_tmp: Path, tiny_model_dir: Path, stage: str
+) -> None:
+    """A stop during start-up also gave "SystemError: <cyfunction CoreWorker.wait> ...": the
+    start-up (of the cluster, then of the replicas) now polls the stop flag."""
+    proc = start_cli(short_tmp, tiny_model_dir)
+    assert proc.stderr is not None
+    deadline = time.monotonic() + TIMEOUT_S
+    while not list(short_tmp.glob("vbatch-ray-*/keeper.pid")):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    (pid_file,) = short_tmp.glob("vbatch-ray-*/keeper.pid")
+    keeper = int(pid_file.read_text())
+    seen = ""
+    while stage == "replicas" and "starting Ray replicas" not in seen:
+        assert proc.poll() is None and time.monotonic() < deadline, seen
+        seen += proc.stderr.readline()
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 75, seen + stderr
+    assert "Resume with:\n  vbatch resume out.jsonl" in stderr and "bug" not in stderr
+    wait_gone(keeper)

@@ -304,18 +304,11 @@ def test_the_look_ahead_is_one_engines_and_the_kv_cache_is_summed(
         assert all(info is not None for info in infos)
         assert engines.engine_info.num_kv_blocks == sum(i.num_kv_blocks for i in infos)  # type: ignore[union-attr]
         assert engines.engine_info.kv_cache_bytes == sum(i.kv_cache_bytes for i in infos)  # type: ignore[union-attr]
-        pulled = 0
-
-        def prompts() -> Iterator[str]:
-            nonlocal pulled
-            for i in range(NUM_ROWS):
-                pulled += 1
-                yield f"item {i} is"
-
         params = SamplingParams(max_tokens=8, temperature=0.0)
+        prompts = [f"item {i} is" for i in range(NUM_ROWS)]
         most = num_done = 0
-        for out in engines.stream(prompts(), params, idle_s=0.05):
-            most = max(most, pulled - num_done)
+        for out in engines.stream(prompts, params, idle_s=0.05):
+            most = max(most, sum(len(rep.in_flight) for rep in engines._replicas))
             num_done += out is not None
         assert num_done == NUM_ROWS
         assert most <= 4 + TOKENIZE_BATCH, most

@@ -419,6 +419,44 @@ def merge(
         typer.echo(message, err=True)
 
 
+# NOTE: vLLM run-batch options that change nothing in vbatch (a server's, or its temp folder).
+_RUN_BATCH_IGNORED = ("--response-role", "--output-tmp-dir", "--port", "--url")
+
+
+@app.command(
+    "run-batch",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def run_batch(
+    ctx: typer.Context,
+    input_file: Annotated[
+        Path, typer.Option("-i", "--input-file", help="The OpenAI Batch file (JSONL) to run.")
+    ],
+    output_file: Annotated[
+        Path, typer.Option("-o", "--output-file", help="Where the output lines go.")
+    ],
+    model: o.Model = None,
+) -> None:
+    """vLLM's `run-batch` command line: `vbatch run-batch -i IN -o OUT --model M [run options]`
+    runs `vbatch run IN -o OUT --model M ...` (with its journal: `vbatch resume OUT`)."""
+    args = [str(input_file), "-o", str(output_file)]
+    if model is not None:
+        args += ["--model", model]
+    extra = list(ctx.args)
+    while extra:
+        arg = extra.pop(0)
+        name = arg.split("=", 1)[0]
+        if name in _RUN_BATCH_IGNORED:
+            typer.echo(f"vbatch run-batch ignores {name} (vLLM server option)", err=True)
+            if "=" not in arg and extra and not extra[0].startswith("-"):
+                extra.pop(0)
+            continue
+        args.append(arg)
+    command = typer.main.get_command(app)
+    code = command.main(args=["run", *args], prog_name="vbatch", standalone_mode=False)
+    raise typer.Exit(code or 0)
+
+
 def _settings(values: dict[str, Any]) -> str:
     # NOTE: identity checks, because `0.0 in (False,)` is true and would hide temperature=0.
     shown = {k: v for k, v in values.items() if v is not None and v is not False and v != []}

@@ -167,7 +167,7 @@ class PoolingMethods:
                 pieces.extend(Request(prompt=text) for text in req.prompt)
             else:
                 pieces.append(req)
-        tokenized = iter(self._tokenize(pieces))
+        tokenized = iter(ids for ids, _ in self._tokenize(pieces))
         adds = []
         for position, req in batch:
             params = req.pooling_params

@@ -1,4 +1,5 @@
-"""StructuredOutput: a request's output constraint (JSON schema, JSON, regex, choice, grammar)."""
+"""StructuredOutput: a request's output constraint (JSON schema, JSON, regex, choice, grammar);
+vLLM's `StructuredOutputsParams` (and its older name) mapped onto it."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import importlib.util
 import json
 import re
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +120,35 @@ class StructuredOutput(msgspec.Struct, omit_defaults=True, gc=False, frozen=True
     def key(self) -> bytes:
         """The cache key: equal for equal constraints, whatever the schema's whitespace."""
         return msgspec.msgpack.encode(self)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured-output settings: exactly one of `json` (a schema, as a dict or JSON
+    text), `regex`, `choice`, `grammar` or `json_object`. `SamplingParams` folds it into its
+    `structured` field; vLLM's other settings (backend choice, whitespace) are not supported."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        self.to_structured()
+
+    def to_structured(self) -> StructuredOutput:
+        return StructuredOutput(
+            json_schema=self.json,
+            json_object=bool(self.json_object),
+            regex=self.regex,
+            choice=self.choice,
+            grammar=self.grammar,
+        )
+
+
+class GuidedDecodingParams(StructuredOutputsParams):
+    """vLLM's older name for `StructuredOutputsParams` (`SamplingParams(guided_decoding=...)`)."""
 
 
 def coerce_structured(value: Any) -> StructuredOutput | None:

@@ -1,6 +1,6 @@
 """Results of prefill-only requests with vLLM's names and shapes (`PoolingRequestOutput`,
 `EmbeddingRequestOutput`, `ClassificationRequestOutput`, `ScoringRequestOutput`), prompt
-logprobs (`Logprob`), and `PoolingState`, which assembles one from the core's PooledOutput."""
+logprobs (vLLM's `Logprob` mappings), and `PoolingState`, which builds a pooling output."""
 
 from __future__ import annotations
 
@@ -11,19 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from vbatch.client.outputs import Request
+from vbatch.client.outputs import Logprob, Request
 from vbatch.pooling_params import PoolingParams, PoolingTask
 from vbatch.protocol import FinishReason, PooledOutput, SampleFinish
-
-
-@dataclass
-class Logprob:
-    """One token's logprob at a prompt position, its rank there (1 = most likely), its text."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
 
 PromptLogprobs = list[dict[int, Logprob] | None]
 

@@ -83,6 +83,8 @@ class EncoderCore:
             pid=os.getpid(),
         )
         self._stats = SchedulerStats()
+        # NOTE: the tokens of the last step, which the core process's watchdog reports.
+        self.last_step_tokens = 0
 
     def add_request(self, req: AddRequest) -> list[SampleFinish]:
         request_id = req.request_id
@@ -126,6 +128,7 @@ class EncoderCore:
     def step(self) -> EngineOutputs:
         start = time.perf_counter()
         jobs = self._pick()
+        self.last_step_tokens = sum(job.num_tokens for job in jobs)
         if not jobs:
             return EngineOutputs()
         try:

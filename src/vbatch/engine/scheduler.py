@@ -105,7 +105,9 @@ class Scheduler:
                 f"the prompt has {num_prompt_tokens} tokens, which leaves no room for output "
                 f"within the maximum model length of {max_model_len} tokens"
             )
-        max_num_tokens = min(num_prompt_tokens + params.max_tokens, max_model_len)
+        max_num_tokens = min(
+            num_prompt_tokens + (params.max_tokens or max_model_len), max_model_len
+        )
         num_blocks = -(-max_num_tokens // self.config.block_size)
         if self.config.sliding_window is not None:
             num_blocks = min(num_blocks, self.max_live_blocks)
@@ -120,7 +122,8 @@ class Scheduler:
         assert seq.status == SequenceStatus.WAITING and not seq.block_table
         params = seq.params
         seq.max_num_tokens = min(
-            seq.num_prompt_tokens + params.max_tokens, self.config.max_model_len
+            seq.num_prompt_tokens + (params.max_tokens or self.config.max_model_len),
+            self.config.max_model_len,
         )
         long_from = self.config.long_rope_from
         seq.long_rope = long_from is not None and seq.num_tokens > long_from
@@ -413,8 +416,11 @@ def _will_pass(seq: Sequence, long_from: int) -> bool:
 
 def _reads_output_tokens(seq: Sequence) -> bool:
     """Whether sampling for `seq` depends on its output so far (penalties, a min_tokens ban,
-    a grammar's mask)."""
+    bad words, a grammar's mask)."""
     params = seq.params
     return (
-        params.has_penalties or seq.num_output_tokens < params.min_tokens or seq.grammar is not None
+        params.has_penalties
+        or seq.num_output_tokens < params.min_tokens
+        or seq.grammar is not None
+        or bool(params.bad_words_token_ids)
     )

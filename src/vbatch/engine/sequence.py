@@ -40,6 +40,7 @@ class Sequence:
     """
 
     __slots__ = (
+        "argmax_changers",
         "block_row",
         "block_table",
         "finish_reason",
@@ -89,9 +90,12 @@ class Sequence:
         self.long_rope = False
         self.status = SequenceStatus.WAITING
         self.params = params
+        # NOTE: the fields that can change a greedy row's token (SamplingParams.CHANGES_ARGMAX).
+        self.argmax_changers = params.argmax_changers()
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
-        self.max_num_tokens = self.num_prompt_tokens + params.max_tokens
+        # NOTE: max_tokens None (up to the model length) is bounded by Scheduler.add.
+        self.max_num_tokens = self.num_prompt_tokens + (params.max_tokens or 2**62)
         self.finish_token_ids: frozenset[int] = frozenset(params.stop_token_ids)
         # NOTE: with structured output, the matcher that has accepted exactly its output tokens.
         self.grammar: GrammarMatcher | None = None

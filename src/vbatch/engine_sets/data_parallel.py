@@ -49,6 +49,8 @@ class DataParallelClient:
             kv_cache_bytes=sum(info.kv_cache_bytes for info in infos),
             attention_backend=first.attention_backend,
             pid=first.pid,
+            kernels=first.kernels,
+            kernel_warnings=first.kernel_warnings,
         )
         self._balancer = LoadBalancer(num_cores, first.block_size, prefix_aware)
         # NOTE: request id -> [core, cost, samples not yet finished]
@@ -80,7 +82,9 @@ class DataParallelClient:
         groups: list[list[AddRequest]] = [[] for _ in self._clients]
         for req in reqs:
             params = req.sampling_params
-            cost = len(req.prompt_token_ids) // 4 + params.n * params.max_tokens
+            cost = len(req.prompt_token_ids) // 4 + params.n * (
+                params.max_tokens or self.info.max_model_len
+            )
             core = self._balancer.place(req.prompt_token_ids, cost)
             self._owner[req.request_id] = [core, cost, params.n]
             groups[core].append(req)

@@ -28,7 +28,16 @@ from vbatch.engine_sets.base import (
     StartupCancelled,
     sum_stats,
 )
-from vbatch.engine_sets.ray_cluster import ClusterWatch, RayCluster, gcs_problem, open_cluster
+from vbatch.engine_sets.ray_cluster import (
+    ClusterWatch,
+    RayCluster,
+    alive_nodes,
+    check_resources,
+    free_resources,
+    gcs_problem,
+    open_cluster,
+    pending_notice,
+)
 from vbatch.engine_sets.ray_replica import ReplicaEngine
 from vbatch.engine_sets.stream import stream_loop
 from vbatch.errors import EngineDeadError, EngineStartupError
@@ -103,8 +112,13 @@ class RayEngines:
             self._notice(f"Ray: using {self.cluster.description}")
             if not self.cluster.address.startswith("ray://"):
                 self._watch = ClusterWatch(self.cluster.address)
-            self._nodes = _alive_nodes()
-            self._check_resources()
+            self._nodes = alive_nodes()
+            fits = check_resources(settings)
+            if fits < settings.replicas:
+                self._notice(
+                    f"Ray: {fits} of {settings.replicas} replicas fit in the free resources "
+                    f"now ({free_resources()}); the others wait until the cluster has room"
+                )
             self.tokenizer = TextTokenizer.from_dir(resolve_model(model).hf_dir)
             args = {"num_threads": max(1, int(settings.cpus_per_replica)), **engine_args}
             if max_in_flight is not None:
@@ -131,35 +145,6 @@ class RayEngines:
             self.shutdown()
             raise
 
-    def _free(self) -> str:
-        free, total = ray.available_resources(), ray.cluster_resources()
-        return ", ".join(
-            f"{free.get(name, 0):g} of {total.get(name, 0):g} {name}s free"
-            for name in ("CPU", "GPU")
-        )
-
-    def _check_resources(self) -> None:
-        """Refuse a replica no node could ever hold; say when the free resources hold fewer
-        replicas than asked for now (on a shared cluster they may free up later)."""
-        total, free = ray.cluster_resources(), ray.available_resources()
-        fits = self.settings.replicas
-        for name, need in (
-            ("CPU", self.settings.cpus_per_replica),
-            ("GPU", self.settings.gpus_per_replica),
-        ):
-            if need > total.get(name, 0):
-                raise EngineStartupError(
-                    f"a replica asks for {need:g} {name}s, and the Ray cluster has "
-                    f"{total.get(name, 0):g}; lower --{name.lower()}s-per-replica"
-                )
-            if need > 0:
-                fits = min(fits, int(free.get(name, 0) // need))
-        if fits < self.settings.replicas:
-            self._notice(
-                f"Ray: {fits} of {self.settings.replicas} replicas fit in the free resources "
-                f"now ({self._free()}); the others wait until the cluster has room"
-            )
-
     def _start(self, on_progress: Callable[[str], None] | None) -> Ready:
         """Wait for every replica, or for STARTUP_GRACE_S after the first is live (the others,
         maybe waiting for resources, join the stream when they are up). Replicas still not
@@ -180,10 +165,11 @@ class RayEngines:
                 break
             stage = f"starting Ray replicas ({len(live)} of {len(self._replicas)} live)"
             if not is_told and time.monotonic() - start_t > PENDING_NOTICE_S:
-                self._tell_pending()
+                num_starting = sum(rep.state is EngineState.STARTING for rep in self._replicas)
+                self._notice(pending_notice(self.settings, num_starting))
                 is_told = True
             if is_told:
-                stage += f" ({self._free()})"
+                stage += f" ({free_resources()})"
             if on_progress is not None:
                 on_progress(stage)
             self._wait_probes(_WAIT_CAP_S)
@@ -191,24 +177,6 @@ class RayEngines:
             raise EngineStartupError(f"no Ray replica started: {self._last_error}")
         self._is_started = True
         return self._set_info()
-
-    def _tell_pending(self) -> None:
-        """Say how many replicas still start, with the cluster's free resources: when those
-        hold no replica, they are waiting for CPUs or GPUs."""
-        starting = sum(rep.state is EngineState.STARTING for rep in self._replicas)
-        free = ray.available_resources()
-        is_short = any(
-            need > free.get(name, 0)
-            for name, need in (
-                ("CPU", self.settings.cpus_per_replica),
-                ("GPU", self.settings.gpus_per_replica),
-            )
-        )
-        why = "waiting for CPUs or GPUs" if is_short else "still loading"
-        self._notice(
-            f"Ray: {starting} of {len(self._replicas)} replicas are pending, {why} "
-            f"({self._free()}); they join the job once they are up"
-        )
 
     def _set_info(self) -> Ready:
         """The set's engine facts: the KV cache summed over the replicas that have started."""
@@ -244,7 +212,7 @@ class RayEngines:
     ) -> Iterator[RequestOutput | None]:
         """Yield finished rows in completion order; `on_output` runs on the caller's thread."""
         defaults = sampling_params or SamplingParams()
-        defaults.validate(self.engine_info.vocab_size)
+        defaults.check_vocab(self.engine_info.vocab_size)
         epoch = next(self._epochs)
         source = (_as_row(pos, item, defaults) for pos, item in enumerate(inputs))
         for rep in self._replicas:
@@ -264,7 +232,7 @@ class RayEngines:
             problem = gcs_problem(address)
             if problem is not None:
                 return f"the Ray cluster is gone: its GCS at {address} does not answer ({problem})"
-        alive = _alive_nodes()
+        alive = alive_nodes()
         gone = [name for node, name in self._nodes.items() if node not in alive]
         if gone:
             return (
@@ -485,15 +453,6 @@ class _RayStream:
             raise EngineDeadError(engines._death_cause())
         wait_s = _WAIT_CAP_S if timeout is None else timeout
         self.finished += engines._wait(self.epoch, live, self.queue, wait_s)
-
-
-def _alive_nodes() -> dict[str, str]:
-    """The cluster's live nodes: id -> a name for messages (its address)."""
-    try:
-        nodes = ray.nodes()
-    except RayError:
-        return {}
-    return {n["NodeID"]: n.get("NodeManagerAddress", n["NodeID"][:8]) for n in nodes if n["Alive"]}
 
 
 def _as_row(position: int, item: Any, defaults: SamplingParams) -> tuple[int, Request]:

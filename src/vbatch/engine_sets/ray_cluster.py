@@ -26,7 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from vbatch.engine_sets.base import StartupCancelled
+import psutil
+import ray
+
+from vbatch.engine_sets.base import RaySettings, StartupCancelled
 from vbatch.errors import ConfigError, EngineStartupError
 
 START_TIMEOUT_S = 180.0
@@ -55,8 +58,6 @@ class RayCluster:
     def stop(self) -> None:
         """Leave the cluster (bounded: a lost GCS can make ray.shutdown hang); an owned one is
         stopped by its keeper, which ends once its stdin closes."""
-        import ray
-
         if self.is_joined_here:
             thread = threading.Thread(target=ray.shutdown, daemon=True)
             thread.start()
@@ -82,8 +83,6 @@ def open_cluster(
 ) -> RayCluster:
     """Connect this process to the cluster at `address` (else `RAY_ADDRESS`), checked first;
     with neither, start one of its own. A process already connected keeps its cluster."""
-    import ray
-
     if ray.is_initialized():
         gcs = ray.get_runtime_context().gcs_address
         return RayCluster(gcs, f"the Ray cluster this process joined ({gcs})", None, None, False)
@@ -232,8 +231,6 @@ def _use_token_auth() -> None:
 def sweep_dead_clusters() -> list[int]:
     """Kill what is left of clusters whose vbatch driver and keeper both died by SIGKILL (the
     keeper's process group) and remove their directories; returns the groups killed."""
-    import psutil
-
     killed = []
     for path in Path(tempfile.gettempdir()).glob(f"{_KEEPER_DIR}*"):
         try:
@@ -286,8 +283,6 @@ def _init_ray(address: str) -> None:
 
     NOTE: ray.init installs its own SIGTERM (and SIGINT) handlers, which would exit at once
     instead of letting the job drain, commit and print the resume command."""
-    import ray
-
     main = threading.current_thread() is threading.main_thread()
     handlers: dict[int, Any] = (
         {signum: signal.getsignal(signum) for signum in _KEPT_SIGNALS} if main else {}
@@ -308,3 +303,50 @@ def _init_ray(address: str) -> None:
     for signum, handler in handlers.items():
         if handler is not None:
             signal.signal(signum, handler)
+
+
+def free_resources() -> str:
+    free, total = ray.available_resources(), ray.cluster_resources()
+    return ", ".join(
+        f"{free.get(name, 0):g} of {total.get(name, 0):g} {name}s free" for name in ("CPU", "GPU")
+    )
+
+
+def check_resources(settings: RaySettings) -> int:
+    """Refuse a replica no node could ever hold; returns how many replicas the free resources
+    hold now (on a shared cluster, more may fit later)."""
+    total, free = ray.cluster_resources(), ray.available_resources()
+    fits = settings.replicas
+    for name, need in (("CPU", settings.cpus_per_replica), ("GPU", settings.gpus_per_replica)):
+        if need > total.get(name, 0):
+            raise EngineStartupError(
+                f"a replica asks for {need:g} {name}s, and the Ray cluster has "
+                f"{total.get(name, 0):g}; lower --{name.lower()}s-per-replica"
+            )
+        if need > 0:
+            fits = min(fits, int(free.get(name, 0) // need))
+    return fits
+
+
+def pending_notice(settings: RaySettings, num_starting: int) -> str:
+    """How many replicas still start, and why: when the free resources hold no replica, they
+    are waiting for CPUs or GPUs."""
+    free = ray.available_resources()
+    is_short = any(
+        need > free.get(name, 0)
+        for name, need in (("CPU", settings.cpus_per_replica), ("GPU", settings.gpus_per_replica))
+    )
+    why = "waiting for CPUs or GPUs" if is_short else "still loading"
+    return (
+        f"Ray: {num_starting} of {settings.replicas} replicas are pending, {why} "
+        f"({free_resources()}); they join the job once they are up"
+    )
+
+
+def alive_nodes() -> dict[str, str]:
+    """The cluster's live nodes: id -> a name for messages (its address)."""
+    try:
+        nodes = ray.nodes()
+    except ray.exceptions.RayError:
+        return {}
+    return {n["NodeID"]: n.get("NodeManagerAddress", n["NodeID"][:8]) for n in nodes if n["Alive"]}

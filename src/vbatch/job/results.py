@@ -72,10 +72,10 @@ _LONG_DIGITS = re.compile(r"\d{19}")
 def _logprob_entries(output: CompletionOutput) -> list[dict[str, Any]] | None:
     """Each token's logprob and its top alternatives. Alternatives a grammar forbade (-inf) are
     left out: they could not be chosen, and JSON has no -inf."""
-    if output.logprobs is None:
+    if output.token_logprobs is None:
         return None
     entries = []
-    for token_id, entry in zip(output.token_ids, output.logprobs, strict=False):
+    for token_id, entry in zip(output.token_ids, output.token_logprobs, strict=False):
         top = [
             (t, lp)
             for t, lp in zip(entry.top_token_ids, entry.top_logprobs, strict=False)
@@ -120,7 +120,7 @@ def result_row(
     outputs = result.outputs
     first = outputs[0]
     is_multi = len(outputs) > 1
-    has_logprobs = any(o.logprobs is not None for o in outputs)
+    has_logprobs = any(o.token_logprobs is not None for o in outputs)
     stop_reason = first.stop_reason
     reasonings, texts = zip(*(_split(o, reasoning_parser) for o in outputs), strict=True)
     has_reasoning = any(r is not None for r in reasonings)
