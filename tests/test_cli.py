@@ -89,6 +89,8 @@ RUN_OPTIONS: dict[str, tuple[list[str], str, Any]] = {
         {"enable_thinking": False},
     ),
     "reasoning_parser": (["--reasoning-parser", "qwen3"], "spec.reasoning_parser", "qwen3"),
+    "task": (["--task", "embed"], "spec.task", "embed"),
+    "dimensions": (["--dimensions", "32"], "spec.dimensions", 32),
     "shard": (["--shard", "1/3"], "spec.shard", Shard(1, 3)),
     "use_ray": (["--ray"], "options.ray", RaySettings()),
     "ray_address": (["--ray", "--ray-address", "h:1"], "options.ray.address", "h:1"),

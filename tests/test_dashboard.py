@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import pytest
 from rich.console import Console, RenderableType
@@ -265,3 +267,13 @@ def test_one_engine_shows_no_engine_rows() -> None:
     snap = metrics.snapshot()
     assert "Engines" not in render(render_dashboard(snap), 120)
     assert "core 0" not in plain_line(snap)
+
+
+def test_a_pooling_job_shows_its_task_rows_and_prompt_tokens() -> None:
+    metrics, _ = running_job()
+    snap = dataclasses.replace(metrics.snapshot(), task="embed")
+    text = render(render_dashboard(snap), 120)
+    assert "task" in text and "embed" in text
+    assert "prompt tok/s" in text and "rows/s" in text and "gen tok/s" not in text
+    plain = render(render_dashboard(metrics.snapshot()), 120)
+    assert "gen tok/s" in plain and "embed" not in plain

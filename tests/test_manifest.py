@@ -142,6 +142,8 @@ def test_a_version_2_manifest_loads_typed_and_saves_unchanged(tmp_path: Path) ->
         "reasoning_parser": None,
         "openai_defaults": {},
         "require_valid_json": False,
+        "task": "generate",
+        "dimensions": None,
         "data_parallel_size": 1,
         "ray": None,
     }

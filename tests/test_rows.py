@@ -106,7 +106,12 @@ def test_openai_completions_line() -> None:
         ({"prompt": "x", "sampling_params": {"bogus": 1}}, "unknown sampling parameter"),
         ({"prompt": "x", "sampling_params": [1]}, "sampling_params must be an object"),
         ({"prompt": "x", "id": 1.5}, "id column 'id' must hold a string or an integer"),
-        ({"custom_id": "a", "url": "/v1/embeddings", "body": {}}, "url must be one of"),
+        ({"custom_id": "a", "url": "/v1/moderations", "body": {}}, "url must be one of"),
+        ({"custom_id": "a", "url": "/v1/embeddings", "body": {}}, "body.input must be"),
+        (
+            {"custom_id": "a", "url": "/v1/embeddings", "body": {"input": "x", "dimensions": 0}},
+            "dimensions must be a positive integer",
+        ),
         ({"custom_id": "a", "url": "/v1/completions", "method": "GET", "body": {}}, "POST"),
         (
             {"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "tools": []}},

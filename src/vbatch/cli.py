@@ -273,6 +273,8 @@ def run(
     parse_json: o.ParseJson = False,
     require_valid_json: o.RequireValidJson = False,
     reasoning_parser: o.ReasoningParserOption = None,
+    task: o.TaskOption = o.Task.GENERATE,
+    dimensions: o.Dimensions = None,
     ordered: o.Ordered = False,
     overwrite: o.Overwrite = False,
     clean: o.Clean = RUN.clean,

@@ -10,6 +10,7 @@ import typer
 
 from vbatch.client.reasoning import ReasoningParser
 from vbatch.config import AttentionBackend, Device, Dtype, Quantization
+from vbatch.job.tasks import Task
 from vbatch.sampling_params import MAX_LOGPROBS, MAX_N
 
 INPUT = "Input"
@@ -354,6 +355,25 @@ Grammar = Annotated[
     typer.Option(
         help="Every row's output follows this EBNF grammar file (rule `root`).",
         rich_help_panel=STRUCTURED,
+    ),
+]
+TaskOption = Annotated[
+    Task,
+    typer.Option(
+        "--task",
+        help="generate: text; embed: an `embedding` per row; classify: the classifier's label, "
+        "probs and logits; perplexity: the prompt's logprob and perplexity (per token with "
+        "--include-token-ids).",
+        rich_help_panel=JOB,
+    ),
+]
+Dimensions = Annotated[
+    int | None,
+    typer.Option(
+        "--dimensions",
+        min=1,
+        help="With --task embed: keep the leading N values of each embedding (Matryoshka).",
+        rich_help_panel=JOB,
     ),
 ]
 ParseJson = Annotated[

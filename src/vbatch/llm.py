@@ -25,6 +25,7 @@ from vbatch.client.outputs import (
     RequestState,
     error_output,
 )
+from vbatch.client.pooling_outputs import PoolingState
 from vbatch.client.prompts import (
     chat_conversations,
     check_params_type,
@@ -40,6 +41,7 @@ from vbatch.engine_sets.base import EngineReport, EngineState
 from vbatch.engine_sets.data_parallel import DataParallelClient
 from vbatch.engine_sets.stream import stream_loop
 from vbatch.errors import ConfigError, ModelLoadError, SamplingParamsError, VbatchError
+from vbatch.llm_pooling import PoolingMethods
 from vbatch.protocol import (
     AddRequest,
     EngineOutputs,
@@ -99,7 +101,7 @@ class _LocalStream:
         llm: LLM,
         inputs: Iterable[str | list[dict] | Request],
         defaults: SamplingParams,
-        live: dict[str, RequestState],
+        live: dict[str, RequestState | PoolingState],
     ) -> None:
         self.llm = llm
         self.source = enumerate(inputs)
@@ -130,7 +132,7 @@ class _LocalStream:
         self.llm._collect(self.llm._client.get_outputs(timeout=timeout), self.live, self.ready)
 
 
-class LLM:
+class LLM(PoolingMethods):
     """Offline generation over one engine-core subprocess, or `data_parallel_size` of them.
 
     Invariants: at most `max_in_flight` requests are in the core at once; one stream runs at a
@@ -211,11 +213,12 @@ class LLM:
         # num_kv_blocks (summed over the cores) can never run together; twice that keeps the
         # schedulers fed.
         max_num_seqs = config.max_num_seqs * data_parallel_size
-        default = 2 * min(max_num_seqs, self.engine_info.num_kv_blocks)
+        # NOTE: an encoder's engine has no KV blocks (num_kv_blocks 0).
+        default = 2 * min(max_num_seqs, self.engine_info.num_kv_blocks or max_num_seqs)
         self.max_in_flight = max(1, max_in_flight if max_in_flight is not None else default)
         self._request_ids = itertools.count()
         self._is_streaming = False
-        self._live: dict[str, RequestState] = {}
+        self._live: dict[str, RequestState | PoolingState] = {}
 
     def _load_client_side(self, tokenizer_dir: Path, hf_dir: Path, generation_config: str) -> None:
         self.tokenizer = TextTokenizer.from_dir(tokenizer_dir)
@@ -360,7 +363,7 @@ class LLM:
         check_params_type(defaults)
         defaults.check_vocab(self.engine_info.vocab_size)
         self._is_streaming = True
-        live: dict[str, RequestState] = {}
+        live: dict[str, RequestState | PoolingState] = {}
         self._live = live
         callbacks = _CallbackThread(on_output, self.max_in_flight) if on_output else None
         try:
@@ -381,16 +384,20 @@ class LLM:
         self,
         batch: list[tuple[int, Any]],
         defaults: SamplingParams,
-        live: dict[str, RequestState],
+        live: dict[str, RequestState | PoolingState],
         ready: list[tuple[int, RequestOutput]],
     ) -> None:
         """Tokenize a batch and send it to the core; requests that cannot run go straight to
         `ready` as error outputs, and an input that is no prompt raises."""
         requests = []
+        pooling = []
         # NOTE: each distinct params object is checked once per batch.
         checked: dict[int, str | None] = {id(defaults): None}
         for position, item in batch:
             req = to_request(item)
+            if req.pooling_params is not None:
+                pooling.append((position, req))
+                continue
             problem = self._check_params(req.sampling_params or defaults, checked)
             if problem is not None:
                 ready.append((position, error_output(req, position, [], problem, 1)))
@@ -426,6 +433,8 @@ class LLM:
             adds.append(AddRequest(rid, pack_token_ids(prompt_ids), params, time.time()))
         if adds:
             self._client.add_requests(adds)
+        if pooling:
+            self._submit_pooling(pooling, live, ready)
 
     def _check_params(self, params: Any, checked: dict[int, str | None]) -> str | None:
         """Why `params` cannot be sent to the core, or None; memoized in `checked` by id."""
@@ -490,7 +499,7 @@ class LLM:
     def _collect(
         self,
         steps: list[EngineOutputs],
-        live: dict[str, RequestState],
+        live: dict[str, RequestState | PoolingState],
         ready: list[tuple[int, RequestOutput]],
     ) -> None:
         """Apply the core's outputs; finished requests move to `ready`.
@@ -503,6 +512,10 @@ class LLM:
         stopped: list[tuple[str, int]] = []
         done: list[str] = []
         for step in steps:
+            for pooled in step.pooled:
+                entry = live.get(pooled.request_id)
+                if entry is not None:
+                    entry.pooled = pooled
             for rid, num_cached in step.num_cached_tokens.items():
                 entry = live.get(rid)
                 if entry is not None:
@@ -527,7 +540,10 @@ class LLM:
                 del live[rid]
                 if entry.num_core_live > 0:
                     aborts.append(rid)
-                ready.append((entry.position, entry.to_output()))
+                out = entry.to_output()
+                if isinstance(entry, RequestState):
+                    out = self._with_prompt_logprobs(entry, out)
+                ready.append((entry.position, out))
             done.clear()
         if aborts:
             self._client.abort(aborts)

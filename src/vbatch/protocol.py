@@ -8,6 +8,7 @@ import re
 import msgspec
 import numpy as np
 
+from vbatch.pooling_params import PoolingParams
 from vbatch.sampling_params import SamplingParams
 
 
@@ -39,6 +40,8 @@ class AddRequest(_Msg, tag=1):
     prompt_token_ids: bytes
     sampling_params: SamplingParams
     arrival_time: float = 0.0
+    # NOTE: set for a prefill-only request: the core answers with a PooledOutput, not tokens.
+    pooling: PoolingParams | None = None
 
 
 class Abort(_Msg, tag=2):
@@ -126,6 +129,21 @@ class SampleFinish(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     error: str | None = None
 
 
+class PooledOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A pooling request's result (or a generation request's prompt logprobs), sent just before
+    its finish: `data` is little-endian float32, an embedding or the classifier's logits per
+    prompt, one after the other, or (PROMPT_LOGPROBS) each prompt position's logprob after the
+    first, with `ranks` (int32) and `top_token_ids` (int32) / `top_logprobs` (float32), k per
+    position.
+    """
+
+    request_id: str
+    data: bytes
+    ranks: bytes = b""
+    top_token_ids: bytes = b""
+    top_logprobs: bytes = b""
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     num_running: int = 0
     num_waiting: int = 0
@@ -186,10 +204,11 @@ class EngineOutputs(_Msg, tag=13):
     num_cached_tokens: dict[str, int] = msgspec.field(default_factory=dict)
     stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    pooled: list[PooledOutput] = msgspec.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.request_ids or self.finished)
+        return not (self.request_ids or self.finished or self.pooled)
 
 
 class UtilityResult(_Msg, tag=14):

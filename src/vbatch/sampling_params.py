@@ -140,6 +140,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: GuidedDecodingParams | None = None
+    # NOTE: with k, each prompt token's logprob and its k most likely alternatives
+    # (RequestOutput.prompt_logprobs), from a prefill-only pass that skips the prefix cache.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _trusted:
@@ -300,6 +303,14 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             )
         if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
             fail(f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is not None and (
+            not _is_int(prompt_logprobs) or not 0 <= prompt_logprobs <= MAX_LOGPROBS
+        ):
+            fail(
+                f"prompt_logprobs must be null or an integer in [0, {MAX_LOGPROBS}], "
+                f"got {prompt_logprobs!r}"
+            )
         check_compatible(self.structured, self.ignore_eos, self.min_tokens)
         if vocab_size is not None:
             self.check_vocab(vocab_size)

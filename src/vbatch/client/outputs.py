@@ -10,7 +10,8 @@ from typing import Any, NamedTuple
 
 from vbatch.client.detokenizer import IncrementalDetokenizer
 from vbatch.client.reasoning import split_reasoning
-from vbatch.protocol import FinishReason, SampleFinish, TokenLogprobs
+from vbatch.pooling_params import PoolingParams
+from vbatch.protocol import FinishReason, PooledOutput, SampleFinish, TokenLogprobs
 from vbatch.sampling_params import SamplingParams
 
 
@@ -78,11 +79,13 @@ class Request:
     """One input item: a prompt, a conversation or token ids, with optional own sampling params
     and chat-template variables (over the LLM's own, for a conversation); a conversation may
     name its own template, and continue its final message instead of opening a new turn. Every
-    per-prompt option of `generate`/`chat` travels here."""
+    per-prompt option of `generate`/`chat` travels here. With `pooling_params`
+    it is a prefill-only request (embed, classify, prompt logprobs), whose `prompt` may be a list
+    of strings, each pooled on its own."""
 
     id: Any = None
     index: int | None = None
-    prompt: str | None = None
+    prompt: str | list[str] | None = None
     messages: list[dict] | None = None
     prompt_token_ids: list[int] | None = None
     sampling_params: SamplingParams | None = None
@@ -90,6 +93,7 @@ class Request:
     chat_template: str | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -108,6 +112,8 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     error: str | None = None
+    # NOTE: with SamplingParams.prompt_logprobs, vLLM's list: None, then {token id: Logprob}.
+    prompt_logprobs: list[dict[int, Any] | None] | None = None
 
 
 @dataclass
@@ -134,6 +140,8 @@ class RequestState:
     reasoning_parser: str | None = None
     decode_token: Callable[[int], str] | None = None
     prompt_text: str | None = None  # a chat's rendered prompt
+    # NOTE: the prompt logprobs the core sent (SamplingParams.prompt_logprobs), before any token.
+    pooled: PooledOutput | None = None
     num_open: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -174,6 +174,10 @@ class TextTokenizer:
         special_tokens: Mapping[str, str],
         chat_template: str | None = None,
     ) -> None:
+        # NOTE: a tokenizer.json may pad or truncate (sentence-transformers checkpoints do): a
+        # prompt's ids are its own, whole; a too long one is refused, or truncated when asked.
+        backend.no_padding()
+        backend.no_truncation()
         self.backend = backend
         self.special_tokens = dict(special_tokens)
         self.chat_template = chat_template

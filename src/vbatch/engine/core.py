@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 import traceback
@@ -11,6 +12,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from vbatch.config import EngineConfig
 from vbatch.engine.grammar import GrammarCache, GrammarError, new_matcher
 from vbatch.engine.model_runner import ModelRunner
+from vbatch.engine.pooling import PoolingJob, PoolingQueue
 from vbatch.engine.sampler import SamplerOutput
 from vbatch.engine.scheduler import Scheduler, SchedulerConfig
 from vbatch.engine.sequence import Sequence
@@ -18,10 +20,12 @@ from vbatch.engine.steps import SchedulerOutput, StepUpdate
 from vbatch.errors import VbatchError
 from vbatch.models.config import ModelConfig
 from vbatch.models.loader import resolve_model
+from vbatch.pooling_params import PoolingParams, PoolingTask
 from vbatch.protocol import (
     AddRequest,
     EngineOutputs,
     FinishReason,
+    PooledOutput,
     Ready,
     SampleFinish,
     SchedulerStats,
@@ -97,6 +101,14 @@ class EngineCore:
             eos_token_ids=self.model_config.eos_token_ids,
         )
         self.requests: dict[str, list[Sequence]] = {}
+        self.pooling = PoolingQueue(
+            self.runner,
+            self.scheduler.block_manager,
+            str(resolved.hf_dir),
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            self.max_model_len,
+        )
         self.grammars = GrammarCache(
             resolved.hf_dir, self.model_config.vocab_size, self.model_config.eos_token_ids
         )
@@ -146,8 +158,10 @@ class EngineCore:
     def _add_request(self, req: AddRequest) -> list[SampleFinish]:
         prompt_token_ids = unpack_token_ids(req.prompt_token_ids)
         params = req.sampling_params
-        if req.request_id in self.requests:
+        if req.request_id in self.requests or req.request_id in self.pooling.jobs:
             return [_error(req.request_id, f"request id {req.request_id!r} is already running")]
+        if req.pooling is not None:
+            return self._add_pooling(req.request_id, prompt_token_ids, req.pooling)
         reason = self.scheduler.check_prompt(len(prompt_token_ids), params)
         if reason is not None:
             return [_error(req.request_id, reason)]
@@ -163,14 +177,69 @@ class EngineCore:
                 )
             ]
         seqs = [Sequence(req.request_id, prompt_token_ids, params, i) for i in range(params.n)]
+        prompt_job = None
+        if params.prompt_logprobs is not None:
+            if params.structured is not None:
+                return [_error(req.request_id, "prompt_logprobs cannot go with structured output")]
+            prompt_job = PoolingJob(
+                req.request_id,
+                [prompt_token_ids],
+                PoolingParams(PoolingTask.PROMPT_LOGPROBS, top_logprobs=params.prompt_logprobs),
+                then=seqs,
+            )
         self.requests[req.request_id] = seqs
         self.num_unfinished[req.request_id] = len(seqs)
+        if prompt_job is not None:
+            self.pooling.add(prompt_job)
+            return []
         if params.structured is not None:
             self._compiling[req.request_id] = (seqs, self.grammars.get(params.structured))
             return []
         for seq in seqs:
             self.scheduler.add(seq)
         return []
+
+    def _add_pooling(
+        self, request_id: str, prompt_token_ids: list[int], params: PoolingParams
+    ) -> list[SampleFinish]:
+        prompts = [prompt_token_ids]
+        if params.prompt_lens is not None:
+            if sum(params.prompt_lens) != len(prompt_token_ids):
+                return [_error(request_id, "prompt_lens do not add up to the prompt's length")]
+            ends = list(itertools.accumulate(params.prompt_lens))
+            prompts = [prompt_token_ids[end - n : end] for n, end in zip(params.prompt_lens, ends)]
+        vocab_size = self.model_config.vocab_size
+        if max(prompt_token_ids) >= vocab_size or min(prompt_token_ids) < 0:
+            return [_error(request_id, f"prompt token ids must lie in [0, {vocab_size})")]
+        reason = self.pooling.check(prompts, params)
+        if reason is not None:
+            return [_error(request_id, reason)]
+        self.pooling.add(PoolingJob(request_id, prompts, params))
+        return []
+
+    def _pooling_step(self) -> tuple[list[PooledOutput], list[SampleFinish]]:
+        """Run the next pooling step, if its jobs find blocks: a pooling request ends with its
+        PooledOutput and a STOP finish; a generation request's samples are scheduled after
+        its prompt logprobs. A failed step fails its jobs' requests alone."""
+        jobs = self.pooling.pick()
+        if not jobs:
+            return [], []
+        try:
+            pooled = self.pooling.run(jobs)
+        except Exception as e:
+            if _is_fatal(e):
+                raise EngineBrokenError(f"{_describe(e)}; the engine cannot go on after it") from e
+            failed = [job.request_id for job in jobs]
+            self.abort([job.request_id for job in jobs if job.then])
+            message = f"the engine failed a pooling step: {_describe(e)}"
+            return [], [_error(rid, message) for rid in failed]
+        finished = []
+        for job in jobs:
+            if not job.then:
+                finished.append(SampleFinish(job.request_id, FinishReason.STOP))
+            for seq in job.then:
+                self.scheduler.add(seq)
+        return pooled, finished
 
     def _admit_compiled(self, block: bool) -> list[SampleFinish]:
         """Schedule the requests whose grammar is ready (waiting a little for one when `block`);
@@ -203,6 +272,7 @@ class EngineCore:
         `indices[j]` of `request_ids[j]`; unknown ids and indices, and finished samples, are
         skipped."""
         if indices is None:
+            pooled = [rid for rid in dict.fromkeys(request_ids) if self.pooling.remove(rid)]
             live = [rid for rid in dict.fromkeys(request_ids) if rid in self.requests]
             seqs = [seq for rid in live for seq in self.requests.pop(rid)]
             for rid in live:
@@ -211,7 +281,8 @@ class EngineCore:
             unfinished = [seq for seq in seqs if not seq.is_finished]
             self.scheduler.abort(unfinished)
             self.runner.release(seqs)
-            return [_finish(seq) for seq in unfinished]
+            aborted = [SampleFinish(rid, FinishReason.ABORT) for rid in pooled if rid not in live]
+            return aborted + [_finish(seq) for seq in unfinished]
         picked: dict[Sequence, None] = {}
         # NOTE: not strict: a malformed Abort must not end the core's loop.
         for rid, index in zip(request_ids, indices):
@@ -240,7 +311,7 @@ class EngineCore:
                 del self.requests[rid]
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or self._ahead is not None
+        return bool(self.requests) or bool(self.pooling.jobs) or self._ahead is not None
 
     def step(self) -> EngineOutputs:
         """Schedule, run and apply one step; an empty EngineOutputs when nothing could run.
@@ -302,6 +373,13 @@ class EngineCore:
         run_step = self._overlap_step if self.config.async_scheduling else self._normal_step
         outputs = run_step(planned)
         self.last_step_tokens = sum(out.num_batched_tokens for out in planned)
+        if self.pooling.jobs:
+            pooled, finished = self._pooling_step()
+            errors += finished
+            if pooled and outputs is None:
+                outputs = EngineOutputs()
+            if outputs is not None:
+                outputs.pooled = pooled
         if outputs is None:
             return EngineOutputs(finished=errors)
         outputs.finished = errors + outputs.finished
@@ -407,6 +485,8 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()
+        stats.num_waiting += len(self.pooling.jobs)
+        stats.num_prompt_tokens += self.pooling.num_prompt_tokens
         stats.step_time_s = self._step_time
         stats.forward_time_s = self._forward_time
         return stats

@@ -216,9 +216,9 @@ class _Watchdog:
 def _serve(config: EngineConfig, in_q: queue.Queue, out_q: queue.Queue, watchdog: _Watchdog) -> int:
     """Build the engine and run the busy loop; failures become messages and a non-zero code."""
     try:
-        from vbatch.engine.core import EngineCore
+        from vbatch.engine.encoder_core import make_core
 
-        core = EngineCore(config, on_progress=lambda stage: out_q.put(StartupProgress(stage)))
+        core = make_core(config, on_progress=lambda stage: out_q.put(StartupProgress(stage)))
     except BaseException as e:
         out_q.put(StartupFailed(message=_describe(e), traceback=traceback.format_exc()))
         return 1

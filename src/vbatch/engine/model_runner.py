@@ -113,7 +113,9 @@ class ModelRunner:
                     f"--quantization int8 is not {WORTHWHILE_SPEEDUP:g}x faster than fp32 on "
                     f"this CPU: {describe_int8_choice(choice)}"
                 )
-        if config.greedy_screen is not False and can_use_greedy_screen(self.device, self.dtype):
+        has_lm_head = model_config.head == "lm"
+        screenable = has_lm_head and can_use_greedy_screen(self.device, self.dtype)
+        if config.greedy_screen is not False and screenable:
             progress("choosing kernels")
             if config.greedy_screen is None:
                 screen = choose_greedy_screen(

@@ -138,6 +138,8 @@ class ProgressLine:
 
 def _header(snap: JobSnapshot) -> list[Text]:
     lines = [_line("model", snap.model or "--")]
+    if snap.task != "generate":
+        lines.append(_line("task", snap.task, "bold"))
     if snap.device:
         parts = [snap.device, snap.dtype, f"{snap.attention_backend} attention"]
         if snap.num_kv_blocks is not None:
@@ -202,6 +204,14 @@ def _throughput_section(snap: JobSnapshot) -> list[RenderableType]:
     def row(label: str, recent: float, overall: float) -> Text:
         return _line(label, f"{fmt_rate(recent):>9} {fmt_rate(overall):>9}")
 
+    if snap.task != "generate":
+        # NOTE: a pooling job reads prompts and generates nothing.
+        return [
+            Text("Throughput", style="bold"),
+            _line("", f"{'10s':>9} {'job':>9}", "dim"),
+            row("rows/s", snap.rows_per_s, snap.rows_per_s_overall),
+            row("prompt tok/s", snap.prompt_tps, snap.prompt_tps_overall),
+        ]
     return [
         Text("Throughput", style="bold"),
         _line("", f"{'10s':>9} {'job':>9}", "dim"),

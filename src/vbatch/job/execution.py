@@ -24,11 +24,29 @@ from vbatch.job.manifest import Manifest
 from vbatch.job.options import RunOptions
 from vbatch.job.paths import resume_command
 from vbatch.job.reader import InputReader
-from vbatch.job.results import TokenStrings, error_row, openai_line, parquet_schema, result_row
+from vbatch.job.results import (
+    OPENAI_ID_PREFIX,
+    TokenStrings,
+    error_row,
+    openai_custom_id,
+    openai_line,
+    parquet_schema,
+    result_row,
+)
 from vbatch.job.rows import InputRow, RowParser
 from vbatch.job.stopping import StopControl, StopNow, StopOnSignal
+from vbatch.job.tasks import (
+    Task,
+    embedding_dimension,
+    openai_embeddings_line,
+    pooled_error_row,
+    pooled_row,
+    pooling_params,
+    task_schema,
+)
 from vbatch.job.validation import OutputChecker
 from vbatch.job.writer import open_writer
+from vbatch.models.config import read_id2label
 from vbatch.sampling_params import SamplingParams
 
 EXIT_INTERRUPTED = 75
@@ -70,6 +88,9 @@ class JobExecution:
             model_names=frozenset(n for n in (model.source, model.name, model.repo_id) if n),
             openai_defaults=self.defaults.updated(manifest.options.openai_defaults),
         )
+        self.task = manifest.options.task
+        self.task_params = pooling_params(self.task, manifest.options.dimensions)
+        self.labels: dict[int, str] = {}
         self.schema = None
         if manifest.output_format == "parquet":
             kept = self.columns.keep_columns
@@ -80,6 +101,13 @@ class JobExecution:
                 manifest.options.parse_json,
                 reasoning=manifest.options.reasoning_parser is not None,
             )
+            if self.task_params is not None:
+                self.schema = task_schema(
+                    self.task,
+                    manifest.id_kind,
+                    self._dimension(),
+                    [self.schema.field(name) for name in kept],
+                )
         self.writer = open_writer(job_dir, journal, manifest, self.schema)
         self.in_flight: dict[int, InputRow] = {}
         self.num_errors = len(journal.state.errors)
@@ -95,6 +123,16 @@ class JobExecution:
         self.token_bytes: Callable[[int], list[int]] | None = None
         self.metrics: Any = None
         self.interruptible = True
+
+    def _dimension(self) -> int | None:
+        if self.task != Task.EMBED.value:
+            return None
+        return embedding_dimension(self._model_dir(), self.manifest.options.dimensions)
+
+    def _model_dir(self) -> Path:
+        from vbatch.models.loader import resolve_model
+
+        return resolve_model(self.manifest.model_to_load()).hf_dir
 
     def _max_errors(self, limit: float | None) -> int | None:
         if limit is None:
@@ -118,6 +156,7 @@ class JobExecution:
             model=self.manifest.model.name,
             input_path=self.manifest.input_path,
             output_path=str(output),
+            task=self.manifest.options.task,
         )
         display = ProgressDisplay(
             self.metrics,
@@ -241,6 +280,8 @@ class JobExecution:
             self.metrics.set_stats_source(lambda: llm.latest_stats, llm.engine_reports)
             tokens = TokenStrings(lambda: llm.tokenizer)
             self.token_text, self.token_bytes = tokens.text, tokens.bytes
+            if self.task == Task.CLASSIFY.value:
+                self.labels = read_id2label(self._model_dir())
             self.metrics.set_state("running")
             self._loop(llm)
             self._commit()
@@ -281,6 +322,17 @@ class JobExecution:
                         self._commit()
                     continue
                 row = self.in_flight.pop(result.index)
+                pooled_task = self._pooled_task(row)
+                if pooled_task is not None:
+                    values = pooled_row(
+                        row,
+                        result,
+                        pooled_task,
+                        self.labels,
+                        include_tokens=self.manifest.options.include_token_ids,
+                    )
+                    self._emit(row, values, is_input_error=_refused(result))
+                    continue
                 if result.error is None and any(o.finish_reason == "abort" for o in result.outputs):
                     continue
                 self._emit(row, self._result_values(row, result), is_input_error=_refused(result))
@@ -299,8 +351,16 @@ class JobExecution:
             if self.stop.is_stopping:
                 self._show_stop()
                 break
+            if row.error is None:
+                row.error = self._task_mismatch(row)
             if row.error is not None:
-                self._emit(row, error_row(row, row.error), is_input_error=True)
+                task = self._pooled_task(row)
+                values = (
+                    error_row(row, row.error)
+                    if task is None
+                    else pooled_error_row(row, str(task), row.error)
+                )
+                self._emit(row, values, is_input_error=True)
                 continue
             self.in_flight[row.index] = row
             self.checker.note((row.sampling_params or self.defaults).structured)
@@ -312,8 +372,26 @@ class JobExecution:
                 messages=row.messages,
                 sampling_params=row.sampling_params,
                 chat_template_kwargs=row.chat_template_kwargs,
+                pooling_params=row.pooling_params or self.task_params,
             )
         self.stop.is_waiting = self.interruptible
+
+    def _pooled_task(self, row: InputRow) -> str | None:
+        """The pooling task whose row shape `row` gets (an embeddings line's in any job)."""
+        if row.openai_kind == "embeddings":
+            return Task.EMBED.value
+        return None if self.task_params is None else self.task
+
+    def _task_mismatch(self, row: InputRow) -> str | None:
+        """Why `row` cannot run in this job's task, or None."""
+        where = row.location
+        if self.task_params is not None and row.openai_kind in ("chat", "completions"):
+            return f"{where}: a {row.openai_kind} line in a --task {self.task} job"
+        if row.openai_kind == "embeddings" and self.task not in ("embed", "generate"):
+            return f"{where}: an embeddings line in a --task {self.task} job"
+        if row.openai_kind == "embeddings" and self.task == "generate" and self.schema is not None:
+            return f"{where}: embeddings lines in a Parquet output need --task embed"
+        return None
 
     def _result_values(self, row: InputRow, result: Any) -> dict[str, Any]:
         """The output row of a finished request; an error row when building it raised."""
@@ -349,14 +427,14 @@ class JobExecution:
             values = error_row(row, _unwritable(row, e), values["prompt_tokens"])
             self.writer.add(values, None, self._line(row, values))
             is_input_error = True
-        if values["structured_valid"] is False:
+        if values.get("structured_valid") is False:
             self.num_invalid += 1
         is_error = values["error"] is not None
         self.metrics.on_result(
             finish_reason=values["finish_reason"],
             prompt_tokens=values["prompt_tokens"],
-            completion_tokens=values["completion_tokens"],
-            cached_tokens=values["cached_tokens"],
+            completion_tokens=values.get("completion_tokens", 0),
+            cached_tokens=values.get("cached_tokens", 0),
             error_kind=("input" if is_input_error else "engine") if is_error else None,
         )
         if is_error:
@@ -373,6 +451,14 @@ class JobExecution:
     def _line(self, row: InputRow, values: dict[str, Any]) -> dict[str, Any] | None:
         if not self.manifest.options.openai_output:
             return None
+        if row.openai_kind == "embeddings":
+            return openai_embeddings_line(
+                row,
+                values,
+                self.manifest.model.name,
+                openai_custom_id(row),
+                f"{OPENAI_ID_PREFIX}{row.index}",
+            )
         return openai_line(row, values, self.manifest.model.name, self.token_text, self.token_bytes)
 
     def _commit(self) -> None:

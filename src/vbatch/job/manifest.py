@@ -62,6 +62,9 @@ class JobOptions(msgspec.Struct, frozen=True, kw_only=True):
     # NOTE: the sampling defaults an OpenAI Batch line gets over `sampling` (OPENAI_LINE_DEFAULTS
     # less the options given on the command line); empty in a manifest written before them.
     openai_defaults: dict[str, Any] = msgspec.field(default_factory=dict)
+    # NOTE: `--task` (job/tasks.py) and the embeddings' Matryoshka width (`--dimensions`).
+    task: str = "generate"
+    dimensions: int | None = None
     commit_every_rows: int = RunOptions.commit_every_rows
     commit_every_seconds: float = RunOptions.commit_every_seconds
     max_errors: float | None = RunOptions.max_errors

@@ -41,6 +41,8 @@ _RESULT_OPTIONS = (
     "require_valid_json",
     "openai_output",
     "openai_defaults",
+    "task",
+    "dimensions",
 )
 _RUN_ROWS = 65536
 

@@ -91,6 +91,7 @@ class JobSnapshot:
     engines: tuple[EngineSnapshot, ...] = ()
     kernels: tuple[str, ...] = ()
     notices: tuple[str, ...] = ()
+    task: str = "generate"  # --task: a pooling job generates no tokens
 
     @property
     def num_truncated(self) -> int:
@@ -135,8 +136,10 @@ class JobMetrics:
         input_path: str = "",
         output_path: str = "",
         clock: Callable[[], float] = time.monotonic,
+        task: str = "generate",
     ) -> None:
         self._clock = clock
+        self._task = task
         self._lock = threading.Lock()
         self._model = model
         self._input_path = input_path
@@ -362,6 +365,7 @@ class JobMetrics:
                 max(self._drain_deadline - now, 0.0) if self._drain_deadline is not None else None
             ),
             engines=_engine_snapshots(self._reports, base.reports),
+            task=self._task,
         )
 
 

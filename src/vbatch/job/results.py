@@ -16,6 +16,7 @@ from vbatch.client.reasoning import split_reasoning
 from vbatch.errors import JobStateError
 from vbatch.job.encoding import fits_int64, json_default, parquet_kept_type
 from vbatch.job.rows import InputRow
+from vbatch.job.tasks import OPTIONAL_TASK_COLUMNS
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -393,7 +394,11 @@ def line_index(line: bytes) -> int:
 
 def jsonl_bytes(values: dict[str, Any], kept: dict[str, Any] | None) -> bytes:
     """One JSONL line; kept values JSON has no type for are encoded by `json_default`."""
-    out = {k: v for k, v in values.items() if v is not None or k not in OPTIONAL_COLUMNS}
+    out = {
+        k: v
+        for k, v in values.items()
+        if v is not None or (k not in OPTIONAL_COLUMNS and k not in OPTIONAL_TASK_COLUMNS)
+    }
     if kept:
         out.update(kept)
     return orjson.dumps(
@@ -467,7 +472,7 @@ def parquet_values(
     an id that does not fit it here means the input changed under the job.
     """
     out = dict(values)
-    if out["stop_reason"] is not None:
+    if out.get("stop_reason") is not None:
         out["stop_reason"] = str(out["stop_reason"])
     row_id = out["id"]
     if id_kind == "str" and row_id is not None:
@@ -482,7 +487,7 @@ def parquet_values(
             "64-bit integers (fixed when the job started, from the ids in the input then). "
             "The input changed; start again with `vbatch run ... --overwrite`"
         )
-    if out["json"] is not None:
+    if out.get("json") is not None:
         out["json"] = orjson.dumps(out["json"]).decode()
     if kept:
         for name, value in kept.items():

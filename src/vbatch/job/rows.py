@@ -8,10 +8,16 @@ from typing import Any
 
 from vbatch.client.tokenizer import check_template_kwargs, validate_messages
 from vbatch.errors import InputError, SamplingParamsError
+from vbatch.job.tasks import embeddings_request
+from vbatch.pooling_params import PoolingParams
 from vbatch.sampling_params import SamplingParams
 from vbatch.structured import from_response_format, row_structured
 
-OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+OPENAI_URLS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/embeddings": "embeddings",
+}
 # NOTE: body keys read elsewhere or that do not change the result pass here; any other unknown key
 # is an error row, so that e.g. a `tools` list the engine cannot honour is never dropped.
 OPENAI_IGNORED_KEYS = frozenset(
@@ -65,7 +71,7 @@ class InputRow:
     index: int
     location: str
     id: str | int | None
-    prompt: str | None = None
+    prompt: str | list[str] | None = None
     messages: list[dict[str, Any]] | None = None
     sampling_params: SamplingParams | None = None
     openai_kind: str | None = None
@@ -73,6 +79,9 @@ class InputRow:
     error: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = False
+    # NOTE: an OpenAI embeddings line's (its `input` may be a list of strings, then `prompt`).
+    pooling_params: PoolingParams | None = None
+    encoding_format: str | None = None
 
 
 class RowError(ValueError):
@@ -218,6 +227,12 @@ class RowParser:
             raise RowError(
                 f"body.model {model!r} is not this job's model; give one of {names}, or no model"
             )
+        if row.openai_kind == "embeddings":
+            try:
+                row.prompt, row.pooling_params, row.encoding_format = embeddings_request(body)
+            except ValueError as e:
+                raise RowError(str(e)) from None
+            return
         if row.openai_kind == "chat":
             row.messages = validate_messages(body.get("messages"), "body.messages")
         else:

@@ -85,6 +85,8 @@ class JobSpec:
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_parser: str | None = None
     openai_defaults: dict[str, Any] = field(default_factory=dict)
+    task: str = "generate"
+    dimensions: int | None = None
 
 
 @dataclass(frozen=True)
@@ -277,6 +279,8 @@ def _prepare_job(
             chat_template_kwargs=template_kwargs,
             reasoning_parser=spec.reasoning_parser,
             openai_defaults=dict(spec.openai_defaults),
+            task=spec.task,
+            dimensions=spec.dimensions,
             **options.result_settings(),
         ),
         shard=None if spec.shard is None else _shard_record(spec.shard, scan.input_rows),

@@ -17,6 +17,27 @@ from vbatch.models import families, hf_defaults
 
 SUPPORTED_ARCHITECTURES = families.SUPPORTED_ARCHITECTURES
 SUPPORTED_ROPE_TYPES = families.SUPPORTED_ROPE_TYPES
+# NOTE: encoder-only models run by models/bert.py (XLM-RoBERTa and RoBERTa are BERT with
+# positions counted from the padding id + 1).
+ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel", "RobertaModel")
+
+
+def read_id2label(path: str | Path) -> dict[int, str]:
+    """A classifier's label names from its config.json (empty without them)."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+        return {int(k): str(v) for k, v in (raw.get("id2label") or {}).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def is_encoder_dir(path: str | Path) -> bool:
+    """Whether the model in `path` is an encoder-only one (by its config.json)."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return any(a in ENCODER_ARCHITECTURES for a in raw.get("architectures") or [])
 
 
 @dataclass(frozen=True)
@@ -67,6 +88,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
     moe_layers: tuple[bool, ...] = field(default=())  # per layer; () means no MoE layer
+    # What follows the final norm: the LM head ("lm"), a classifier's `score` linear to
+    # num_labels ("score", *ForSequenceClassification), or nothing ("none", the bare *Model).
+    head: str = "lm"
+    num_labels: int = 0
 
     @property
     def attention_scale(self) -> float:
@@ -119,7 +144,10 @@ class ModelConfig:
         cls, raw: dict[str, Any], generation: dict[str, Any] | None = None
     ) -> ModelConfig:
         architectures = raw.get("architectures") or []
-        architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        architecture, head = next(
+            (found for a in architectures if (found := _decoder_architecture(a)) is not None),
+            (None, "lm"),
+        )
         if architecture is None:
             raise ModelLoadError(
                 f"unsupported architecture {architectures or raw.get('model_type')!r}; "
@@ -155,6 +183,8 @@ class ModelConfig:
                 else (generation or {}).get("bos_token_id")
             ),
             eos_token_ids=_eos_token_ids(raw, generation or {}),
+            head=head,
+            num_labels=_num_labels(raw) if head == "score" else 0,
         )
         # NOTE: the family reader sees the common fields and returns what it adds or overrides,
         # rope included (its parameters live in family-specific places).
@@ -178,6 +208,25 @@ class ModelConfig:
             raise ModelLoadError(
                 f"bad experts: top {self.num_experts_per_tok} of {self.num_experts}"
             )
+
+
+def _decoder_architecture(name: str) -> tuple[str, str] | None:
+    """(the supported causal-LM architecture, head) that `name` is: `XForCausalLM` itself,
+    `XForSequenceClassification` with a score head, the bare `XModel` with none."""
+    for suffix, head in (("ForCausalLM", "lm"), ("ForSequenceClassification", "score")):
+        if name.endswith(suffix):
+            causal = name.removesuffix(suffix) + "ForCausalLM"
+            return (causal, head) if causal in SUPPORTED_ARCHITECTURES else None
+    if name.endswith("Model"):
+        causal = name.removesuffix("Model") + "ForCausalLM"
+        return (causal, "none") if causal in SUPPORTED_ARCHITECTURES else None
+    return None
+
+
+def _num_labels(raw: dict[str, Any]) -> int:
+    if "num_labels" in raw:
+        return int(raw["num_labels"])
+    return len(raw.get("id2label") or {}) or 2
 
 
 def _eos_token_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:

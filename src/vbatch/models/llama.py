@@ -212,8 +212,14 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_native_ops)
         self.lm_head = (
             None
-            if config.tie_word_embeddings
+            if config.tie_word_embeddings or config.head != "lm"
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        # NOTE: *ForSequenceClassification's head, applied by the pooler to last tokens only.
+        self.score = (
+            nn.Linear(config.hidden_size, config.num_labels, bias=False)
+            if config.head == "score"
+            else None
         )
         self.rotary = RotaryEmbedding(
             config.rotary_dim,

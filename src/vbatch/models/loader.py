@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vbatch.errors import ModelLoadError
-from vbatch.models.config import ModelConfig
+from vbatch.models.config import ModelConfig, is_encoder_dir
 from vbatch.models.hub import HubSnapshot, find_snapshot, parse_hub_id
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -168,7 +168,8 @@ def _resolve_hf_dir(location: ModelLocation) -> ResolvedModel:
             )
         raise ModelLoadError(f"model directory {path} has no config.json")
     weights = weight_files(path)
-    ModelConfig.from_hf_dir(path)
+    if not is_encoder_dir(path):
+        ModelConfig.from_hf_dir(path)
     return ResolvedModel(
         source=location.source,
         hf_dir=path,

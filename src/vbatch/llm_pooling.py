@@ -1,0 +1,219 @@
+"""LLM's prefill-only side: `encode`, `embed`, `classify`, `reward`, `score` with vLLM's names and
+output shapes, the submission of pooling requests, and prompt logprobs on generation outputs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+
+from vbatch.client.outputs import Request, RequestOutput, RequestState
+from vbatch.client.pooling_outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    PoolingState,
+    ScoringOutput,
+    ScoringRequestOutput,
+    class_probs,
+    pooling_output,
+    prompt_logprobs_of,
+)
+from vbatch.errors import VbatchError
+from vbatch.models.config import read_id2label
+from vbatch.pooling_params import PoolingParams, PoolingTask
+from vbatch.protocol import AddRequest, pack_token_ids
+from vbatch.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from vbatch.client.tokenizer import TextTokenizer
+    from vbatch.models.loader import ResolvedModel
+
+# NOTE: the wire needs sampling params; a pooling request samples nothing, and its one token
+# is what data-parallel placement counts it for besides its prompt.
+_PREFILL_ONLY = SamplingParams(max_tokens=1)
+PromptInput = str | list[str] | Request
+
+
+class PoolingMethods:
+    """Mixed into LLM; relies on its tokenizer, client, request ids and `_stream`."""
+
+    tokenizer: TextTokenizer
+    model: ResolvedModel
+    _client: Any
+    _request_ids: Any
+    _stream: Any
+    _tokenize: Any
+
+    def encode(
+        self, prompts: PromptInput | Iterable[PromptInput], pooling_params: PoolingParams
+    ) -> list[PoolingRequestOutput]:
+        """Run every prompt through the model without generating; results in input order."""
+        items = [prompts] if isinstance(prompts, (str, Request)) else list(prompts)
+        requests = [_pooling_request(item, pooling_params) for item in items]
+        results: list[Any] = [None] * len(requests)
+        for position, out in self._stream(requests, None, None):
+            results[position] = out
+        return results
+
+    def embed(
+        self,
+        prompts: PromptInput | Iterable[PromptInput],
+        *,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        params = PoolingParams(
+            PoolingTask.EMBED,
+            dimensions=dimensions,
+            normalize=normalize,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
+        return [
+            EmbeddingRequestOutput(
+                out.request_id,
+                EmbeddingOutput(out.outputs.data.tolist()),
+                out.prompt_token_ids,
+                error=out.error,
+            )
+            for out in self.encode(prompts, params)
+        ]
+
+    def classify(
+        self,
+        prompts: PromptInput | Iterable[PromptInput],
+        *,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities (softmax; a sigmoid for one label) from the classifier head."""
+        params = PoolingParams(PoolingTask.CLASSIFY, truncate_prompt_tokens=truncate_prompt_tokens)
+        labels = self.id2label()
+        results = []
+        for out in self.encode(prompts, params):
+            logits = out.outputs.data
+            probs = class_probs(logits) if logits.size else logits
+            label = labels.get(int(np.argmax(probs))) if probs.size else None
+            results.append(
+                ClassificationRequestOutput(
+                    out.request_id,
+                    ClassificationOutput(probs.tolist(), logits.tolist(), label),
+                    out.prompt_token_ids,
+                    error=out.error,
+                )
+            )
+        return results
+
+    def reward(
+        self,
+        prompts: PromptInput | Iterable[PromptInput],
+        *,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """A reward model's raw scores (the classifier head's logits)."""
+        params = PoolingParams(PoolingTask.CLASSIFY, truncate_prompt_tokens=truncate_prompt_tokens)
+        return self.encode(prompts, params)
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """Cosine similarity of the embeddings of text_1 and text_2 pairwise (one text_1 against
+        every text_2), as vLLM scores with an embedding model."""
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds):
+            raise VbatchError(f"score: {len(firsts)} text_1 against {len(seconds)} text_2")
+        outs = self.embed(
+            [Request(prompt=[a, b]) for a, b in zip(firsts, seconds, strict=True)],
+            normalize=True,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
+        results = []
+        for out in outs:
+            pair = np.asarray(out.outputs.embedding, dtype=np.float64)
+            value = float(pair[0] @ pair[1]) if out.error is None else float("nan")
+            results.append(
+                ScoringRequestOutput(
+                    out.request_id, ScoringOutput(value), out.prompt_token_ids, error=out.error
+                )
+            )
+        return results
+
+    def id2label(self) -> dict[int, str]:
+        """The classifier's label names from config.json (empty without them)."""
+        return read_id2label(self.model.hf_dir)
+
+    def _submit_pooling(
+        self,
+        batch: list[tuple[int, Request]],
+        live: dict[str, Any],
+        ready: list[tuple[int, Any]],
+    ) -> None:
+        """Tokenize pooling requests (each string of a list prompt on its own) and send them."""
+        pieces: list[Request] = []
+        for _, req in batch:
+            if isinstance(req.prompt, list):
+                pieces.extend(Request(prompt=text) for text in req.prompt)
+            else:
+                pieces.append(req)
+        tokenized = iter(ids for ids, _ in self._tokenize(pieces))
+        adds = []
+        for position, req in batch:
+            params = req.pooling_params
+            assert params is not None
+            count = len(req.prompt) if isinstance(req.prompt, list) else 1
+            prompts = [next(tokenized) for _ in range(count)]
+            problem = next((p for p in prompts if isinstance(p, str)), None)
+            if not prompts:
+                problem = "the input list is empty"
+            if problem is not None:
+                ready.append((position, pooling_output(req, position, [], params.task, problem)))
+                continue
+            keep = params.truncate_prompt_tokens
+            token_lists = [list(p)[-keep:] if keep else list(p) for p in prompts]
+            prompt_lens = [len(p) for p in token_lists] if isinstance(req.prompt, list) else None
+            prompt_ids = [t for p in token_lists for t in p]
+            rid = str(next(self._request_ids))
+            live[rid] = PoolingState(req, position, prompt_ids, params, prompt_lens)
+            wire = msgspec.structs.replace(params, prompt_lens=prompt_lens)
+            adds.append(
+                AddRequest(rid, pack_token_ids(prompt_ids), _PREFILL_ONLY, time.time(), wire)
+            )
+        if adds:
+            self._client.add_requests(adds)
+
+    def _with_prompt_logprobs(self, entry: RequestState, out: RequestOutput) -> RequestOutput:
+        """`out` with vLLM's prompt_logprobs when its request asked for them."""
+        if entry.pooled is not None and out.error is None:
+            out.prompt_logprobs = prompt_logprobs_of(
+                entry.pooled, entry.prompt_token_ids, self._token_texts
+            )
+        return out
+
+    def _token_texts(self, token_ids: list[int]) -> dict[int, str]:
+        texts = self.tokenizer.convert_ids_to_tokens(token_ids)
+        return {t: text for t, text in zip(token_ids, texts, strict=True) if text is not None}
+
+
+def _pooling_request(item: PromptInput, params: PoolingParams) -> Request:
+    if isinstance(item, Request):
+        if item.pooling_params is None:
+            item = Request(**{**item.__dict__, "pooling_params": params})
+        return item
+    if isinstance(item, (str, list)):
+        return Request(prompt=item, pooling_params=params)
+    raise VbatchError(
+        f"each input must be a prompt string, a list of them or a vbatch.llm.Request, "
+        f"got {type(item).__name__}"
+    )

@@ -1,0 +1,89 @@
+"""The core's pooling steps (engine/pooling.py) in process: jobs packed into steps beside
+generation, blocks held only during a step, the prefix cache left as it was, aborts, errors; and
+the sentence-transformers pooling config (models/poolers.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.tiny_pooling import write_sentence_transformers_files
+from vbatch.config import EngineConfig
+from vbatch.engine.core import EngineCore
+from vbatch.errors import ModelLoadError, SamplingParamsError
+from vbatch.models.poolers import PoolingConfig, read_pooling_config
+from vbatch.pooling_params import PoolingParams, PoolingTask
+from vbatch.protocol import AddRequest, FinishReason, pack_token_ids
+from vbatch.sampling_params import SamplingParams
+
+PREFILL_ONLY = SamplingParams(max_tokens=1)
+
+
+def test_pooling_steps_pack_jobs_beside_generation_and_give_their_blocks_back(
+    tiny_model_dir: Path,
+) -> None:
+    core = EngineCore(
+        EngineConfig(model=str(tiny_model_dir), max_num_batched_tokens=64, num_threads=1)
+    )
+    manager = core.scheduler.block_manager
+    num_free = manager.num_free_blocks
+    generate = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    core.add_request(AddRequest("gen", pack_token_ids(list(range(10, 50))), generate))
+    embed = PoolingParams(PoolingTask.EMBED)
+    for i in range(6):
+        ids = pack_token_ids(list(range(100 + i, 120 + i)))
+        assert core.add_request(AddRequest(f"e{i}", ids, PREFILL_ONLY, pooling=embed)) == []
+    long_ids = pack_token_ids(list(range(1, 201)))
+    assert core.add_request(AddRequest("long", long_ids, PREFILL_ONLY, pooling=embed)) == []
+    core.add_request(AddRequest("gone", pack_token_ids([5, 6]), PREFILL_ONLY, pooling=embed))
+    (aborted,) = core.abort(["gone"])
+    assert aborted.finish_reason == FinishReason.ABORT
+    classify = PoolingParams(PoolingTask.CLASSIFY)
+    (refused,) = core.add_request(
+        AddRequest("c", pack_token_ids([5]), PREFILL_ONLY, pooling=classify)
+    )
+    assert (
+        refused.finish_reason == FinishReason.ERROR and "ForSequenceClassification" in refused.error
+    )
+    pooled, finished, num_pooling_steps = {}, {}, 0
+    while core.has_unfinished():
+        out = core.step()
+        num_pooling_steps += bool(out.pooled)
+        pooled.update({p.request_id: p for p in out.pooled})
+        finished.update({f.request_id: f for f in out.finished})
+        # NOTE: between steps only generation holds blocks.
+        held = sum(len(seq.block_table) for seq in core.scheduler.running)
+        assert manager.num_free_blocks == num_free - held
+    assert set(pooled) == {f"e{i}" for i in range(6)} | {"long"}
+    assert all(finished[rid].finish_reason == FinishReason.STOP for rid in pooled)
+    # NOTE: 3 of the 20-token jobs fit a 64-token step; the 200-token one runs alone.
+    assert num_pooling_steps == 3
+    assert np.frombuffer(pooled["long"].data, "<f4").shape == (64,)
+    assert manager.num_free_blocks == num_free
+    # NOTE: the generated prompt's blocks are cached; no pooled prompt's block is.
+    assert manager.num_cached_blocks == 40 // core.config.block_size
+
+
+def test_pooling_params_are_checked() -> None:
+    with pytest.raises(SamplingParamsError, match="dimensions"):
+        PoolingParams(dimensions=0)
+    with pytest.raises(SamplingParamsError, match="truncate_prompt_tokens"):
+        PoolingParams(truncate_prompt_tokens=-1)
+    with pytest.raises(SamplingParamsError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)
+    with pytest.raises(SamplingParamsError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=True)
+
+
+def test_pooling_config_follows_the_sentence_transformers_files(tmp_path: Path) -> None:
+    assert read_pooling_config(tmp_path, "cls") == PoolingConfig("cls", True)
+    write_sentence_transformers_files(tmp_path, "mean", normalize=False)
+    assert read_pooling_config(tmp_path, "cls") == PoolingConfig("mean", False)
+    modules = json.loads((tmp_path / "modules.json").read_text())
+    modules.append({"idx": 3, "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ModelLoadError, match="Dense"):
+        read_pooling_config(tmp_path, "cls")

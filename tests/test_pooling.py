@@ -1,0 +1,173 @@
+"""Pooling end to end through LLM: embeddings against sentence-transformers, classifier logits and
+prompt logprobs against transformers, on tiny random models, prompts of mixed lengths, under
+chunked prefill and the prefix cache; the error rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.tiny_pooling import write_tiny_classifier, write_tiny_embedder
+from vbatch import LLM
+from vbatch.client.outputs import Request
+from vbatch.client.pooling_outputs import perplexity_of
+from vbatch.models.loader import ResolvedModel
+from vbatch.pooling_params import PoolingParams, PoolingTask
+from vbatch.sampling_params import SamplingParams
+
+TEXTS = [
+    "hello world",
+    "x",
+    "a much longer sentence about embeddings, pooling and batch jobs " * 6,
+    "The quick brown fox jumps over the lazy dog.",
+]
+# NOTE: small steps, so generation prompts are chunked and pooling steps hold several prompts.
+ENGINE = dict(max_num_batched_tokens=32, max_num_seqs=8, num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory: pytest.TempPathFactory, smollm2: ResolvedModel) -> Path:
+    out = tmp_path_factory.mktemp("tiny-embedder")
+    write_tiny_embedder(out, smollm2.hf_dir)
+    return out
+
+
+@pytest.fixture(scope="module")
+def classifier(
+    tmp_path_factory: pytest.TempPathFactory, smollm2: ResolvedModel
+) -> tuple[Any, Path]:
+    out = tmp_path_factory.mktemp("tiny-classifier")
+    return write_tiny_classifier(out, smollm2.hf_dir), out
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_embeddings_match_sentence_transformers(embedder: Path) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(str(embedder), device="cpu").encode(TEXTS)
+    with LLM(str(embedder), **ENGINE) as llm:
+        outs = llm.embed(TEXTS)
+        short = llm.embed(TEXTS, dimensions=16)
+        (pair,) = llm.embed([Request(prompt=TEXTS[:2])])
+        too_wide = llm.embed("x", dimensions=65)[0]
+        classified = llm.classify("x")[0]
+    for out, ref in zip(outs, reference, strict=True):
+        got = np.array(out.outputs.embedding)
+        assert out.error is None and got.shape == (64,)
+        assert _cosine(got, ref) >= 0.99999
+        assert np.abs(got - ref).max() <= 1e-4
+    for out, ref in zip(short, reference, strict=True):
+        want = ref[:16] / np.linalg.norm(ref[:16])
+        assert np.abs(np.array(out.outputs.embedding) - want).max() <= 1e-4
+    assert np.abs(np.array(pair.outputs.embedding) - reference[:2]).max() <= 1e-4
+    assert too_wide.error is not None and "embedding size 64" in too_wide.error
+    assert classified.error is not None and "ForSequenceClassification" in classified.error
+
+
+def test_classifier_logits_match_transformers(classifier: tuple[Any, Path]) -> None:
+    model, path = classifier
+    with LLM(str(path), **ENGINE) as llm:
+        outs = llm.classify(TEXTS)
+        rewards = llm.reward(TEXTS[:1])
+    for out in outs:
+        with torch.no_grad():
+            want = model(torch.tensor([out.prompt_token_ids])).logits[0].numpy()
+        assert np.abs(np.array(out.outputs.logits) - want).max() <= 1e-4
+        probs = torch.softmax(torch.from_numpy(want).double(), -1).numpy()
+        assert np.abs(np.array(out.outputs.probs) - probs).max() <= 1e-6
+        assert out.outputs.label == f"label_{int(np.argmax(want))}"
+    assert np.allclose(rewards[0].outputs.data, outs[0].outputs.logits)
+
+
+def _reference_logprobs(model_dir: Path, prompt_ids: list[int]) -> torch.Tensor:
+    """[len - 1, vocab]: log_softmax of transformers' logits at each prompt position."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1)
+
+
+def test_prompt_logprobs_match_transformers(tiny_model_dir: Path) -> None:
+    # NOTE: the second prompt shares the first's 40-token prefix, which the prefix cache then
+    # holds; prompt logprobs are computed by a pass that does not use it.
+    prefix = TEXTS[2]
+    prompts = [prefix, prefix + " and more", TEXTS[0]]
+    params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2)
+    with LLM(str(tiny_model_dir), enable_prefix_caching=True, **ENGINE) as llm:
+        plain = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0))
+        outs = llm.generate(prompts, params)
+        (scored,) = llm.encode(
+            Request(prompt=prompts[1]), PoolingParams(PoolingTask.PROMPT_LOGPROBS)
+        )
+    for out, base in zip(outs, plain, strict=True):
+        assert out.outputs[0].token_ids == base.outputs[0].token_ids
+        ids = out.prompt_token_ids
+        want = _reference_logprobs(tiny_model_dir, ids)
+        assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+        assert len(out.prompt_logprobs) == len(ids)
+        for pos, entry in enumerate(out.prompt_logprobs[1:]):
+            assert entry is not None
+            token = ids[pos + 1]
+            assert abs(entry[token].logprob - want[pos, token].item()) <= 1e-4
+            # NOTE: a rank counts the tokens above this one, within the logprobs' tolerance.
+            value = entry[token].logprob
+            above = int((want[pos] > value + 1e-4).sum()) + 1
+            assert above <= entry[token].rank <= int((want[pos] > value - 1e-4).sum()) + 1
+            top = torch.topk(want[pos], 2)
+            for rank, (value, alt) in enumerate(zip(top.values, top.indices), start=1):
+                assert abs(entry[int(alt)].logprob - value.item()) <= 1e-4
+                assert entry[int(alt)].rank == rank or int(alt) == token
+    ids = scored.prompt_token_ids
+    want = _reference_logprobs(tiny_model_dir, ids)
+    targets = want.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
+    assert np.abs(scored.outputs.data - targets).max() <= 1e-4
+    total, perplexity = perplexity_of(scored.outputs.data)
+    assert abs(perplexity - np.exp(-targets.astype(np.float64).mean())) <= 1e-3 * perplexity
+    assert abs(total - targets.sum()) <= 1e-3
+
+
+def test_long_prompts_are_errors_unless_truncated(embedder: Path) -> None:
+    long_text = "word " * 600
+    with LLM(str(embedder), **ENGINE) as llm:
+        refused, kept = llm.embed([long_text, "short"])
+        (truncated,) = llm.embed(long_text, truncate_prompt_tokens=100)
+    assert refused.error is not None and "601 tokens" in refused.error
+    assert "truncate_prompt_tokens" in refused.error
+    assert kept.error is None
+    assert truncated.error is None and len(truncated.prompt_token_ids) == 100
+
+
+@pytest.mark.slow
+def test_pooling_and_prompt_logprobs_under_data_parallel(
+    embedder: Path, tiny_model_dir: Path
+) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    texts = TEXTS * 4
+    reference = SentenceTransformer(str(embedder), device="cpu").encode(texts)
+    engine = {**ENGINE, "num_threads": 2}
+    with LLM(str(embedder), data_parallel_size=2, **engine) as llm:
+        outs = llm.embed(texts)
+    for out, ref in zip(outs, reference, strict=True):
+        assert np.abs(np.array(out.outputs.embedding) - ref).max() <= 1e-4
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=0)
+    with LLM(str(tiny_model_dir), data_parallel_size=2, **engine) as llm:
+        generated = llm.generate(texts, params)
+    for out in generated:
+        ids = out.prompt_token_ids
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ids)
+        if len(ids) < 2:
+            continue
+        want = _reference_logprobs(tiny_model_dir, ids)
+        targets = want.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
+        got = [entry[ids[pos + 1]].logprob for pos, entry in enumerate(out.prompt_logprobs[1:])]
+        assert np.abs(np.array(got) - targets).max() <= 1e-4

@@ -1,0 +1,173 @@
+"""Jobs of every pooling task (job/tasks.py): embed to Parquet interrupted and resumed, sharded
+and merged; classify and perplexity jobs; OpenAI /v1/embeddings lines."""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import pyarrow.parquet as pq
+import pytest
+import torch
+from helpers import SharedLLM, write_jsonl
+
+from benchmarks.tiny_pooling import write_tiny_classifier, write_tiny_embedder
+from vbatch.job.merge import merge_shards
+from vbatch.job.runner import JobSpec, RunOptions, resume_job, start_job
+from vbatch.job.shard import Shard
+from vbatch.models.loader import ResolvedModel
+
+QUIET = RunOptions(display="quiet", commit_every_rows=4, max_in_flight=8)
+RECORDS = [{"id": f"r{i}", "prompt": "some words " * (1 + i % 9) + str(i)} for i in range(24)]
+
+
+def read_output(path: Path) -> list[dict[str, Any]]:
+    if path.suffix == ".parquet":
+        return pq.read_table(path).to_pylist()
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory, smollm2: ResolvedModel) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("pooling-models")
+    write_tiny_embedder(root / "embed", smollm2.hf_dir)
+    classifier = write_tiny_classifier(root / "classify", smollm2.hf_dir)
+    return {"embed": root / "embed", "classify": root / "classify", "classifier": classifier}
+
+
+@pytest.fixture(scope="module")
+def engines(models: dict[str, Any], tiny_model_dir: Path) -> Iterator[dict[str, Any]]:
+    from vbatch.llm import LLM
+
+    paths = {"embed": models["embed"], "classify": models["classify"], "lm": tiny_model_dir}
+    started = {name: LLM(str(path), num_threads=1) for name, path in paths.items()}
+    yield started
+    for llm in started.values():
+        llm.shutdown()
+
+
+def _factory(llm: Any) -> Callable[..., Any]:
+    return lambda *args, **kwargs: SharedLLM(llm)
+
+
+class StoppingLLM(SharedLLM):
+    """The shared engine, whose stream sends this process two SIGINTs after `after` results."""
+
+    def __init__(self, llm: Any, after: int) -> None:
+        super().__init__(llm)
+        self.after = after
+
+    def stream(self, inputs: Any, sampling_params: Any = None, **kwargs: Any) -> Iterator[Any]:
+        results = (r for r in self.llm.stream(inputs, sampling_params, **kwargs) if r is not None)
+        for n, result in enumerate(results, start=1):
+            if n == self.after:
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)
+            yield result
+
+
+def test_embed_job_resumes_and_shards_merge_to_the_same_rows(
+    tmp_path: Path, models: dict[str, Any], engines: dict[str, Any]
+) -> None:
+    llm = engines["embed"]
+    input_path = write_jsonl(tmp_path / "in.jsonl", RECORDS)
+    job = JobSpec(input_path, tmp_path / "out.parquet", model=str(models["embed"]), task="embed")
+    stopped = start_job(job, QUIET, llm_factory=lambda *a, **k: StoppingLLM(llm, 6))
+    assert stopped.exit_code == 75 and 0 < stopped.status["done"] < len(RECORDS)
+    assert (
+        resume_job(job.output_path, {"display": "quiet"}, llm_factory=_factory(llm)).exit_code == 0
+    )
+    table = pq.read_table(job.output_path)
+    assert str(table.schema.field("embedding").type) == "fixed_size_list<element: float>[64]"
+    rows = {r["id"]: r for r in table.to_pylist()}
+    want = llm.embed([r["prompt"] for r in RECORDS])
+    for record, out in zip(RECORDS, want, strict=True):
+        row = rows[record["id"]]
+        assert row["error"] is None and row["dimension"] == 64
+        assert row["prompt_tokens"] == len(out.prompt_token_ids)
+        assert np.abs(np.array(row["embedding"]) - out.outputs.embedding).max() <= 1e-6
+    for index in range(2):
+        shard_job = JobSpec(
+            input_path,
+            tmp_path / "merged.parquet",
+            model=str(models["embed"]),
+            task="embed",
+            shard=Shard(index, 2),
+        )
+        assert start_job(shard_job, QUIET, llm_factory=_factory(llm)).exit_code == 0
+    merge_shards(tmp_path / "merged.parquet", ordered=True)
+    merged = {r["id"]: r["embedding"] for r in read_output(tmp_path / "merged.parquet")}
+    assert merged.keys() == rows.keys()
+    assert all(np.allclose(merged[k], rows[k]["embedding"], atol=1e-6) for k in rows)
+
+
+def test_classify_and_perplexity_jobs(
+    tmp_path: Path, models: dict[str, Any], engines: dict[str, Any], tiny_model_dir: Path
+) -> None:
+    input_path = write_jsonl(tmp_path / "in.jsonl", [*RECORDS[:6], {"id": "bad", "prompt": ""}])
+    classify = JobSpec(
+        input_path, tmp_path / "cls.jsonl", model=str(models["classify"]), task="classify"
+    )
+    assert start_job(classify, QUIET, llm_factory=_factory(engines["classify"])).exit_code == 0
+    rows = {r["id"]: r for r in read_output(classify.output_path)}
+    assert rows["bad"]["finish_reason"] == "error" and "label" in rows["bad"]
+    tokenizer = engines["classify"].tokenizer
+    for record in RECORDS[:6]:
+        row = rows[record["id"]]
+        ids = tokenizer.encode_batch([record["prompt"]], add_special_tokens=True)[0]
+        with torch.no_grad():
+            want = models["classifier"](torch.tensor([ids])).logits[0].numpy()
+        assert np.abs(np.array(row["logits"]) - want).max() <= 1e-4
+        assert row["label"] == f"label_{int(np.argmax(want))}" and abs(sum(row["probs"]) - 1) < 1e-5
+    perplexity = JobSpec(
+        input_path,
+        tmp_path / "ppl.parquet",
+        model=str(tiny_model_dir),
+        task="perplexity",
+        include_token_ids=True,
+    )
+    assert start_job(perplexity, QUIET, llm_factory=_factory(engines["lm"])).exit_code == 0
+    for row in read_output(perplexity.output_path):
+        if row["id"] == "bad":
+            assert row["error"] is not None and row["perplexity"] is None
+            continue
+        assert row["scored_tokens"] == row["prompt_tokens"] - 1 == len(row["token_logprobs"])
+        assert abs(row["logprob"] - sum(row["token_logprobs"])) <= 1e-3
+        assert abs(np.log(row["perplexity"]) + row["logprob"] / row["scored_tokens"]) <= 1e-6
+
+
+def test_openai_embeddings_lines(
+    tmp_path: Path, models: dict[str, Any], engines: dict[str, Any]
+) -> None:
+    def line(custom_id: str, body: dict[str, Any], url: str = "/v1/embeddings") -> dict:
+        return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+    lines = [
+        line("one", {"input": "hello world"}),
+        line("two", {"input": ["hello world", "x y"], "encoding_format": "base64"}),
+        line("short", {"input": "hello world", "dimensions": 8}),
+        line("bad", {"input": 3}),
+        line("unknown", {"input": "a", "user_field": 1}),
+    ]
+    input_path = write_jsonl(tmp_path / "in.jsonl", lines)
+    job = JobSpec(input_path, tmp_path / "out.jsonl", model=str(models["embed"]))
+    assert start_job(job, QUIET, llm_factory=_factory(engines["embed"])).exit_code == 0
+    out = {r["custom_id"]: r for r in read_output(job.output_path)}
+    one = out["one"]["response"]["body"]
+    assert one["object"] == "list" and one["data"][0]["object"] == "embedding"
+    assert one["usage"]["prompt_tokens"] == one["usage"]["total_tokens"] > 0
+    vector = np.array(one["data"][0]["embedding"], dtype=np.float32)
+    two = out["two"]["response"]["body"]["data"]
+    assert [d["index"] for d in two] == [0, 1]
+    first = np.frombuffer(base64.b64decode(two[0]["embedding"]), dtype="<f4")
+    assert np.abs(first - vector).max() <= 1e-6 and first.shape == (64,)
+    short = np.array(out["short"]["response"]["body"]["data"][0]["embedding"])
+    assert np.abs(short - vector[:8] / np.linalg.norm(vector[:8])).max() <= 1e-5
+    assert "body.input" in out["bad"]["error"]["message"]
+    assert "user_field" in out["unknown"]["error"]["message"]
