@@ -89,6 +89,11 @@ class EngineConfig:
     max_graph_batch_size: int = 256
     startup_timeout_s: float = 600.0
     heartbeat_timeout_s: float = 120.0
+    enable_lora: bool = False
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    # NOTE: (name, path) of the adapters the core loads at start-up, with ids 1, 2, ... in order.
+    loras: tuple[tuple[str, str], ...] = ()
 
     def validate(self) -> EngineConfig:
         if self.device not in DEVICES:
@@ -137,6 +142,15 @@ class EngineConfig:
             raise ConfigError(
                 f"heartbeat_timeout_s must be at least 1 second, got {self.heartbeat_timeout_s}"
             )
+        if self.loras and not self.enable_lora:
+            raise ConfigError("LoRA adapters were given but enable_lora is off")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        names = [name for name, _ in self.loras]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"LoRA adapter names must be distinct, got {', '.join(names)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         return self

@@ -8,6 +8,7 @@ import re
 import msgspec
 import numpy as np
 
+from vbatch.lora.request import LoraRef
 from vbatch.sampling_params import SamplingParams
 
 
@@ -39,6 +40,7 @@ class AddRequest(_Msg, tag=1):
     prompt_token_ids: bytes
     sampling_params: SamplingParams
     arrival_time: float = 0.0
+    lora: LoraRef | None = None
 
 
 class Abort(_Msg, tag=2):

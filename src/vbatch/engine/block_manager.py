@@ -24,6 +24,14 @@ ROOT_HASH: BlockHash = os.urandom(32)
 NULL_BLOCK = 0
 
 
+def root_hash(lora_id: int) -> BlockHash:
+    """The parent of a first block: one per LoRA adapter (0: the base model), as the same
+    tokens leave different K/V under each."""
+    if lora_id == 0:
+        return ROOT_HASH
+    return _sha256(ROOT_HASH + lora_id.to_bytes(8, "little")).digest()
+
+
 def hash_block(parent_hash: BlockHash, token_ids: SequenceOf[int]) -> BlockHash:
     """Chained digest of one full block: its tokens and, through the parent, all tokens before.
 
@@ -129,7 +137,7 @@ class BlockManager:
         start = len(hashes)
         if start < num_blocks:
             bs = self.block_size
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else root_hash(seq.lora_id)
             # NOTE: one conversion for all the blocks; hash_block(parent, block), digest for digest.
             packed = array("q", seq.token_ids[start * bs : num_blocks * bs]).tobytes()
             width = 8 * bs
