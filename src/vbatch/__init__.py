@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from vbatch.llm import LLM, CompletionOutput, RequestOutput
+    from vbatch.lora.request import LoRARequest
 
 __all__ = [
     "LLM",
@@ -23,6 +24,7 @@ __all__ = [
     "ConfigError",
     "EngineDeadError",
     "EngineStartupError",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "SamplingParamsError",
@@ -37,4 +39,8 @@ def __getattr__(name: str) -> Any:
         from vbatch import llm
 
         return getattr(llm, name)
+    if name == "LoRARequest":
+        from vbatch.lora.request import LoRARequest
+
+        return LoRARequest
     raise AttributeError(name)

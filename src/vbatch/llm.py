@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import queue
@@ -13,6 +14,7 @@ from typing import Any
 from vbatch.client.core_client import EngineCoreClient
 from vbatch.client.data_parallel import DataParallelClient
 from vbatch.client.detokenizer import IncrementalDetokenizer
+from vbatch.client.loras import ClientLoras
 from vbatch.client.outputs import (
     CompletionOutput,
     Request,
@@ -24,7 +26,8 @@ from vbatch.client.reasoning import check_reasoning_parser
 from vbatch.client.tokenizer import TextTokenizer, check_template_kwargs
 from vbatch.config import EngineConfig
 from vbatch.engines import EngineReport, EngineState
-from vbatch.errors import ConfigError, SamplingParamsError, VbatchError
+from vbatch.errors import ConfigError, LoraError, SamplingParamsError, VbatchError
+from vbatch.lora.request import LoRARequest
 from vbatch.protocol import (
     AddRequest,
     EngineOutputs,
@@ -55,6 +58,30 @@ def _as_request(item: str | list[dict] | Request) -> Request:
         f"each input must be a prompt string, a messages list or a vbatch.llm.Request, "
         f"got {type(item).__name__}"
     )
+
+
+def _with_loras(
+    items: list[Any], lora_request: LoRARequest | list[LoRARequest | None]
+) -> list[Any]:
+    """`items` as Requests carrying their adapter (one for all, or one per item)."""
+    if isinstance(lora_request, LoRARequest):
+        loras: list[LoRARequest | None] = [lora_request] * len(items)
+    else:
+        loras = list(lora_request)
+        if len(loras) != len(items):
+            raise LoraError(
+                f"lora_request has {len(loras)} entries for {len(items)} prompts; give one "
+                "per prompt or a single one"
+            )
+    with_loras = []
+    for item, lora in zip(items, loras, strict=True):
+        try:
+            request = _as_request(item)
+        except VbatchError:
+            with_loras.append(item)
+            continue
+        with_loras.append(dataclasses.replace(request, lora_request=lora))
+    return with_loras
 
 
 def _check_main_guard() -> None:
@@ -107,6 +134,7 @@ class LLM:
         self.model = resolved
         config = EngineConfig.from_dict({**engine_args, "model": str(resolved.local_path)})
         self.tokenizer = TextTokenizer.from_dir(resolved.hf_dir)
+        self.loras = ClientLoras(config.enable_lora, config.max_lora_rank, config.loras)
         self._client: EngineCoreClient | DataParallelClient
         if data_parallel_size > 1:
             self._client = DataParallelClient(
@@ -144,9 +172,14 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         *,
         use_progress: bool = False,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; results come back in input order."""
+        """Run every prompt to completion; results come back in input order. `lora_request`
+        (LLM(enable_lora=True)) runs every prompt with one adapter, or, a list, each prompt with
+        its own (None: the base model)."""
         items = [prompts] if isinstance(prompts, (str, Request)) else list(prompts)
+        if lora_request is not None:
+            items = _with_loras(items, lora_request)
         results: list[RequestOutput | None] = [None] * len(items)
         stream = self._stream(items, sampling_params, None)
         if not use_progress:
@@ -263,13 +296,18 @@ class LLM:
                 ready.append((position, error_output(Request(), position, [], str(e), 1)))
                 continue
             problem = self._check_params(req.sampling_params or defaults, checked)
+            if problem is None:
+                try:
+                    lora = self.loras.ref(req.lora_request)
+                except LoraError as e:
+                    problem = str(e)
             if problem is not None:
                 ready.append((position, error_output(req, position, [], problem, 1)))
                 continue
-            requests.append((position, req))
+            requests.append((position, req, lora))
         adds = []
-        tokenized = self._tokenize([req for _, req in requests])
-        for (position, req), prompt_ids in zip(requests, tokenized, strict=True):
+        tokenized = self._tokenize([req for _, req, _ in requests])
+        for (position, req, lora), prompt_ids in zip(requests, tokenized, strict=True):
             params = req.sampling_params or defaults
             if isinstance(prompt_ids, str):
                 ready.append((position, error_output(req, position, [], prompt_ids, params.n)))
@@ -286,7 +324,7 @@ class LLM:
                 structured=params.structured is not None,
                 reasoning_parser=self.reasoning_parser,
             )
-            adds.append(AddRequest(rid, pack_token_ids(prompt_ids), params, time.time()))
+            adds.append(AddRequest(rid, pack_token_ids(prompt_ids), params, time.time(), lora))
         if adds:
             self._client.add_requests(adds)
 

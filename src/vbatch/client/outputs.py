@@ -8,6 +8,7 @@ from typing import Any
 
 from vbatch.client.detokenizer import IncrementalDetokenizer
 from vbatch.client.reasoning import split_reasoning
+from vbatch.lora.request import LoRARequest
 from vbatch.protocol import FinishReason, SampleFinish, TokenLogprobs
 from vbatch.sampling_params import SamplingParams
 
@@ -38,6 +39,7 @@ class Request:
     prompt_token_ids: list[int] | None = None
     sampling_params: SamplingParams | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
