@@ -82,6 +82,7 @@ def run_request(params: Mapping[str, Any]) -> RunRequest:
     from vbatch.job.rows import ColumnOptions
     from vbatch.job.runner import JobSpec
     from vbatch.job.shard import parse_shard
+    from vbatch.lora.adapter import parse_lora_option
     from vbatch.structured import cli_structured
 
     values = {k: v.value if isinstance(v, Enum) else v for k, v in params.items()}
@@ -95,16 +96,22 @@ def run_request(params: Mapping[str, Any]) -> RunRequest:
     if structured is not None:
         sampling["structured"] = structured
     keep = values.pop("keep_columns") or ""
+    loras = tuple(parse_lora_option(value) for value in values.pop("lora") or ())
     columns = ColumnOptions(
         **take(tuple(f.name for f in fields(ColumnOptions))),
         keep_columns=tuple(c.strip() for c in keep.split(",") if c.strip()),
+        lora_names=tuple(name for name, _ in loras),
     )
+    if columns.lora_default is not None and columns.lora_default not in columns.lora_names:
+        raise ConfigError(f"--lora-default {columns.lora_default} is not one of the --lora names")
     display = "quiet" if values.pop("quiet") else "auto"
     overwrite = values.pop("overwrite")
     options = RunOptions(
         display=display, ray=_ray_settings(values), **_given(take(RUN_OPTION_FIELDS))
     )
     engine = {k: v for k, v in take(ENGINE_FIELDS).items() if v != getattr(ENGINE, k)}
+    if loras:
+        engine.update(enable_lora=True, loras=loras)
     shard = values.pop("shard")
     template_kwargs = _json_object(values.pop("chat_template_kwargs"), "--chat-template-kwargs")
     spec_fields = tuple(f.name for f in fields(JobSpec))
@@ -252,6 +259,11 @@ def run(
     async_scheduling: o.AsyncScheduling = ENGINE.async_scheduling,
     greedy_screen: o.GreedyScreen = ENGINE.greedy_screen,
     heartbeat_timeout_s: o.HeartbeatTimeout = ENGINE.heartbeat_timeout_s,
+    lora: o.Lora = None,
+    lora_default: o.LoraDefault = None,
+    lora_column: o.LoraColumn = None,
+    max_loras: o.MaxLoras = ENGINE.max_loras,
+    max_lora_rank: o.MaxLoraRank = ENGINE.max_lora_rank,
     max_tokens: o.MaxTokens = SAMPLING.max_tokens,
     temperature: o.Temperature = SAMPLING.temperature,
     top_p: o.TopP = SAMPLING.top_p,

@@ -95,6 +95,10 @@ class EngineConfig:
     # NOTE: (name, path) of the adapters the core loads at start-up, with ids 1, 2, ... in order.
     loras: tuple[tuple[str, str], ...] = ()
 
+    def __post_init__(self) -> None:
+        # NOTE: a manifest's JSON gives lists.
+        object.__setattr__(self, "loras", tuple((str(n), str(p)) for n, p in self.loras))
+
     def validate(self) -> EngineConfig:
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")

@@ -26,6 +26,7 @@ from vbatch.job.results import TokenStrings, error_row, openai_line, parquet_sch
 from vbatch.job.rows import InputRow, RowParser
 from vbatch.job.stopping import StopControl, StopNow, StopOnSignal
 from vbatch.job.writer import open_writer
+from vbatch.lora.request import startup_requests
 from vbatch.sampling_params import SamplingParams
 
 EXIT_INTERRUPTED = 75
@@ -81,8 +82,10 @@ class JobExecution:
                 self.reader.arrow_schema,
                 manifest.options.parse_json,
                 reasoning=manifest.options.reasoning_parser is not None,
+                lora=bool(self.columns.lora_names),
             )
         self.writer = open_writer(job_dir, journal, manifest, self.schema)
+        self.lora_requests = startup_requests(manifest.engine.get("loras"))
         self.in_flight: dict[int, InputRow] = {}
         self.num_errors = len(journal.state.errors)
         self.max_errors = self._max_errors(options.max_errors)
@@ -300,6 +303,7 @@ class JobExecution:
                 messages=row.messages,
                 sampling_params=row.sampling_params,
                 chat_template_kwargs=row.chat_template_kwargs,
+                lora_request=None if row.lora is None else self.lora_requests[row.lora],
             )
         self.stop.is_waiting = True
 

@@ -42,6 +42,11 @@ class ColumnOptions:
     id_column: str | None = None
     keep_columns: tuple[str, ...] = ()
     keep_all_columns: bool = False
+    # NOTE: with LoRA adapters (--lora), their names, the column naming a row's adapter
+    # (default: lora; an OpenAI Batch line's body.model) and the adapter of rows naming none.
+    lora_names: tuple[str, ...] = ()
+    lora_column: str | None = None
+    lora_default: str | None = None
 
 
 @dataclass
@@ -58,6 +63,7 @@ class InputRow:
     kept: dict[str, Any] | None = None
     error: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    lora: str | None = None
 
 
 class RowError(ValueError):
@@ -115,12 +121,32 @@ class RowParser:
                 self._parse_openai(record, row)
             else:
                 self._parse_plain(record, row)
+            if self.options.lora_names:
+                row.lora = self._lora(record)
         except (RowError, SamplingParamsError, InputError) as e:
             row.prompt = row.messages = row.sampling_params = None
             row.chat_template_kwargs = None
             row.error = f"{location}: {e}"
         row.kept = self._kept(record)
         return row
+
+    def _lora(self, record: dict[str, Any]) -> str | None:
+        """The adapter a row names (its lora column, or an OpenAI body's `model` when that
+        names an adapter), else the default one; a name no --lora gave is a RowError."""
+        options = self.options
+        if is_openai_record(record):
+            model = record["body"].get("model")
+            return model if model in options.lora_names else options.lora_default
+        column = options.lora_column or "lora"
+        name = record.get(column)
+        if name is None:
+            return options.lora_default
+        if not isinstance(name, str) or name not in options.lora_names:
+            raise RowError(
+                f"{column} {name!r} is not a LoRA adapter of this job "
+                f"(--lora gave {', '.join(options.lora_names)})"
+            )
+        return name
 
     def _kept(self, record: dict[str, Any]) -> dict[str, Any] | None:
         if self.options.keep_all_columns:

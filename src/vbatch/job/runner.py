@@ -18,6 +18,7 @@ import msgspec
 from vbatch.client.reasoning import check_reasoning_parser
 from vbatch.client.tokenizer import check_template_kwargs
 from vbatch.config import EngineConfig
+from vbatch.lora.adapter import read_adapter_config
 from vbatch.errors import ConfigError, InputError, JobStateError, is_storage_failure, storage_error
 from vbatch.job.execution import JobExecution
 from vbatch.job.finalize import finish_completion
@@ -120,9 +121,7 @@ def _resolve_columns(spec: JobSpec, reader: InputReader, keys: set[str] | None) 
     if columns.keep_all_columns:
         names = reader.columns if reader.columns is not None else sorted(keys or ())
         kept = tuple(n for n in names if n not in RESERVED_COLUMNS)
-        return ColumnOptions(
-            columns.prompt_column, columns.messages_column, columns.id_column, kept
-        )
+        return replace(columns, keep_columns=kept, keep_all_columns=False)
     return columns
 
 
@@ -197,6 +196,8 @@ def _prepare_job(
         raise InputError(f"--keep-columns {', '.join(clashes)} would overwrite output fields")
     defaults = SamplingParams.from_dict(spec.sampling)
     config = EngineConfig.from_dict({**spec.engine_args, "model": spec.model})
+    for name, path in config.loras:
+        read_adapter_config(name, path, config.max_lora_rank)
     if options.data_parallel_size > 1:
         from vbatch.client.placement import core_placements
 
@@ -226,7 +227,7 @@ def _prepare_job(
         id_kind=scan.id_kind,
         output_path=str(output.absolute()),
         output_format=fmt,
-        model=model_identity(spec.model),
+        model=model_identity(spec.model, spec.engine_args.get("loras")),
         engine=dict(spec.engine_args),
         sampling=defaults.to_dict(),
         options=JobOptions(
@@ -310,7 +311,7 @@ def _start_shard_like(
     input_path = Path(sibling.input_path)
     if not input_path.is_file():
         raise InputError(f"the input file {input_path} of shard {sibling.shard_spec} is gone")
-    identity = model_identity(sibling.model_to_load())
+    identity = model_identity(sibling.model_to_load(), sibling.engine.get("loras"))
     mismatches = sibling.mismatches(input_fingerprint(input_path), identity)
     if mismatches:
         raise JobStateError(
@@ -371,7 +372,7 @@ def _resume_locked(
     if not input_path.is_file():
         raise InputError(f"the job's input file {input_path} no longer exists")
     fingerprint = input_fingerprint(input_path)
-    identity = model_identity(manifest.model.source)
+    identity = model_identity(manifest.model.source, manifest.engine.get("loras"))
     mismatches = manifest.mismatches(fingerprint, identity)
     if mismatches and not force:
         raise JobStateError(

@@ -112,4 +112,4 @@ def parse_lora_option(value: str) -> tuple[str, str]:
     name, sep, path = value.partition("=")
     if not sep or not name.strip() or not path.strip():
         raise LoraError(f"--lora takes NAME=PATH, got {value!r}")
-    return name.strip(), path.strip()
+    return name.strip(), str(Path(path.strip()).expanduser().absolute())

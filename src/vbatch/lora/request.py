@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -35,3 +36,12 @@ class LoraRef(msgspec.Struct, array_like=True, gc=False, frozen=True):
     lora_id: int
     name: str
     path: str
+
+
+def startup_requests(loras: Iterable[Sequence[str]] | None) -> dict[str, LoRARequest]:
+    """Name → LoRARequest for an engine's start-up adapters ((name, path) pairs), with the ids
+    1, 2, ... the core gives them."""
+    return {
+        name: LoRARequest(name, lora_id, str(path))
+        for lora_id, (name, path) in enumerate(loras or (), start=1)
+    }
