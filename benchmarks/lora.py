@@ -134,9 +134,8 @@ def main() -> None:
     )
     for name, seconds in times.items():
         rate = tokens[name] / statistics.median(seconds)
-        print(
-            f"{name:28s} {rate:8.1f} tok/s  {rate / base_rate:5.2f}x base  (runs {[round(s, 2) for s in seconds]})"
-        )
+        runs = ", ".join(f"{s:.2f}" for s in seconds)
+        print(f"{name:28s} {rate:8.1f} tok/s  {rate / base_rate:5.2f}x base  (runs: {runs} s)")
 
 
 def merged(

@@ -18,7 +18,6 @@ import msgspec
 from vbatch.client.reasoning import check_reasoning_parser
 from vbatch.client.tokenizer import check_template_kwargs
 from vbatch.config import EngineConfig
-from vbatch.lora.adapter import read_adapter_config
 from vbatch.errors import ConfigError, InputError, JobStateError, is_storage_failure, storage_error
 from vbatch.job.execution import JobExecution
 from vbatch.job.finalize import finish_completion
@@ -47,6 +46,7 @@ from vbatch.job.reader import InputReader, InputScan, scan_input
 from vbatch.job.results import OUTPUT_COLUMNS
 from vbatch.job.rows import ColumnOptions, RowParser
 from vbatch.job.shard import Shard, shard_of_output
+from vbatch.lora.adapter import read_adapter_config
 from vbatch.sampling_params import SamplingParams
 
 # NOTE: kept input columns may not shadow output fields (vbatch rows or OpenAI Batch lines).
