@@ -7,7 +7,8 @@ the same tokens, prefix cache off so repeated rounds recompute. The scenarios ru
 does, so "each adapter as its own merged job" is timed as the base engine run over each
 adapter's rows in turn (model loads not counted, which favours it).
 
-python -m benchmarks.lora [--num-prompts 64] [--max-tokens 64] [--rounds 3] [--threads 2]
+python -m benchmarks.lora [--num-prompts 128] [--max-tokens 32] [--rounds 2] [--threads 2]
+    [--max-num-seqs 32]
 """
 
 from __future__ import annotations
@@ -85,10 +86,11 @@ def run(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
     args = parser.parse_args()
     resolved = resolve_model(None)
     model_config = ModelConfig.from_hf_dir(resolved.hf_dir)
@@ -103,7 +105,7 @@ def main() -> None:
         common = dict(
             model=str(resolved.local_path),
             num_threads=args.threads,
-            max_num_seqs=n,
+            max_num_seqs=args.max_num_seqs,
             enable_prefix_caching=False,
         )
         base = EngineCore(EngineConfig(**common))
@@ -129,8 +131,9 @@ def main() -> None:
     base_rate = tokens["base model, no LoRA"] / statistics.median(times["base model, no LoRA"])
     print(
         f"SmolLM2-135M fp32, {n} chat prompts x {args.max_tokens} tokens, greedy, "
-        f"threads={args.threads}, rank {RANK} on q,k,v,o,gate,up,down, {args.rounds} rounds "
-        f"interleaved; CPU {torch.backends.cpu.get_cpu_capability()}"
+        f"threads={args.threads}, max_num_seqs={args.max_num_seqs}, rank {RANK} on "
+        f"q,k,v,o,gate,up,down, {args.rounds} rounds interleaved; "
+        f"CPU {torch.backends.cpu.get_cpu_capability()}"
     )
     for name, seconds in times.items():
         rate = tokens[name] / statistics.median(seconds)

@@ -62,7 +62,8 @@ Lora = Annotated[
     list[str] | None,
     typer.Option(
         "--lora",
-        help="A PEFT LoRA adapter directory as NAME=PATH (repeatable); a row picks one by name.",
+        metavar="NAME=PATH",
+        help="A PEFT LoRA adapter directory (repeatable); a row picks one by name.",
         rich_help_panel=LORA,
     ),
 ]
@@ -75,7 +76,7 @@ LoraDefault = Annotated[
 LoraColumn = Annotated[
     str | None,
     typer.Option(
-        help="Column naming a row's adapter (default: lora; OpenAI lines: body.model).",
+        help="Column that names the adapter of a row (default: lora; OpenAI lines: body.model).",
         rich_help_panel=LORA,
     ),
 ]
