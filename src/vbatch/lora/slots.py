@@ -82,6 +82,8 @@ class LoraSlots:
                 linear.resize(max_rank)
             self.slots = [None] * self.max_loras
             self.slot_of.clear()
+            # NOTE: the next step, even one continuing the last, loads its adapters again.
+            self._last_step_id = -1
 
     def prepare(self, out: SchedulerOutput) -> None:
         """Group `out`'s rows by adapter and make those adapters resident."""
