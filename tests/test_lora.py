@@ -316,3 +316,25 @@ def test_llm_generate_with_lora_requests(
         assert "'zz'" in (bad[0].error or "")
         with pytest.raises(LoraError, match="one per prompt"):
             llm.generate(prompts, params, lora_request=requests[:2])
+
+
+def test_wider_adapter_registered_mid_decode(lora_models: dict, greedy_check: Callable) -> None:
+    """Registering a higher-rank adapter widens (and clears) every slot; the running seq's
+    continuing decode steps then load their adapter again."""
+    reference, root, peft_models = lora_models["llama"]
+    config = EngineConfig(
+        model=str(root / "model"), attention_backend="torch", enable_lora=True, max_num_seqs=1
+    )
+    core = EngineCore(config)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    a0, a2 = (LoraRef(i + 1, f"a{i}", str(root / f"a{i}")) for i in (0, 2))
+    core.add_request(AddRequest("r0", pack_token_ids(prompt), params, lora=a0))
+    tokens: list[int] = []
+    for _ in range(3):
+        tokens += core.step().token_ids
+    core.add_request(AddRequest("r1", pack_token_ids(prompt), params, lora=a2))
+    while len(tokens) < 8:
+        out = core.step()
+        tokens += [t for r, t in zip(out.request_ids, out.token_ids, strict=True) if r == "r0"]
+    greedy_check(peft_models[0], [prompt], [tokens])
