@@ -43,8 +43,8 @@ def _open(mode: str, model: str, args: argparse.Namespace) -> Any:
         return LLM(model, num_threads=2 * args.threads, data_parallel_size=2, **engine_args)
     import ray
 
-    from vbatch.job.options import RaySettings
-    from vbatch.ray_engines import RayEngines
+    from vbatch.engine_sets.base import RaySettings
+    from vbatch.engine_sets.ray import RayEngines
 
     if not ray.is_initialized():
         ray.init(num_cpus=2 * args.threads, include_dashboard=False, log_to_driver=False)

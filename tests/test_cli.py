@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 
 from vbatch import __version__
 from vbatch.cli import app, resume_request, run_request
-from vbatch.job.options import JOB_SAMPLING, RaySettings, RunOptions
+from vbatch.engine_sets.base import RaySettings
+from vbatch.job.options import JOB_SAMPLING, RunOptions
 from vbatch.job.rows import ColumnOptions
 from vbatch.job.shard import Shard
 from vbatch.sampling_params import SamplingParams

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from rich.console import Console, RenderableType
 
-from vbatch.engines import EngineReport, EngineState, sum_stats
+from vbatch.engine_sets.base import EngineReport, EngineState, sum_stats
 from vbatch.job.dashboard import (
     Sparkline,
     fmt_bytes,

@@ -17,7 +17,7 @@ from helpers import read_jsonl, wait_gone, write_jsonl
 from typer.testing import CliRunner
 
 from vbatch.cli import app
-from vbatch.engines import EngineState
+from vbatch.engine_sets.base import EngineState
 from vbatch.errors import ConfigError
 from vbatch.llm import LLM
 from vbatch.sampling_params import SamplingParams

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from vbatch.engines import EngineReport, EngineState, sum_stats
+from vbatch.engine_sets.base import EngineReport, EngineState, sum_stats
 from vbatch.job.metrics import WINDOW_S, JobMetrics
 from vbatch.job.progress import snapshot_to_json
 from vbatch.protocol import Ready, SchedulerStats

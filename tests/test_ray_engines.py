@@ -22,13 +22,13 @@ from helpers import write_jsonl
 from typer.testing import CliRunner
 
 from vbatch.cli import app
-from vbatch.engines import EngineState
+from vbatch.engine_sets.base import EngineState, RaySettings
+from vbatch.engine_sets.ray import REPLICA_NAME_PREFIX, RayEngines
 from vbatch.errors import ConfigError, EngineDeadError
 from vbatch.job.journal import JOURNAL_NAME, read_journal
-from vbatch.job.options import RaySettings, RunOptions
+from vbatch.job.options import RunOptions
 from vbatch.job.runner import JobSpec, job_dir_for, start_job
 from vbatch.llm import LLM
-from vbatch.ray_engines import REPLICA_NAME_PREFIX, RayEngines
 from vbatch.sampling_params import SamplingParams
 
 NUM_ROWS = 200

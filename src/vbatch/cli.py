@@ -18,6 +18,7 @@ import typer
 from vbatch import __version__
 from vbatch import cli_options as o
 from vbatch.config import AttentionBackend, Device, Dtype, EngineConfig
+from vbatch.engine_sets.base import RaySettings
 from vbatch.errors import (
     ConfigError,
     VbatchError,
@@ -25,7 +26,7 @@ from vbatch.errors import (
     storage_error,
     unexpected_error,
 )
-from vbatch.job.options import JOB_SAMPLING, RaySettings, RunOptions
+from vbatch.job.options import JOB_SAMPLING, RunOptions
 from vbatch.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

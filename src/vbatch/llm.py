@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from vbatch.client.core_client import EngineCoreClient
-from vbatch.client.data_parallel import DataParallelClient
 from vbatch.client.detokenizer import IncrementalDetokenizer
 from vbatch.client.loras import ClientLoras
 from vbatch.client.outputs import (
@@ -25,7 +24,8 @@ from vbatch.client.outputs import (
 from vbatch.client.reasoning import check_reasoning_parser
 from vbatch.client.tokenizer import TextTokenizer, check_template_kwargs
 from vbatch.config import EngineConfig
-from vbatch.engines import EngineReport, EngineState
+from vbatch.engine_sets.base import EngineReport, EngineState
+from vbatch.engine_sets.data_parallel import DataParallelClient
 from vbatch.errors import ConfigError, LoraError, SamplingParamsError, VbatchError
 from vbatch.lora.request import LoRARequest
 from vbatch.protocol import (

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from vbatch.engine_sets.base import EngineSet
+from vbatch.engine_sets.factory import open_engine_set
 from vbatch.errors import (
     InputError,
     VbatchError,
@@ -19,7 +20,7 @@ from vbatch.errors import (
 from vbatch.job.finalize import finalize
 from vbatch.job.journal import Journal
 from vbatch.job.manifest import Manifest
-from vbatch.job.options import RaySettings, RunOptions, require_ray
+from vbatch.job.options import RunOptions
 from vbatch.job.paths import resume_command
 from vbatch.job.reader import InputReader
 from vbatch.job.results import TokenStrings, error_row, openai_line, parquet_schema, result_row
@@ -31,19 +32,6 @@ from vbatch.sampling_params import SamplingParams
 
 EXIT_INTERRUPTED = 75
 MIN_IDLE_S = 0.05
-
-
-def _make_llm(model: str | None, **kwargs: Any) -> Any:
-    from vbatch.llm import LLM
-
-    return LLM(model, **kwargs)
-
-
-def _ray_factory(settings: RaySettings) -> Callable[..., Any]:
-    require_ray()
-    from vbatch.ray_engines import RayEngines
-
-    return functools.partial(RayEngines, settings=settings)
 
 
 class JobExecution:
@@ -60,15 +48,13 @@ class JobExecution:
         manifest: Manifest,
         journal: Journal,
         options: RunOptions,
-        llm_factory: Callable[..., Any] | None,
+        llm_factory: Callable[..., EngineSet] | None,
     ) -> None:
         self.job_dir = job_dir
         self.manifest = manifest
         self.journal = journal
         self.options = options
-        self.llm_factory = llm_factory or (
-            _ray_factory(options.ray) if options.ray is not None else _make_llm
-        )
+        self.llm_factory = llm_factory or open_engine_set
         self.columns = manifest.options.columns
         self.defaults = SamplingParams.from_dict(manifest.sampling)
         self.reader = InputReader(Path(manifest.input_path), manifest.input_format, self.columns)
@@ -218,6 +204,7 @@ class JobExecution:
         try:
             llm = self.llm_factory(
                 self.manifest.model_to_load(),
+                ray=self.options.ray,
                 max_in_flight=self.options.max_in_flight,
                 data_parallel_size=self.options.data_parallel_size,
                 on_progress=self.metrics.set_startup_stage,
@@ -243,7 +230,7 @@ class JobExecution:
             with contextlib.suppress(VbatchError):
                 llm.shutdown()
 
-    def _loop(self, llm: Any) -> None:
+    def _loop(self, llm: EngineSet) -> None:
         # NOTE: with idle_s, the stream also yields None when no row finished for that long, so
         # the time-based commit fires while every row in flight is slow (or the engine stalls).
         every_s = self.options.commit_every_seconds

@@ -9,8 +9,9 @@ from typing import Any
 
 import msgspec
 
+from vbatch.engine_sets.base import RaySettings
 from vbatch.errors import JobStateError, ModelLoadError
-from vbatch.job.options import RaySettings, RunOptions
+from vbatch.job.options import RunOptions
 from vbatch.job.paths import write_atomic
 from vbatch.job.rows import ColumnOptions
 from vbatch.job.shard import Shard

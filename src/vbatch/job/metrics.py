@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from vbatch.engines import EngineReport
+from vbatch.engine_sets.base import EngineReport
 from vbatch.protocol import Ready, SchedulerStats
 
 FINISH_REASONS = ("stop", "length", "abort", "error")

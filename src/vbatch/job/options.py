@@ -6,38 +6,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from vbatch.engine_sets.base import RaySettings
 from vbatch.errors import ConfigError
 from vbatch.sampling_params import SamplingParams
-
-RAY_MISSING = "--ray needs Ray, which is not installed: pip install 'vbatch[ray]'"
-
-
-@dataclass(frozen=True)
-class RaySettings:
-    """Where a `--ray` job's replicas run: the cluster, how many, what each one asks Ray for."""
-
-    address: str | None = None
-    replicas: int = 1
-    gpus_per_replica: float = 0.0
-    cpus_per_replica: float = 1.0
-    max_restarts: int = 1
-
-    def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ConfigError(f"--replicas must be at least 1, got {self.replicas}")
-        if self.cpus_per_replica <= 0 or self.gpus_per_replica < 0:
-            raise ConfigError("--cpus-per-replica must be > 0 and --gpus-per-replica >= 0")
-        if self.max_restarts < 0:
-            raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-
-
-def require_ray() -> None:
-    """Refuse `--ray` in one line when the `ray` extra is not installed."""
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        raise ConfigError(RAY_MISSING) from None
-
 
 # NOTE: a job is greedy (reproducible, so a resumed job equals an uninterrupted one) and allows
 # longer outputs than a bare SamplingParams.

@@ -18,6 +18,7 @@ import msgspec
 from vbatch.client.reasoning import check_reasoning_parser
 from vbatch.client.tokenizer import check_template_kwargs
 from vbatch.config import EngineConfig
+from vbatch.engine_sets.base import require_ray
 from vbatch.errors import ConfigError, InputError, JobStateError, is_storage_failure, storage_error
 from vbatch.job.execution import JobExecution
 from vbatch.job.finalize import finish_completion
@@ -33,7 +34,7 @@ from vbatch.job.manifest import (
     input_fingerprint,
     model_identity,
 )
-from vbatch.job.options import RunOptions, require_ray
+from vbatch.job.options import RunOptions
 from vbatch.job.paths import (
     LOCK_NAME,
     JobLock,

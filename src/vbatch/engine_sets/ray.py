@@ -21,12 +21,11 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from vbatch.client.outputs import Request, RequestOutput
 from vbatch.client.tokenizer import TextTokenizer
-from vbatch.engines import EngineReport, EngineState, sum_stats
+from vbatch.engine_sets.base import EngineReport, EngineState, RaySettings, sum_stats
+from vbatch.engine_sets.ray_replica import ReplicaEngine
 from vbatch.errors import ConfigError, EngineDeadError, EngineStartupError
-from vbatch.job.options import RaySettings
 from vbatch.llm import TOKENIZE_BATCH
 from vbatch.protocol import Ready, SchedulerStats
-from vbatch.ray_replica import ReplicaEngine
 from vbatch.sampling_params import SamplingParams
 
 POLL_WAIT_S = 1.0

@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from vbatch.client.core_client import EngineCoreClient, check_request_params
 from vbatch.client.placement import LoadBalancer, core_placements
 from vbatch.config import CorePlacement, EngineConfig
-from vbatch.engines import EngineReport, EngineState, sum_stats
+from vbatch.engine_sets.base import EngineReport, EngineState, sum_stats
 from vbatch.errors import EngineDeadError
 from vbatch.protocol import AddRequest, EngineOutputs, FinishReason, Ready, SchedulerStats
 

@@ -1,0 +1,43 @@
+"""The engine sets: one package, no import of the job layer, one factory."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import vbatch.engine_sets
+from vbatch.engine_sets.factory import open_engine_set
+from vbatch.errors import ConfigError
+
+PACKAGE = Path(vbatch.engine_sets.__file__).parent
+
+
+def _imported_modules(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module is not None:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in PACKAGE.glob("*.py")))
+def test_no_engine_set_module_imports_the_job_layer(name: str) -> None:
+    imported = _imported_modules(PACKAGE / name)
+    assert not [m for m in imported if m == "vbatch.job" or m.startswith("vbatch.job.")]
+
+
+def test_the_old_engine_set_modules_are_gone() -> None:
+    src = PACKAGE.parent
+    for old in ("engines.py", "ray_engines.py", "ray_replica.py", "client/data_parallel.py"):
+        assert not (src / old).exists(), old
+
+
+def test_the_factory_builds_a_local_engine_set_when_not_asked_for_ray(
+    tiny_model_dir: Path,
+) -> None:
+    with pytest.raises(ConfigError, match="data_parallel_size must be at least 1"):
+        open_engine_set(str(tiny_model_dir), data_parallel_size=0)
