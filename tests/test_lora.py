@@ -321,7 +321,7 @@ def test_llm_generate_with_lora_requests(
 def test_wider_adapter_registered_mid_decode(lora_models: dict, greedy_check: Callable) -> None:
     """Registering a higher-rank adapter widens (and clears) every slot; the running seq's
     continuing decode steps then load their adapter again."""
-    reference, root, peft_models = lora_models["llama"]
+    _, root, peft_models = lora_models["llama"]
     config = EngineConfig(
         model=str(root / "model"), attention_backend="torch", enable_lora=True, max_num_seqs=1
     )
