@@ -128,6 +128,7 @@ def main() -> None:
             for name, scenario in scenarios.items():
                 seconds, tokens[name] = scenario()
                 times[name].append(seconds)
+                print(f"  {name}: {tokens[name]} tokens in {seconds:.2f} s", flush=True)
     base_rate = tokens["base model, no LoRA"] / statistics.median(times["base model, no LoRA"])
     print(
         f"SmolLM2-135M fp32, {n} chat prompts x {args.max_tokens} tokens, greedy, "

@@ -18,9 +18,9 @@ class LoraGroups:
     when one adapter covers every row, which needs no gather.
     """
 
-    slots: torch.Tensor  # [num_groups] int64
-    token_rows: torch.Tensor  # [num_groups, max_group_rows] int64
-    is_row: torch.Tensor  # [num_groups, max_group_rows, 1] model dtype
+    slots: torch.Tensor | None = None  # [num_groups] int64
+    token_rows: torch.Tensor | None = None  # [num_groups, max_group_rows] int64
+    is_row: torch.Tensor | None = None  # [num_groups, max_group_rows, 1] model dtype
     all_rows_slot: int | None = None
     slot_range: tuple[int, int] | None = None  # (start, stop) when the slots are consecutive
 
@@ -88,6 +88,8 @@ class LoraLinear:
             slot = groups.all_rows_slot
             out.add_(torch.mm(torch.mm(x, self.a[slot]), self.b[slot]))
             return
+        assert groups.slots is not None and groups.token_rows is not None
+        assert groups.is_row is not None
         if groups.slot_range is not None:
             a = self.a[groups.slot_range[0] : groups.slot_range[1]]
             b = self.b[groups.slot_range[0] : groups.slot_range[1]]

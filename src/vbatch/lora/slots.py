@@ -105,11 +105,7 @@ class LoraSlots:
         if len(rows) == 1:
             ((lora_id, spans),) = rows.items()
             if sum(n for _, n in spans) == start:
-                self.batch.groups = LoraGroups(
-                    *(torch.empty(0, dtype=torch.int64),) * 2,
-                    torch.empty(0),
-                    all_rows_slot=slots[lora_id],
-                )
+                self.batch.groups = LoraGroups(all_rows_slot=slots[lora_id])
                 return
         self.batch.groups = self._groups(rows, slots)
 
