@@ -338,3 +338,29 @@ def test_wider_adapter_registered_mid_decode(lora_models: dict, greedy_check: Ca
         out = core.step()
         tokens += [t for r, t in zip(out.request_ids, out.token_ids, strict=True) if r == "r0"]
     greedy_check(peft_models[0], [prompt], [tokens])
+
+
+def test_scheduler_admits_past_a_seq_whose_adapter_has_no_slot() -> None:
+    """One slot: a seq of another adapter waits, and seqs behind it of the running adapter or
+    the base model go first; it runs once the running adapter's seqs are done."""
+    from vbatch.engine.scheduler import Scheduler, SchedulerConfig
+    from vbatch.engine.sequence import Sequence
+
+    config = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        block_size=4,
+        num_kv_blocks=64,
+        max_loras=1,
+    )
+    scheduler = Scheduler(config, eos_token_ids=[])
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    seqs = [Sequence(f"r{i}", [1, 2, 3], params, 0, lora) for i, lora in enumerate((1, 2, 1, 0))]
+    for seq in seqs:
+        scheduler.add(seq)
+    first = scheduler.schedule()
+    assert [seq.request_id for seq in first.seqs] == ["r0", "r2", "r3"]
+    scheduler.update(first, [7, 7, 7])
+    second = scheduler.schedule()
+    assert [seq.request_id for seq in second.seqs] == ["r1"]
