@@ -150,6 +150,28 @@ def test_mixed_adapters_match_peft(family: str, lora_models: dict, greedy_check:
     assert sum(changed) >= 3
 
 
+@pytest.mark.gpu
+def test_mixed_adapters_match_peft_on_cuda(lora_models: dict, greedy_check: Callable) -> None:
+    """The CUDA path (eager, float32): the same mix of adapters as on CPU."""
+    reference, root, peft_models = lora_models["llama"]
+    config = EngineConfig(
+        model=str(root / "model"),
+        device="cuda",
+        dtype="float32",
+        block_size=4,
+        max_num_batched_tokens=8,
+        num_kv_blocks=18,
+        max_num_seqs=4,
+        enable_lora=True,
+        max_loras=2,
+    )
+    prompts, adapters = mixed_prompts()
+    refs = [None if a is None else LoraRef(a + 1, f"a{a}", str(root / f"a{a}")) for a in adapters]
+    got = run_core(EngineCore(config), prompts, refs)
+    for ids, tokens, adapter in zip(prompts, got, adapters, strict=True):
+        greedy_check(reference if adapter is None else peft_models[adapter], [ids], [tokens])
+
+
 def test_prefix_cache_is_per_adapter(lora_models: dict) -> None:
     """The same prompt under two adapters shares no cached block; under one it does."""
     _, root, _ = lora_models["llama"]
