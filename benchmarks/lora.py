@@ -2,7 +2,9 @@
 (rank 16 on every projection), against running each adapter as its own merged job.
 
 In process (EngineCore, load excluded), SmolLM2-135M, greedy with ignore_eos so every run makes
-the same tokens, prefix cache off so repeated rounds recompute. The scenarios run interleaved,
+the same tokens, prefix cache off so repeated rounds recompute. Each run is timed by the wall
+clock and by the process's CPU time: on a shared, loaded host the CPU-time rate (with one
+thread) is the steadier figure. The scenarios run interleaved,
 `--rounds` times; medians are printed. A merged adapter computes exactly what the base model
 does, so "each adapter as its own merged job" is timed as the base engine run over each
 adapter's rows in turn (model loads not counted, which favours it).
@@ -70,18 +72,21 @@ def write_adapter(path: Path, config: ModelConfig, seed: int) -> Path:
     return path
 
 
+Timing = tuple[float, float, int]  # wall seconds, CPU seconds, tokens made
+
+
 def run(
     core: EngineCore, prompts: list[list[int]], loras: list[LoraRef | None], max_tokens: int
-) -> tuple[float, int]:
-    """Seconds to finish every prompt, and the tokens made."""
+) -> Timing:
+    """Wall and CPU seconds to finish every prompt, and the tokens made."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     for i, (ids, lora) in enumerate(zip(prompts, loras, strict=True)):
         core.add_request(AddRequest(f"r{i}", pack_token_ids(ids), params, lora=lora))
     num_tokens = 0
     while core.has_unfinished():
         num_tokens += len(core.step().token_ids)
-    return time.perf_counter() - start, num_tokens
+    return time.perf_counter() - start, time.process_time() - start_cpu, num_tokens
 
 
 def main() -> None:
@@ -123,13 +128,20 @@ def main() -> None:
             "16 merged jobs in turn": lambda: merged(base, prompts, 16, args.max_tokens),
         }
         times: dict[str, list[float]] = {name: [] for name in scenarios}
+        cpu_times: dict[str, list[float]] = {name: [] for name in scenarios}
         tokens: dict[str, int] = {}
         for _ in range(args.rounds):
             for name, scenario in scenarios.items():
-                seconds, tokens[name] = scenario()
+                seconds, cpu_seconds, tokens[name] = scenario()
                 times[name].append(seconds)
-                print(f"  {name}: {tokens[name]} tokens in {seconds:.2f} s", flush=True)
-    base_rate = tokens["base model, no LoRA"] / statistics.median(times["base model, no LoRA"])
+                cpu_times[name].append(cpu_seconds)
+                print(
+                    f"  {name}: {tokens[name]} tokens in {seconds:.2f} s ({cpu_seconds:.2f} s CPU)",
+                    flush=True,
+                )
+    base = "base model, no LoRA"
+    base_rate = tokens[base] / statistics.median(times[base])
+    base_cpu_rate = tokens[base] / statistics.median(cpu_times[base])
     print(
         f"SmolLM2-135M fp32, {n} chat prompts x {args.max_tokens} tokens, greedy, "
         f"threads={args.threads}, max_num_seqs={args.max_num_seqs}, rank {RANK} on "
@@ -138,21 +150,23 @@ def main() -> None:
     )
     for name, seconds in times.items():
         rate = tokens[name] / statistics.median(seconds)
-        runs = ", ".join(f"{s:.2f}" for s in seconds)
-        print(f"{name:28s} {rate:8.1f} tok/s  {rate / base_rate:5.2f}x base  (runs: {runs} s)")
+        cpu_rate = tokens[name] / statistics.median(cpu_times[name])
+        print(
+            f"{name:28s} wall {rate:7.1f} tok/s {rate / base_rate:5.2f}x base | CPU time "
+            f"{cpu_rate:7.1f} tok/s {cpu_rate / base_cpu_rate:5.2f}x base"
+        )
 
 
 def merged(
     core: EngineCore, prompts: list[list[int]], num_adapters: int, max_tokens: int
-) -> tuple[float, int]:
+) -> Timing:
     """Each adapter's rows (every num_adapters-th) as a job of its own, one after another."""
-    total_s, total_tokens = 0.0, 0
+    timings = []
     for k in range(num_adapters):
         rows = prompts[k::num_adapters]
-        seconds, num_tokens = run(core, rows, [None] * len(rows), max_tokens)
-        total_s += seconds
-        total_tokens += num_tokens
-    return total_s, total_tokens
+        timings.append(run(core, rows, [None] * len(rows), max_tokens))
+    wall, cpu, num_tokens = zip(*timings, strict=True)
+    return sum(wall), sum(cpu), sum(num_tokens)
 
 
 if __name__ == "__main__":
