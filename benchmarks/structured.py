@@ -1,11 +1,15 @@
-"""Structured output costs: xgrammar against llguidance (compile, per-step mask) and the decode
-step at batch 64 with a nested JSON schema against the same step unconstrained, side by side.
+"""Structured output costs: vbatch's schema compile against xgrammar's own, xgrammar against
+llguidance (compile, per-step mask; when llguidance is installed) and the decode step at batch 64
+with a nested JSON schema against the same step unconstrained, side by side.
 
     python benchmarks/structured.py [--model PATH] [--batch 64] [--steps 24] [--schemas 1000]
         [--e2e-rows 256] [--e2e-max-tokens 64] [--skip-steps]
 
-The end-to-end part times `vbatch run` (the CLI, in a subprocess) on the same rows with and
-without `--json-schema`, and prints output tok/s of each and their ratio.
+Like is compared with like: both sides of every comparison take the same LM-head path (the int8
+greedy screen is off on both, as constrained steps never take it) and produce the same number of
+tokens. The end-to-end part times `vbatch run` (the CLI, in a subprocess) on the same rows with
+`--json-schema`, then without it, each row then generating exactly as many tokens (`ignore_eos`,
+its `max_tokens` set to the constrained row's count), and prints the cost per output token.
 """
 
 from __future__ import annotations
@@ -75,9 +79,50 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return value, time.perf_counter() - start
 
 
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 4096},
+        "note": {"type": ["string", "null"], "minLength": 1, "maxLength": 512},
+    },
+    "required": ["title"],
+}
+
+
+def compile_costs(hf_dir: Path, vocab_size: int, eos: list[int]) -> None:
+    """vbatch's JSON schema compile (xgrammar, its length-bounded string rule narrowed in the
+    EBNF) against xgrammar's own compile of the same schema; cache off, interleaved, medians."""
+    import xgrammar
+    from transformers import AutoTokenizer
+
+    from vbatch.engine.grammar import json_schema_ebnf
+
+    info = xgrammar.TokenizerInfo.from_huggingface(
+        AutoTokenizer.from_pretrained(hf_dir), vocab_size=vocab_size, stop_token_ids=eos
+    )
+    print("schema compile, vbatch against xgrammar alone (1 thread, cache off, median of 5):")
+    for name, schema in (("nested", NESTED), ("maxLength 4096", BOUNDED)):
+        text = json.dumps(schema)
+        ours, theirs = [], []
+        for _ in range(5):
+            compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            theirs.append(
+                timed(lambda c=compiler, t=text: c.compile_json_schema(t, any_whitespace=False))[1]
+            )
+            ours.append(
+                timed(lambda c=compiler, t=text: c.compile_grammar(json_schema_ebnf(t, True)))[1]
+            )
+        a, b = statistics.median(ours), statistics.median(theirs)
+        print(f"  {name:15s} vbatch {a * 1e3:8.1f} ms  xgrammar {b * 1e3:8.1f} ms  ({a / b:.2f}x)")
+
+
 def grammar_engines(hf_dir: Path, vocab_size: int, eos: list[int]) -> None:
     """Compile time (1 nested schema, N small ones) and batch mask time, both engines."""
-    import llguidance
+    try:
+        import llguidance
+    except ImportError:
+        print("llguidance is not installed: xgrammar against llguidance skipped")
+        return
     import llguidance.hf
     import llguidance.torch
     import xgrammar
@@ -159,13 +204,17 @@ def decode_steps(hf_dir: Path) -> None:
     from vbatch.sampling_params import SamplingParams
     from vbatch.structured import StructuredOutput
 
-    free = SamplingParams(temperature=0.0, max_tokens=512, ignore_eos=True)
+    free = SamplingParams(temperature=ARGS.temperature, max_tokens=512, ignore_eos=True)
     constrained = SamplingParams(
-        temperature=0.0, max_tokens=512, structured=StructuredOutput(json_schema=NESTED)
+        temperature=ARGS.temperature,
+        max_tokens=512,
+        structured=StructuredOutput(json_schema=NESTED),
     )
     engines = {}
     for name, params in (("unconstrained", free), ("structured", constrained)):
-        core = EngineCore(EngineConfig(model=str(hf_dir), num_threads=ARGS.threads))
+        # NOTE: the int8 greedy screen off on both sides: constrained steps never take it.
+        config = EngineConfig(model=str(hf_dir), num_threads=ARGS.threads, greedy_screen=False)
+        core = EngineCore(config)
         for i in range(ARGS.batch):
             prompt = [1, 4093, 1132 + i, 28, 253, 2]
             core.add_request(AddRequest(f"{name}{i}", pack_token_ids(prompt), params))
@@ -181,30 +230,27 @@ def decode_steps(hf_dir: Path) -> None:
             assert len(out.request_ids) == ARGS.batch and not out.finished, name
             times[name].append(t)
     base = statistics.median(times["unconstrained"])
-    print(f"decode step, batch {ARGS.batch}, SmolLM2, {ARGS.steps} steps each, alternating:")
+    print(f"decode step, batch {ARGS.batch}, temperature {ARGS.temperature}, {ARGS.steps} steps "
+          "each, alternating, fp32 LM head on both:")  # fmt: skip
     for name, values in times.items():
         median = statistics.median(values)
-        print(f"  {name:13s} median {median * 1e3:7.1f} ms  ({median / base:.3f}x)")
-    screen = engines["unconstrained"].runner.model.greedy_screen
-    if screen is not None:
-        engines["unconstrained"].runner.model.greedy_screen = None
-        fp32 = [timed(engines["unconstrained"].step)[1] for _ in range(ARGS.steps)]
-        print(f"  unconstrained, fp32 head (no int8 screen): median "
-              f"{statistics.median(fp32) * 1e3:7.1f} ms")  # fmt: skip
+        print(f"  {name:13s} median {median * 1e3:7.1f} ms/step  ({median / base:.3f}x)")
 
 
-def run_job(workdir: Path, rows: Path, extra: list[str]) -> tuple[float, int]:
-    """One `vbatch run` over `rows`: (wall seconds, completion tokens)."""
-    out = workdir / f"out-{len(extra)}.jsonl"
+def run_job(workdir: Path, rows: Path, extra: list[str]) -> tuple[float, list[int]]:
+    """One `vbatch run` over `rows`, the int8 greedy screen off: (wall seconds, each row's
+    completion tokens in input order)."""
+    out = workdir / f"out-{rows.stem}.jsonl"
     cmd = [sys.executable, "-m", "vbatch.cli", "run", str(rows), "-o", str(out), "--overwrite"]
     cmd += ["--max-tokens", str(ARGS.e2e_max_tokens), "--num-threads", str(ARGS.threads), "-q"]
+    cmd += ["--no-greedy-screen", "--ordered"]
     if ARGS.model:
         cmd += ["--model", ARGS.model]
     start = time.perf_counter()
     subprocess.run([*cmd, *extra], check=True, env=os.environ.copy())
     wall = time.perf_counter() - start
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    return wall, sum(line["completion_tokens"] for line in lines)
+    return wall, [line["completion_tokens"] for line in lines]
 
 
 def end_to_end() -> None:
@@ -212,26 +258,34 @@ def end_to_end() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         rows = workdir / "rows.jsonl"
-        rows.write_text(
-            "".join(
-                json.dumps({"prompt": f"Describe person {i} as JSON with name, age and role."})
-                + "\n"
-                for i in range(ARGS.e2e_rows)
-            )
-        )
+        prompts = [
+            f"Describe person {i} as JSON with name, age and role." for i in range(ARGS.e2e_rows)
+        ]
+        rows.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
         schema = workdir / "schema.json"
         schema.write_text(json.dumps(NESTED["properties"]["people"]["items"]))
         # NOTE: a first run may build the native kernels and convert the GGUF; keep that out.
         warm = workdir / "warm.jsonl"
         warm.write_text(rows.read_text().splitlines()[0] + "\n")
         run_job(workdir, warm, ["--json-schema", str(schema)])
-        plain_s, plain_tokens = run_job(workdir, rows, [])
-        json_s, json_tokens = run_job(workdir, rows, ["--json-schema", str(schema)])
-    plain_rate, json_rate = plain_tokens / plain_s, json_tokens / json_s
-    print(f"end to end, {ARGS.e2e_rows} rows, max_tokens {ARGS.e2e_max_tokens}:")
-    print(f"  unconstrained {plain_tokens} tokens in {plain_s:.1f} s = {plain_rate:.1f} tok/s")
-    print(f"  --json-schema {json_tokens} tokens in {json_s:.1f} s = {json_rate:.1f} tok/s")
-    print(f"  ratio (structured / unconstrained output tok/s): {json_rate / plain_rate:.2f}")
+        json_s, json_counts = run_job(workdir, rows, ["--json-schema", str(schema)])
+        # NOTE: each unconstrained row makes exactly its constrained twin's number of tokens.
+        same = workdir / "same.jsonl"
+        same.write_text(
+            "".join(
+                json.dumps({"prompt": p, "sampling_params": {"max_tokens": n, "ignore_eos": True}})
+                + "\n"
+                for p, n in zip(prompts, json_counts, strict=True)
+            )
+        )
+        plain_s, plain_counts = run_job(workdir, same, [])
+    assert plain_counts == json_counts, "the two runs made different numbers of tokens"
+    tokens = sum(json_counts)
+    print(f"end to end, {ARGS.e2e_rows} rows, {tokens} output tokens on each side, "
+          "int8 screen off on both:")  # fmt: skip
+    print(f"  unconstrained {plain_s:.1f} s = {plain_s / tokens * 1e3:.2f} ms/token")
+    print(f"  --json-schema {json_s:.1f} s = {json_s / tokens * 1e3:.2f} ms/token")
+    print(f"  ratio (structured / unconstrained time per token): {json_s / plain_s:.3f}")
 
 
 def main() -> None:
@@ -241,6 +295,7 @@ def main() -> None:
     resolved = resolve_model(ARGS.model)
     config = ModelConfig.from_hf_dir(resolved.hf_dir)
     torch.set_num_threads(ARGS.threads)
+    compile_costs(resolved.hf_dir, config.vocab_size, list(config.eos_token_ids))
     if not ARGS.skip_steps:
         grammar_engines(resolved.hf_dir, config.vocab_size, list(config.eos_token_ids))
         decode_steps(resolved.hf_dir)
@@ -255,6 +310,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--schemas", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--e2e-rows", type=int, default=256)
     parser.add_argument("--e2e-max-tokens", type=int, default=64)
     parser.add_argument("--skip-steps", action="store_true")

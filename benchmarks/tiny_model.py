@@ -63,6 +63,7 @@ def tiny_family_configs() -> dict[str, Any]:
     from transformers import (
         Gemma2Config,
         Gemma3TextConfig,
+        LlamaConfig,
         MistralConfig,
         MixtralConfig,
         Phi3Config,
@@ -72,6 +73,7 @@ def tiny_family_configs() -> dict[str, Any]:
 
     shape = TINY_SHAPE
     return {
+        "llama-bias": lambda: LlamaConfig(**shape, attention_bias=True, mlp_bias=True),
         "qwen3": lambda: Qwen3Config(**shape, head_dim=24, tie_word_embeddings=True),
         "mistral-sliding": lambda: MistralConfig(
             **{**shape, "num_key_value_heads": 1}, sliding_window=5
@@ -122,13 +124,17 @@ def tiny_family_configs() -> dict[str, Any]:
 
 
 def build_tiny_family(name: str, seed: int = 0) -> Any:
-    """The family's tiny transformers model (float32, eager attention, eval) with random
-    weights large enough to matter: norm weights near 1 (Gemma's, which add 1, near 0), linear
-    weights of unit gain, embeddings of unit scale once the model's own scaling is applied."""
+    """The family's tiny transformers model: build_tiny_model of its tiny config."""
+    return build_tiny_model(tiny_family_configs()[name](), seed)
+
+
+def build_tiny_model(config: Any, seed: int = 0) -> Any:
+    """A transformers model of `config` (float32, eager attention, eval) with random weights
+    large enough to matter: norm weights near 1 (Gemma's, which add 1, near 0), linear weights
+    of unit gain, embeddings of unit scale once the model's own scaling is applied."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    config = tiny_family_configs()[name]()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     model = model.float().eval()

@@ -1,4 +1,4 @@
-"""Answer a handful of chat prompts with `LLM.generate` and print them (results in input order)."""
+"""Answer a handful of chats with `LLM.chat` and print them (results in input order)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def main() -> None:
     args = parser.parse_args()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     with LLM(args.model) as llm:
-        for chat, out in zip(CHATS, llm.generate(CHATS, params)):
+        for chat, out in zip(CHATS, llm.chat(CHATS, params)):
             print(f"### {chat[-1]['content']}\n{out.outputs[0].text.strip()}\n")
 
 

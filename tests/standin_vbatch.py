@@ -75,7 +75,7 @@ def main() -> None:
     import vbatch.job.execution
     from vbatch.cli import main as vbatch_main
 
-    vbatch.job.execution._make_llm = StandInLLM  # type: ignore[assignment]
+    vbatch.job.execution.open_engine_set = StandInLLM  # type: ignore[assignment]
     sys.argv = ["vbatch", *sys.argv[1:]]
     vbatch_main()
 

@@ -159,6 +159,7 @@ RUN_OPTIONS: dict[str, tuple[list[str], str, Any]] = {
         {"grammar": 'root ::= "a"'},
     ),
     "parse_json": (["--parse-json"], "spec.parse_json", True),
+    "require_valid_json": (["--require-valid-json"], "spec.require_valid_json", True),
     "ordered": (["--ordered"], "spec.ordered", True),
     "overwrite": (["--overwrite"], "overwrite", True),
     "clean": (["--clean"], "options.clean", True),
@@ -360,7 +361,7 @@ def test_real_model_chat_job_end_to_end(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "wrote out.parquet: 3 rows, 0 errored" in proc.stderr
     table = pq.read_table(tmp_path / "out.parquet")
-    assert table.column_names[:16] == [
+    assert table.column_names[:17] == [
         "id",
         "index",
         "text",
@@ -377,8 +378,9 @@ def test_real_model_chat_job_end_to_end(tmp_path: Path) -> None:
         "latency_s",
         "error",
         "structured_complete",
+        "structured_valid",
     ]
-    assert table.column_names[16:] == ["messages"]
+    assert table.column_names[17:] == ["messages"]
     out = {r["id"]: r for r in table.to_pylist()}
     assert set(out) == {"capital", "color", "math"}
     assert all(r["text"] and r["finish_reason"] in ("stop", "length") for r in out.values())
@@ -420,3 +422,10 @@ def test_bad_chat_template_kwargs_and_reasoning_parser_are_one_line_errors(
     assert result.exit_code == 1
     assert result.output.startswith(f"error: {message}") and result.output.count("\n") == 1
     assert not output.exists() and not (tmp_path / "o.jsonl.vbatch").exists()
+
+
+def test_the_ray_extra_survives_rich_markup_in_help_and_docs() -> None:
+    """rich took `[ray]` for a style tag: the help said "pip install 'vbatch'"."""
+    result = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "200"})
+    assert "pip install 'vbatch[ray]'" in result.output, result.output
+    assert "vbatch[ray]" in DOCS.read_text().split(MARKER, 1)[1]

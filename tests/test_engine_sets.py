@@ -41,3 +41,22 @@ def test_the_factory_builds_a_local_engine_set_when_not_asked_for_ray(
 ) -> None:
     with pytest.raises(ConfigError, match="data_parallel_size must be at least 1"):
         open_engine_set(str(tiny_model_dir), data_parallel_size=0)
+
+
+def test_every_engine_set_streams_through_the_one_shared_loop() -> None:
+    """RayEngines.stream reimplemented LLM._stream's loop (fill, idle ticks, wait)."""
+    src = PACKAGE.parent
+    for path, cls, method in (
+        (src / "llm.py", "LLM", "_stream"),
+        (PACKAGE / "ray.py", "RayEngines", "stream"),
+    ):
+        tree = ast.parse(path.read_text())
+        (node,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls]
+        (fn,) = [f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == method]
+        assert not [n for n in ast.walk(fn) if isinstance(n, ast.While)], (cls, method)
+        calls = [
+            n.func.id
+            for n in ast.walk(fn)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+        ]
+        assert "stream_loop" in calls, (cls, method)

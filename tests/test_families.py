@@ -51,6 +51,7 @@ def load(model_dir: Path, ops: str) -> LlamaForCausalLM:
 # --- config hooks ---
 
 EXPECTED_HOOKS: dict[str, dict[str, Any]] = {
+    "llama-bias": {"attention_bias": True, "o_proj_bias": True, "mlp_bias": True},
     "qwen3": {"qk_norm": True, "head_dim": 24, "tie_word_embeddings": True, "sliding_windows": ()},
     "mistral-sliding": {"sliding_windows": (5, 5), "num_key_value_heads": 1},
     "gemma2": {
@@ -118,7 +119,13 @@ def test_unsupported_architecture_names_every_supported_one() -> None:
     assert all(name in message for name in SUPPORTED_ARCHITECTURES)
 
 
-BASE = {"vocab_size": 32, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4}
+BASE = {
+    "vocab_size": 32,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+}
 
 
 def test_gemma3_hub_config_without_layer_types() -> None:
@@ -167,8 +174,9 @@ def test_sliding_window_layers(architecture: str, extra: dict, windows: tuple) -
 
 
 def test_longrope_table_matches_transformers(tiny_families: dict) -> None:
-    """Short factors before the pre-training length, long ones (as transformers uses for a
-    longer sequence) from it on, both scaled by the attention factor."""
+    """The short factors' rows, as transformers rotates a sequence within the pre-training
+    length, then the long factors' for every position (from long_offset on), as it rotates a
+    longer one; both scaled by the attention factor."""
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
     reference, model_dir = tiny_families["phi3-longrope"]
@@ -176,6 +184,7 @@ def test_longrope_table_matches_transformers(tiny_families: dict) -> None:
     ours = RotaryEmbedding(
         config.rotary_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
     )
+    assert ours.long_offset == config.max_position_embeddings
     positions = torch.arange(100)
     cos, sin = (t.float() for t in ours._build(torch.device("cpu"), torch.float32))
     hf_rotary = Phi3RotaryEmbedding(reference.config)
@@ -183,10 +192,11 @@ def test_longrope_table_matches_transformers(tiny_families: dict) -> None:
     short_cos, short_sin = hf_rotary(x, positions[None, :64])
     long_cos, long_sin = hf_rotary(x, positions[None, :100])
     half = config.rotary_dim // 2
+    long_rows = slice(ours.long_offset, ours.long_offset + 100)
     torch.testing.assert_close(cos[:64], short_cos[0, :, :half], rtol=0, atol=1e-6)
     torch.testing.assert_close(sin[:64], short_sin[0, :, :half], rtol=0, atol=1e-6)
-    torch.testing.assert_close(cos[64:100], long_cos[0, 64:, :half], rtol=0, atol=1e-6)
-    torch.testing.assert_close(sin[64:100], long_sin[0, 64:, :half], rtol=0, atol=1e-6)
+    torch.testing.assert_close(cos[long_rows], long_cos[0, :, :half], rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin[long_rows], long_sin[0, :, :half], rtol=0, atol=1e-6)
 
 
 def test_missing_expert_weight_is_reported(tiny_families: dict, tmp_path: Path) -> None:

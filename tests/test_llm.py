@@ -131,7 +131,7 @@ def test_per_request_errors_are_outputs_not_exceptions(llm: LLM) -> None:
     ]
     outs = {o.request_id: o for o in llm.stream(inputs, GREEDY)}
     assert outs["ok"].error is None
-    assert outs[4].error is None and outs[4].outputs[0].finish_reason == "length"
+    assert outs["4"].error is None and outs["4"].outputs[0].finish_reason == "length"
     for rid in ("long", "bad", "empty"):
         assert outs[rid].error, rid
         assert outs[rid].outputs[0].finish_reason == "error"
@@ -165,9 +165,12 @@ def test_a_second_concurrent_stream_is_refused(llm: LLM) -> None:
     assert_idle(llm)
 
 
-def test_generate_with_progress_bar(llm: LLM) -> None:
-    outs = llm.generate(["x", "y"], GREEDY, use_progress=True)
+def test_generate_with_progress_bar(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    outs = llm.generate(["x", "y"], GREEDY, use_tqdm=True)
     assert [o.index for o in outs] == [0, 1]
+    assert "Processed prompts" in capsys.readouterr().err
+    llm.generate(["x"], GREEDY, use_tqdm=False)
+    assert "Processed prompts" not in capsys.readouterr().err
 
 
 def test_a_dead_core_ends_the_stream_with_engine_dead_error(tiny_model_dir: Path) -> None:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -187,3 +188,41 @@ def test_a_killed_shard_resumes_exactly_once_and_merges(
     assert result.exit_code == 0, result.output
     merged = [r["id"] for r in read_jsonl(tmp_path / "out.jsonl")]
     assert sorted(merged) == sorted(f"r{i}" for i in range(num_rows))
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_a_damaged_shard_file_is_named_with_how_to_run_it_again(
+    tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any], suffix: str
+) -> None:
+    """A truncated Parquet shard ("magic bytes not found") or a JSONL one cut mid-line used to
+    fail the merge with "unexpected ... this is a bug", naming no file."""
+    make_input(tmp_path / "in.jsonl", 8)
+    output = tmp_path / f"out{suffix}"
+    for index in range(2):
+        job = spec(tmp_path, tiny_model_dir, output.name, Shard(index, 2))
+        assert start_job(job, QUIET, llm_factory=shared_llm).exit_code == 0
+    damaged = tmp_path / f"out.shard-1-of-2{suffix}"
+    data = damaged.read_bytes()
+    damaged.write_bytes(data[: len(data) - 7])
+    result = merge(str(output))
+    assert result.exit_code == 1, result.output
+    assert f"shard 1/2: {damaged} is damaged" in result.output
+    assert f"vbatch resume {damaged}" in result.output
+    assert "bug" not in result.output and "Traceback" not in result.output
+    assert not output.exists()
+
+
+def test_shards_may_differ_in_threads_and_cores_as_the_docs_say(
+    tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any]
+) -> None:
+    """docs/scaling.md: a shard's CPU spread (--num-threads, -dp) decides speed, not rows. merge
+    refused --num-threads 1 against 2 while it took -dp 2 against 1."""
+    make_input(tmp_path / "in.jsonl", 8)
+    output = tmp_path / "out.jsonl"
+    runs = [({"num_threads": 1}, QUIET), ({"num_threads": 2}, replace(QUIET, data_parallel_size=2))]
+    for index, (engine_args, options) in enumerate(runs):
+        job = spec(tmp_path, tiny_model_dir, output.name, Shard(index, 2), engine_args=engine_args)
+        assert start_job(job, options, llm_factory=shared_llm).exit_code == 0
+    result = merge(str(output))
+    assert result.exit_code == 0, result.output
+    assert len(rows_of(output)) == 8

@@ -122,7 +122,7 @@ def test_decode_step_is_compact_on_the_wire() -> None:
 
 def test_an_undecodable_message_still_names_whom_to_answer() -> None:
     params = SamplingParams(max_tokens=2)
-    params.logprobs = True  # type: ignore[assignment]
+    msgspec.structs.force_setattr(params, "logprobs", True)
     data = encoder.encode(AddRequest("r9", pack_token_ids([1]), params))
     with pytest.raises(msgspec.ValidationError) as info:
         core_decoder.decode(data)

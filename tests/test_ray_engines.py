@@ -28,7 +28,7 @@ from vbatch.errors import ConfigError, EngineDeadError
 from vbatch.job.journal import JOURNAL_NAME, read_journal
 from vbatch.job.options import RunOptions
 from vbatch.job.runner import JobSpec, job_dir_for, start_job
-from vbatch.llm import LLM
+from vbatch.llm import LLM, TOKENIZE_BATCH
 from vbatch.sampling_params import SamplingParams
 
 NUM_ROWS = 200
@@ -289,3 +289,67 @@ def test_driver_killed_or_stopped_mid_job_then_resume_with_ray_is_exactly_once(
     )
     assert done.returncode == 0, done.stderr
     assert texts(tmp_path / "out.parquet") == reference
+
+
+@pytest.mark.slow
+def test_the_look_ahead_is_one_engines_and_the_kv_cache_is_summed(
+    tiny_model_dir: Path, ray_address: str
+) -> None:
+    """All of a job's rows went out up front (each replica took max_in_flight plus a tokenize
+    batch), so a drain outlasted --drain-timeout; the set reported the first replica's KV."""
+    settings = RaySettings(address=ray_address, replicas=2, max_restarts=0)
+    engines = RayEngines(str(tiny_model_dir), settings, max_in_flight=4, **ENGINE_ARGS)
+    try:
+        infos = [rep.info for rep in engines._replicas]
+        assert all(info is not None for info in infos)
+        assert engines.engine_info.num_kv_blocks == sum(i.num_kv_blocks for i in infos)  # type: ignore[union-attr]
+        assert engines.engine_info.kv_cache_bytes == sum(i.kv_cache_bytes for i in infos)  # type: ignore[union-attr]
+        params = SamplingParams(max_tokens=8, temperature=0.0)
+        prompts = [f"item {i} is" for i in range(NUM_ROWS)]
+        most = num_done = 0
+        for out in engines.stream(prompts, params, idle_s=0.05):
+            most = max(most, sum(len(rep.in_flight) for rep in engines._replicas))
+            num_done += out is not None
+        assert num_done == NUM_ROWS
+        assert most <= 4 + TOKENIZE_BATCH, most
+    finally:
+        engines.shutdown()
+
+
+@pytest.mark.slow
+def test_a_busy_foreign_cluster_is_named_with_its_free_resources(
+    tmp_path: Path, tiny_model_dir: Path, ray_address: str
+) -> None:
+    """Another cluster whose CPUs are all held: the job joined it silently and waited at
+    "starting Ray replicas (0 of 1 live)"; the check compared against total, not free, CPUs."""
+
+    @ray.remote(num_cpus=2)
+    class Holder:
+        def ping(self) -> bool:
+            return True
+
+    holder = Holder.remote()  # type: ignore[attr-defined]
+    ray.get(holder.ping.remote())
+    write_jsonl(tmp_path / "in.jsonl", make_rows()[:20])
+    args = [
+        sys.executable, "-m", "vbatch.cli", "run", "in.jsonl", "-o", "out.jsonl",
+        "--model", str(tiny_model_dir), "--max-tokens", "4", "--log-interval", "1",
+        "--ray", "--ray-address", ray_address, "--replicas", "1",
+    ]  # fmt: skip
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    seen: list[str] = []
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not any("replicas are pending" in line for line in seen):
+            assert time.monotonic() < deadline and proc.poll() is None, seen
+            seen.append(proc.stderr.readline())
+    finally:
+        ray.kill(holder)
+    _, rest = proc.communicate(timeout=TIMEOUT_S)
+    text = "".join(seen) + rest
+    assert proc.returncode == 0, text
+    assert f"the Ray cluster at {ray_address} (not started by vbatch)" in text
+    assert "0 of 1 replicas fit in the free resources now (0 of 2 CPUs free" in text
+    assert "1 of 1 replicas are pending, waiting for CPUs or GPUs (0 of 2 CPUs free" in text

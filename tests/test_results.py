@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 from typing import TYPE_CHECKING
 
 import orjson
@@ -99,7 +101,12 @@ def test_reasoning_parser_moves_the_think_part_to_its_columns() -> None:
     assert values["text"] is None and values["reasoning"] is None
     line = openai_line(row, values, "m", str)
     messages = [c["message"] for c in line["response"]["body"]["choices"]]
-    assert messages[1] == {"role": "assistant", "content": "", "reasoning_content": "cut sho"}
+    assert messages[1] == {
+        "role": "assistant",
+        "content": "",
+        "refusal": None,
+        "reasoning_content": "cut sho",
+    }
     schema = parquet_schema("str", [], reasoning=True)
     table = pa.Table.from_pylist([parquet_values(values, None, "str", False)], schema=schema)
     assert table.column("reasonings").to_pylist() == [["a", "cut sho", "b"]]
@@ -126,7 +133,7 @@ def test_openai_chat_and_completion_lines() -> None:
     assert line["id"] == "vbatch_req_3" and line["custom_id"] == "req-3" and line["error"] is None
     body = line["response"]["body"]
     assert line["response"]["status_code"] == 200 and body["object"] == "chat.completion"
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "hi", "refusal": None}
     assert body["choices"][0]["logprobs"]["content"][0]["token"] == "<7>"
     assert body["usage"]["total_tokens"] == 5 and body["model"] == "smol"
     assert line_index(jsonl_bytes(line, None)) == 3
@@ -212,3 +219,52 @@ def test_parquet_values_refuse_an_id_the_int64_column_cannot_hold() -> None:
         parquet_values(values, None, "int", False)
     values["id"] = 2**63 - 1
     assert parquet_values(values, None, "int", False)["id"] == 2**63 - 1
+
+
+def test_masked_alternatives_are_left_out_of_top_logprobs() -> None:
+    """A grammar's forbidden tokens (-inf) are never written, as null or otherwise."""
+    lp = TokenLogprobs(-0.1, [7, 9, 11], [-0.1, -2.5, -math.inf])
+    result = make_result([CompletionOutput(0, "a", [7], "stop", None, [lp], True)])
+    chat_row = InputRow(3, "line 4", "r", openai_kind="chat")
+    values = result_row(chat_row, result, include_token_ids=False)
+    assert values["logprobs"][0][0]["top_token_ids"] == [7, 9]
+    assert values["logprobs"][0][0]["top_logprobs"] == [-0.1, -2.5]
+    line = openai_line(chat_row, values, "smol", str)
+    top = line["response"]["body"]["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert [t["logprob"] for t in top] == [-0.1, -2.5]
+    written = orjson.loads(jsonl_bytes(values, None))["logprobs"][0][0]
+    assert written["top_logprobs"] == [-0.1, -2.5] and None not in written["top_logprobs"]
+
+
+def test_structured_flags_reach_openai_lines_and_an_invalid_output_can_be_an_error() -> None:
+    def check(texts: list[str]) -> str | None:
+        return None if list(texts) == ['{"a": 1}'] else "bad"
+
+    chat_row = InputRow(3, "line 4", "r", openai_kind="chat")
+    cut = make_result([CompletionOutput(0, '{"a": ', [7], "length", None, None, False)])
+    values = result_row(chat_row, cut, include_token_ids=False, check=check)
+    assert (values["structured_complete"], values["structured_valid"]) == (False, None)
+    choice = openai_line(chat_row, values, "smol", str)["response"]["body"]["choices"][0]
+    assert choice["structured_complete"] is False and "structured_valid" not in choice
+    good = make_result([CompletionOutput(0, '{"a": 1}', [7], "stop", None, None, True)])
+    values = result_row(chat_row, good, include_token_ids=False, check=check)
+    choice = openai_line(chat_row, values, "smol", str)["response"]["body"]["choices"][0]
+    assert choice["structured_complete"] is True and choice["structured_valid"] is True
+    bad = make_result([CompletionOutput(0, '{"a": 2}', [7], "stop", None, None, True)])
+    assert (
+        result_row(chat_row, bad, include_token_ids=False, check=check)["structured_valid"] is False
+    )
+    refused = result_row(chat_row, bad, include_token_ids=False, check=check, require_valid=True)
+    assert refused["error"] == "line 4: bad" and refused["structured_valid"] is False
+
+
+def test_parse_json_keeps_integers_beyond_64_bits_exact() -> None:
+    text = '{"big": 1234567890123456789012345, "neg": -98765432109876543210, "f": 1.5}'
+    result = make_result([CompletionOutput(0, text, [7], "stop", None, None, True)])
+    row = InputRow(3, "line 4", "a", prompt="p")
+    values = result_row(row, result, include_token_ids=False, parse_json=True)
+    assert json.loads(jsonl_bytes(values, None))["json"] == json.loads(text)
+    stored = parquet_values(values, None, "str", False)["json"]
+    assert json.loads(stored) == json.loads(text)
+    small = make_result([CompletionOutput(0, '{"n": 5}', [7], "stop", None, None, True)])
+    assert result_row(row, small, include_token_ids=False, parse_json=True)["json"] == {"n": 5}

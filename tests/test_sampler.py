@@ -12,7 +12,7 @@ import torch
 from vbatch.engine.sampler import (
     CANDIDATE_GROWTH,
     Sampler,
-    _apply_penalties,
+    _apply_transforms,
     _draw,
     _keep_prefix,
     _nucleus_groups,
@@ -249,7 +249,7 @@ def test_penalties_follow_the_formula() -> None:
             seq.append_token(token)
     logits = torch.randn(3, vocab) * 2
     logits[0, 1], logits[0, 3] = 1.5, -0.7
-    penalized = _apply_penalties(logits, SamplingMetadata.build(seqs, CPU, vocab, {}))
+    penalized = _apply_transforms(logits, SamplingMetadata.build(seqs, CPU, vocab, {}))
     output_counts = {2: 1, 3: 3}
     expected = logits.clone()
     for token in range(vocab):
@@ -358,6 +358,7 @@ def test_logprobs_are_raw_and_sorted() -> None:
         assert lp.top_token_ids == top_ids.tolist()
         assert lp.top_logprobs == pytest.approx(top_vals.tolist(), abs=1e-4)
         assert lp.top_logprobs == sorted(lp.top_logprobs, reverse=True)
+        assert lp.rank == int((raw[row] > raw[row, token_ids[row]]).sum()) + 1
     no_logprobs = SamplingMetadata.build(make_seqs(SamplingParams()), CPU, VOCAB, {})
     out = Sampler()(logits[:1], no_logprobs)
     assert out.chosen_logprobs is None and out.to_host()[1] is None

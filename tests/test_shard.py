@@ -13,7 +13,15 @@ from vbatch.cli import app
 from vbatch.errors import ConfigError
 from vbatch.job.reader import InputReader, scan_input
 from vbatch.job.rows import ColumnOptions, RowParser
-from vbatch.job.shard import Shard, parse_shard, row_key, shard_counts, shard_of, shard_of_output
+from vbatch.job.shard import (
+    MAX_SHARDS,
+    Shard,
+    parse_shard,
+    row_key,
+    shard_of,
+    shard_of_output,
+    shards_on_disk,
+)
 from vbatch.sampling_params import SamplingParams
 
 PARSER = RowParser(ColumnOptions(), SamplingParams())
@@ -113,13 +121,59 @@ def test_run_shard_auto_without_a_task_index_is_one_line(tmp_path: Path) -> None
     assert not list(tmp_path.glob("out*"))
 
 
-def test_shard_counts_find_files_and_job_dirs(tmp_path: Path) -> None:
+def test_shards_on_disk_are_found_by_files_and_job_dirs(tmp_path: Path) -> None:
     output = tmp_path / "out[1].jsonl"
-    assert shard_counts(output) == set()
+    assert shards_on_disk(output) == set()
     (tmp_path / "out[1].shard-0-of-3.jsonl").touch()
     (tmp_path / "out[1].shard-2-of-3.jsonl.vbatch").mkdir()
     (tmp_path / "out[1].shard-01-of-3.jsonl").touch()
     (tmp_path / "other.shard-0-of-4.jsonl").touch()
-    assert shard_counts(output) == {3}
+    (tmp_path / "out[1].shard-0-of-99999999999.jsonl").touch()
+    (tmp_path / "out[1].shard-5-of-5.jsonl").touch()
+    assert shards_on_disk(output) == {Shard(0, 3), Shard(2, 3)}
     (tmp_path / "out[1].shard-0-of-2.jsonl").touch()
-    assert shard_counts(output) == {2, 3}
+    assert {s.count for s in shards_on_disk(output)} == {2, 3}
+
+
+@pytest.mark.parametrize("text", ["0/10000000000", f"0/{MAX_SHARDS + 1}", "²/3", "0/³", "١/3"])
+def test_absurd_counts_and_non_ascii_digits_are_refused_at_parse_time(text: str) -> None:
+    with pytest.raises(ConfigError, match="--shard"):
+        parse_shard(text, {})
+    assert parse_shard(f"0/{MAX_SHARDS}", {}) == Shard(0, MAX_SHARDS)
+
+
+def test_status_and_merge_never_walk_shard_numbers_without_a_file(tmp_path: Path) -> None:
+    """A stray file of an absurd array is not a shard; a huge real array is checked by its
+    files, the runs of missing shards reported as ranges (this took minutes per call)."""
+    output = tmp_path / "out.jsonl"
+    (tmp_path / "out.shard-0-of-99999999999.jsonl").touch()
+    status = CliRunner().invoke(app, ["status", str(output)])
+    assert status.exit_code == 1 and "there is no job for" in status.output, status.output
+    result = CliRunner().invoke(app, ["merge", str(output)])
+    assert result.exit_code == 1 and "there are no shards of" in result.output, result.output
+    for index in (3, MAX_SHARDS - 1):
+        (tmp_path / f"out.shard-{index}-of-{MAX_SHARDS}.jsonl.vbatch").mkdir()
+    status = CliRunner().invoke(app, ["status", str(output)])
+    assert status.exit_code == 0, status.output
+    assert f"0 of {MAX_SHARDS} complete" in status.output
+    assert f"0-2/{MAX_SHARDS}  not started" in status.output
+    assert f"4-{MAX_SHARDS - 2}/{MAX_SHARDS}  not started" in status.output
+    result = CliRunner().invoke(app, ["merge", str(output)])
+    assert result.exit_code == 1, result.output
+    assert f"shards 4-{MAX_SHARDS - 2}/{MAX_SHARDS}: not started; start each (I = 4 to" in (
+        result.output
+    )
+    assert f"--shard I/{MAX_SHARDS}" in result.output
+    assert f"shard 3/{MAX_SHARDS}: its job directory" in result.output
+
+
+def test_a_slurm_list_array_is_told_to_use_shard_i_of_n() -> None:
+    """`--array=1,5,9`: Slurm gives MIN 1, MAX 9, COUNT 3 and no step that fits; task 1 used
+    to become shard 0 silently and tasks 5 and 9 fail with "shard 4 of 3"."""
+    listed = {"SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_MAX": "9"}
+    listed |= {"SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_STEP": "1"}
+    for task in ("1", "5", "9"):
+        with pytest.raises(ConfigError, match="list arrays need --shard I/N"):
+            parse_shard("auto", {**listed, "SLURM_ARRAY_TASK_ID": task})
+    ranged = {**listed, "SLURM_ARRAY_TASK_STEP": "4", "SLURM_ARRAY_TASK_ID": "9"}
+    assert parse_shard("auto", ranged) == Shard(2, 3)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,11 @@ import pytest
 from vbatch.errors import SamplingParamsError
 from vbatch.job.rows import ColumnOptions, RowParser
 from vbatch.job.runner import JobSpec, RunOptions, start_job
+from vbatch.job.validation import OutputChecker
 from vbatch.sampling_params import SamplingParams
 from vbatch.structured import (
     EXTRA_HINT,
+    MAX_SCHEMA_DEPTH,
     StructuredOutput,
     cli_structured,
     from_guided,
@@ -173,3 +176,152 @@ def test_job_rows_with_constraints_flags_and_parsed_json(
     assert out["free"].get("structured_complete") is None and out["free"]["error"] is None
     assert (out["stopped"]["text"], out["stopped"]["stop_reason"]) == ("y", "e")
     assert out["stopped"]["structured_complete"] is False
+
+
+def nested(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(depth - 1):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def deep_schema_line(row_id: str, depth: int) -> bytes:
+    """A JSONL row whose schema nests `depth` levels (beyond what orjson.dumps writes)."""
+    schema = '{"type": "array", "items": ' * (depth - 1) + '{"type": "integer"}' + "}" * (depth - 1)
+    return (
+        f'{{"id": "{row_id}", "prompt": "p", "response_format": {{"type": "json_schema", '
+        f'"json_schema": {{"schema": {schema}}}}}}}\n'
+    ).encode()
+
+
+def test_a_deep_schema_is_refused_before_any_recursive_code(tmp_path: Path) -> None:
+    assert StructuredOutput(json_schema=nested(MAX_SCHEMA_DEPTH)).json_schema
+    with pytest.raises(
+        SamplingParamsError, match=f"nests more than {MAX_SCHEMA_DEPTH} levels deep"
+    ):
+        StructuredOutput(json_schema=nested(1000))
+    deep_text = '{"items": ' * 3000 + "{}" + "}" * 3000
+    with pytest.raises(SamplingParamsError, match="nests more than"):
+        StructuredOutput(json_schema=deep_text)
+    path = tmp_path / "deep.json"
+    path.write_text(deep_text)
+    with pytest.raises(SamplingParamsError, match="--json-schema: json_schema nests"):
+        cli_structured(path, None, None, None)
+    parser = RowParser(ColumnOptions(), SamplingParams())
+    row = parser.parse(orjson.loads(deep_schema_line("deep", 1000)), 0, "line 1")
+    assert row.error is not None and "nests more than 128 levels" in row.error
+
+
+def test_schema_messages_remote_refs_and_strict() -> None:
+    with pytest.raises(SamplingParamsError, match=r"json_schema\.schema is null"):
+        from_response_format({"type": "json_schema", "json_schema": {"schema": None}})
+    with pytest.raises(SamplingParamsError, match="remote \\$ref"):
+        StructuredOutput(json_schema={"properties": {"a": {"$ref": "https://x.org/s.json"}}})
+    # NOTE: a $ref inside a const value is data, not a reference.
+    assert StructuredOutput(json_schema={"const": {"$ref": "https://x.org/s.json"}}).json_schema
+    spec = {"schema": SCHEMA, "strict": False}
+    assert from_response_format({"type": "json_schema", "json_schema": spec}).strict is False
+    spec = {"schema": SCHEMA, "strict": True}
+    assert from_response_format({"type": "json_schema", "json_schema": spec}).strict is True
+    with pytest.raises(SamplingParamsError, match="strict: false applies to json_schema only"):
+        StructuredOutput(regex="a", strict=False)
+
+
+def test_a_bad_job_wide_constraint_is_one_error_before_the_job() -> None:
+    pytest.importorskip("xgrammar")
+    with pytest.raises(SamplingParamsError, match=r"--regex: invalid regex: .*parenthesis"):
+        cli_structured(None, "(", None, None)
+    with pytest.raises(SamplingParamsError, match=r"--choice: (invalid|choice)"):
+        cli_structured(None, None, ",", None)
+
+
+def test_a_text_response_format_overrides_a_job_wide_constraint() -> None:
+    defaults = SamplingParams(structured={"choice": ["a", "b"]})
+    parser = RowParser(ColumnOptions(), defaults)
+    records = [
+        {"prompt": "p", "response_format": {"type": "text"}},
+        {"custom_id": "c", "body": {"messages": [{"role": "user", "content": "x"}],
+                                    "response_format": {"type": "text"}}},
+        {"prompt": "p"},
+    ]  # fmt: skip
+    rows = [parser.parse(record, i, f"line {i + 1}") for i, record in enumerate(records)]
+    assert rows[0].sampling_params is not None and rows[0].sampling_params.structured is None
+    assert rows[1].sampling_params is not None and rows[1].sampling_params.structured is None
+    assert rows[2].sampling_params is None
+
+
+def test_unenforced_keywords_are_named_once_per_schema_and_outputs_checked() -> None:
+    warnings: list[str] = []
+    checker = OutputChecker(warnings.append)
+    schema = {
+        "type": "object",
+        "properties": {
+            "x": {"type": "number", "multipleOf": 0.25},
+            "tags": {"type": "array", "uniqueItems": True, "items": {"type": "string"}},
+            "c": {"const": {"not": 1}},
+            "o": {"oneOf": [{"type": "integer"}, {"type": "number"}]},
+        },
+    }
+    structured = StructuredOutput(json_schema=schema)
+    checker.note(structured)
+    checker.note(StructuredOutput(json_schema=json.dumps(schema, indent=2)))
+    checker.note(StructuredOutput(json_schema=SCHEMA))
+    [message] = warnings
+    assert "multipleOf, oneOf (approximated as anyOf), uniqueItems." in message
+    assert "'not'" not in message and " not," not in message
+    assert checker.check(structured, ['{"x": 0.5, "tags": ["a", "b"]}']) is None
+    assert "multiple of 0.25" in (checker.check(structured, ['{"x": 1.1}']) or "")
+    assert "non-unique" in (checker.check(structured, ['{"tags": ["a", "a"]}']) or "")
+    assert "repeats the key 'x'" in (checker.check(structured, ['{"x": 1, "x": 2}']) or "")
+    anything = StructuredOutput(json_object=True)
+    checker.note(anything)
+    assert "duplicate keys (json_object)" in warnings[-1]
+    assert checker.check(anything, ['{"a": 1}']) is None
+    assert "not an object" in (checker.check(anything, ["[1]"]) or "")
+
+
+def test_a_job_with_deep_emoji_const_and_unenforceable_rows_finishes(
+    tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any]
+) -> None:
+    pytest.importorskip("xgrammar")
+    never_valid = {"type": "array", "items": {"enum": [1, 2]}, "minItems": 3, "maxItems": 3,
+                   "uniqueItems": True}  # fmt: skip
+    const = {"type": "object", "properties": {"c": {"const": {"type": "string", "maxLength": 3}}},
+             "required": ["c"]}  # fmt: skip
+
+    def schema_row(row_id: str, schema: dict[str, Any]) -> dict[str, Any]:
+        response_format = {"type": "json_schema", "json_schema": {"schema": schema}}
+        return {"id": row_id, "prompt": "a", "response_format": response_format}
+
+    records = [
+        {
+            "id": "emoji",
+            "prompt": "b",
+            "guided": {"choice": ["\U0001f600 happy", "\U0001f622 sad"]},
+        },
+        schema_row("const", const),
+        schema_row("unique", never_valid),
+    ]
+    input_path = tmp_path / "in.jsonl"
+    lines = [deep_schema_line("deep", 1000), *(orjson.dumps(r) + b"\n" for r in records)]
+    input_path.write_bytes(b"".join(lines))
+    for require_valid in (False, True):
+        output = tmp_path / f"out-{require_valid}.jsonl"
+        spec = JobSpec(input_path, output, model=str(tiny_model_dir),
+                       engine_args={"num_threads": 1},
+                       sampling={"max_tokens": 64, "temperature": 0.0},
+                       require_valid_json=require_valid)  # fmt: skip
+        outcome = start_job(spec, RunOptions(display="quiet"), llm_factory=shared_llm)
+        assert outcome.exit_code == 0, outcome.message
+        out = {r["id"]: r for r in map(orjson.loads, output.read_bytes().splitlines())}
+        assert "nests more than 128 levels" in out["deep"]["error"]
+        assert out["emoji"]["text"] in ("\U0001f600 happy", "\U0001f622 sad")
+        assert json.loads(out["const"]["text"]) == {"c": {"type": "string", "maxLength": 3}}
+        assert out["const"]["structured_valid"] is True
+        if require_valid:
+            assert "non-unique" in out["unique"]["error"]
+            assert "2 errored, 1 with JSON invalid" in outcome.message
+        else:
+            assert out["unique"]["structured_complete"] is True
+            assert out["unique"]["structured_valid"] is False and out["unique"]["error"] is None
+            assert "1 errored, 1 with JSON invalid" in outcome.message

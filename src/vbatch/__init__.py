@@ -10,11 +10,12 @@ from vbatch.errors import (
     VbatchError,
 )
 from vbatch.sampling_params import SamplingParams
-from vbatch.structured import StructuredOutput
+from vbatch.structured import GuidedDecodingParams, StructuredOutput, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from vbatch.engine_args import EngineArgs
     from vbatch.llm import LLM, CompletionOutput, RequestOutput
     from vbatch.lora.request import LoRARequest
 
@@ -22,13 +23,16 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "ConfigError",
+    "EngineArgs",
     "EngineDeadError",
     "EngineStartupError",
+    "GuidedDecodingParams",
     "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "SamplingParamsError",
     "StructuredOutput",
+    "StructuredOutputsParams",
     "VbatchError",
 ]
 
@@ -39,6 +43,10 @@ def __getattr__(name: str) -> Any:
         from vbatch import llm
 
         return getattr(llm, name)
+    if name == "EngineArgs":
+        from vbatch.engine_args import EngineArgs
+
+        return EngineArgs
     if name == "LoRARequest":
         from vbatch.lora.request import LoRARequest
 

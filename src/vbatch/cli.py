@@ -280,6 +280,7 @@ def run(
     choice: o.Choice = None,
     grammar: o.Grammar = None,
     parse_json: o.ParseJson = False,
+    require_valid_json: o.RequireValidJson = False,
     reasoning_parser: o.ReasoningParserOption = None,
     ordered: o.Ordered = False,
     overwrite: o.Overwrite = False,
@@ -379,8 +380,9 @@ def status(
 
 def _shard_lines(output: Path, shards: list[dict[str, Any]], *, is_merged: bool) -> str:
     """The per-shard table of `vbatch status`."""
-    counts = {state: sum(s["state"] == state for s in shards) for state in ("complete",)}
-    lines = [f"shards of {output}: {counts['complete']} of {len(shards)} complete"]
+    num_complete = sum(s["state"] == "complete" for s in shards)
+    count = int(shards[0]["shard"].rpartition("/")[2])
+    lines = [f"shards of {output}: {num_complete} of {count} complete"]
     for s in shards:
         if s["state"] == "not started":
             lines.append(f"  {s['shard']:>7}  not started")
@@ -390,7 +392,7 @@ def _shard_lines(output: Path, shards: list[dict[str, Any]], *, is_merged: bool)
         lines.append(f"  {s['shard']:>7}  {s['state']:<10}  {progress}  {how}")
     if is_merged:
         lines.append(f"merged:      {output} exists")
-    elif counts["complete"] == len(shards):
+    elif num_complete == count:
         lines.append(f"merge with:  vbatch merge {shlex.quote(str(output))}")
     return "\n".join(lines)
 
@@ -425,6 +427,44 @@ def merge(
     )
     if not quiet:
         typer.echo(message, err=True)
+
+
+# NOTE: vLLM run-batch options that change nothing in vbatch (a server's, or its temp folder).
+_RUN_BATCH_IGNORED = ("--response-role", "--output-tmp-dir", "--port", "--url")
+
+
+@app.command(
+    "run-batch",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def run_batch(
+    ctx: typer.Context,
+    input_file: Annotated[
+        Path, typer.Option("-i", "--input-file", help="The OpenAI Batch file (JSONL) to run.")
+    ],
+    output_file: Annotated[
+        Path, typer.Option("-o", "--output-file", help="Where the output lines go.")
+    ],
+    model: o.Model = None,
+) -> None:
+    """vLLM's `run-batch` command line: `vbatch run-batch -i IN -o OUT --model M [run options]`
+    runs `vbatch run IN -o OUT --model M ...` (with its journal: `vbatch resume OUT`)."""
+    args = [str(input_file), "-o", str(output_file)]
+    if model is not None:
+        args += ["--model", model]
+    extra = list(ctx.args)
+    while extra:
+        arg = extra.pop(0)
+        name = arg.split("=", 1)[0]
+        if name in _RUN_BATCH_IGNORED:
+            typer.echo(f"vbatch run-batch ignores {name} (vLLM server option)", err=True)
+            if "=" not in arg and extra and not extra[0].startswith("-"):
+                extra.pop(0)
+            continue
+        args.append(arg)
+    command = typer.main.get_command(app)
+    code = command.main(args=["run", *args], prog_name="vbatch", standalone_mode=False)
+    raise typer.Exit(code or 0)
 
 
 def _settings(values: dict[str, Any]) -> str:

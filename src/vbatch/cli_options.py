@@ -162,15 +162,16 @@ UseRay = Annotated[
     bool,
     typer.Option(
         "--ray",
-        help="Run the engines as Ray actors (needs `pip install 'vbatch[ray]'`).",
+        help="Run the engines as Ray actors (needs `pip install 'vbatch\\[ray]'`).",
         rich_help_panel=RAY,
     ),
 ]
 RayAddress = Annotated[
     str | None,
     typer.Option(
-        help="The Ray cluster to join (default: RAY_ADDRESS, a running local cluster, or a new "
-        "local one); on resume of a --ray job, the one to join this time.",
+        help="The Ray cluster to join, HOST:PORT or auto (checked to answer first; default: "
+        "RAY_ADDRESS, else a new local cluster that stops with the job); on resume of a --ray "
+        "job, the one to join this time.",
         rich_help_panel=RAY,
     ),
 ]
@@ -308,6 +309,15 @@ ParseJson = Annotated[
         "--parse-json", help="Add a `json` column: the parsed output.", rich_help_panel=STRUCTURED
     ),
 ]
+RequireValidJson = Annotated[
+    bool,
+    typer.Option(
+        "--require-valid-json",
+        help="A JSON output that does not validate against its schema is an error row "
+        "(without it, its `structured_valid` is false).",
+        rich_help_panel=STRUCTURED,
+    ),
+]
 
 Ordered = Annotated[
     bool,
@@ -360,10 +370,11 @@ ShardOption = Annotated[
     str | None,
     typer.Option(
         "--shard",
-        help="Run one shard of a job array: I/N (0 <= I < N) takes the rows whose id hashes "
-        "to I and writes them, for -o out.parquet, to out.shard-I-of-N.parquet (its own "
-        "job). auto reads SLURM_ARRAY_TASK_ID/COUNT, or JOB_COMPLETION_INDEX plus "
-        "VBATCH_SHARD_COUNT; auto/N sets N. Join the shards with `vbatch merge OUTPUT`.",
+        help="Run one shard of a job array: I/N (0 <= I < N <= 100000) takes the rows whose id "
+        "hashes to I and writes them, for -o out.parquet, to out.shard-I-of-N.parquet (its own "
+        "job). auto reads SLURM_ARRAY_TASK_ID/COUNT (a range array; a list "
+        "array needs I/N), or JOB_COMPLETION_INDEX plus VBATCH_SHARD_COUNT; auto/N sets N. "
+        "Join the shards with `vbatch merge OUTPUT`.",
         rich_help_panel=JOB,
     ),
 ]

@@ -14,8 +14,9 @@ class ConfigError(VbatchError):
     """An engine or job setting is invalid."""
 
 
-class SamplingParamsError(VbatchError):
-    """A sampling parameter is missing, of the wrong type or out of range."""
+class SamplingParamsError(VbatchError, ValueError):
+    """A sampling parameter is missing, of the wrong type or out of range (a ValueError too,
+    as vLLM raises)."""
 
 
 class ModelLoadError(VbatchError):
@@ -36,6 +37,14 @@ class EngineDeadError(VbatchError):
 
 class InputError(VbatchError):
     """The input file or one of its columns cannot be used."""
+
+
+class PromptTypeError(VbatchError, TypeError):
+    """The Python API was given a prompt of a kind it does not take (a TypeError too)."""
+
+
+class PromptValueError(VbatchError, ValueError):
+    """The Python API was given a prompt it cannot use as it is (a ValueError too)."""
 
 
 class JobStateError(VbatchError):

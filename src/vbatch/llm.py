@@ -1,4 +1,4 @@
-"""LLM: the Python API (generate, stream) over the engine-core subprocess."""
+"""LLM: the Python API (generate, chat, stream) over the engine-core subprocess."""
 
 from __future__ import annotations
 
@@ -8,11 +8,15 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from vbatch.client.core_client import EngineCoreClient
 from vbatch.client.detokenizer import IncrementalDetokenizer
+from vbatch.client.hf_tokenizer import HFTokenizer
 from vbatch.client.loras import ClientLoras
 from vbatch.client.outputs import (
     CompletionOutput,
@@ -21,12 +25,27 @@ from vbatch.client.outputs import (
     RequestState,
     error_output,
 )
+from vbatch.client.prompts import (
+    chat_conversations,
+    check_params_type,
+    generate_inputs,
+    per_prompt_params,
+    to_request,
+)
 from vbatch.client.reasoning import check_reasoning_parser
 from vbatch.client.tokenizer import TextTokenizer, check_template_kwargs
 from vbatch.config import EngineConfig
+from vbatch.engine_args import default_sampling_params, map_llm_args
 from vbatch.engine_sets.base import EngineReport, EngineState
 from vbatch.engine_sets.data_parallel import DataParallelClient
-from vbatch.errors import ConfigError, LoraError, SamplingParamsError, VbatchError
+from vbatch.engine_sets.stream import stream_loop
+from vbatch.errors import (
+    ConfigError,
+    LoraError,
+    ModelLoadError,
+    SamplingParamsError,
+    VbatchError,
+)
 from vbatch.lora.request import LoRARequest
 from vbatch.protocol import (
     AddRequest,
@@ -47,41 +66,36 @@ _MAIN_GUARD_MESSAGE = (
 )
 
 
-def _as_request(item: str | list[dict] | Request) -> Request:
-    if isinstance(item, Request):
-        return item
-    if isinstance(item, str):
-        return Request(prompt=item)
-    if isinstance(item, list):
-        return Request(messages=item)
-    raise VbatchError(
-        f"each input must be a prompt string, a messages list or a vbatch.llm.Request, "
-        f"got {type(item).__name__}"
-    )
+_LLM_PARAMS = frozenset(
+    {
+        "model",
+        "max_in_flight",
+        "on_progress",
+        "chat_template_kwargs",
+        "reasoning_parser",
+        "data_parallel_size",
+        "prefix_placement",
+    }
+)
 
 
 def _with_loras(
-    items: list[Any], lora_request: LoRARequest | list[LoRARequest | None]
-) -> list[Any]:
-    """`items` as Requests carrying their adapter (one for all, or one per item)."""
+    requests: list[Request], lora_request: LoRARequest | Sequence[LoRARequest | None]
+) -> list[Request]:
+    """`requests`, each carrying its adapter (one for all, or one per request)."""
     if isinstance(lora_request, LoRARequest):
-        loras: list[LoRARequest | None] = [lora_request] * len(items)
+        loras: list[LoRARequest | None] = [lora_request] * len(requests)
     else:
         loras = list(lora_request)
-        if len(loras) != len(items):
+        if len(loras) != len(requests):
             raise LoraError(
-                f"lora_request has {len(loras)} entries for {len(items)} prompts; give one "
+                f"lora_request has {len(loras)} entries for {len(requests)} prompts; give one "
                 "per prompt or a single one"
             )
-    with_loras = []
-    for item, lora in zip(items, loras, strict=True):
-        try:
-            request = _as_request(item)
-        except VbatchError:
-            with_loras.append(item)
-            continue
-        with_loras.append(dataclasses.replace(request, lora_request=lora))
-    return with_loras
+    return [
+        dataclasses.replace(request, lora_request=lora)
+        for request, lora in zip(requests, loras, strict=True)
+    ]
 
 
 def _check_main_guard() -> None:
@@ -90,6 +104,46 @@ def _check_main_guard() -> None:
         if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
             raise VbatchError(_MAIN_GUARD_MESSAGE)
         frame = frame.f_back
+
+
+class _LocalStream:
+    """`StreamEngine` over this process's core client: inputs tokenized in batches of
+    TOKENIZE_BATCH, at most `max_in_flight` requests in the core."""
+
+    def __init__(
+        self,
+        llm: LLM,
+        inputs: Iterable[str | list[dict] | Request],
+        defaults: SamplingParams,
+        live: dict[str, RequestState],
+    ) -> None:
+        self.llm = llm
+        self.source = enumerate(inputs)
+        self.defaults = defaults
+        self.live = live
+        self.ready: list[tuple[int, RequestOutput]] = []
+        self.is_exhausted = False
+
+    def fill(self) -> bool:
+        room = self.llm.max_in_flight - len(self.live)
+        if not self.is_exhausted and room > 0:
+            batch = list(itertools.islice(self.source, min(room, TOKENIZE_BATCH)))
+            self.is_exhausted = len(batch) < min(room, TOKENIZE_BATCH)
+            self.llm._submit(batch, self.defaults, self.live, self.ready)
+        return not self.is_exhausted
+
+    def take_finished(self) -> list[tuple[int, RequestOutput]]:
+        ready, self.ready = self.ready, []
+        return ready
+
+    def is_idle(self) -> bool:
+        return not self.live
+
+    def wait_limit(self, is_more: bool) -> float | None:
+        return 0.0 if is_more and len(self.live) < self.llm.max_in_flight else None
+
+    def wait(self, timeout: float | None) -> None:
+        self.llm._collect(self.llm._client.get_outputs(timeout=timeout), self.live, self.ready)
 
 
 class LLM:
@@ -104,7 +158,14 @@ class LLM:
     each output's `<think>` part into `CompletionOutput.reasoning`. With several cores each
     request goes to one of them (by load, and by prompt prefix unless `prefix_placement` is
     False); tokenizing, detokenizing and stop strings stay here, once.
+
+    vLLM's `LLM` arguments are taken too (see docs/python-api.md): those vbatch has by the same
+    or another name are mapped, `tensor_parallel_size` > 1 and the like raise ConfigError naming
+    the vbatch equivalent, and settings that only matter to vLLM are ignored with one warning.
     """
+
+    # NOTE: a stop signal may raise out of this stream's waits (see EngineSet.waits_briefly).
+    waits_briefly = False
 
     def __init__(
         self,
@@ -125,6 +186,7 @@ class LLM:
             raise ConfigError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
         from vbatch.models.loader import resolve_model
 
+        settings = map_llm_args(engine_args, _LLM_PARAMS)
         self.chat_template_kwargs = check_template_kwargs(chat_template_kwargs or {})
         self.reasoning_parser = check_reasoning_parser(reasoning_parser)
 
@@ -132,8 +194,11 @@ class LLM:
             on_progress("resolving model")
         resolved = resolve_model(model)
         self.model = resolved
-        config = EngineConfig.from_dict({**engine_args, "model": str(resolved.local_path)})
-        self.tokenizer = TextTokenizer.from_dir(resolved.hf_dir)
+        config = EngineConfig.from_dict({**settings.engine, "model": str(resolved.local_path)})
+        self.tokenizer = TextTokenizer.from_dir(_tokenizer_dir(settings.tokenizer, model, resolved))
+        self.default_sampling_params = default_sampling_params(
+            resolved.hf_dir, settings.generation_config
+        )
         self.loras = ClientLoras(config.enable_lora, config.max_lora_rank, config.loras)
         self._client: EngineCoreClient | DataParallelClient
         if data_parallel_size > 1:
@@ -166,33 +231,100 @@ class LLM:
         stats = self._client.latest_stats
         return [EngineReport("core 0", EngineState.LIVE, stats, len(self._live))]
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """A fresh copy of the defaults `generate` and `chat` use when given no params: the
+        model's generation_config.json values (as vLLM), else SamplingParams()'s."""
+        return self.default_sampling_params.clone()
+
+    def get_tokenizer(self) -> HFTokenizer:
+        """The model's tokenizer, with transformers' `encode`/`decode`/`apply_chat_template`."""
+        return HFTokenizer(self.tokenizer)
+
     def generate(
         self,
-        prompts: str | Request | Iterable[str | list[dict] | Request],
-        sampling_params: SamplingParams | None = None,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_progress: bool = False,
-        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; results come back in input order. `lora_request`
-        (LLM(enable_lora=True)) runs every prompt with one adapter, or, a list, each prompt with
-        its own (None: the base model)."""
-        items = [prompts] if isinstance(prompts, (str, Request)) else list(prompts)
-        if lora_request is not None:
-            items = _with_loras(items, lora_request)
-        results: list[RequestOutput | None] = [None] * len(items)
-        stream = self._stream(items, sampling_params, None)
-        if not use_progress:
-            for position, out in stream:
-                results[position] = out
-            return results  # type: ignore[return-value]
-        from rich.progress import Progress
+        """Run every prompt to completion; results come back in input order.
 
-        with Progress(transient=False) as progress:
-            task = progress.add_task("generating", total=len(items))
+        `prompts` is one prompt or a list: strings, {"prompt": str}, {"prompt_token_ids":
+        [int]}, conversations (lists of messages; prefer `chat`) or `Request`s.
+        `sampling_params` is one SamplingParams for all, or a list with one per prompt (default:
+        `get_default_sampling_params()`). Anything else raises TypeError/ValueError (as
+        PromptTypeError/PromptValueError) before any prompt runs. `lora_request`
+        (LLM(enable_lora=True)) runs every prompt with one adapter, or, a list, each prompt with
+        its own (None: the base model).
+        """
+        requests = [to_request(item) for item in generate_inputs(prompts)]
+        if lora_request is not None:
+            requests = _with_loras(requests, lora_request)
+        return self._run(requests, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (lists of {"role",
+        "content"} messages), rendered with the model's chat template or `chat_template`;
+        `RequestOutput.prompt` is the rendered text. `continue_final_message` continues the
+        last (assistant) message instead of opening a new turn."""
+        if add_generation_prompt and continue_final_message:
+            raise ConfigError(
+                "continue_final_message continues the last message, so it needs "
+                "add_generation_prompt=False"
+            )
+        kwargs = check_template_kwargs(chat_template_kwargs) if chat_template_kwargs else None
+        requests = [
+            Request(
+                messages=conversation,
+                chat_template_kwargs=kwargs,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )
+            for conversation in chat_conversations(messages)
+        ]
+        return self._run(requests, sampling_params, use_tqdm)
+
+    def _run(
+        self,
+        requests: list[Request],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        params = per_prompt_params(sampling_params, len(requests), self.default_sampling_params)
+        checked: dict[int, str | None] = {}
+        for k, (req, p) in enumerate(zip(requests, params, strict=True)):
+            if req.sampling_params is None:
+                requests[k] = req = dataclasses.replace(req, sampling_params=p)
+            problem = self._check_params(req.sampling_params, checked)
+            if problem is not None:
+                raise SamplingParamsError(problem)
+        results: list[RequestOutput | None] = [None] * len(requests)
+        stream = self._stream(requests, self.default_sampling_params, None)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(requests), desc="Processed prompts", dynamic_ncols=True)
+        try:
             for position, out in stream:
                 results[position] = out
-                progress.advance(task)
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
         return results  # type: ignore[return-value]
 
     def stream(
@@ -226,49 +358,18 @@ class LLM:
     ) -> Iterator[tuple[int, RequestOutput | None]]:
         if self._is_streaming:
             raise VbatchError("this LLM is already streaming; finish or close that stream first")
-        defaults = sampling_params or SamplingParams()
-        if not isinstance(defaults, SamplingParams):
-            raise SamplingParamsError(
-                f"sampling_params must be a SamplingParams, got {type(defaults).__name__}"
-            )
-        # NOTE: again here, not only at construction: a field may have been set since.
-        defaults.validate(self.engine_info.vocab_size)
+        defaults = sampling_params or self.default_sampling_params
+        check_params_type(defaults)
+        defaults.check_vocab(self.engine_info.vocab_size)
         self._is_streaming = True
-        source = enumerate(inputs)
         live: dict[str, RequestState] = {}
         self._live = live
-        ready: list[tuple[int, RequestOutput]] = []
         callbacks = _CallbackThread(on_output, self.max_in_flight) if on_output else None
-        is_exhausted = False
-        idle_deadline = None if idle_s is None else time.monotonic() + idle_s
         try:
-            while True:
-                room = self.max_in_flight - len(live)
-                if not is_exhausted and room > 0:
-                    batch = list(itertools.islice(source, min(room, TOKENIZE_BATCH)))
-                    is_exhausted = len(batch) < min(room, TOKENIZE_BATCH)
-                    self._submit(batch, defaults, live, ready)
-                for position, out in ready:
-                    if callbacks is not None:
-                        callbacks.put(out)
-                    yield position, out
-                if ready and idle_s is not None:
-                    idle_deadline = time.monotonic() + idle_s
-                ready.clear()
-                if not live:
-                    if is_exhausted:
-                        break
-                    continue
-                is_filling = not is_exhausted and len(live) < self.max_in_flight
-                timeout = 0.0 if is_filling else None
-                if idle_s is not None and idle_deadline is not None:
-                    if time.monotonic() >= idle_deadline:
-                        yield -1, None
-                        idle_deadline = time.monotonic() + idle_s
-                    left = max(0.0, idle_deadline - time.monotonic())
-                    timeout = left if timeout is None else min(timeout, left)
-                steps = self._client.get_outputs(timeout=timeout)
-                self._collect(steps, live, ready)
+            for position, out in stream_loop(_LocalStream(self, inputs, defaults, live), idle_s):
+                if callbacks is not None and out is not None:
+                    callbacks.put(out)
+                yield position, out
             if callbacks is not None:
                 callbacks.close()
         finally:
@@ -285,16 +386,13 @@ class LLM:
         live: dict[str, RequestState],
         ready: list[tuple[int, RequestOutput]],
     ) -> None:
-        """Tokenize a batch and send it to the core; unusable items go straight to `ready`."""
+        """Tokenize a batch and send it to the core; requests that cannot run go straight to
+        `ready` as error outputs, and an input that is no prompt raises."""
         requests = []
-        # NOTE: each distinct params object is validated once per batch (tens of microseconds).
+        # NOTE: each distinct params object is checked once per batch.
         checked: dict[int, str | None] = {id(defaults): None}
         for position, item in batch:
-            try:
-                req = _as_request(item)
-            except VbatchError as e:
-                ready.append((position, error_output(Request(), position, [], str(e), 1)))
-                continue
+            req = to_request(item)
             problem = self._check_params(req.sampling_params or defaults, checked)
             if problem is None:
                 try:
@@ -307,22 +405,32 @@ class LLM:
             requests.append((position, req, lora))
         adds = []
         tokenized = self._tokenize([req for _, req, _ in requests])
-        for (position, req, lora), prompt_ids in zip(requests, tokenized, strict=True):
+        for (position, req, lora), (prompt_ids, prompt_text) in zip(
+            requests, tokenized, strict=True
+        ):
             params = req.sampling_params or defaults
             if isinstance(prompt_ids, str):
                 ready.append((position, error_output(req, position, [], prompt_ids, params.n)))
                 continue
+            if params.truncate_prompt_tokens is not None:
+                prompt_ids = prompt_ids[-params.truncate_prompt_tokens :]
+            if params.bad_words and not params.bad_words_token_ids:
+                msgspec.structs.force_setattr(
+                    params, "bad_words_token_ids", self._bad_words_ids(params.bad_words)
+                )
             rid = str(next(self._request_ids))
             live[rid] = RequestState(
                 request=req,
                 position=position,
                 prompt_token_ids=prompt_ids,
+                prompt_text=prompt_text,
                 detoks=[IncrementalDetokenizer(self.tokenizer, params) for _ in range(params.n)],
                 reasons=[None] * params.n,
                 logprobs=[[] if params.logprobs is not None else None for _ in range(params.n)],
                 num_core_live=params.n,
                 structured=params.structured is not None,
                 reasoning_parser=self.reasoning_parser,
+                decode_token=self._decode_token,
             )
             adds.append(AddRequest(rid, pack_token_ids(prompt_ids), params, time.time(), lora))
         if adds:
@@ -332,46 +440,60 @@ class LLM:
         """Why `params` cannot be sent to the core, or None; memoized in `checked` by id."""
         key = id(params)
         if key not in checked:
-            if not isinstance(params, SamplingParams):
-                checked[key] = (
-                    f"sampling_params must be a SamplingParams, got {type(params).__name__}"
-                )
-            else:
-                try:
-                    params.validate(self.engine_info.vocab_size)
-                    checked[key] = None
-                except SamplingParamsError as e:
-                    checked[key] = str(e)
+            check_params_type(params)
+            try:
+                params.check_vocab(self.engine_info.vocab_size)
+                checked[key] = None
+            except SamplingParamsError as e:
+                checked[key] = str(e)
         return checked[key]
 
-    def _tokenize(self, requests: list[Request]) -> list[list[int] | str]:
-        """Prompt token ids per request, or an error message; one encode_batch call per kind."""
-        results: list[list[int] | str] = ["" for _ in requests]
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token ids, alone and after a space (as vLLM bans both)."""
+        variants = sorted({v for w in words for v in (w, " " + w.lstrip())})
+        encoded = self.tokenizer.encode_batch(variants, add_special_tokens=False)
+        return [list(ids) for ids in dict.fromkeys(map(tuple, encoded)) if ids]
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _tokenize(self, requests: list[Request]) -> list[tuple[list[int] | str, str | None]]:
+        """Prompt token ids per request, or an error message, with a chat's rendered text; one
+        encode_batch call per kind."""
+        results: list[tuple[list[int] | str, str | None]] = [("", None) for _ in requests]
         plain: tuple[list[int], list[str]] = ([], [])
         chats: tuple[list[int], list[str]] = ([], [])
         for k, req in enumerate(requests):
             if req.prompt_token_ids is not None:
-                results[k] = list(req.prompt_token_ids)
+                results[k] = (list(req.prompt_token_ids), None)
             elif req.messages is not None:
                 try:
                     kwargs = self.chat_template_kwargs
                     if req.chat_template_kwargs is not None:
                         kwargs = {**kwargs, **check_template_kwargs(req.chat_template_kwargs)}
-                    chats[1].append(self.tokenizer.apply_chat_template(req.messages, True, kwargs))
+                    chats[1].append(
+                        self.tokenizer.apply_chat_template(
+                            req.messages,
+                            req.add_generation_prompt,
+                            kwargs,
+                            chat_template=req.chat_template,
+                            continue_final_message=req.continue_final_message,
+                        )
+                    )
                     chats[0].append(k)
                 except VbatchError as e:
-                    results[k] = str(e)
+                    results[k] = (str(e), None)
             elif isinstance(req.prompt, str):
                 plain[0].append(k)
                 plain[1].append(req.prompt)
             else:
-                results[k] = "a request needs a prompt string, messages or prompt_token_ids"
+                results[k] = ("a request needs a prompt string, messages or prompt_token_ids", None)
         # NOTE: chat templates carry their own BOS, so rendered chats get no special tokens.
-        for (ks, texts), add_special in ((plain, True), (chats, False)):
+        for (ks, texts), add_special, is_chat in ((plain, True, False), (chats, False, True)):
             if texts:
                 encoded = self.tokenizer.encode_batch(texts, add_special_tokens=add_special)
-                for k, ids in zip(ks, encoded, strict=True):
-                    results[k] = ids
+                for k, ids, text in zip(ks, encoded, texts, strict=True):
+                    results[k] = (ids, text if is_chat else None)
         return results
 
     def _collect(
@@ -431,6 +553,19 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _tokenizer_dir(tokenizer: str | None, model: str | None, resolved: Any) -> Path:
+    """The folder of the tokenizer: the model's, or vLLM's `tokenizer=` argument's."""
+    if tokenizer is None or tokenizer in (model, str(resolved.local_path)):
+        return resolved.hf_dir
+    path = Path(tokenizer)
+    if not (path / "tokenizer.json").is_file():
+        raise ModelLoadError(
+            f"tokenizer={tokenizer!r} must be a folder holding a tokenizer.json (or the model's "
+            "own path); vbatch reads fast tokenizers from local folders"
+        )
+    return path
 
 
 class _CallbackThread:

@@ -108,11 +108,13 @@ def describe_decode_error(error: Exception) -> str:
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
-    """Logprob of one sampled token plus the top alternatives at that position."""
+    """Logprob of one sampled token plus the top alternatives at that position; `rank` is the
+    sampled token's (1 + the number of tokens more likely; 0: not computed)."""
 
     logprob: float
     top_token_ids: list[int]
     top_logprobs: list[float]
+    rank: int = 0
 
 
 class SampleFinish(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -1,10 +1,13 @@
-"""StructuredOutput: a request's output constraint (JSON schema, JSON, regex, choice, grammar)."""
+"""StructuredOutput: a request's output constraint (JSON schema, JSON, regex, choice, grammar);
+vLLM's `StructuredOutputsParams` (and its older name) mapped onto it."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Mapping
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,48 @@ from vbatch.errors import SamplingParamsError
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 EXTRA_HINT = "structured output needs xgrammar: pip install 'vbatch[structured]'"
+# NOTE: checked before any recursive code (json, msgpack, xgrammar) sees the schema, so a deep
+# one is an error row rather than a RecursionError; real schemas nest a few dozen levels.
+MAX_SCHEMA_DEPTH = 128
+# NOTE: xgrammar's messages start with "[15:09:35] /project/cpp/regex_converter.cc:94: ".
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKET = re.compile(r"[\[\]{}]")
+# NOTE: keywords xgrammar accepts but does not enforce (its grammar allows outputs that break
+# them), and those it approximates; a schema using one is warned about, and outputs are checked.
+UNENFORCED = (
+    "multipleOf",
+    "uniqueItems",
+    "not",
+    "contains",
+    "if",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",
+)
+_SCHEMA_KEYS = (
+    "additionalProperties",
+    "additionalItems",
+    "items",
+    "contains",
+    "propertyNames",
+    "not",
+    "if",
+    "then",
+    "else",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "contentSchema",
+)
+_SCHEMA_MAP_KEYS = (
+    "properties",
+    "patternProperties",
+    "$defs",
+    "definitions",
+    "dependentSchemas",
+    "dependencies",
+)
+_SCHEMA_LIST_KEYS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 
 
 class StructuredOutput(msgspec.Struct, omit_defaults=True, gc=False, frozen=True):
@@ -30,20 +75,11 @@ class StructuredOutput(msgspec.Struct, omit_defaults=True, gc=False, frozen=True
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    strict: bool = True
 
     def __post_init__(self) -> None:
         if self.json_schema is not None:
-            schema = self.json_schema
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except ValueError as e:
-                    raise SamplingParamsError(f"json_schema is not valid JSON: {e}") from None
-            if not isinstance(schema, dict):
-                raise SamplingParamsError(
-                    f"json_schema must be a JSON object, got {type(schema).__name__}"
-                )
-            msgspec.structs.force_setattr(self, "json_schema", json.dumps(schema))
+            msgspec.structs.force_setattr(self, "json_schema", _schema_text(self.json_schema))
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
             raise SamplingParamsError(
@@ -60,11 +96,17 @@ class StructuredOutput(msgspec.Struct, omit_defaults=True, gc=False, frozen=True
                 raise SamplingParamsError(f"choice must be a non-empty list, got {choice!r}")
             if not all(isinstance(c, str) and c for c in choice):
                 raise SamplingParamsError(f"choice must hold non-empty strings, got {choice!r}")
+            if any(0xD800 <= ord(ch) <= 0xDFFF for c in choice for ch in c):
+                raise SamplingParamsError("choice labels must not hold lone UTF-16 surrogates")
             msgspec.structs.force_setattr(self, "choice", list(choice))
         if not isinstance(self.json_object, bool):
             raise SamplingParamsError(
                 f"json_object must be true or false, got {self.json_object!r}"
             )
+        if not isinstance(self.strict, bool):
+            raise SamplingParamsError(f"strict must be true or false, got {self.strict!r}")
+        if not self.strict and self.json_schema is None:
+            raise SamplingParamsError("strict: false applies to json_schema only")
 
     @property
     def kind(self) -> str:
@@ -80,13 +122,42 @@ class StructuredOutput(msgspec.Struct, omit_defaults=True, gc=False, frozen=True
         return msgspec.msgpack.encode(self)
 
 
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured-output settings: exactly one of `json` (a schema, as a dict or JSON
+    text), `regex`, `choice`, `grammar` or `json_object`. `SamplingParams` folds it into its
+    `structured` field; vLLM's other settings (backend choice, whitespace) are not supported."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        self.to_structured()
+
+    def to_structured(self) -> StructuredOutput:
+        return StructuredOutput(
+            json_schema=self.json,
+            json_object=bool(self.json_object),
+            regex=self.regex,
+            choice=self.choice,
+            grammar=self.grammar,
+        )
+
+
+class GuidedDecodingParams(StructuredOutputsParams):
+    """vLLM's older name for `StructuredOutputsParams` (`SamplingParams(guided_decoding=...)`)."""
+
+
 def coerce_structured(value: Any) -> StructuredOutput | None:
     """A StructuredOutput from itself, None, or a mapping of its fields (e.g. {"regex": ...})."""
     if value is None or isinstance(value, StructuredOutput):
         return value
     if not isinstance(value, Mapping):
         raise SamplingParamsError(f"structured must be an object, got {value!r:.80}")
-    unknown = sorted(set(value) - set(KINDS))
+    unknown = sorted(set(value) - {*KINDS, "strict"})
     if unknown:
         raise SamplingParamsError(
             f"unknown structured output key(s) {', '.join(unknown)}; valid: {', '.join(KINDS)}"
@@ -121,7 +192,12 @@ def from_response_format(value: Any) -> StructuredOutput | None:
             raise SamplingParamsError(
                 "response_format.json_schema must be an object with a 'schema' field"
             )
-        return StructuredOutput(json_schema=spec["schema"])
+        if spec["schema"] is None:
+            raise SamplingParamsError(
+                "response_format.json_schema.schema is null; give a JSON schema object"
+            )
+        strict = spec.get("strict")
+        return StructuredOutput(json_schema=spec["schema"], strict=strict is not False)
     raise SamplingParamsError(
         f"response_format.type must be json_schema, json_object or text, got {kind!r}"
     )
@@ -174,16 +250,144 @@ def cli_structured(
     if importlib.util.find_spec("xgrammar") is None:
         raise SamplingParamsError(EXTRA_HINT)
     [(kind, value)] = given.items()
+    flag = f"--{kind.replace('_', '-')}"
     if isinstance(value, Path):
         try:
             value = value.read_text()
         except OSError as e:
-            raise SamplingParamsError(
-                f"cannot read the --{kind.replace('_', '-')} file: {e}"
-            ) from None
+            raise SamplingParamsError(f"cannot read the {flag} file: {e}") from None
     elif kind == "choice":
         value = [c.strip() for c in value.split(",") if c.strip()]
-    return msgspec.to_builtins(StructuredOutput(**{kind: value}))
+    try:
+        structured = StructuredOutput(**{kind: value})
+        _check_parses(structured)
+    except SamplingParamsError as e:
+        raise SamplingParamsError(f"{flag}: {e}") from None
+    return msgspec.to_builtins(structured)
+
+
+def _check_parses(structured: StructuredOutput) -> None:
+    """Refuse a constraint xgrammar cannot read (no tokenizer needed), so that a bad job-wide
+    one is one error before the job starts rather than an error row per row."""
+    from xgrammar import Grammar
+
+    try:
+        if structured.json_schema is not None:
+            assert isinstance(structured.json_schema, str)
+            Grammar.from_json_schema(
+                structured.json_schema, any_whitespace=False, strict_mode=structured.strict
+            )
+        elif structured.regex is not None:
+            Grammar.from_regex(structured.regex)
+        elif structured.choice is not None:
+            Grammar.from_ebnf(choice_ebnf(structured.choice))
+        elif structured.grammar is not None:
+            Grammar.from_ebnf(structured.grammar)
+    except Exception as e:
+        raise SamplingParamsError(f"invalid {structured.kind}: {xgrammar_message(e)}") from None
+
+
+def choice_ebnf(labels: list[str]) -> str:
+    """A grammar of exactly these labels. Each is written as itself, not escaped to ASCII:
+    xgrammar's EBNF reads a `\\ud83d\\ude00` surrogate pair as two code points."""
+    return "root ::= " + " | ".join(json.dumps(label, ensure_ascii=False) for label in labels)
+
+
+def xgrammar_message(error: Exception) -> str:
+    """An xgrammar exception's message without its log prefix."""
+    return _LOG_PREFIX.sub("", str(error).strip())
+
+
+def _schema_text(schema: Any) -> str:
+    """A json_schema (dict or JSON text) as compact JSON text, its depth checked first."""
+    if isinstance(schema, str):
+        _check_depth(_text_depth(schema))
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise SamplingParamsError(f"json_schema is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise SamplingParamsError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+    _check_depth(_value_depth(schema))
+    for node in subschemas(schema):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            raise SamplingParamsError(
+                f"json_schema has a remote $ref {ref!r:.80}, which vbatch cannot resolve "
+                "(it would act as any JSON); inline it, or use a local '#/...' reference"
+            )
+    return json.dumps(schema, ensure_ascii=False)
+
+
+def _check_depth(depth: int) -> None:
+    if depth > MAX_SCHEMA_DEPTH:
+        raise SamplingParamsError(
+            f"json_schema nests more than {MAX_SCHEMA_DEPTH} levels deep, vbatch's limit"
+        )
+
+
+def _text_depth(text: str) -> int:
+    """How deep JSON text nests, without parsing it (strings skipped; no recursion)."""
+    depth = deepest = 0
+    for match in _BRACKET.finditer(_JSON_STRING.sub("", text)):
+        depth += 1 if match.group() in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _value_depth(value: Any) -> int:
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if depth <= MAX_SCHEMA_DEPTH:
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def subschemas(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every schema within `schema`, itself included: only values of keys that hold schemas
+    (never `const`, `enum`, `default` or `examples` values, which are data)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        yield node
+        for key in _SCHEMA_KEYS:
+            if isinstance(node.get(key), dict):
+                stack.append(node[key])
+        for key in _SCHEMA_MAP_KEYS:
+            if isinstance(node.get(key), dict):
+                stack.extend(v for v in node[key].values() if isinstance(v, dict))
+        for key in _SCHEMA_LIST_KEYS:
+            if isinstance(node.get(key), list):
+                stack.extend(v for v in node[key] if isinstance(v, dict))
+
+
+def unenforced_keywords(structured: StructuredOutput) -> list[str]:
+    """What the grammar of `structured` does not enforce exactly, by name (empty: all of it)."""
+    if structured.json_object:
+        return ["duplicate keys (json_object)"]
+    if not isinstance(structured.json_schema, str):
+        return []
+    found: set[str] = set()
+    for node in subschemas(json.loads(structured.json_schema)):
+        found.update(key for key in UNENFORCED if key in node)
+        if "patternProperties" in node or isinstance(node.get("additionalProperties"), dict):
+            found.add("duplicate keys (patternProperties/additionalProperties)")
+        for key, approximation in (
+            ("allOf", "allOf with multiple options"),
+            ("oneOf", "oneOf (approximated as anyOf)"),
+        ):
+            if isinstance(node.get(key), list) and len(node[key]) > 1:
+                found.add(approximation)
+    return sorted(found)
 
 
 def _as_object(value: Any, name: str) -> Mapping[str, Any]:

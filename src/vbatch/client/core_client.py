@@ -62,13 +62,14 @@ _MAIN_GUARD_HINT = (
 
 
 def check_request_params(reqs: Sequence[AddRequest], vocab_size: int) -> None:
-    """Raise SamplingParamsError if any request's params are invalid now; each distinct params
-    object is validated once."""
+    """Raise SamplingParamsError if any request's params name a token id outside the vocabulary;
+    each distinct params object is checked once (SamplingParams validates itself on
+    construction and on every assignment, so nothing else can be wrong)."""
     checked: set[int] = set()
     for req in reqs:
         params = req.sampling_params
         if id(params) not in checked:
-            params.validate(vocab_size)
+            params.check_vocab(vocab_size)
             checked.add(id(params))
 
 

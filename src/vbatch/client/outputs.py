@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from functools import cached_property
+from typing import Any, NamedTuple
 
 from vbatch.client.detokenizer import IncrementalDetokenizer
 from vbatch.client.reasoning import split_reasoning
@@ -13,24 +15,71 @@ from vbatch.protocol import FinishReason, SampleFinish, TokenLogprobs
 from vbatch.sampling_params import SamplingParams
 
 
+class Logprob(NamedTuple):
+    """vLLM's per-token logprob entry: `rank` is 1 for the most likely token; `decoded_token`
+    is its text."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
 @dataclass
 class CompletionOutput:
+    """One sample. `token_logprobs` is the compact form (sampled logprob plus the top ones);
+    `logprobs` gives them as vLLM does, a {token_id: Logprob} per output token."""
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: str | int | None = None
-    logprobs: list[TokenLogprobs] | None = None
+    token_logprobs: list[TokenLogprobs] | None = None
     # NOTE: with structured output, whether the text is a complete match (it ended on EOS).
     structured_complete: bool | None = None
     # NOTE: with a reasoning parser, the `<think>` part (`text` is then the answer alone).
     reasoning: str | None = None
+    decode_token: Callable[[int], str] | None = field(default=None, repr=False, compare=False)
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the sampled tokens' logprobs; None unless logprobs were asked for."""
+        if self.token_logprobs is None:
+            return None
+        return sum(entry.logprob for entry in self.token_logprobs)
+
+    @cached_property
+    def logprobs(self) -> list[dict[int, Logprob]] | None:
+        if self.token_logprobs is None:
+            return None
+        decode = self.decode_token
+        result = []
+        for token_id, entry in zip(self.token_ids, self.token_logprobs, strict=False):
+            ranked = {
+                t: Logprob(v, rank, decode(t) if decode else None)
+                for rank, (t, v) in enumerate(
+                    zip(entry.top_token_ids, entry.top_logprobs, strict=True), start=1
+                )
+            }
+            if token_id not in ranked:
+                rank = entry.rank or None
+                ranked = {
+                    token_id: Logprob(entry.logprob, rank, decode(token_id) if decode else None),
+                    **ranked,
+                }
+            result.append(ranked)
+        return result
 
 
 @dataclass
 class Request:
     """One input item: a prompt, a conversation or token ids, with optional own sampling params
-    and chat-template variables (over the LLM's own, for a conversation)."""
+    and chat-template variables (over the LLM's own, for a conversation); a conversation may
+    name its own template, and continue its final message instead of opening a new turn. Every
+    per-prompt option of `generate`/`chat` travels here."""
 
     id: Any = None
     index: int | None = None
@@ -39,12 +88,18 @@ class Request:
     prompt_token_ids: list[int] | None = None
     sampling_params: SamplingParams | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     lora_request: LoRARequest | None = None
 
 
 @dataclass
 class RequestOutput:
-    request_id: Any
+    """One finished request. `request_id` is its id as text (the index when it has none);
+    `prompt` is the prompt text (a chat's rendered template)."""
+
+    request_id: str
     index: int
     prompt: str | None
     prompt_token_ids: list[int]
@@ -79,6 +134,8 @@ class RequestState:
     error: str | None = None
     structured: bool = False
     reasoning_parser: str | None = None
+    decode_token: Callable[[int], str] | None = None
+    prompt_text: str | None = None  # a chat's rendered prompt
     num_open: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -144,6 +201,7 @@ class RequestState:
                     # stop id cut the text, so only an EOS finish, ("stop", None), completes it.
                     reason == ("stop", None) if self.structured else None,
                     reasoning,
+                    self.decode_token,
                 )
             )
         return make_output(
@@ -155,6 +213,7 @@ class RequestState:
             self.arrival_time,
             self.first_token_time,
             self.num_cached_tokens,
+            self.prompt_text,
         )
 
 
@@ -167,12 +226,13 @@ def make_output(
     arrival_time: float,
     first_token_time: float | None = None,
     num_cached_tokens: int = 0,
+    prompt_text: str | None = None,
 ) -> RequestOutput:
     index = request.index if request.index is not None else position
     return RequestOutput(
-        request_id=request.id if request.id is not None else index,
+        request_id=str(request.id if request.id is not None else index),
         index=index,
-        prompt=request.prompt,
+        prompt=prompt_text if prompt_text is not None else request.prompt,
         prompt_token_ids=prompt_token_ids,
         outputs=outputs,
         finished=True,

@@ -147,6 +147,7 @@ class TextTokenizer:
         self.special_tokens = dict(special_tokens)
         self.chat_template = chat_template
         self._template = compile_chat_template(chat_template) if chat_template else None
+        self._other_templates: dict[str, jinja2.Template] = {}
         added = backend.get_added_tokens_decoder()
         self.special_token_ids = frozenset(i for i, tok in added.items() if tok.special)
         eos = self.special_tokens.get("eos_token")
@@ -200,17 +201,50 @@ class TextTokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """Render one conversation to prompt text, exactly as transformers does; `template_kwargs`
-        are extra template variables, as transformers' `apply_chat_template(**kwargs)` takes."""
-        if self._template is None:
+        are extra template variables, as transformers' `apply_chat_template(**kwargs)` takes.
+        `chat_template` replaces the model's; `continue_final_message` ends the text right
+        after the last message's content, so generation continues it."""
+        template = self._template
+        if chat_template is not None:
+            template = self._other_templates.get(chat_template)
+            if template is None:
+                try:
+                    template = compile_chat_template(chat_template)
+                except jinja2.TemplateSyntaxError as exc:
+                    raise InputError(f"chat_template does not compile: {exc}") from None
+                self._other_templates[chat_template] = template
+        if template is None:
             raise InputError(
                 "this model has no chat template, so 'messages' rows cannot be used; "
                 "pass a 'prompt' string instead"
             )
         checked = validate_messages(messages)
+        text = self._render(template, checked, add_generation_prompt, template_kwargs)
+        if not continue_final_message:
+            return text
+        final = checked[-1].get("content")
+        final = final.strip() if isinstance(final, str) else ""
+        end = text.rfind(final) if final else -1
+        if end < 0:
+            raise InputError(
+                "continue_final_message: the last message's content is not in the rendered text"
+            )
+        return text[: end + len(final)]
+
+    def _render(
+        self,
+        template: jinja2.Template,
+        checked: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> str:
         try:
-            return self._template.render(
+            return template.render(
                 messages=checked,
                 tools=None,
                 documents=None,

@@ -19,17 +19,12 @@ _sha256 = hashlib.sha256
 # colliding prompts offline (CPython's tuple hash, the key before issue 12, has collisions found
 # in minutes).
 ROOT_HASH: BlockHash = os.urandom(32)
+# NOTE: the parent of a first block whose K/V were made with longrope's long factors, which
+# differ from the short factors' K/V of the same tokens.
+LONG_ROPE_ROOT_HASH: BlockHash = _sha256(ROOT_HASH + b"longrope:long").digest()
 # NOTE: what a block-table entry released out of the sliding window holds. Attention never
 # reads it: the kernels start at the window, and the torch decode path masks what it gathers.
 NULL_BLOCK = 0
-
-
-def root_hash(lora_id: int) -> BlockHash:
-    """The parent of a first block: one per LoRA adapter (0: the base model), as the same
-    tokens leave different K/V under each."""
-    if lora_id == 0:
-        return ROOT_HASH
-    return _sha256(ROOT_HASH + lora_id.to_bytes(8, "little")).digest()
 
 
 def hash_block(parent_hash: BlockHash, token_ids: SequenceOf[int]) -> BlockHash:
@@ -41,16 +36,26 @@ def hash_block(parent_hash: BlockHash, token_ids: SequenceOf[int]) -> BlockHash:
     return _sha256(parent_hash + array("q", token_ids).tobytes()).digest()
 
 
+def root_hash(seq: Sequence) -> BlockHash:
+    """The parent of `seq`'s first block: it keys what, besides the tokens, its K/V depend on
+    (longrope's long factors; its LoRA adapter, whose K/V of the same tokens differ)."""
+    root = LONG_ROPE_ROOT_HASH if seq.long_rope else ROOT_HASH
+    if seq.lora_id:
+        return _sha256(root + b"lora:" + seq.lora_id.to_bytes(8, "little")).digest()
+    return root
+
+
 class BlockManager:
     """Hands out KV blocks to sequences and shares full blocks between equal prefixes.
 
     Invariants: every block is in exactly one of {in use (ref > 0), cached-free (ref == 0, hashed,
     in the LRU), free (ref == 0, unhashed, in the free list)}; a hashed block holds the K/V of
     exactly the tokens its chained hash digests, after exactly the prefix its parent hash
-    digests, and is never written again while hashed. The first `_num_registered[seq_id]` blocks
-    of a seq holding blocks are hashed, or equal to hashed ones. Prefix counters count tokens. A
-    seq holding blocks owns row `seq.block_row` of `tables`, which holds its block table and then
-    zeros; free rows are zero; `tables_version` changes whenever `tables` does.
+    digests, made as its chain's root says (root_hash), and is never written again while
+    hashed. The first `_num_registered[seq_id]` blocks of a seq holding blocks are hashed, or
+    equal to hashed ones. Prefix counters count tokens. A seq holding blocks owns row
+    `seq.block_row` of `tables`, which holds its block table and then zeros; free rows are zero;
+    `tables_version` changes whenever `tables` does.
 
     With `sliding_window` W (set only when every layer of the model has a window of at most
     W), a seq's leading blocks that end before position `num_computed_tokens - W` are needed by
@@ -137,7 +142,7 @@ class BlockManager:
         start = len(hashes)
         if start < num_blocks:
             bs = self.block_size
-            parent = hashes[-1] if hashes else root_hash(seq.lora_id)
+            parent = hashes[-1] if hashes else root_hash(seq)
             # NOTE: one conversion for all the blocks; hash_block(parent, block), digest for digest.
             packed = array("q", seq.token_ids[start * bs : num_blocks * bs]).tobytes()
             width = 8 * bs

@@ -89,6 +89,7 @@ class EngineCore:
                 num_kv_blocks=self.runner.num_kv_blocks,
                 enable_prefix_caching=config.enable_prefix_caching,
                 sliding_window=_kv_window(self.model_config.sliding_windows),
+                long_rope_from=self.model_config.long_rope_from,
                 max_loras=config.max_loras if config.enable_lora else 0,
             ),
             eos_token_ids=self.model_config.eos_token_ids,
@@ -148,8 +149,14 @@ class EngineCore:
         vocab_size = self.model_config.vocab_size
         if max(prompt_token_ids) >= vocab_size or min(prompt_token_ids) < 0:
             return [_error(req.request_id, f"prompt token ids must lie in [0, {vocab_size})")]
-        if params.stop_token_ids and max(params.stop_token_ids) >= vocab_size:
-            return [_error(req.request_id, f"stop_token_ids must lie in [0, {vocab_size})")]
+        if params.max_token_id() >= vocab_size:
+            return [
+                _error(
+                    req.request_id,
+                    f"stop_token_ids, logit_bias, allowed_token_ids and bad-word token ids must "
+                    f"lie in [0, {vocab_size})",
+                )
+            ]
         lora_id = 0
         if req.lora is not None:
             if self.runner.lora is None:
@@ -184,6 +191,7 @@ class EngineCore:
         if block:
             futures = [future for _, future in self._compiling.values()]
             wait(futures, timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+        self.grammars.check_budget()
         errors = []
         for request_id, (seqs, future) in list(self._compiling.items()):
             if not future.done():

@@ -45,6 +45,7 @@ from vbatch.protocol import (
     encoder,
     undecodable_target,
 )
+from vbatch.sampling_params import trust_decoded
 
 STATS_INTERVAL_S = 0.5
 PARENT_POLL_S = 0.25
@@ -82,6 +83,7 @@ def run_engine_core(
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {*_OWN_SIGNALS, signal.SIGALRM})
+    trust_decoded()
     in_q: queue.Queue[Any] = queue.Queue()
     out_q: queue.Queue[Any] = queue.Queue()
     watchdog = _Watchdog(config, parent_pid, ipc_dir, out_q)

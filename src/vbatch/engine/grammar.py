@@ -1,27 +1,43 @@
-"""Structured output in the core: xgrammar grammars compiled once per constraint in a worker
-thread, and each step's token bitmask, filled in another while the forward pass runs."""
+"""Structured output in the core: xgrammar grammars compiled once per constraint in worker
+threads, and each step's token bitmask, filled in another while the forward pass runs."""
 
 from __future__ import annotations
 
-import json
+import contextlib
+import heapq
+import itertools
+import os
 import re
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Collection
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vbatch.engine.sequence import Sequence
-from vbatch.structured import EXTRA_HINT, StructuredOutput
+from vbatch.structured import EXTRA_HINT, StructuredOutput, choice_ebnf, xgrammar_message
 
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
 
 MAX_CACHED_GRAMMARS = 1024
-# NOTE: xgrammar's messages start with "[15:09:35] /project/cpp/regex_converter.cc:94: ".
-_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+# NOTE: compile workers: one long compile leaves another for the rest, smallest first.
+NUM_COMPILE_WORKERS = 2
+COMPILE_BUDGET_S = 120.0
+# NOTE: xgrammar 0.2.9 compiles a string's minLength/maxLength into a rule over this class, which
+# admits raw control characters no strict JSON parser accepts (xgrammar issue #800); vbatch
+# narrows it in the grammar's EBNF to what JSON lets a string hold unescaped. Only the rule is
+# changed: the schema (and its const, enum and default values) is compiled as given.
+_BOUNDED_CHARACTERS = re.compile(r'^(\S+_characters ::= \(\()\[\^\\"\\\\\\r\\n\](\)\))$', re.M)
+_JSON_CHARACTERS = r'\1[^\\0-\\x1f"\\\\]\2'
+_STRICT_HINT = (
+    " (with strict, the default, only declared properties are generated; give "
+    '"strict": false in response_format.json_schema for JSON Schema\'s own defaults)'
+)
 
 
 class GrammarError(Exception):
@@ -29,19 +45,37 @@ class GrammarError(Exception):
 
 
 class GrammarCache:
-    """Compiles constraints in one worker thread, each distinct one once (by content, LRU).
+    """Compiles constraints in worker threads, each distinct one once (by content, LRU).
 
-    The tokenizer's vocabulary is read on the first compile, in the worker, so a job without
-    structured output never pays for it. A failed compile's future raises GrammarError.
+    Waiting compiles run smallest first, so a small schema is not queued behind a big one while
+    a worker is free. A compile past `budget_s` fails its requests (and a fresh worker takes its
+    place). Workers run at the lowest CPU priority, so they never slow the engine's own threads.
+    The tokenizer's vocabulary is read on the first compile, so a job without structured output
+    never pays for it. A failed compile's future raises GrammarError.
     """
 
-    def __init__(self, hf_dir: Path, vocab_size: int, eos_token_ids: Collection[int]) -> None:
+    def __init__(
+        self,
+        hf_dir: Path,
+        vocab_size: int,
+        eos_token_ids: Collection[int],
+        budget_s: float = COMPILE_BUDGET_S,
+    ) -> None:
         self._hf_dir = hf_dir
         self._vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
+        self.budget_s = budget_s
         self._compiler: GrammarCompiler | None = None
         self._futures: OrderedDict[bytes, Future[CompiledGrammar]] = OrderedDict()
-        self._pool: ThreadPoolExecutor | None = None
+        self._queue: list[tuple[int, int, StructuredOutput, Future[CompiledGrammar]]] = []
+        self._lock = threading.Condition()
+        self._compiler_lock = threading.Lock()
+        self._count = itertools.count()
+        # NOTE: each running compile's start (None while the tokenizer is being read).
+        self._running: dict[Future[CompiledGrammar], float | None] = {}
+        self._num_workers = 0
+        self._max_workers = NUM_COMPILE_WORKERS
+        self._closed = False
 
     def get(self, spec: StructuredOutput) -> Future[CompiledGrammar]:
         key = spec.key
@@ -49,9 +83,11 @@ class GrammarCache:
         if future is not None:
             self._futures.move_to_end(key)
             return future
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="vbatch-grammar")
-        future = self._pool.submit(self._compile, spec)
+        future = Future()
+        with self._lock:
+            heapq.heappush(self._queue, (len(key), next(self._count), spec, future))
+            self._start_workers()
+            self._lock.notify()
         self._futures[key] = future
         while len(self._futures) > MAX_CACHED_GRAMMARS:
             oldest_key, oldest = next(iter(self._futures.items()))
@@ -60,17 +96,77 @@ class GrammarCache:
             del self._futures[oldest_key]
         return future
 
-    def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+    def check_budget(self) -> None:
+        """Fail each compile that has run past the budget; a new worker replaces its own."""
+        now = time.monotonic()
+        with self._lock:
+            late = [
+                f
+                for f, start in self._running.items()
+                if start is not None and now - start > self.budget_s
+            ]
+            for future in late:
+                del self._running[future]
+                self._max_workers += 1
+            if late:
+                self._start_workers()
+        for future in late:
+            _settle(
+                future,
+                error=GrammarError(
+                    f"the constraint did not compile within the {self.budget_s:g} s compile "
+                    "budget per constraint"
+                ),
+            )
 
-    def _compile(self, spec: StructuredOutput) -> CompiledGrammar:
-        compiler = self._compiler or self._make_compiler()
+    def shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+            for _, _, _, future in self._queue:
+                future.cancel()
+            self._queue.clear()
+            self._lock.notify_all()
+
+    def _start_workers(self) -> None:
+        while self._num_workers < min(self._max_workers, len(self._queue) + len(self._running)):
+            self._num_workers += 1
+            threading.Thread(target=self._work, name="vbatch-grammar", daemon=True).start()
+
+    def _work(self) -> None:
+        _lowest_priority()
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    is_spare = self._num_workers > self._max_workers
+                    if is_spare or (not self._lock.wait(5.0) and not self._queue):
+                        self._num_workers -= 1
+                        return
+                if self._closed:
+                    self._num_workers -= 1
+                    return
+                _, _, spec, future = heapq.heappop(self._queue)
+                self._running[future] = None
+            try:
+                _settle(future, result=self._compile(spec, future))
+            except GrammarError as e:
+                _settle(future, error=e)
+            with self._lock:
+                if future in self._running:
+                    del self._running[future]
+                else:
+                    # NOTE: the budget failed this compile and let a new worker take its place.
+                    self._max_workers -= 1
+
+    def _compile(self, spec: StructuredOutput, future: Future[CompiledGrammar]) -> CompiledGrammar:
+        with self._compiler_lock:
+            compiler = self._compiler or self._make_compiler()
+        with self._lock:
+            if future in self._running:
+                self._running[future] = time.monotonic()
         try:
             if spec.json_schema is not None:
                 assert isinstance(spec.json_schema, str)
-                schema = _escaped_bounded_strings(json.loads(spec.json_schema))
-                return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+                return compiler.compile_grammar(json_schema_ebnf(spec.json_schema, spec.strict))
             if spec.json_object:
                 return compiler.compile_json_schema(
                     '{"type": "object"}', any_whitespace=False, strict_mode=False
@@ -78,12 +174,13 @@ class GrammarCache:
             if spec.regex is not None:
                 return compiler.compile_regex(spec.regex)
             if spec.choice is not None:
-                alternatives = " | ".join(json.dumps(choice) for choice in spec.choice)
-                return compiler.compile_grammar(f"root ::= {alternatives}")
+                return compiler.compile_grammar(choice_ebnf(spec.choice))
             assert spec.grammar is not None
             return compiler.compile_grammar(spec.grammar)
         except Exception as e:
-            message = _LOG_PREFIX.sub("", str(e).strip())
+            message = xgrammar_message(e)
+            if spec.strict and "additional properties aren't allowed" in message:
+                message += _STRICT_HINT
             raise GrammarError(f"invalid {spec.kind}: {message}") from None
 
     def _make_compiler(self) -> GrammarCompiler:
@@ -106,30 +203,28 @@ class GrammarCache:
         return self._compiler
 
 
-def _escaped_bounded_strings(node: Any) -> Any:
-    """`node` with each length-bounded string schema given the pattern of its length, over
-    characters JSON lets a string hold unescaped.
+def _settle(future: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
+    """Set a compile's outcome unless the budget already failed it (or it was cancelled)."""
+    with contextlib.suppress(InvalidStateError):
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
-    NOTE: xgrammar 0.2.9 compiles minLength/maxLength into a rule that admits raw control
-    characters, which no strict JSON parser accepts (xgrammar issue #800); a pattern does not.
-    """
-    if isinstance(node, list):
-        return [_escaped_bounded_strings(item) for item in node]
-    if not isinstance(node, dict):
-        return node
-    node = {key: _escaped_bounded_strings(value) for key, value in node.items()}
-    low, high = node.get("minLength", 0), node.get("maxLength", "")
-    if (
-        node.get("type") == "string"
-        and ("minLength" in node or "maxLength" in node)
-        and not {"pattern", "format", "enum", "const"} & node.keys()
-        and isinstance(low, int)
-        and isinstance(high, (int, str))
-    ):
-        node["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low},{high}}}$'
-        node.pop("minLength", None)
-        node.pop("maxLength", None)
-    return node
+
+def _lowest_priority() -> None:
+    """Give the calling thread the lowest CPU priority (Linux: niceness is per thread)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+def json_schema_ebnf(schema: str, strict: bool) -> str:
+    """The EBNF of a JSON schema (compact JSON), its length-bounded strings over JSON's
+    unescaped characters only (see _BOUNDED_CHARACTERS)."""
+    import xgrammar
+
+    grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
+    return _BOUNDED_CHARACTERS.sub(_JSON_CHARACTERS, str(grammar))
 
 
 def new_matcher(grammar: CompiledGrammar) -> GrammarMatcher:

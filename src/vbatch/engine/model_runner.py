@@ -51,6 +51,15 @@ class StepInputs:
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # [num_sampling_seqs] int64
     sample_rows: list[int]
+    # NOTE: set when a seq runs on longrope's long factors: each token's offset into the rotary
+    # tables (the model's long_rope_offset for such a seq, else 0), and positions plus it.
+    rope_offsets: torch.Tensor | None = None
+    rope_positions: torch.Tensor | None = None
+
+    @property
+    def model_positions(self) -> torch.Tensor:
+        """What the model rotates by (see LlamaForCausalLM.long_rope_offset)."""
+        return self.positions if self.rope_positions is None else self.rope_positions
 
 
 class ModelRunner:
@@ -200,6 +209,8 @@ class ModelRunner:
             inputs.meta.block_tables = self._to_device("block_tables", host.block_tables)
             inputs.meta.max_seq_len = host.max_seq_len
             self._feed_input_ids(inputs.input_ids)
+            if inputs.rope_offsets is not None and inputs.rope_positions is not None:
+                torch.add(inputs.positions, inputs.rope_offsets, out=inputs.rope_positions)
             return inputs
         n, num_seqs = host.num_tokens, len(out.seqs)
         input_ids, positions, slot_mapping, logits_rows = self._split_to_device(
@@ -220,6 +231,12 @@ class ModelRunner:
         )
         self._feed_input_ids(input_ids)
         inputs = StepInputs(input_ids, positions, meta, logits_rows, host.sample_rows)
+        long_offset = self.model.long_rope_offset
+        if long_offset is not None and any(seq.long_rope for seq in out.seqs):
+            per_seq = np.array([seq.long_rope for seq in out.seqs], dtype=np.int64) * long_offset
+            offsets = np.repeat(per_seq, out.num_new_tokens)
+            inputs.rope_offsets = self._to_device("rope_offsets", offsets)
+            inputs.rope_positions = positions + inputs.rope_offsets
         if self._inputs_copied is not None:
             self._inputs_copied.record()
         self._kept_inputs = (host, inputs) if self.device.type == "cpu" else None
@@ -264,7 +281,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.prepare(out)
         if not inputs.sample_rows:
-            self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            self.model(inputs.input_ids, inputs.model_positions, self.kv_caches, inputs.meta)
             return None
         # NOTE: built before the forward is queued: on CUDA its host-to-device copies of Python
         # lists would otherwise wait for the forward to finish.
@@ -277,12 +294,14 @@ class ModelRunner:
         mask = self.grammar_masks.start(sampling_seqs)
         if self.graph_runner is not None and self.graph_runner.can_run(inputs.meta):
             logits = self.graph_runner.run(
-                inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows
+                inputs.input_ids, inputs.model_positions, inputs.meta, inputs.logits_rows
             )
             return self._sample(logits, sampling, mask)
         # NOTE: forward() itself: Module.__call__'s hook checks cost ~20 µs a step once a CPU
         # forward pass has evicted them from the caches, and nothing here registers hooks.
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self.model.forward(
+            inputs.input_ids, inputs.model_positions, self.kv_caches, inputs.meta
+        )
         if len(sample_rows) != hidden.shape[0]:
             # NOTE: when every row samples, logits_rows is 0..n-1 and the gather is a copy.
             hidden = hidden.index_select(0, inputs.logits_rows)

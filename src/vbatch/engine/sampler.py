@@ -1,4 +1,5 @@
-"""Sampler: one step's logits to next tokens (penalties, top-k/top-p/min-p, seeds, logprobs)."""
+"""Sampler: one step's logits to next tokens (penalties, logit bias, allowed tokens, bans,
+top-k/top-p/min-p, seeds, logprobs)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class SamplerOutput:
     logprob_rows_cpu: list[int]
     num_logprobs: list[int]
     grammar: StepMask | None = None  # the constrained rows, whose matchers take the tokens
+    chosen_ranks: torch.Tensor | None = None  # [m] int64, 1 + tokens more likely than chosen
 
     @classmethod
     def of_token_ids(cls, token_ids: torch.Tensor) -> SamplerOutput:
@@ -43,19 +45,27 @@ class SamplerOutput:
         if self.chosen_logprobs is None:
             return to_host([self.token_ids])[0].tolist(), None
         assert self.top_logprobs is not None and self.top_token_ids is not None
-        tensors = [self.token_ids, self.chosen_logprobs, self.top_logprobs, self.top_token_ids]
-        token_ids, chosen, top_vals, top_ids = (t.tolist() for t in to_host(tensors))
+        assert self.chosen_ranks is not None
+        tensors = [
+            self.token_ids,
+            self.chosen_logprobs,
+            self.top_logprobs,
+            self.top_token_ids,
+            self.chosen_ranks,
+        ]
+        token_ids, chosen, top_vals, top_ids, ranks = (t.tolist() for t in to_host(tensors))
         logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
         for j, (row, k) in enumerate(zip(self.logprob_rows_cpu, self.num_logprobs, strict=True)):
-            logprobs[row] = TokenLogprobs(chosen[j], top_ids[j][:k], top_vals[j][:k])
+            logprobs[row] = TokenLogprobs(chosen[j], top_ids[j][:k], top_vals[j][:k], ranks[j])
         return token_ids, logprobs
 
 
 class Sampler:
     """Stateless: a call reads `logits` and `meta` only and never writes to `logits`.
 
-    Order: penalties and min_tokens bans, then greedy argmax, or temperature, top-k, top-p (over
-    the top-k renormalised mass), min-p, and an inverse-CDF draw over kept tokens in id order.
+    Order: penalties, logit bias, allowed tokens, min_tokens and bad-word bans, then greedy
+    argmax, or temperature, top-k, top-p (over the top-k renormalised mass), min-p, and an
+    inverse-CDF draw over kept tokens in id order.
     Logprobs are of the raw model output, before any of these transforms (as vLLM V1 does).
     A call never waits for the device, except top-p's check of its candidate widths.
     """
@@ -67,22 +77,24 @@ class Sampler:
             raw_logprobs = torch.log_softmax(
                 logits.index_select(0, meta.logprob_rows).float(), dim=-1
             )
-        logits = _apply_penalties(logits, meta)
+        logits = _apply_transforms(logits, meta)
         token_ids = logits.argmax(dim=-1) if meta.is_all_greedy else _sample(logits, meta)
         out = SamplerOutput(token_ids, None, None, None, meta.logprob_rows_cpu, meta.num_logprobs)
         if raw_logprobs is not None:
             assert meta.logprob_rows is not None
             chosen_ids = token_ids.index_select(0, meta.logprob_rows).unsqueeze(1)
             out.chosen_logprobs = raw_logprobs.gather(1, chosen_ids).squeeze(1)
+            out.chosen_ranks = (raw_logprobs > out.chosen_logprobs.unsqueeze(1)).sum(dim=1) + 1
             # [m, max_num], descending
             out.top_logprobs, out.top_token_ids = raw_logprobs.topk(max(meta.num_logprobs), dim=-1)
         return out
 
 
-def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """A float32 copy with penalties and bans applied; `logits` itself when there are none."""
+def _apply_transforms(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """A float32 copy with penalties, bias, allowed tokens and bans applied; `logits` itself
+    (as float32) when there are none."""
     pen = meta.penalties
-    if pen is None and meta.banned is None:
+    if pen is None and meta.banned is None and meta.logit_bias is None and meta.allowed is None:
         return logits.float()
     logits = logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
     if pen is not None:
@@ -90,6 +102,12 @@ def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
         seen = flat[pen.keys]
         seen = torch.where(seen > 0, seen / pen.repetition, seen * pen.repetition)
         flat[pen.keys] = seen - pen.subtract
+    if meta.logit_bias is not None:
+        rows, ids, values = meta.logit_bias
+        logits.index_put_((rows, ids), values, accumulate=True)
+    if meta.allowed is not None:
+        rows, mask = meta.allowed
+        logits[rows] = logits[rows].masked_fill(~mask, -math.inf)
     if meta.banned is not None:
         logits[meta.banned] = -math.inf
     return logits

@@ -1,5 +1,6 @@
 """SamplingMetadata: one step's sampling inputs built on the host and sent to the logits' device
-(penalties, min_tokens bans, temperatures, top-k/top-p/min-p, seeded draws, logprob rows)."""
+(penalties, logit bias, allowed tokens, min_tokens and bad-word bans, temperatures,
+top-k/top-p/min-p, seeded draws, logprob rows)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from vbatch.engine.sequence import Sequence
 NUM_CANDIDATES = 128
 # NOTE: temperatures below this sample greedily, as in vLLM: the rest differs only on near-ties.
 MIN_TEMPERATURE = 1e-5
+# NOTE: min_tokens changes the argmax only while a seq has fewer output tokens than it.
+_MIN_TOKENS_ONLY = frozenset({"min_tokens"})
 
 
 @dataclass
@@ -44,7 +47,10 @@ class SamplingMetadata:
     num_logprobs: list[int] = field(default_factory=list)  # top logprobs per logprob row
     logprob_rows: torch.Tensor | None = None  # [m] int64, logprob_rows_cpu on device
     penalties: Penalties | None = None
-    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) by min_tokens
+    # (rows, token ids) banned by min_tokens and bad_words
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, ids, bias
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # rows [r], mask [r, vocab] bool
     is_all_greedy: bool = True
     temperature: torch.Tensor | None = None  # [n, 1]; None when all greedy
     uniforms: torch.Tensor | None = None  # [n] in [0, 1); None when all greedy
@@ -58,11 +64,13 @@ class SamplingMetadata:
 
     @property
     def is_plain_greedy(self) -> bool:
-        """Every row takes the raw argmax: greedy, no penalties, bans or logprobs."""
+        """Every row takes the raw argmax: greedy, no penalties, bias, bans or logprobs."""
         return (
             self.is_all_greedy
             and self.penalties is None
             and self.banned is None
+            and self.logit_bias is None
+            and self.allowed is None
             and self.logprob_rows is None
         )
 
@@ -84,13 +92,18 @@ class SamplingMetadata:
         n = len(seqs)
         assert n > 0
         # NOTE: one pass settles the common batch (greedy, nothing else): a few hundred ns a seq.
+        # A row leaves the shortcut by sampling, asking for logprobs, or setting a field that
+        # declares it can change the argmax (SamplingParams.CHANGES_ARGMAX).
         for seq in seqs:
             p = seq.params
+            changers = seq.argmax_changers
             if (
                 p.temperature >= MIN_TEMPERATURE
                 or p.logprobs is not None
-                or p.has_penalties
-                or (p.min_tokens > 0 and seq.num_output_tokens < p.min_tokens)
+                or (
+                    changers
+                    and (changers != _MIN_TOKENS_ONLY or seq.num_output_tokens < p.min_tokens)
+                )
             ):
                 break
         else:
@@ -104,6 +117,8 @@ class SamplingMetadata:
             logprob_rows=to_device(torch.tensor(logprob_rows), device) if logprob_rows else None,
             penalties=_build_penalties(seqs, device, vocab_size),
             banned=_build_banned(seqs, device, eos_token_ids),
+            logit_bias=_build_logit_bias(seqs, device),
+            allowed=_build_allowed(seqs, device, vocab_size),
         )
         is_greedy = [seq.params.temperature < MIN_TEMPERATURE for seq in seqs]
         meta.is_all_greedy = all(is_greedy)
@@ -223,10 +238,59 @@ def _build_banned(
     token_ids: list[int] = []
     for i, seq in enumerate(seqs):
         p = seq.params
+        ids: set[int] = set()
         if seq.num_output_tokens < p.min_tokens:
             ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            rows.extend([i] * len(ids))
-            token_ids.extend(ids)
+        if p.bad_words_token_ids:
+            ids |= _bad_word_bans(seq)
+        rows.extend([i] * len(ids))
+        token_ids.extend(ids)
     if not rows:
         return None
     return to_device(torch.tensor(rows), device), to_device(torch.tensor(token_ids), device)
+
+
+def _bad_word_bans(seq: Sequence) -> set[int]:
+    """The last token of each bad word whose other tokens end the output so far (as vLLM)."""
+    output = seq.output_token_ids
+    bans = set()
+    for word in seq.params.bad_words_token_ids:
+        prefix_len = len(word) - 1
+        if prefix_len == 0 or (
+            len(output) >= prefix_len and output[len(output) - prefix_len :] == word[:-1]
+        ):
+            bans.add(word[-1])
+    return bans
+
+
+def _build_logit_bias(
+    seqs: list[Sequence], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    token_ids: list[int] = []
+    values: list[float] = []
+    for i, seq in enumerate(seqs):
+        bias = seq.params.logit_bias
+        if bias:
+            rows.extend([i] * len(bias))
+            token_ids.extend(bias)
+            values.extend(bias.values())
+    if not rows:
+        return None
+    return (
+        to_device(torch.tensor(rows), device),
+        to_device(torch.tensor(token_ids), device),
+        to_device(torch.tensor(values, dtype=torch.float32), device),
+    )
+
+
+def _build_allowed(
+    seqs: list[Sequence], device: torch.device, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows = [i for i, seq in enumerate(seqs) if seq.params.allowed_token_ids is not None]
+    if not rows:
+        return None
+    mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
+    for j, i in enumerate(rows):
+        mask[j, seqs[i].params.allowed_token_ids] = True
+    return to_device(torch.tensor(rows), device), to_device(mask, device)

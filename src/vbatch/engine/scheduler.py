@@ -27,6 +27,9 @@ class SchedulerConfig:
     # NOTE: set only when every layer attends within a window (the largest of them): blocks
     # before it are then released as sequences move on.
     sliding_window: int | None = None
+    # NOTE: set for a longrope model: its pre-training length. A longer seq runs on the long
+    # factors, every position of it (as transformers); one that grows past it is recomputed.
+    long_rope_from: int | None = None
     # NOTE: with LoRA, how many adapters may run at once (the engine's adapter slots); 0: no
     # limit (no adapters).
     max_loras: int = 0
@@ -110,7 +113,9 @@ class Scheduler:
                 f"the prompt has {num_prompt_tokens} tokens, which leaves no room for output "
                 f"within the maximum model length of {max_model_len} tokens"
             )
-        max_num_tokens = min(num_prompt_tokens + params.max_tokens, max_model_len)
+        max_num_tokens = min(
+            num_prompt_tokens + (params.max_tokens or max_model_len), max_model_len
+        )
         num_blocks = -(-max_num_tokens // self.config.block_size)
         if self.config.sliding_window is not None:
             num_blocks = min(num_blocks, self.max_live_blocks)
@@ -125,8 +130,11 @@ class Scheduler:
         assert seq.status == SequenceStatus.WAITING and not seq.block_table
         params = seq.params
         seq.max_num_tokens = min(
-            seq.num_prompt_tokens + params.max_tokens, self.config.max_model_len
+            seq.num_prompt_tokens + (params.max_tokens or self.config.max_model_len),
+            self.config.max_model_len,
         )
+        long_from = self.config.long_rope_from
+        seq.long_rope = long_from is not None and seq.num_tokens > long_from
         eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids
         # NOTE: seqs without stop ids share one set, which then stays in cache for update().
         seq.finish_token_ids = (
@@ -200,11 +208,13 @@ class Scheduler:
             return None
         if self.waiting and len(running) < self.config.max_num_seqs:
             return None
+        long_from = self.config.long_rope_from
         for seq in seqs:
             if (
                 seq.finish_reason is not None
                 or len(seq.token_ids) + 1 >= seq.max_num_tokens
                 or _reads_output_tokens(seq)
+                or (long_from is not None and _will_pass(seq, long_from))
             ):
                 return None
         if not self.block_manager.append_blocks(seqs, lookahead=1):
@@ -248,8 +258,12 @@ class Scheduler:
         update = applied.update
         if update.finished:
             self.running = [seq for seq in self.running if seq.finish_reason is None]
-        self._decode_crossing = applied.crossing
-        is_continuable = applied.crossing is not None and not update.finished
+        crossing = applied.crossing
+        long_from = self.config.long_rope_from
+        if long_from is not None and self._recompute_past(update.seqs, long_from):
+            crossing = None
+        self._decode_crossing = crossing
+        is_continuable = crossing is not None and not update.finished
         self._continuable_step = out.step_id if is_continuable else -1
         return update
 
@@ -383,6 +397,32 @@ class Scheduler:
     def _active_loras(self) -> set[int]:
         return {seq.lora_id for seq in self.running if seq.lora_id}
 
+    def _recompute_past(self, seqs: list[Sequence], long_from: int) -> bool:
+        """Requeue, at the head, the unfinished `seqs` that have just grown past the pre-training
+        length `long_from` with K/V made on longrope's short factors, to recompute them all on
+        the long ones (as transformers drops its cache there); True if any was."""
+        passed = [
+            seq
+            for seq in seqs
+            if not seq.long_rope and seq.finish_reason is None and len(seq.token_ids) > long_from
+        ]
+        if not passed:
+            return False
+        self._applier.end_run()
+        is_passed = {id(seq) for seq in passed}
+        self.running = [seq for seq in self.running if id(seq) not in is_passed]
+        for seq in reversed(passed):
+            self.block_manager.free(seq)
+            self._claims.release(seq)
+            seq.num_computed_tokens = 0
+            # NOTE: counted as preempted, so re-admission keeps its first prompt-cache hit count.
+            seq.num_preemptions += 1
+            seq.long_rope = True
+            seq.full_block_hashes.clear()
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+        return True
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
@@ -399,10 +439,18 @@ def _gets_lora_slot(seq: Sequence, active_loras: set[int], config: SchedulerConf
     return not lora_id or lora_id in active_loras or len(active_loras) < config.max_loras
 
 
+def _will_pass(seq: Sequence, long_from: int) -> bool:
+    """Whether the token `seq` samples next takes it past longrope's short factors."""
+    return not seq.long_rope and len(seq.token_ids) + 1 > long_from
+
+
 def _reads_output_tokens(seq: Sequence) -> bool:
     """Whether sampling for `seq` depends on its output so far (penalties, a min_tokens ban,
-    a grammar's mask)."""
+    bad words, a grammar's mask)."""
     params = seq.params
     return (
-        params.has_penalties or seq.num_output_tokens < params.min_tokens or seq.grammar is not None
+        params.has_penalties
+        or seq.num_output_tokens < params.min_tokens
+        or seq.grammar is not None
+        or bool(params.bad_words_token_ids)
     )

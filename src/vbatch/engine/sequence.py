@@ -40,6 +40,7 @@ class Sequence:
     """
 
     __slots__ = (
+        "argmax_changers",
         "block_row",
         "block_table",
         "finish_reason",
@@ -47,6 +48,7 @@ class Sequence:
         "full_block_hashes",
         "grammar",
         "index",
+        "long_rope",
         "lora_id",
         "max_num_tokens",
         "num_cached_tokens",
@@ -87,11 +89,17 @@ class Sequence:
         # size), as far as the BlockManager has needed them; a block's key never changes, as a
         # token list only grows.
         self.full_block_hashes: list[bytes] = []
+        # NOTE: with longrope, whether its K/V are (to be) made with the long factors: set once
+        # it is longer than the pre-training length, and then for good (see Scheduler).
+        self.long_rope = False
         self.status = SequenceStatus.WAITING
         self.params = params
+        # NOTE: the fields that can change a greedy row's token (SamplingParams.CHANGES_ARGMAX).
+        self.argmax_changers = params.argmax_changers()
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
-        self.max_num_tokens = self.num_prompt_tokens + params.max_tokens
+        # NOTE: max_tokens None (up to the model length) is bounded by Scheduler.add.
+        self.max_num_tokens = self.num_prompt_tokens + (params.max_tokens or 2**62)
         self.finish_token_ids: frozenset[int] = frozenset(params.stop_token_ids)
         # NOTE: with structured output, the matcher that has accepted exactly its output tokens.
         self.grammar: GrammarMatcher | None = None

@@ -37,16 +37,24 @@ class EngineReport:
     num_in_flight: int
 
 
+class StartupCancelled(Exception):
+    """A stop was asked for (`should_stop`) while an engine set was starting."""
+
+
 class EngineSet(Protocol):
     """What the job layer needs from its engines.
 
     `stream` yields finished requests in completion order (None on an idle tick with `idle_s`),
     each `RequestOutput.index` being the position of its input in `inputs`. `latest_stats` is
-    the sum over the set's engines; `engine_reports` lists them one by one.
+    the sum over the set's engines, as is `engine_info`'s KV cache; `engine_reports` lists the
+    engines one by one.
     """
 
     engine_info: Ready
     tokenizer: TextTokenizer
+    # NOTE: True when `stream` only ever waits in short polls: a stop signal must then set a
+    # flag and never raise inside it (the job reads its flags at each item or idle tick).
+    waits_briefly: bool
 
     @property
     def latest_stats(self) -> SchedulerStats | None: ...

@@ -80,7 +80,9 @@ class DataParallelClient:
         groups: list[list[AddRequest]] = [[] for _ in self._clients]
         for req in reqs:
             params = req.sampling_params
-            cost = len(req.prompt_token_ids) // 4 + params.n * params.max_tokens
+            cost = len(req.prompt_token_ids) // 4 + params.n * (
+                params.max_tokens or self.info.max_model_len
+            )
             core = self._balancer.place(req.prompt_token_ids, cost)
             self._owner[req.request_id] = [core, cost, params.n]
             groups[core].append(req)

@@ -15,15 +15,27 @@ def open_engine_set(
     data_parallel_size: int = 1,
     max_in_flight: int | None = None,
     on_progress: Callable[[str], None] | None = None,
+    on_notice: Callable[[str], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
     **engine_args: Any,
 ) -> EngineSet:
-    """Ray replicas with `ray`, else one `LLM` over `data_parallel_size` local cores."""
+    """Ray replicas with `ray`, else one `LLM` over `data_parallel_size` local cores.
+
+    `on_notice` takes lines worth showing the user (which Ray cluster is used, replicas waiting
+    for resources); `should_stop` is polled while a start-up that `starts_briefly` says waits
+    only in short polls, which then raises StartupCancelled."""
     if ray is not None:
         require_ray()
         from vbatch.engine_sets.ray import RayEngines
 
         return RayEngines(
-            model, ray, max_in_flight=max_in_flight, on_progress=on_progress, **engine_args
+            model,
+            ray,
+            max_in_flight=max_in_flight,
+            on_progress=on_progress,
+            on_notice=on_notice,
+            should_stop=should_stop,
+            **engine_args,
         )
     from vbatch.llm import LLM
 
@@ -34,3 +46,9 @@ def open_engine_set(
         on_progress=on_progress,
         **engine_args,
     )
+
+
+def starts_briefly(ray: RaySettings | None) -> bool:
+    """Whether `open_engine_set` for these settings waits only in short polls (see
+    `EngineSet.waits_briefly`): then a stop signal must not raise while it runs."""
+    return ray is not None

@@ -7,23 +7,40 @@ import contextlib
 import dataclasses
 import heapq
 import itertools
-import logging
-import signal
-import threading
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError
 
+from vbatch.client.core_client import sweep_stale_ipc_dirs
 from vbatch.client.outputs import Request, RequestOutput
 from vbatch.client.tokenizer import TextTokenizer
-from vbatch.engine_sets.base import EngineReport, EngineState, RaySettings, sum_stats
+from vbatch.engine_sets.base import (
+    EngineReport,
+    EngineState,
+    RaySettings,
+    StartupCancelled,
+    sum_stats,
+)
+from vbatch.engine_sets.ray_cluster import (
+    ClusterWatch,
+    RayCluster,
+    alive_nodes,
+    check_resources,
+    free_resources,
+    gcs_problem,
+    open_cluster,
+    pending_notice,
+)
 from vbatch.engine_sets.ray_replica import ReplicaEngine
-from vbatch.errors import ConfigError, EngineDeadError, EngineStartupError
+from vbatch.engine_sets.stream import stream_loop
+from vbatch.errors import EngineDeadError, EngineStartupError
 from vbatch.llm import TOKENIZE_BATCH
 from vbatch.protocol import Ready, SchedulerStats
 from vbatch.sampling_params import SamplingParams
@@ -32,7 +49,8 @@ POLL_WAIT_S = 1.0
 REPLICA_NAME_PREFIX = "vbatch-replica-"
 _WAIT_CAP_S = 1.0
 STARTUP_GRACE_S = 60.0
-_KEPT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)
+# NOTE: how long replicas may wait for CPUs or GPUs before the job says so (and goes on waiting).
+PENDING_NOTICE_S = 20.0
 _SHUTDOWN_S = 10.0
 
 
@@ -61,6 +79,11 @@ class RayEngines:
     batches, finished rows come back by long polls, and a replica's death puts its rows back
     in the queue for the others (or for its restarted self). Fails only when none is left."""
 
+    # NOTE: every wait in here is a short poll, so a stop signal must only set a flag: an
+    # exception raised by a handler inside ray.wait breaks Ray ("SystemError: ... returned a
+    # result with an exception set").
+    waits_briefly = True
+
     def __init__(
         self,
         model: str | None,
@@ -68,79 +91,106 @@ class RayEngines:
         *,
         max_in_flight: int | None = None,
         on_progress: Callable[[str], None] | None = None,
+        on_notice: Callable[[str], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
         **engine_args: Any,
     ) -> None:
         from vbatch.models.loader import resolve_model
 
         self.settings = settings
         self._replicas: list[_Replica] = []
-        self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:
-            _init_ray(settings.address)
-        try:
-            self._check_resources()
-        except BaseException:
-            self.shutdown()
-            raise
-        self.tokenizer = TextTokenizer.from_dir(resolve_model(model).hf_dir)
-        args = {"num_threads": max(1, int(settings.cpus_per_replica)), **engine_args}
-        if max_in_flight is not None:
-            args["max_in_flight"] = max_in_flight
-        actor = ray.remote(ReplicaEngine)
-        # NOTE: named, so that `ray list actors` (and a test) can find a job's replicas.
-        prefix = f"{REPLICA_NAME_PREFIX}{uuid.uuid4().hex[:8]}-"
-        self._replicas = [
-            _Replica(
-                i,
-                actor.options(
-                    name=f"{prefix}{i}",
-                    num_cpus=settings.cpus_per_replica,
-                    num_gpus=settings.gpus_per_replica,
-                    max_restarts=settings.max_restarts,
-                    max_concurrency=4,
-                ).remote(model, args),
-            )
-            for i in range(settings.replicas)
-        ]
+        self._notice = on_notice or _ignore
+        self._should_stop = should_stop or _never
+        self._watch: ClusterWatch | None = None
         self._epochs = itertools.count()
         self._last_error = ""
+        self._nodes: dict[str, str] = {}
+        self._is_started = False
+        sweep_stale_ipc_dirs()
+        self.cluster: RayCluster = open_cluster(settings.address, on_progress, self._should_stop)
         try:
+            self._notice(f"Ray: using {self.cluster.description}")
+            if not self.cluster.address.startswith("ray://"):
+                self._watch = ClusterWatch(self.cluster.address)
+            self._nodes = alive_nodes()
+            fits = check_resources(settings)
+            if fits < settings.replicas:
+                self._notice(
+                    f"Ray: {fits} of {settings.replicas} replicas fit in the free resources "
+                    f"now ({free_resources()}); the others wait until the cluster has room"
+                )
+            self.tokenizer = TextTokenizer.from_dir(resolve_model(model).hf_dir)
+            args = {"num_threads": max(1, int(settings.cpus_per_replica)), **engine_args}
+            if max_in_flight is not None:
+                # NOTE: the job's bound is for all replicas together, as it is for -dp cores.
+                args["max_in_flight"] = max(1, math.ceil(max_in_flight / settings.replicas))
+            actor = ray.remote(ReplicaEngine)
+            # NOTE: named, so that `ray list actors` (and a test) can find a job's replicas.
+            prefix = f"{REPLICA_NAME_PREFIX}{uuid.uuid4().hex[:8]}-"
+            self._replicas = [
+                _Replica(
+                    i,
+                    actor.options(
+                        name=f"{prefix}{i}",
+                        num_cpus=settings.cpus_per_replica,
+                        num_gpus=settings.gpus_per_replica,
+                        max_restarts=settings.max_restarts,
+                        max_concurrency=4,
+                    ).remote(model, args),
+                )
+                for i in range(settings.replicas)
+            ]
             self.engine_info: Ready = self._start(on_progress)
         except BaseException:
             self.shutdown()
             raise
 
-    def _check_resources(self) -> None:
-        total = ray.cluster_resources()
-        for name, need in (
-            ("CPU", self.settings.cpus_per_replica),
-            ("GPU", self.settings.gpus_per_replica),
-        ):
-            if need > total.get(name, 0):
-                raise ConfigError(
-                    f"a replica asks for {need:g} {name}s, and the Ray cluster has "
-                    f"{total.get(name, 0):g}; lower --{name.lower()}s-per-replica"
-                )
-
     def _start(self, on_progress: Callable[[str], None] | None) -> Ready:
         """Wait for every replica, or for STARTUP_GRACE_S after the first is live (the others,
-        maybe waiting for resources, join the stream when they are up)."""
+        maybe waiting for resources, join the stream when they are up). Replicas still not
+        placed after PENDING_NOTICE_S are named, with the free resources."""
         for rep in self._replicas:
             rep.probe = rep.handle.ready.remote()
+        start_t = time.monotonic()
         first_live_t = None
+        is_told = False
         while any(rep.state is EngineState.STARTING for rep in self._replicas):
+            if self._should_stop():
+                raise StartupCancelled
+            self._check_cluster()
             live = [rep for rep in self._replicas if rep.state is EngineState.LIVE]
             if live and first_live_t is None:
                 first_live_t = time.monotonic()
             if first_live_t is not None and time.monotonic() - first_live_t > STARTUP_GRACE_S:
                 break
+            stage = f"starting Ray replicas ({len(live)} of {len(self._replicas)} live)"
+            if not is_told and time.monotonic() - start_t > PENDING_NOTICE_S:
+                num_starting = sum(rep.state is EngineState.STARTING for rep in self._replicas)
+                self._notice(pending_notice(self.settings, num_starting))
+                is_told = True
+            if is_told:
+                stage += f" ({free_resources()})"
             if on_progress is not None:
-                on_progress(f"starting Ray replicas ({len(live)} of {len(self._replicas)} live)")
+                on_progress(stage)
             self._wait_probes(_WAIT_CAP_S)
-        info = next((rep.info for rep in self._replicas if rep.state is EngineState.LIVE), None)
-        if info is None:
+        if not any(rep.state is EngineState.LIVE for rep in self._replicas):
             raise EngineStartupError(f"no Ray replica started: {self._last_error}")
-        return info
+        self._is_started = True
+        return self._set_info()
+
+    def _set_info(self) -> Ready:
+        """The set's engine facts: the KV cache summed over the replicas that have started."""
+        infos = [rep.info for rep in self._replicas if rep.info is not None]
+        self.engine_info = msgspec.structs.replace(
+            infos[0],
+            num_kv_blocks=sum(i.num_kv_blocks for i in infos),
+            kv_cache_bytes=sum(i.kv_cache_bytes for i in infos),
+        )
+        return self.engine_info
+
+    def _check_cluster(self) -> None:
+        if self._watch is not None and self._watch.lost is not None:
+            raise EngineDeadError(self._watch.lost)
 
     @property
     def latest_stats(self) -> SchedulerStats | None:
@@ -162,41 +212,34 @@ class RayEngines:
     ) -> Iterator[RequestOutput | None]:
         """Yield finished rows in completion order; `on_output` runs on the caller's thread."""
         defaults = sampling_params or SamplingParams()
-        defaults.validate(self.engine_info.vocab_size)
+        defaults.check_vocab(self.engine_info.vocab_size)
         epoch = next(self._epochs)
         source = (_as_row(pos, item, defaults) for pos, item in enumerate(inputs))
-        queue: collections.deque[tuple[int, Request]] = collections.deque()
-        is_exhausted = False
-        idle_deadline = None if idle_s is None else time.monotonic() + idle_s
         for rep in self._replicas:
             rep.is_told_final = False
         try:
-            while True:
-                is_exhausted = self._dispatch(epoch, source, queue, is_exhausted)
-                live = [rep for rep in self._replicas if rep.state is EngineState.LIVE]
-                if is_exhausted and not queue and not any(rep.in_flight for rep in live):
-                    return
-                if not live and not self._is_coming():
-                    raise EngineDeadError(
-                        f"every Ray replica died ({self._last_error}); no restart is left"
-                    )
-                timeout = _WAIT_CAP_S
-                if idle_deadline is not None:
-                    timeout = min(timeout, max(0.0, idle_deadline - time.monotonic()))
-                finished = self._wait(epoch, live, queue, timeout)
-                for out in finished:
-                    if on_output is not None:
-                        on_output(out)
-                    yield out
-                if idle_deadline is not None:
-                    now = time.monotonic()
-                    if finished:
-                        idle_deadline = now + idle_s
-                    elif now >= idle_deadline:
-                        yield None
-                        idle_deadline = now + idle_s
+            for _, out in stream_loop(_RayStream(self, epoch, source), idle_s):
+                if on_output is not None and out is not None:
+                    on_output(out)
+                yield out
         finally:
             self._end_stream(epoch)
+
+    def _death_cause(self) -> str:
+        """Why no replica is left: the cluster or a node gone, else the replicas' own deaths."""
+        address = self.cluster.address
+        if not address.startswith("ray://"):
+            problem = gcs_problem(address)
+            if problem is not None:
+                return f"the Ray cluster is gone: its GCS at {address} does not answer ({problem})"
+        alive = alive_nodes()
+        gone = [name for node, name in self._nodes.items() if node not in alive]
+        if gone:
+            return (
+                f"the Ray node {', '.join(gone)} is gone (its raylet died or the machine left "
+                f"the cluster), and its replicas with it ({self._last_error})"
+            )
+        return f"every Ray replica died ({self._last_error}); no restart is left"
 
     def _is_coming(self) -> bool:
         """Whether a replica is starting or restarting, so rows may still run."""
@@ -245,7 +288,7 @@ class RayEngines:
         live: list[_Replica],
         queue: collections.deque[tuple[int, Request]],
         timeout: float,
-    ) -> list[RequestOutput]:
+    ) -> list[tuple[int, RequestOutput]]:
         """Wait for a poll or a restart probe; returns the rows finished meanwhile."""
         for rep in live:
             if rep.poll is None:
@@ -253,7 +296,7 @@ class RayEngines:
         by_ref = {rep.poll: rep for rep in live}
         by_ref.update({rep.probe: rep for rep in self._replicas if rep.probe is not None})
         done, _ = ray.wait(list(by_ref), num_returns=1, timeout=timeout)
-        finished: list[RequestOutput] = []
+        finished: list[tuple[int, RequestOutput]] = []
         for ref in done:
             rep = by_ref[ref]
             if ref == rep.probe:
@@ -272,7 +315,7 @@ class RayEngines:
             outputs, rep.stats = polled
             for position, out in outputs:
                 if rep.in_flight.pop(position, None) is not None:
-                    finished.append(out)
+                    finished.append((position, out))
         return finished
 
     def _wait_probes(self, timeout: float | None) -> None:
@@ -298,10 +341,13 @@ class RayEngines:
                 rep.probe = rep.handle.ready.remote()
                 continue
             rep.token = token
-            rep.window = max_in_flight + TOKENIZE_BATCH
+            # NOTE: the same look-ahead as one local engine, split over the replicas.
+            rep.window = max_in_flight + math.ceil(TOKENIZE_BATCH / len(self._replicas))
             rep.seq = itertools.count()
             rep.is_told_final = False
             rep.state = EngineState.LIVE
+            if self._is_started:
+                self._set_info()
 
     def _fail(
         self,
@@ -331,8 +377,12 @@ class RayEngines:
     def _end_stream(self, epoch: int) -> None:
         """Stop every replica's rows of this stream (a stream closed early leaves some)."""
         calls = []
+        is_lost = self._watch is not None and self._watch.lost is not None
         for rep in self._replicas:
             rep.poll = None
+            if is_lost:
+                rep.in_flight.clear()
+                continue
             if rep.state is EngineState.LIVE and rep.in_flight:
                 calls.append(rep.handle.abort.remote(epoch))
             rep.in_flight.clear()
@@ -340,36 +390,69 @@ class RayEngines:
             ray.get(calls, timeout=_SHUTDOWN_S)
 
     def shutdown(self) -> None:
-        calls = [
-            rep.handle.shutdown.remote() for rep in self._replicas if rep.state is EngineState.LIVE
-        ]
+        """Stop the replicas, leave the cluster (stopping it if vbatch started it)."""
+        is_lost = self._watch is not None and self._watch.lost is not None
         try:
-            ray.wait(calls, num_returns=len(calls), timeout=_SHUTDOWN_S)
+            if not is_lost:
+                calls = [
+                    rep.handle.shutdown.remote()
+                    for rep in self._replicas
+                    if rep.state is EngineState.LIVE
+                ]
+                with contextlib.suppress(RayError):
+                    ray.wait(calls, num_returns=len(calls), timeout=_SHUTDOWN_S)
+                for rep in self._replicas:
+                    with contextlib.suppress(RayError):
+                        ray.kill(rep.handle)
         finally:
             for rep in self._replicas:
-                ray.kill(rep.handle)
                 rep.state = EngineState.DEAD
-            if self._owns_ray:
-                ray.shutdown()
+            if self._watch is not None:
+                self._watch.close()
+            self.cluster.stop()
 
 
-def _init_ray(address: str | None) -> None:
-    """Join or start the Ray cluster, keeping this process's signal handlers.
+class _RayStream:
+    """`StreamEngine` over the replicas for one stream (`epoch`): `queue` holds rows taken
+    back from failed replicas, sent again before new input."""
 
-    NOTE: ray.init installs its own SIGTERM (and SIGINT) handlers, which would exit at once
-    instead of letting the job drain, commit and print the resume command."""
-    main = threading.current_thread() is threading.main_thread()
-    handlers = {signum: signal.getsignal(signum) for signum in _KEPT_SIGNALS} if main else {}
-    # NOTE: Ray's own log lines would break up the dashboard; its errors still raise.
-    ray.init(
-        address=address,
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level=logging.ERROR,
-    )
-    for signum, handler in handlers.items():
-        if handler is not None:
-            signal.signal(signum, handler)
+    def __init__(
+        self, engines: RayEngines, epoch: int, source: Iterator[tuple[int, Request]]
+    ) -> None:
+        self.engines = engines
+        self.epoch = epoch
+        self.source = source
+        self.queue: collections.deque[tuple[int, Request]] = collections.deque()
+        self.is_exhausted = False
+        self.finished: list[tuple[int, RequestOutput]] = []
+
+    def _live(self) -> list[_Replica]:
+        return [rep for rep in self.engines._replicas if rep.state is EngineState.LIVE]
+
+    def fill(self) -> bool:
+        self.is_exhausted = self.engines._dispatch(
+            self.epoch, self.source, self.queue, self.is_exhausted
+        )
+        return not self.is_exhausted
+
+    def take_finished(self) -> list[tuple[int, RequestOutput]]:
+        finished, self.finished = self.finished, []
+        return finished
+
+    def is_idle(self) -> bool:
+        return not self.queue and not any(rep.in_flight for rep in self._live())
+
+    def wait_limit(self, is_more: bool) -> float | None:
+        return _WAIT_CAP_S
+
+    def wait(self, timeout: float | None) -> None:
+        engines = self.engines
+        engines._check_cluster()
+        live = self._live()
+        if not live and not engines._is_coming():
+            raise EngineDeadError(engines._death_cause())
+        wait_s = _WAIT_CAP_S if timeout is None else timeout
+        self.finished += engines._wait(self.epoch, live, self.queue, wait_s)
 
 
 def _as_row(position: int, item: Any, defaults: SamplingParams) -> tuple[int, Request]:
@@ -392,3 +475,11 @@ def _error_text(error: BaseException) -> str:
     cause = getattr(error, "cause", None)
     text = str(cause if isinstance(cause, BaseException) else error).strip()
     return text.splitlines()[-1] if text else type(error).__name__
+
+
+def _ignore(text: str) -> None:
+    return None
+
+
+def _never() -> bool:
+    return False

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from vbatch.engine_sets.base import EngineSet
-from vbatch.engine_sets.factory import open_engine_set
+from vbatch.engine_sets.base import EngineSet, StartupCancelled
+from vbatch.engine_sets.factory import open_engine_set, starts_briefly
 from vbatch.errors import (
     InputError,
     VbatchError,
@@ -26,12 +27,16 @@ from vbatch.job.reader import InputReader
 from vbatch.job.results import TokenStrings, error_row, openai_line, parquet_schema, result_row
 from vbatch.job.rows import InputRow, RowParser
 from vbatch.job.stopping import StopControl, StopNow, StopOnSignal
+from vbatch.job.validation import OutputChecker
 from vbatch.job.writer import open_writer
 from vbatch.lora.request import startup_requests
 from vbatch.sampling_params import SamplingParams
 
 EXIT_INTERRUPTED = 75
 MIN_IDLE_S = 0.05
+# NOTE: the stream ticks at least this often, so a stop flag set by a signal is seen in time
+# by engine sets that a signal must not interrupt (EngineSet.waits_briefly).
+MAX_IDLE_S = 1.0
 
 
 class JobExecution:
@@ -74,6 +79,8 @@ class JobExecution:
         self.lora_requests = startup_requests(manifest.engine.get("loras"))
         self.in_flight: dict[int, InputRow] = {}
         self.num_errors = len(journal.state.errors)
+        self.num_invalid = 0
+        self.checker = OutputChecker()
         self.max_errors = self._max_errors(options.max_errors)
         self.stop = StopControl(options.drain_timeout_s)
         self.is_stop_shown = False
@@ -83,6 +90,7 @@ class JobExecution:
         self.token_text: Callable[[int], str] = str
         self.token_bytes: Callable[[int], list[int]] | None = None
         self.metrics: Any = None
+        self.interruptible = True
 
     def _max_errors(self, limit: float | None) -> int | None:
         if limit is None:
@@ -167,7 +175,12 @@ class JobExecution:
             except Exception as e:
                 raise self._resumable(e, output, commit=False) from e
             self.metrics.set_state("done")
-            return 0, f"wrote {output}: {num_done} rows, {self.num_errors} errored"
+            invalid = (
+                f", {self.num_invalid} with JSON invalid against its schema (structured_valid)"
+                if self.num_invalid
+                else ""
+            )
+            return 0, f"wrote {output}: {num_done} rows, {self.num_errors} errored{invalid}"
         self.metrics.set_state("interrupted")
         return EXIT_INTERRUPTED, (
             f"interrupted: {num_done} of {self.manifest.num_rows} rows are committed. "
@@ -200,7 +213,8 @@ class JobExecution:
     def _run_engine(self) -> None:
         self.metrics.set_state("loading model")
         engine_args = dict(self.manifest.engine)
-        self.stop.is_waiting = True
+        self.interruptible = not starts_briefly(self.options.ray)
+        self.stop.is_waiting = self.interruptible
         try:
             llm = self.llm_factory(
                 self.manifest.model_to_load(),
@@ -208,12 +222,15 @@ class JobExecution:
                 max_in_flight=self.options.max_in_flight,
                 data_parallel_size=self.options.data_parallel_size,
                 on_progress=self.metrics.set_startup_stage,
+                on_notice=self.metrics.add_notice,
+                should_stop=lambda: self.stop.is_stopping,
                 **engine_args,
             )
-        except StopNow:
+        except (StopNow, StartupCancelled):
             return
         finally:
             self.stop.is_waiting = False
+        self.interruptible = not getattr(llm, "waits_briefly", False)
         try:
             self.metrics.set_engine_info(llm.engine_info)
             self.metrics.set_stats_source(lambda: llm.latest_stats, llm.engine_reports)
@@ -234,10 +251,11 @@ class JobExecution:
         # NOTE: with idle_s, the stream also yields None when no row finished for that long, so
         # the time-based commit fires while every row in flight is slow (or the engine stalls).
         every_s = self.options.commit_every_seconds
-        stream = llm.stream(self._requests(), self.defaults, idle_s=max(every_s, MIN_IDLE_S))
+        idle_s = min(max(every_s, MIN_IDLE_S), MAX_IDLE_S)
+        stream = llm.stream(self._requests(), self.defaults, idle_s=idle_s)
         try:
             while not self.stop.stop_now:
-                self.stop.is_waiting = True
+                self.stop.is_waiting = self.interruptible
                 try:
                     result = next(stream)
                 except StopIteration:
@@ -255,12 +273,19 @@ class JobExecution:
                 row = self.in_flight.pop(result.index)
                 if result.error is None and any(o.finish_reason == "abort" for o in result.outputs):
                     continue
+                structured = (row.sampling_params or self.defaults).structured
                 values = result_row(
                     row,
                     result,
                     include_token_ids=self.manifest.options.include_token_ids,
                     parse_json=self.manifest.options.parse_json,
                     reasoning_parser=self.manifest.options.reasoning_parser,
+                    check=(
+                        functools.partial(self.checker.check, structured)
+                        if structured is not None and structured.is_json
+                        else None
+                    ),
+                    require_valid=self.manifest.options.require_valid_json,
                 )
                 self._emit(row, values)
         except StopNow:
@@ -282,7 +307,8 @@ class JobExecution:
                 self._emit(row, error_row(row, row.error))
                 continue
             self.in_flight[row.index] = row
-            self.stop.is_waiting = True
+            self.checker.note((row.sampling_params or self.defaults).structured)
+            self.stop.is_waiting = self.interruptible
             yield Request(
                 id=row.id,
                 index=row.index,
@@ -292,7 +318,7 @@ class JobExecution:
                 chat_template_kwargs=row.chat_template_kwargs,
                 lora_request=None if row.lora is None else self.lora_requests[row.lora],
             )
-        self.stop.is_waiting = True
+        self.stop.is_waiting = self.interruptible
 
     def _emit(self, row: InputRow, values: dict[str, Any]) -> None:
         line = None
@@ -301,6 +327,8 @@ class JobExecution:
                 row, values, self.manifest.model.name, self.token_text, self.token_bytes
             )
         self.writer.add(values, row.kept, line)
+        if values["structured_valid"] is False:
+            self.num_invalid += 1
         is_error = values["error"] is not None
         self.metrics.on_result(
             finish_reason=values["finish_reason"],

@@ -79,6 +79,7 @@ class JobOptions(msgspec.Struct, frozen=True, kw_only=True):
     ordered: bool = False
     include_token_ids: bool = False
     parse_json: bool = False
+    require_valid_json: bool = False
     openai_output: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_parser: str | None = None

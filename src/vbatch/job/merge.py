@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shlex
 import shutil
@@ -21,11 +22,18 @@ from vbatch.job.journal import JOURNAL_NAME, JobState, read_journal
 from vbatch.job.manifest import MANIFEST_NAME, Manifest
 from vbatch.job.paths import JobLock, fsync_dir, job_dir_for, output_format, resume_command
 from vbatch.job.results import line_index
-from vbatch.job.shard import Shard, shard_counts
+from vbatch.job.shard import Shard, shards_on_disk
 
-# NOTE: settings that change no output row; shards may differ in them.
-_RUN_ONLY_ENGINE_ARGS = frozenset({"heartbeat_timeout_s"})
-_RESULT_OPTIONS = ("columns", "include_token_ids", "parse_json", "openai_output")
+# NOTE: settings that change no output row; shards may differ in them. Threads, like -dp (a run
+# option, never compared), spread the same arithmetic over CPUs: a row's tokens do not change.
+_RUN_ONLY_ENGINE_ARGS = frozenset({"heartbeat_timeout_s", "num_threads"})
+_RESULT_OPTIONS = (
+    "columns",
+    "include_token_ids",
+    "parse_json",
+    "require_valid_json",
+    "openai_output",
+)
 _RUN_ROWS = 65536
 
 
@@ -60,9 +68,43 @@ class ShardJob:
         }
 
 
-def find_shards(output: Path) -> list[ShardJob]:
-    """The shards of `output` (all N of them, started or not), or [] when there are none."""
-    counts = shard_counts(output)
+@dataclass(frozen=True)
+class NotStarted:
+    """Shards `first` to `last` of `count` (an unbroken run), with neither file nor job dir."""
+
+    first: int
+    last: int
+    count: int
+
+    def __str__(self) -> str:
+        if self.first == self.last:
+            return f"{self.first}/{self.count}"
+        return f"{self.first}-{self.last}/{self.count}"
+
+    def summary(self) -> dict[str, Any]:
+        return {"shard": str(self), "output": None, "state": "not started", "rows": None}
+
+
+@dataclass(frozen=True)
+class ShardArray:
+    """A job array as found on disk: its shard count, the shards with a file or job directory
+    (by index) and the runs of shards between them that were never started."""
+
+    count: int
+    jobs: list[ShardJob]
+    not_started: list[NotStarted]
+
+    def summaries(self) -> list[dict[str, Any]]:
+        entries = [(job.shard.index, job.summary()) for job in self.jobs]
+        entries += [(gap.first, gap.summary()) for gap in self.not_started]
+        return [summary for _, summary in sorted(entries, key=lambda entry: entry[0])]
+
+
+def find_shards(output: Path) -> ShardArray | None:
+    """The shards of `output` on disk, or None when there are none. Only shards with a file
+    or job directory are looked at: the others are runs of numbers, never enumerated."""
+    found = shards_on_disk(output)
+    counts = {shard.count for shard in found}
     if len(counts) > 1:
         names = ", ".join(f"{output.stem}.shard-*-of-{n}{output.suffix}" for n in sorted(counts))
         raise JobStateError(
@@ -70,11 +112,10 @@ def find_shards(output: Path) -> list[ShardJob]:
             "and job directories of the arrays you do not want"
         )
     if not counts:
-        return []
+        return None
     count = counts.pop()
     jobs = []
-    for index in range(count):
-        shard = Shard(index, count)
+    for shard in sorted(found, key=lambda shard: shard.index):
         path = shard.output_path(output)
         job_dir = job_dir_for(path)
         manifest = state = None
@@ -82,11 +123,14 @@ def find_shards(output: Path) -> list[ShardJob]:
             manifest = Manifest.load(job_dir)
             state, _ = read_journal(job_dir / JOURNAL_NAME)
         jobs.append(ShardJob(shard, path, manifest, state))
-    return jobs
+    bounds = [-1, *(job.shard.index for job in jobs), count]
+    gaps = [NotStarted(a + 1, b - 1, count) for a, b in itertools.pairwise(bounds) if b - a > 1]
+    return ShardArray(count, jobs, gaps)
 
 
 def shard_statuses(output: Path) -> list[dict[str, Any]]:
-    return [job.summary() for job in find_shards(output)]
+    array = find_shards(output)
+    return array.summaries() if array is not None else []
 
 
 def merge_shards(
@@ -96,14 +140,15 @@ def merge_shards(
     each input row once (in input order with `ordered`): a temp file, fsync, rename. The shard
     files stay unless `remove_shards`. Returns the message for the user."""
     fmt = output_format(output)
-    jobs = find_shards(output)
-    if not jobs:
+    array = find_shards(output)
+    if array is None:
         raise JobStateError(
             f"there are no shards of {output} to merge (no {output.stem}.shard-I-of-N"
             f"{output.suffix}); run them with `vbatch run ... -o {shlex.quote(str(output))} "
             "--shard I/N`"
         )
-    problems = _problems(output, jobs)
+    problems = _problems(output, array)
+    jobs = array.jobs
     if problems:
         raise JobStateError(
             f"cannot merge {output}; every shard must be complete and made alike:\n"
@@ -133,15 +178,15 @@ def merge_shards(
     )
 
 
-def _problems(output: Path, jobs: list[ShardJob]) -> list[str]:
+def _problems(output: Path, array: ShardArray) -> list[str]:
     """Why the shards cannot be merged (each with the command that fixes it), or []."""
-    made = [job for job in jobs if job.manifest is not None]
+    made = [job for job in array.jobs if job.manifest is not None]
     reference = made[0].manifest if made else None
-    problems = []
-    for job in jobs:
+    problems = [_never_started(output, gap, reference is not None) for gap in array.not_started]
+    for job in array.jobs:
         label = f"shard {job.shard}:"
         if job.manifest is None or job.state is None:
-            problems.append(f"{label} {_not_started(output, job, reference)}")
+            problems.append(f"{label} {_not_started(job)}")
         elif job.manifest.shard_spec != job.shard:
             problems.append(
                 f"{label} its job directory {job.job_dir} holds shard {job.manifest.shard_spec} "
@@ -171,18 +216,30 @@ def _problems(output: Path, jobs: list[ShardJob]) -> list[str]:
     return problems
 
 
-def _not_started(output: Path, job: ShardJob, reference: Manifest | None) -> str:
+def _not_started(job: ShardJob) -> str:
     if job.output.exists():
         return (
             f"{job.output} has no job directory (removed?), so it cannot be checked; run the "
             "shard again with --overwrite"
         )
-    if reference is None:
+    return f"its job directory {job.job_dir} has no manifest; run the shard again with --overwrite"
+
+
+def _never_started(output: Path, gap: NotStarted, is_any_made: bool) -> str:
+    """The problem line for a run of shards that were never started, with the command."""
+    if gap.first == gap.last:
+        label, index, each = f"shard {gap}:", str(gap.first), "it"
+    else:
+        label, index, each = f"shards {gap}:", "I", f"each (I = {gap.first} to {gap.last})"
+    path = output.with_name(f"{output.stem}.shard-{index}-of-{gap.count}{output.suffix}")
+    if not is_any_made:
         return (
-            f"not started; start it with: vbatch run INPUT -o {shlex.quote(str(output))} "
-            f"--shard {job.shard} ..."
+            f"{label} not started; start {each} with: vbatch run INPUT -o "
+            f"{shlex.quote(str(output))} --shard {index}/{gap.count} ..."
         )
-    return f"not started; start it with the other shards' settings: {resume_command(job.output)}"
+    return f"{label} not started; start {each} with the other shards' settings: " + (
+        resume_command(path)
+    )
 
 
 def _signature(manifest: Manifest) -> dict[str, Any]:
@@ -226,7 +283,7 @@ def _check_rows(jobs: list[ShardJob], fmt: str) -> int:
     """Every input row exactly once across the shards: no index twice, as many as the input."""
     arrays = []
     for job in jobs:
-        indices = _indices(job.output, fmt)
+        indices = _indices(job, fmt)
         assert job.state is not None and job.state.complete is not None
         if len(indices) != job.state.complete["rows"]:
             raise JobStateError(
@@ -251,13 +308,26 @@ def _check_rows(jobs: list[ShardJob], fmt: str) -> int:
     return len(indices)
 
 
-def _indices(path: Path, fmt: str) -> np.ndarray:
-    if fmt == "parquet":
-        import pyarrow.parquet as pq
+def _indices(job: ShardJob, fmt: str) -> np.ndarray:
+    """The input indices of a shard file's rows; a damaged file is named with the command that
+    makes it again (it is complete, so only a new run can)."""
+    import pyarrow as pa
 
-        return pq.read_table(path, columns=["index"]).column("index").to_numpy()
-    with open(path, "rb") as f:
-        return np.fromiter((line_index(line) for line in f), dtype=np.int64)
+    try:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(job.output, columns=["index"]).column("index").to_numpy()
+        with open(job.output, "rb") as f:
+            return np.fromiter((line_index(line) for line in f if line.strip()), dtype=np.int64)
+    except (pa.ArrowException, ValueError, KeyError, TypeError, AttributeError) as e:
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else "unreadable"
+        raise JobStateError(
+            f"shard {job.shard}: {job.output} is damaged ({type(e).__name__}: {detail}): "
+            "truncated or changed after its job finished. Run the shard again: remove "
+            f"{shlex.quote(str(job.output))} and {shlex.quote(str(job.job_dir))}, then "
+            f"`{resume_command(job.output)}` starts it with the other shards' settings"
+        ) from None
 
 
 def _write_merged(output: Path, jobs: list[ShardJob], fmt: str, *, ordered: bool) -> None:

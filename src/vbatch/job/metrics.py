@@ -89,6 +89,7 @@ class JobSnapshot:
     since_commit_s: float | None
     drain_left_s: float | None
     engines: tuple[EngineSnapshot, ...] = ()
+    notices: tuple[str, ...] = ()
 
     @property
     def num_truncated(self) -> int:
@@ -144,6 +145,7 @@ class JobMetrics:
         self._rows_errored_before = rows_errored_before
         self._state = "starting"
         self._startup_stage = ""
+        self._notices: list[str] = []
         self._info: Ready | None = None
         self._start_t = clock()
         self._run_start_t: float | None = None
@@ -179,6 +181,11 @@ class JobMetrics:
     def set_startup_stage(self, stage: str) -> None:
         with self._lock:
             self._startup_stage = stage
+
+    def add_notice(self, text: str) -> None:
+        """A line for the user about how the job runs (e.g. which Ray cluster it uses)."""
+        with self._lock:
+            self._notices.append(text)
 
     def set_engine_info(self, info: Ready) -> None:
         with self._lock:
@@ -308,6 +315,7 @@ class JobMetrics:
         return JobSnapshot(
             state=self._state,
             startup_stage=self._startup_stage,
+            notices=tuple(self._notices),
             model=self._model,
             input_path=self._input_path,
             output_path=self._output_path,

@@ -31,6 +31,13 @@ class RunOptions:
     clean: bool = False
     ray: RaySettings | None = None
 
+    def __post_init__(self) -> None:
+        if self.ray is not None and self.data_parallel_size > 1:
+            raise ConfigError(
+                "-dp is for engine cores on this machine; a --ray job runs --replicas engines "
+                "(each with --cpus-per-replica threads), so drop -dp"
+            )
+
     @classmethod
     def restore(cls, saved: dict[str, Any], overrides: dict[str, Any]) -> RunOptions:
         """The options a resumed job runs with: those it saved (`result_settings`), then

@@ -72,6 +72,7 @@ class ProgressDisplay:
         self._last_log_key: tuple[str, str] | None = None
         self._last_write_t = 0.0
         self._seen_error_kinds: set[str] = set()
+        self._num_notices_shown = 0
 
     def __enter__(self) -> ProgressDisplay:
         self.start()
@@ -114,6 +115,7 @@ class ProgressDisplay:
             self._live.update(render_dashboard(snap), refresh=True)
             self._live.stop()
         self._report_errors(snap)
+        self._show_notices(snap)
         if self.metrics_file is not None:
             self._write_metrics_file(snap)
         if self.mode != "quiet":
@@ -126,6 +128,7 @@ class ProgressDisplay:
 
     def _tick(self, now: float) -> None:
         snap = self.metrics.snapshot()
+        self._show_notices(snap)
         if self._live is not None:
             self._live.update(render_dashboard(snap), refresh=True)
         elif self.mode == "plain":
@@ -140,6 +143,13 @@ class ProgressDisplay:
 
     def _print_plain(self, line: str) -> None:
         self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    def _show_notices(self, snap: JobSnapshot) -> None:
+        """Print each new notice once (above the live view), in every mode but quiet."""
+        for text in snap.notices[self._num_notices_shown :]:
+            if self.mode != "quiet":
+                self._print_plain(f"vbatch: {text}")
+        self._num_notices_shown = len(snap.notices)
 
     def _report_errors(self, snap: JobSnapshot) -> None:
         """Plain and quiet modes name each new kind of row error once; live shows them anyway."""

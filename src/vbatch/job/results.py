@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +24,8 @@ if TYPE_CHECKING:
     from vbatch.llm import CompletionOutput, RequestOutput
 
 # NOTE: fixed key order; the optional ones (reasoning, texts, reasonings, finish_reasons,
-# token_ids, logprobs, structured_complete, json) are omitted from JSONL lines when null and are
+# token_ids, logprobs, structured_complete, structured_valid, json) are omitted from JSONL lines
+# when null and are
 # null columns in Parquet, which has a `json` column only with --parse-json and the reasoning
 # columns only with --reasoning-parser.
 OUTPUT_COLUMNS = (
@@ -45,6 +48,7 @@ OUTPUT_COLUMNS = (
     "latency_s",
     "error",
     "structured_complete",
+    "structured_valid",
     "json",
 )
 OPTIONAL_COLUMNS = frozenset(
@@ -57,24 +61,36 @@ OPTIONAL_COLUMNS = frozenset(
         "token_ids",
         "logprobs",
         "structured_complete",
+        "structured_valid",
         "json",
     }
 )
 OPENAI_ID_PREFIX = "vbatch_req_"
+# NOTE: a run of digits that may not fit 64 bits, which orjson would parse as a float.
+_LONG_DIGITS = re.compile(r"\d{19}")
 
 
 def _logprob_entries(output: CompletionOutput) -> list[dict[str, Any]] | None:
-    if output.logprobs is None:
+    """Each token's logprob and its top alternatives. Alternatives a grammar forbade (-inf) are
+    left out: they could not be chosen, and JSON has no -inf."""
+    if output.token_logprobs is None:
         return None
-    return [
-        {
-            "token_id": token_id,
-            "logprob": entry.logprob,
-            "top_token_ids": list(entry.top_token_ids),
-            "top_logprobs": list(entry.top_logprobs),
-        }
-        for token_id, entry in zip(output.token_ids, output.logprobs, strict=False)
-    ]
+    entries = []
+    for token_id, entry in zip(output.token_ids, output.token_logprobs, strict=False):
+        top = [
+            (t, lp)
+            for t, lp in zip(entry.top_token_ids, entry.top_logprobs, strict=False)
+            if lp != -math.inf
+        ]
+        entries.append(
+            {
+                "token_id": token_id,
+                "logprob": entry.logprob,
+                "top_token_ids": [t for t, _ in top],
+                "top_logprobs": [lp for _, lp in top],
+            }
+        )
+    return entries
 
 
 def _split(output: CompletionOutput, parser: str | None) -> tuple[str | None, str]:
@@ -91,19 +107,30 @@ def result_row(
     include_token_ids: bool,
     parse_json: bool = False,
     reasoning_parser: str | None = None,
+    check: Callable[[Sequence[str]], str | None] | None = None,
+    require_valid: bool = False,
 ) -> dict[str, Any]:
     """The vbatch output row (DESIGN.md section 5) for a finished request; `parse_json` adds
     the parsed text (None where it is not JSON), a list of them for n > 1; `reasoning_parser`
-    moves each sample's `<think>` part from its text to `reasoning`/`reasonings`."""
+    moves each sample's `<think>` part from its text to `reasoning`/`reasonings`.
+
+    `check` (for a JSON constraint) says why complete outputs break it, or None: the row's
+    `structured_valid`; with `require_valid` an invalid one is an error row."""
     if result.error is not None:
         return error_row(row, f"{row.location}: {result.error}", len(result.prompt_token_ids))
     outputs = result.outputs
     first = outputs[0]
     is_multi = len(outputs) > 1
-    has_logprobs = any(o.logprobs is not None for o in outputs)
+    has_logprobs = any(o.token_logprobs is not None for o in outputs)
     stop_reason = first.stop_reason
     reasonings, texts = zip(*(_split(o, reasoning_parser) for o in outputs), strict=True)
     has_reasoning = any(r is not None for r in reasonings)
+    complete = _structured_complete(outputs)
+    invalid = check(texts) if check is not None and complete else None
+    if invalid is not None and require_valid:
+        values = error_row(row, f"{row.location}: {invalid}", len(result.prompt_token_ids))
+        values["structured_valid"] = False
+        return values
     return {
         "id": row.id,
         "index": row.index,
@@ -123,7 +150,8 @@ def result_row(
         "ttft_s": _elapsed(result.arrival_time, result.first_token_time),
         "latency_s": _elapsed(result.arrival_time, result.finish_time),
         "error": None,
-        "structured_complete": _structured_complete(outputs),
+        "structured_complete": complete,
+        "structured_valid": (invalid is None) if check is not None and complete else None,
         "json": _parsed(texts, is_multi) if parse_json else None,
     }
 
@@ -135,13 +163,24 @@ def _structured_complete(outputs: list[CompletionOutput]) -> bool | None:
 
 
 def _parsed(texts: Sequence[str], is_multi: bool) -> Any:
-    values = []
-    for text in texts:
-        try:
-            values.append(orjson.loads(text))
-        except orjson.JSONDecodeError:
-            values.append(None)
+    values = [_parsed_one(text) for text in texts]
     return values if is_multi else values[0]
+
+
+def _parsed_one(text: str) -> Any:
+    """The JSON value of `text`, None if it is not JSON. Integers beyond 64 bits stay exact: the
+    value is then kept as compact JSON text (an orjson Fragment) rather than parsed to floats."""
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return None
+    if _LONG_DIGITS.search(text) is None:
+        return value
+    try:
+        exact = json.dumps(json.loads(text), ensure_ascii=False, separators=(",", ":"))
+    except (ValueError, RecursionError):
+        return value
+    return orjson.Fragment(exact)
 
 
 def error_row(row: InputRow, message: str, prompt_tokens: int = 0) -> dict[str, Any]:
@@ -258,7 +297,7 @@ def openai_line(
     for i, (text, reason, entries) in enumerate(zip(texts, reasons, logprobs, strict=False)):
         choice: dict[str, Any] = {"index": i}
         if is_chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": "assistant", "content": text, "refusal": None}
             if reasonings[i] is not None:
                 choice["message"]["reasoning_content"] = reasonings[i]
             choice["logprobs"] = _chat_logprobs(entries, token_text, token_bytes)
@@ -268,6 +307,9 @@ def openai_line(
                 entries, token_text, token_bytes, len(row.prompt or "")
             )
         choice["finish_reason"] = reason
+        for name in ("structured_complete", "structured_valid"):
+            if values.get(name) is not None:
+                choice[name] = values[name]
         choices.append(choice)
     body = {
         "id": f"{'chatcmpl' if is_chat else 'cmpl'}-vbatch-{row.index}",
@@ -412,6 +454,7 @@ def parquet_schema(
         ("latency_s", pa.float64()),
         ("error", pa.string()),
         ("structured_complete", pa.bool_()),
+        ("structured_valid", pa.bool_()),
     ]
     if parse_json:
         fields.append(("json", pa.string()))

@@ -175,8 +175,10 @@ class RowParser:
             if not isinstance(overrides, dict):
                 raise RowError(f"sampling_params must be an object, got {overrides!r}")
             row.sampling_params = self.defaults.updated(overrides)
-        structured = row_structured(record.get("response_format"), record.get("guided"))
-        if structured is not None:
+        response_format, guided = record.get("response_format"), record.get("guided")
+        if response_format is not None or guided is not None:
+            # NOTE: {"type": "text"} (None) also overrides a job-wide constraint.
+            structured = row_structured(response_format, guided)
             params = row.sampling_params or self.defaults
             row.sampling_params = params.updated({"structured": structured})
         self._template_kwargs(row, record.get("chat_template_kwargs"), "chat_template_kwargs")
@@ -231,8 +233,8 @@ def openai_overrides(body: dict[str, Any], kind: str) -> dict[str, Any]:
         elif key == "top_logprobs":
             overrides["logprobs"] = value
         elif key == "response_format":
-            if value is not None and (structured := from_response_format(value)) is not None:
-                overrides["structured"] = structured
+            if value is not None:
+                overrides["structured"] = from_response_format(value)
         elif key not in OPENAI_IGNORED_KEYS and key != "prompt":
             raise RowError(f"unsupported body field {key!r}")
     return overrides

@@ -46,7 +46,7 @@ from vbatch.job.paths import (
 from vbatch.job.reader import InputReader, InputScan, scan_input
 from vbatch.job.results import OUTPUT_COLUMNS
 from vbatch.job.rows import ColumnOptions, RowParser
-from vbatch.job.shard import Shard, shard_of_output
+from vbatch.job.shard import Shard, shard_of_output, shards_on_disk
 from vbatch.lora.adapter import read_adapter_config
 from vbatch.sampling_params import SamplingParams
 
@@ -69,6 +69,7 @@ class JobSpec:
     ordered: bool = False
     include_token_ids: bool = False
     parse_json: bool = False
+    require_valid_json: bool = False
     shard: Shard | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_parser: str | None = None
@@ -236,6 +237,7 @@ def _prepare_job(
             ordered=spec.ordered,
             include_token_ids=spec.include_token_ids,
             parse_json=spec.parse_json,
+            require_valid_json=spec.require_valid_json,
             openai_output=scan.is_openai and fmt == "jsonl",
             chat_template_kwargs=template_kwargs,
             reasoning_parser=spec.reasoning_parser,
@@ -289,10 +291,10 @@ def _sibling_manifest(output: Path) -> Manifest | None:
     if shard is None:
         return None
     base = base_output(output, shard)
-    for index in range(shard.count):
-        sibling = Shard(index, shard.count)
+    siblings = [s for s in shards_on_disk(base) if s.count == shard.count and s != shard]
+    for sibling in sorted(siblings, key=lambda s: s.index):
         job_dir = job_dir_for(sibling.output_path(base))
-        if index != shard.index and (job_dir / MANIFEST_NAME).is_file():
+        if (job_dir / MANIFEST_NAME).is_file():
             manifest = Manifest.load(job_dir)
             if manifest.shard_spec == sibling:
                 return manifest

@@ -17,7 +17,10 @@ if TYPE_CHECKING:
     from vbatch.job.rows import RowParser
 
 COUNT_ENV = "VBATCH_SHARD_COUNT"
-_SHARD_NAME = re.compile(r"\.shard-(\d+)-of-(\d+)$")
+# NOTE: far more tasks than any job array runs; a larger N is a typo, refused at parse time.
+MAX_SHARDS = 100_000
+_SHARD_NAME = re.compile(r"\.shard-([0-9]+)-of-([0-9]+)$")
+_DIGITS = re.compile(r"[0-9]+")
 
 
 def shard_of(key: str, count: int) -> int:
@@ -62,7 +65,7 @@ def parse_shard(text: str, environ: Mapping[str, str] | None = None) -> Shard:
     count = _count(tail, text) if slash else None
     if head == "auto":
         return shard_from_env(environ, count)
-    if count is None or not head.isdigit():
+    if count is None or not _DIGITS.fullmatch(head):
         raise ConfigError(f"--shard must be I/N (0 <= I < N), auto or auto/N, got {text!r}")
     return _checked(int(head), count, f"--shard {text}")
 
@@ -80,6 +83,14 @@ def shard_from_env(environ: Mapping[str, str], count: int | None = None) -> Shar
             raise ConfigError(
                 f"--shard auto: {source} is not on the array's range (min {first}, step "
                 f"{step}); give the shard as --shard I/N"
+            )
+        last = _env_int(environ, "SLURM_ARRAY_TASK_MAX", -1)
+        num_tasks = _env_int(environ, "SLURM_ARRAY_TASK_COUNT", -1)
+        if last != -1 and num_tasks != -1 and last - first != (num_tasks - 1) * step:
+            raise ConfigError(
+                f"--shard auto: this Slurm array is a list (tasks {first} to {last}, {num_tasks} "
+                f"of them, not one step apart), e.g. --array=1,5,9; list arrays need "
+                "--shard I/N, given per task"
             )
         index = (task_id - first) // step
     elif "JOB_COMPLETION_INDEX" in environ:
@@ -103,7 +114,7 @@ def shard_from_env(environ: Mapping[str, str], count: int | None = None) -> Shar
 
 
 def _count(text: str, whole: str) -> int:
-    if not text.isdigit():
+    if not _DIGITS.fullmatch(text):
         raise ConfigError(f"--shard must be I/N (0 <= I < N), auto or auto/N, got {whole!r}")
     return int(text)
 
@@ -119,6 +130,8 @@ def _env_int(environ: Mapping[str, str], name: str, default: int | None = None) 
 
 
 def _checked(index: int, count: int, what: str) -> Shard:
+    if count > MAX_SHARDS:
+        raise ConfigError(f"{what}: {count} shards is more than the {MAX_SHARDS:,} vbatch allows")
     if count < 1 or not 0 <= index < count:
         raise ConfigError(
             f"{what}: shard {index} of {count} is out of range (shards are numbered 0 to N-1)"
@@ -127,18 +140,22 @@ def _checked(index: int, count: int, what: str) -> Shard:
 
 
 def shard_of_output(output: Path) -> Shard | None:
-    """The shard an output file name stands for (`out.shard-1-of-3.parquet`), else None."""
+    """The shard an output file name stands for (`out.shard-1-of-3.parquet`), else None (also
+    for a name no `--shard` makes: N over MAX_SHARDS, or I not below N)."""
     match = _SHARD_NAME.search(Path(output.name).stem)
-    return Shard(int(match[1]), int(match[2])) if match else None
+    if match is None or len(match[2]) > len(str(MAX_SHARDS)):
+        return None
+    index, count = int(match[1]), int(match[2])
+    return Shard(index, count) if 0 <= index < count <= MAX_SHARDS else None
 
 
-def shard_counts(output: Path) -> set[int]:
-    """The shard counts N with a shard file or job directory of `output` on disk."""
+def shards_on_disk(output: Path) -> set[Shard]:
+    """The shards of `output` with a shard file or job directory on disk."""
     pattern = f"{glob.escape(output.stem)}.shard-*-of-*{glob.escape(output.suffix)}"
-    counts = set()
+    found = set()
     for path in [*output.parent.glob(pattern), *output.parent.glob(pattern + ".vbatch")]:
         name = path.with_name(path.name.removesuffix(".vbatch"))
         shard = shard_of_output(name)
         if shard is not None and shard.output_path(output) == name:
-            counts.add(shard.count)
-    return counts
+            found.add(shard)
+    return found

@@ -14,7 +14,7 @@ def rope_inv_freq(
     head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None, long: bool = False
 ) -> torch.Tensor:
     """The per-pair rotation frequencies, [head_dim // 2] float32, scaled as the config says;
-    `long` picks longrope's long factors (for positions past the pre-training length)."""
+    `long` picks longrope's long factors (for sequences past the pre-training length)."""
     # NOTE: always on CPU, so a model built under `torch.device("meta")` still gets real values.
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     rope_type = (rope_scaling or {}).get("rope_type", "default")
@@ -55,10 +55,11 @@ class RotaryEmbedding:
     """A cos/sin table for positions [0, max_positions), built lazily per (device, dtype).
 
     Invariant: the tables are [max_positions, rotary_dim // 2], computed in float32 (as
-    transformers does) and cast to the requested dtype. Longrope (Phi-3) rotates positions
-    before its pre-training length with the short factors and later ones with the long factors,
-    all scaled by its attention factor. transformers instead picks one set per forward pass from
-    the longest position in it, so the two agree while a sequence stays within that length.
+    transformers does) and cast to the requested dtype. With longrope (Phi-3) they hold
+    2 * max_positions rows: the short factors' rotations, then from row `long_offset` on the long
+    factors' for the same positions, all scaled by its attention factor; a sequence longer than
+    the pre-training length rotates every position by the long ones (position + long_offset), as
+    transformers, which picks one set per forward pass from its longest position.
     """
 
     def __init__(
@@ -71,12 +72,12 @@ class RotaryEmbedding:
         self.max_positions = max_positions
         self.inv_freq = rope_inv_freq(rotary_dim, rope_theta, rope_scaling)
         self.long_inv_freq: torch.Tensor | None = None
-        self.long_from = max_positions
+        self.long_offset: int | None = None
         self.attention_factor = 1.0
         if (rope_scaling or {}).get("rope_type") == "longrope":
             assert rope_scaling is not None
             self.long_inv_freq = rope_inv_freq(rotary_dim, rope_theta, rope_scaling, long=True)
-            self.long_from = int(rope_scaling["original_max_position_embeddings"])
+            self.long_offset = max_positions
             self.attention_factor = float(rope_scaling["attention_factor"])
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -95,12 +96,12 @@ class RotaryEmbedding:
         return RotaryBatch(positions, cos, sin, is_native=False)
 
     def _build(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(self.max_positions, device=device, dtype=torch.int64)
+        positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
         # [max_positions, rotary_dim // 2]
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(device)[None, :]
-        if self.long_inv_freq is not None and self.long_from < self.max_positions:
-            long_positions = positions[self.long_from :].to(torch.float32)[:, None]
-            freqs[self.long_from :] = long_positions * self.long_inv_freq.to(device)[None, :]
+        freqs = positions[:, None] * self.inv_freq.to(device)[None, :]
+        if self.long_inv_freq is not None:
+            long_freqs = positions[:, None] * self.long_inv_freq.to(device)[None, :]
+            freqs = torch.cat((freqs, long_freqs))
         cos, sin = freqs.cos(), freqs.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor

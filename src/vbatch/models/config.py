@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from vbatch.errors import ModelLoadError
-from vbatch.models import families
+from vbatch.models import families, hf_defaults
 
 SUPPORTED_ARCHITECTURES = families.SUPPORTED_ARCHITECTURES
 SUPPORTED_ROPE_TYPES = families.SUPPORTED_ROPE_TYPES
@@ -43,6 +43,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # on the q, k and v projections
+    mlp_bias: bool  # on the gate, up and down projections (Llama)
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     # --- family hooks ---
@@ -78,6 +79,15 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
+
+    @property
+    def long_rope_from(self) -> int | None:
+        """With longrope, the pre-training length: a longer sequence rotates every position by
+        the long factors, so its K/V are recomputed once it grows past it; else None."""
+        scaling = self.rope_scaling
+        if scaling is None or scaling["rope_type"] != "longrope":
+            return None
+        return int(scaling["original_max_position_embeddings"])
 
     def uses_sliding_rope(self, layer: int) -> bool:
         return self.sliding_rope_theta is not None and self.sliding_window(layer) is not None
@@ -115,6 +125,7 @@ class ModelConfig:
                 f"unsupported architecture {architectures or raw.get('model_type')!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        raw = hf_defaults.with_defaults(architecture, raw)
         num_heads = int(raw["num_attention_heads"])
         hidden_size = int(raw["hidden_size"])
         num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
@@ -133,11 +144,16 @@ class ModelConfig:
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", False)),
-            bos_token_id=raw.get("bos_token_id", (generation or {}).get("bos_token_id")),
+            rms_norm_eps=float(raw["rms_norm_eps"]),
+            max_position_embeddings=int(raw["max_position_embeddings"]),
+            tie_word_embeddings=bool(raw["tie_word_embeddings"]),
+            attention_bias=bool(raw["attention_bias"]),
+            mlp_bias=bool(raw["mlp_bias"]),
+            bos_token_id=(
+                raw["bos_token_id"]
+                if raw["bos_token_id"] is not None
+                else (generation or {}).get("bos_token_id")
+            ),
             eos_token_ids=_eos_token_ids(raw, generation or {}),
         )
         # NOTE: the family reader sees the common fields and returns what it adds or overrides,

@@ -30,6 +30,8 @@ def read_family(architecture: str, raw: Raw, base: dict[str, Any]) -> Hooks:
     family's own."""
     hooks = _rope_hooks(raw.get("rope_parameters") or raw.get("rope_scaling") or {}, raw, base)
     hooks["hidden_act"] = raw.get("hidden_act") or "silu"
+    # NOTE: only transformers' Llama reads mlp_bias; the other families ignore the key.
+    hooks["mlp_bias"] = False
     hooks.update(_READERS[architecture](raw, base))
     if hooks["hidden_act"] not in SUPPORTED_ACTIVATIONS:
         raise ModelLoadError(
@@ -144,7 +146,7 @@ def _qwen_windows(raw: Raw, base: dict[str, Any]) -> tuple[int | None, ...]:
 
 
 def _llama(raw: Raw, base: dict[str, Any]) -> Hooks:
-    return {"o_proj_bias": base["attention_bias"]}
+    return {"o_proj_bias": base["attention_bias"], "mlp_bias": base["mlp_bias"]}
 
 
 def _mistral(raw: Raw, base: dict[str, Any]) -> Hooks:
@@ -216,6 +218,8 @@ def _gemma3(raw: Raw, base: dict[str, Any]) -> Hooks:
     local.setdefault("rope_theta", 10000.0)
     hooks.update(_rope_hooks(full, {}, base))
     hooks["sliding_rope_theta"], hooks["sliding_rope_scaling"], _ = rope_settings(local, {}, base)
+    if (hooks["sliding_rope_scaling"] or {}).get("rope_type") == "longrope":
+        raise ModelLoadError("longrope scaling on Gemma 3's sliding layers is not supported")
     return hooks
 
 

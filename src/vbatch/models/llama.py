@@ -110,8 +110,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.act = ACTIVATIONS[config.hidden_act]
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        bias = config.mlp_bias
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         # NOTE: set by LoraSlots when the engine runs adapters (vbatch/lora/slots.py).
         self.gate_up_lora: LoraLinear | None = None
         self.down_lora: LoraLinear | None = None
@@ -139,14 +140,21 @@ class LlamaMLP(nn.Module):
             x = F.pad(x, (0, 0, 0, pad))
         size = self.intermediate_size
         # [2 * intermediate_size, padded num_tokens]
-        gate_up = torch.mm(self.gate_up_proj.weight, x.t())
+        gate_up = _mm_columns(self.gate_up_proj, x.t())
         if self.gate_up_lora is not None:
             self.gate_up_lora.add_to(gate_up[:, :num_tokens].t(), x[:num_tokens])
         act = self.act(gate_up[:size]).mul_(gate_up[size:])
-        out = torch.mm(self.down_proj.weight, act)[:, :num_tokens].t().contiguous()
+        out = _mm_columns(self.down_proj, act)[:, :num_tokens].t().contiguous()
         if self.down_lora is not None:
             self.down_lora.add_to(out, act[:, :num_tokens].t())
         return out
+
+
+def _mm_columns(layer: nn.Linear, x_t: torch.Tensor) -> torch.Tensor:
+    """layer(x) transposed, from x^T [in_features, n]: W @ x^T, plus the bias per column."""
+    if layer.bias is None:
+        return torch.mm(layer.weight, x_t)
+    return torch.addmm(layer.bias[:, None], layer.weight, x_t)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -253,6 +261,12 @@ class LlamaForCausalLM(nn.Module):
         ]
         self._embedding_multipliers: dict[torch.dtype, float] = {}
         self.greedy_screen: Int8GreedyScreen | None = None
+
+    @property
+    def long_rope_offset(self) -> int | None:
+        """With longrope, what a position of a sequence past the pre-training length adds to
+        index its long-factor rotation (see RotaryEmbedding); else None."""
+        return self.rotary.long_offset
 
     @property
     def supports_cuda_graphs(self) -> bool:

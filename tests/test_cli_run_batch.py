@@ -1,0 +1,43 @@
+"""`vbatch run-batch`: vLLM's run-batch command line mapped onto `vbatch run`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_run_batch_runs_an_openai_batch_file_as_vbatch_run(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    lines = [
+        {
+            "custom_id": f"request-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "any",
+                "messages": [{"role": "user", "content": f"Hello {i}"}],
+                "max_completion_tokens": 3,
+            },
+        }
+        for i in range(2)
+    ]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "--model", str(tiny_model_dir)]
+    args += ["--num-threads", "1", "--response-role", "assistant", "-q"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "vbatch.cli", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "ignores --response-role" in proc.stderr
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert sorted(row["custom_id"] for row in out) == ["request-0", "request-1"]
+    assert all(row["response"]["status_code"] == 200 for row in out)
+    # NOTE: it is a vbatch job: its journal is there to resume from.
+    assert (tmp_path / "out.jsonl.vbatch").is_dir()

@@ -1,0 +1,310 @@
+"""vLLM's offline examples, as a vLLM user writes them, on vbatch: basic, chat (one and many
+conversations), structured outputs (new and old names), prompt dicts, per-prompt params,
+reproducibility; and every input generate/chat cannot use raises."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import textwrap
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vbatch import LLM, EngineArgs, SamplingParams
+from vbatch.errors import ConfigError
+from vbatch.sampling_params import GuidedDecodingParams, StructuredOutputsParams
+
+SHORT = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+CONVERSATION = [
+    {"role": "system", "content": "You are a helpful assistant"},
+    {"role": "user", "content": "Hello"},
+    {"role": "assistant", "content": "Hello! How can I assist you today?"},
+    {"role": "user", "content": "Write an essay about the importance of higher education."},
+]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir: Path) -> Iterator[LLM]:
+    with LLM(
+        model=str(tiny_model_dir),
+        tensor_parallel_size=1,
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        seed=0,
+        max_num_seqs=8,
+        num_threads=1,
+    ) as llm:
+        yield llm
+
+
+def test_basic(llm: LLM) -> None:
+    prompts = ["Hello, my name is", "The capital of France is"]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.8, top_p=0.95, max_tokens=5))
+    assert [o.prompt for o in outputs] == prompts
+    for output in outputs:
+        assert isinstance(output.request_id, str) and output.finished
+        (completion,) = output.outputs
+        assert completion.finished() and completion.finish_reason in ("stop", "length")
+        assert output.prompt_token_ids and completion.token_ids
+
+
+def test_prompt_dicts_and_token_ids(llm: LLM) -> None:
+    ids = llm.get_tokenizer().encode("Hello, my name is")
+    by_text, by_dict, by_ids = llm.generate(
+        ["Hello, my name is", {"prompt": "Hello, my name is"}, {"prompt_token_ids": ids}], SHORT
+    )
+    assert by_text.prompt_token_ids == by_dict.prompt_token_ids == by_ids.prompt_token_ids
+    assert by_text.outputs[0].token_ids == by_dict.outputs[0].token_ids
+    assert by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
+    (single,) = llm.generate({"prompt": "Hello, my name is"}, SHORT)
+    assert single.outputs[0].token_ids == by_text.outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    ("prompts", "kind", "needle"),
+    [
+        (CONVERSATION, ValueError, "LLM.chat"),
+        ([{"role": "user", "content": "hi"}, "x"], ValueError, "LLM.chat"),
+        ({"text": "Hello"}, ValueError, "'prompt' (str) or 'prompt_token_ids'"),
+        ([{"prompt": 5}], TypeError, "'prompt' must be a string"),
+        ([{"prompt_token_ids": "12"}], TypeError, "'prompt_token_ids' must be"),
+        ([[1, 2, 3]], TypeError, "{'prompt_token_ids': [...]}"),
+        ([3.5], TypeError, "each prompt must be"),
+    ],
+)
+def test_inputs_generate_cannot_use_raise_naming_what_it_takes(
+    llm: LLM, prompts: object, kind: type[Exception], needle: str
+) -> None:
+    # NOTE: each of these gave empty error outputs (or completed the word "prompt") before.
+    with pytest.raises(kind, match=None) as info:
+        llm.generate(prompts, SHORT, use_tqdm=False)
+    assert needle in str(info.value)
+
+
+def test_chat_one_and_many_conversations(llm: LLM) -> None:
+    (one,) = llm.chat(CONVERSATION, SHORT, use_tqdm=False)
+    assert one.prompt is not None and one.prompt.endswith("<|im_start|>assistant\n")
+    assert "higher education" in one.prompt
+    many = llm.chat([CONVERSATION, CONVERSATION[:2]], SHORT, use_tqdm=False)
+    assert many[0].outputs[0].token_ids == one.outputs[0].token_ids
+    assert many[1].prompt is not None and "higher education" not in many[1].prompt
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<bot>"
+    (custom,) = llm.chat(CONVERSATION[:2], SHORT, chat_template=template, use_tqdm=False)
+    assert custom.prompt == "<system>You are a helpful assistant<user>Hello<bot>"
+    partial = [*CONVERSATION[:2], {"role": "assistant", "content": "Well, I"}]
+    (cont,) = llm.chat(
+        partial, SHORT, add_generation_prompt=False, continue_final_message=True, use_tqdm=False
+    )
+    assert cont.prompt is not None and cont.prompt.endswith("Well, I")
+    with pytest.raises(TypeError, match="chat takes one conversation"):
+        llm.chat("Hello", SHORT)
+
+
+def test_structured_outputs_new_and_old_names(llm: LLM) -> None:
+    pytest.importorskip("xgrammar")
+    choices = ["Positive", "Negative"]
+    new = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(choice=choices))
+    old = SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(choice=choices))
+    regex = SamplingParams(
+        max_tokens=20, structured_outputs=StructuredOutputsParams(regex=r"\w+@\w+\.com\n")
+    )
+    outs = llm.generate(["Classify: great", "Classify: awful", "Email:"], [new, old, regex])
+    assert outs[0].outputs[0].text in choices and outs[1].outputs[0].text in choices
+    assert outs[2].outputs[0].finish_reason == "length" or outs[2].outputs[0].text.endswith(
+        ".com\n"
+    )
+
+
+def test_per_prompt_params_and_their_count(llm: LLM) -> None:
+    params = [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for k in (2, 5)]
+    outs = llm.generate(["a", "b"], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 5]
+    with pytest.raises(ValueError, match="got 2 SamplingParams for 3 prompts"):
+        llm.generate(["a", "b", "c"], params)
+
+
+def test_reproducibility_with_seeds(llm: LLM) -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=8, ignore_eos=True)
+    first = llm.generate(["Hello, my name is"] * 2, params, use_tqdm=False)
+    again = llm.generate(["Hello, my name is"], params, use_tqdm=False)
+    assert first[0].outputs[0].token_ids == first[1].outputs[0].token_ids
+    assert first[0].outputs[0].token_ids == again[0].outputs[0].token_ids
+
+
+def test_sampling_params_as_vllm_scripts_use_them(llm: LLM) -> None:
+    params = llm.get_default_sampling_params()
+    params.max_tokens = 4
+    params.temperature = 0.0
+    params.logprobs = 2
+    (out,) = llm.generate("Hello", params, use_tqdm=False)
+    completion = out.outputs[0]
+    assert completion.logprobs is not None and len(completion.logprobs) == 4
+    for token_id, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert token_id in entry and entry[token_id].rank == 1  # greedy: the top token
+        assert sorted(e.rank for e in entry.values()) == [1, 2]
+        assert isinstance(entry[token_id].decoded_token, str)
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs, strict=True))
+    )
+    params.temperature = 1.0
+    params.seed = 5
+    params.logprobs = 0
+    (sampled,) = llm.generate("Hello", params, use_tqdm=False)
+    for token_id, entry in zip(sampled.outputs[0].token_ids, sampled.outputs[0].logprobs or []):
+        assert entry[token_id].rank is not None and entry[token_id].rank >= 1
+    clone = params.clone()
+    clone.max_tokens = None
+    clone.truncate_prompt_tokens = 2
+    clone.logprobs = None
+    clone.max_tokens = 3
+    (cut,) = llm.generate("one two three four five", clone, use_tqdm=False)
+    assert len(cut.prompt_token_ids) == 2 and params.max_tokens == 4
+    with pytest.raises(ValueError, match="logprobs=-1"):
+        params.logprobs = -1
+
+
+def test_max_tokens_none_runs_to_the_model_length(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    (out,) = llm.generate({"prompt_token_ids": [1] * 250}, params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 6 and out.outputs[0].finish_reason == "length"
+
+
+def test_bad_words_and_allowed_tokens_reach_the_output(llm: LLM) -> None:
+    (free,) = llm.generate("Hello", SHORT, use_tqdm=False)
+    banned = llm.get_tokenizer().decode(free.outputs[0].token_ids[:1]).strip()
+    params = SHORT.clone()
+    params.bad_words = [banned]
+    (out,) = llm.generate("Hello", params, use_tqdm=False)
+    assert out.outputs[0].token_ids[0] != free.outputs[0].token_ids[0]
+    allowed = SHORT.clone()
+    allowed.allowed_token_ids = [100, 200]
+    (only,) = llm.generate("Hello", allowed, use_tqdm=False)
+    assert set(only.outputs[0].token_ids) <= {100, 200}
+
+
+def test_get_tokenizer_as_transformers(llm: LLM) -> None:
+    tokenizer = llm.get_tokenizer()
+    text = tokenizer.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True)
+    assert isinstance(text, str) and ids == tokenizer.encode(text, add_special_tokens=False)
+    (via_chat,) = llm.chat(CONVERSATION, SHORT, use_tqdm=False)
+    assert via_chat.prompt == text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"tensor_parallel_size": 2}, "data_parallel_size"),
+        ({"dtype": "fp7"}, "dtype must be one of"),
+        ({"no_such_arg": 1}, "accepted: "),
+    ],
+)
+def test_llm_arguments_vbatch_cannot_take_name_the_equivalent(
+    tiny_model_dir: Path, kwargs: dict, needle: str
+) -> None:
+    with pytest.raises(ConfigError, match=None) as info:
+        LLM(str(tiny_model_dir), **kwargs)
+    assert needle in str(info.value)
+
+
+def test_engine_args_parse_back_into_llm_arguments() -> None:
+    from vbatch.engine_args import map_llm_args
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    parser.add_argument("--max-tokens", type=int)
+    args = vars(parser.parse_args(["--dtype", "half", "--max-num-seqs", "4", "--max-tokens", "3"]))
+    assert args.pop("max_tokens") == 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        own = frozenset({"model", "data_parallel_size"})
+        settings = map_llm_args({k: v for k, v in args.items() if k not in own}, own)
+    assert settings.engine["dtype"] == "float16" and settings.engine["max_num_seqs"] == 4
+    with pytest.warns(UserWarning, match="swap_space"):
+        map_llm_args({"swap_space": 4, "disable_log_stats": True}, frozenset())
+
+
+def test_a_vllm_script_runs_with_its_import_changed(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # NOTE: vLLM's generate example, only `vllm` changed to `vbatch` and its parser to argparse.
+    script = tmp_path / "generate.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            from argparse import ArgumentParser
+            from vbatch import LLM, EngineArgs
+
+            def create_parser():
+                parser = ArgumentParser()
+                EngineArgs.add_cli_args(parser)
+                sampling_group = parser.add_argument_group("Sampling parameters")
+                sampling_group.add_argument("--max-tokens", type=int)
+                sampling_group.add_argument("--temperature", type=float)
+                return parser
+
+            def main(args: dict):
+                max_tokens = args.pop("max_tokens")
+                temperature = args.pop("temperature")
+                llm = LLM(**args)
+                sampling_params = llm.get_default_sampling_params()
+                if max_tokens is not None:
+                    sampling_params.max_tokens = max_tokens
+                if temperature is not None:
+                    sampling_params.temperature = temperature
+                prompts = ["Hello, my name is", "The future of AI is"]
+                outputs = llm.generate(prompts, sampling_params)
+                for output in outputs:
+                    print(f"Prompt: {output.prompt!r}, Generated text: {output.outputs[0].text!r}")
+
+            if __name__ == "__main__":
+                parser = create_parser()
+                args: dict = vars(parser.parse_args())
+                main(args)
+            """
+        )
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--model",
+            str(tiny_model_dir),
+            "--max-tokens",
+            "3",
+            "--temperature",
+            "0",
+            "--max-num-seqs",
+            "4",
+            "--enforce-eager",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("Generated text:") == 2
+
+
+@pytest.mark.slow
+def test_vllm_examples_on_the_default_model() -> None:
+    pytest.importorskip("xgrammar")
+    schema = {
+        "type": "object",
+        "properties": {"brand": {"type": "string"}, "year": {"type": "integer"}},
+        "required": ["brand", "year"],
+    }
+    with LLM(max_num_seqs=8) as llm:
+        (chat,) = llm.chat(CONVERSATION, SamplingParams(temperature=0.5, max_tokens=16))
+        assert chat.outputs[0].text
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=64,
+            structured_outputs=StructuredOutputsParams(json=schema),
+        )
+        (car,) = llm.generate("Describe a famous car as JSON with its brand and year.", params)
+    assert set(json.loads(car.outputs[0].text)) == {"brand", "year"}
