@@ -18,7 +18,7 @@ import torch
 from test_lora import write_adapters
 
 from vbatch.client.tokenizer import TextTokenizer
-from vbatch.job.rows import ColumnOptions, RowParser
+from vbatch.job.rows import ColumnOptions, LoraRows, RowParser
 from vbatch.sampling_params import SamplingParams
 
 NUM_ROWS = 48
@@ -88,8 +88,8 @@ def test_job_with_three_adapters_matches_peft_and_resumes_once(
 
 
 def test_rows_pick_their_adapter() -> None:
-    options = ColumnOptions(lora_names=("a", "b"), lora_column="adapter", lora_default="b")
-    parser = RowParser(options, SamplingParams())
+    loras = LoraRows(("a", "b"), column="adapter", default="b")
+    parser = RowParser(ColumnOptions(), SamplingParams(), loras=loras)
     assert parser.parse({"prompt": "x", "adapter": "a"}, 0, "line 1").lora == "a"
     assert parser.parse({"prompt": "x"}, 1, "line 2").lora == "b"
     unknown = parser.parse({"prompt": "x", "adapter": "c"}, 2, "line 3")

@@ -30,6 +30,7 @@ from vbatch.job.options import JOB_SAMPLING, RunOptions
 from vbatch.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from vbatch.job.rows import LoraRows
     from vbatch.job.runner import JobSpec
 
 app = typer.Typer(
@@ -97,14 +98,12 @@ def run_request(params: Mapping[str, Any]) -> RunRequest:
     if structured is not None:
         sampling["structured"] = structured
     keep = values.pop("keep_columns") or ""
-    loras = tuple(parse_lora_option(value) for value in values.pop("lora") or ())
     columns = ColumnOptions(
         **take(tuple(f.name for f in fields(ColumnOptions))),
         keep_columns=tuple(c.strip() for c in keep.split(",") if c.strip()),
-        lora_names=tuple(name for name, _ in loras),
     )
-    if columns.lora_default is not None and columns.lora_default not in columns.lora_names:
-        raise ConfigError(f"--lora-default {columns.lora_default} is not one of the --lora names")
+    loras = tuple(parse_lora_option(value) for value in values.pop("lora") or ())
+    lora_rows = _lora_rows(loras, values.pop("lora_column"), values.pop("lora_default"))
     display = "quiet" if values.pop("quiet") else "auto"
     overwrite = values.pop("overwrite")
     options = RunOptions(
@@ -122,6 +121,7 @@ def run_request(params: Mapping[str, Any]) -> RunRequest:
         sampling=sampling,
         shard=None if shard is None else parse_shard(shard),
         chat_template_kwargs=template_kwargs,
+        lora_rows=lora_rows,
         **take(spec_fields),
     )
     if values:
@@ -144,6 +144,22 @@ def resume_request(params: Mapping[str, Any]) -> ResumeRequest:
     if values:
         raise TypeError(f"options with no place in the job: {', '.join(sorted(values))}")
     return request
+
+
+def _lora_rows(
+    loras: tuple[tuple[str, str], ...], column: str | None, default: str | None
+) -> LoraRows | None:
+    """How rows pick among the --lora adapters; --lora-column and --lora-default need them."""
+    from vbatch.job.rows import LoraRows
+
+    if not loras:
+        if column is not None or default is not None:
+            raise ConfigError("--lora-column and --lora-default need adapters: add --lora")
+        return None
+    names = tuple(name for name, _ in loras)
+    if default is not None and default not in names:
+        raise ConfigError(f"--lora-default {default} is not one of the --lora names")
+    return LoraRows(names, column, default)
 
 
 def _ray_settings(values: dict[str, Any]) -> RaySettings | None:

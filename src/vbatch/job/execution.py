@@ -63,7 +63,9 @@ class JobExecution:
         self.columns = manifest.options.columns
         self.defaults = SamplingParams.from_dict(manifest.sampling)
         self.reader = InputReader(Path(manifest.input_path), manifest.input_format, self.columns)
-        self.parser = RowParser(self.columns, self.defaults, manifest.options.chat_template_kwargs)
+        self.parser = RowParser(
+            self.columns, self.defaults, manifest.options.chat_template_kwargs, manifest.lora_rows
+        )
         self.schema = None
         if manifest.output_format == "parquet":
             kept = self.columns.keep_columns
@@ -73,7 +75,7 @@ class JobExecution:
                 self.reader.arrow_schema,
                 manifest.options.parse_json,
                 reasoning=manifest.options.reasoning_parser is not None,
-                lora=bool(self.columns.lora_names),
+                lora=manifest.lora_rows is not None,
             )
         self.writer = open_writer(job_dir, journal, manifest, self.schema)
         self.lora_requests = startup_requests(manifest.engine.get("loras"))

@@ -13,7 +13,7 @@ from vbatch.engine_sets.base import RaySettings
 from vbatch.errors import JobStateError, ModelLoadError
 from vbatch.job.options import RunOptions
 from vbatch.job.paths import write_atomic
-from vbatch.job.rows import ColumnOptions
+from vbatch.job.rows import ColumnOptions, LoraRows
 from vbatch.job.shard import Shard
 
 MANIFEST_NAME = "manifest.json"
@@ -178,6 +178,7 @@ class Manifest(msgspec.Struct, kw_only=True, omit_defaults=True):
     options: JobOptions
     created: float = msgspec.field(default_factory=time.time)
     shard: ShardRecord | None = None
+    lora_rows: LoraRows | None = None
     # NOTE: no default, so that it is always written (the struct omits default values).
     manifest_version: int
 

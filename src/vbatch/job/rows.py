@@ -42,11 +42,16 @@ class ColumnOptions:
     id_column: str | None = None
     keep_columns: tuple[str, ...] = ()
     keep_all_columns: bool = False
-    # NOTE: with LoRA adapters (--lora), their names, the column naming a row's adapter
-    # (default: lora; an OpenAI Batch line's body.model) and the adapter of rows naming none.
-    lora_names: tuple[str, ...] = ()
-    lora_column: str | None = None
-    lora_default: str | None = None
+
+
+@dataclass(frozen=True)
+class LoraRows:
+    """With LoRA adapters (--lora): their names, the column naming a row's adapter (default:
+    lora; an OpenAI Batch line's body.model) and the adapter of rows naming none."""
+
+    names: tuple[str, ...]
+    column: str | None = None
+    default: str | None = None
 
 
 @dataclass
@@ -83,8 +88,10 @@ class RowParser:
         options: ColumnOptions,
         defaults: SamplingParams,
         template_kwargs: dict[str, Any] | None = None,
+        loras: LoraRows | None = None,
     ) -> None:
         self.options = options
+        self.loras = loras
         self.defaults = defaults
         self.template_kwargs = template_kwargs
 
@@ -121,8 +128,8 @@ class RowParser:
                 self._parse_openai(record, row)
             else:
                 self._parse_plain(record, row)
-            if self.options.lora_names:
-                row.lora = self._lora(record)
+            if self.loras is not None:
+                row.lora = self._lora(record, self.loras)
         except (RowError, SamplingParamsError, InputError) as e:
             row.prompt = row.messages = row.sampling_params = None
             row.chat_template_kwargs = None
@@ -130,21 +137,20 @@ class RowParser:
         row.kept = self._kept(record)
         return row
 
-    def _lora(self, record: dict[str, Any]) -> str | None:
+    def _lora(self, record: dict[str, Any], loras: LoraRows) -> str | None:
         """The adapter a row names (its lora column, or an OpenAI body's `model` when that
         names an adapter), else the default one; a name no --lora gave is a RowError."""
-        options = self.options
         if is_openai_record(record):
             model = record["body"].get("model")
-            return model if model in options.lora_names else options.lora_default
-        column = options.lora_column or "lora"
+            return model if model in loras.names else loras.default
+        column = loras.column or "lora"
         name = record.get(column)
         if name is None:
-            return options.lora_default
-        if not isinstance(name, str) or name not in options.lora_names:
+            return loras.default
+        if not isinstance(name, str) or name not in loras.names:
             raise RowError(
                 f"{column} {name!r} is not a LoRA adapter of this job "
-                f"(--lora gave {', '.join(options.lora_names)})"
+                f"(--lora gave {', '.join(loras.names)})"
             )
         return name
 

@@ -45,7 +45,7 @@ from vbatch.job.paths import (
 )
 from vbatch.job.reader import InputReader, InputScan, scan_input
 from vbatch.job.results import OUTPUT_COLUMNS
-from vbatch.job.rows import ColumnOptions, RowParser
+from vbatch.job.rows import ColumnOptions, LoraRows, RowParser
 from vbatch.job.shard import Shard, shard_of_output, shards_on_disk
 from vbatch.lora.adapter import read_adapter_config
 from vbatch.sampling_params import SamplingParams
@@ -73,6 +73,7 @@ class JobSpec:
     shard: Shard | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_parser: str | None = None
+    lora_rows: LoraRows | None = None
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,9 @@ def _resolve_columns(spec: JobSpec, reader: InputReader, keys: set[str] | None) 
     if columns.keep_all_columns:
         names = reader.columns if reader.columns is not None else sorted(keys or ())
         kept = tuple(n for n in names if n not in RESERVED_COLUMNS)
-        return replace(columns, keep_columns=kept, keep_all_columns=False)
+        return ColumnOptions(
+            columns.prompt_column, columns.messages_column, columns.id_column, kept
+        )
     return columns
 
 
@@ -211,7 +214,7 @@ def _prepare_job(
     reader = InputReader(spec.input_path, spec.input_format, spec.columns)
     scan = scan_input(
         reader,
-        RowParser(spec.columns, defaults, template_kwargs),
+        RowParser(spec.columns, defaults, template_kwargs, spec.lora_rows),
         collect_keys=spec.columns.keep_all_columns,
         shard=spec.shard,
     )
@@ -355,7 +358,10 @@ def _rescan_input(manifest: Manifest, shard: Shard | None) -> InputScan:
     columns = replace(manifest.options.columns, keep_all_columns=False)
     reader = InputReader(Path(manifest.input_path), manifest.input_format, columns)
     parser = RowParser(
-        columns, SamplingParams.from_dict(manifest.sampling), manifest.options.chat_template_kwargs
+        columns,
+        SamplingParams.from_dict(manifest.sampling),
+        manifest.options.chat_template_kwargs,
+        manifest.lora_rows,
     )
     return scan_input(reader, parser, shard=shard)
 
