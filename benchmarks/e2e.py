@@ -8,7 +8,9 @@ tighter one: prompt tokens without the LM head, at the 512-row prefill GEMM rate
 
 python -m benchmarks.e2e [--num-prompts 128] [--max-tokens 128] [--threads 2]
     [--hf-batch-sizes 32,64] [--repeats 1] [--skip-hf] [--show-progress] [--quantization int8]
-    [--no-greedy-screen]
+    [--greedy-screen auto|on|off]
+
+Under the AVX2 emulation: python -m benchmarks.emulate avx2 benchmarks.e2e ...
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ def run_cli(in_path: Path, out_path: Path, args: argparse.Namespace) -> dict[str
     ]  # fmt: skip
     if args.quantization:
         cmd += ["--quantization", args.quantization]
-    if args.no_greedy_screen:
-        cmd.append("--no-greedy-screen")
+    if args.greedy_screen != "auto":
+        cmd.append("--greedy-screen" if args.greedy_screen == "on" else "--no-greedy-screen")
     if not args.show_progress:
         cmd.append("--quiet")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
@@ -82,7 +84,12 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--show-progress", action="store_true")
     parser.add_argument("--quantization", default=None, help="e.g. int8 (the bound stays fp32)")
-    parser.add_argument("--no-greedy-screen", action="store_true", help="fp32 LM head for greedy")
+    parser.add_argument(
+        "--greedy-screen",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="force the int8 screen on or off (off: the fp32 LM head); auto: vbatch's choice",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 

@@ -5,6 +5,8 @@ times LlamaForCausalLM's fp32 chunked argmax and the screen on the same rows, al
 
 python -m benchmarks.greedy_screen [--num-prompts 32] [--max-tokens 32] [--threads 2]
     [--batches 1 64 128 256] [--repeats 7]
+
+Under the AVX2 emulation: python -m benchmarks.emulate avx2 benchmarks.greedy_screen ...
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    core = EngineCore(EngineConfig(num_threads=args.threads))
+    core = EngineCore(EngineConfig(num_threads=args.threads, greedy_screen=True))
     model = core.runner.model
     screen = model.greedy_screen
     if screen is None:

@@ -31,7 +31,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 ENGINE_PATHS = pytest.mark.parametrize(
     "overrides",
     [
-        {},
+        {"greedy_screen": True},
         {"max_num_batched_tokens": 16},
         {"num_kv_blocks": 24},
         {"enable_prefix_caching": False},
@@ -49,10 +49,10 @@ def check_greedy_matches_hf(
     num_tokens: int,
 ) -> None:
     core = EngineCore(EngineConfig(model=str(smollm2.hf_dir), **overrides))
-    screen = core.runner.model.greedy_screen
-    assert (screen is None) == (
-        overrides.get("greedy_screen") is False or not native.is_available()
-    )
+    forced = overrides.get("greedy_screen")
+    measured_on = any(note.startswith("greedy screen on") for note in core.runner.kernel_notes)
+    expected_on = native.is_available() and (measured_on if forced is None else forced)
+    assert (core.runner.model.greedy_screen is not None) == expected_on
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     got = run(core, prompts, params)
     assert_greedy_matches_hf(prompts, got)

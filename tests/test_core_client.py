@@ -204,3 +204,17 @@ def test_startup_timeout_kills_the_core(tiny_model_dir: Path) -> None:
         EngineCoreClient(tiny_config(tiny_model_dir, startup_timeout_s=0.2))
     assert time.monotonic() - start < 15
     assert not live_children()
+
+
+def test_a_client_that_does_not_wait_returns_while_the_core_starts(tiny_model_dir: Path) -> None:
+    """`wait=False` hands back at once (the caller works while the core imports torch and loads
+    the model); `wait_ready()` then gives the handshake."""
+    client = EngineCoreClient(tiny_config(tiny_model_dir), wait=False)
+    try:
+        assert not hasattr(client, "info")
+        client.wait_ready()
+        assert client.info.num_kv_blocks == 64
+        pid = client.info.pid
+    finally:
+        client.shutdown()
+    assert wait_gone(pid, 10.0)

@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from vbatch.config import EngineConfig
-from vbatch.engine.core_process import STATS_INTERVAL_S, run_engine_core
+from vbatch.engine.core_process import STATS_INTERVAL_S, run_engine_core, step_limit
 from vbatch.protocol import (
     Abort,
     AddRequest,
@@ -245,3 +245,8 @@ def test_startup_failure_is_reported_then_exits(tmp_path: Path) -> None:
         assert client.proc.exitcode == 1
     finally:
         client.close()
+
+
+def test_a_step_limit_is_sized_from_the_slowest_measured_rate() -> None:
+    assert step_limit(0.001, 2048, floor_s=120.0) == 120.0
+    assert step_limit(0.05, 2048, floor_s=120.0) == pytest.approx(8 * 0.05 * 2048)

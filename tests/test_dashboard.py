@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from rich.console import Console, RenderableType
 
@@ -113,6 +114,15 @@ def test_running_job_shows_every_section_within_the_width(width: int) -> None:
     assert "grace left" not in text
     assert "…" in text  # the long input path is cut, not wrapped past the border
     assert "█" in text  # the generated tok/s sparkline
+
+
+def test_the_engine_panel_shows_the_kernels_chosen() -> None:
+    metrics, _ = running_job()
+    kernels = ["greedy screen off (measured at batch 1 and 32: screen 9.10 ms, fp32 head 4.20 ms)"]
+    metrics.set_engine_info(msgspec.structs.replace(READY, kernels=kernels))
+    text = render(render_dashboard(metrics.snapshot()), 200)
+    (line,) = [line for line in text.splitlines() if "kernels" in line]
+    assert line.strip("│ ").split(None, 1) == ["kernels", kernels[0]]
 
 
 @pytest.mark.parametrize("width", [80, 120])

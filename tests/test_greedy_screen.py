@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
-from vbatch.layers.greedy_screen import SCREEN_CHUNK, Int8GreedyScreen, can_use_greedy_screen
+from vbatch.config import EngineConfig
+from vbatch.engine import model_runner
+from vbatch.engine.core import EngineCore
+from vbatch.layers import greedy_screen
+from vbatch.layers.greedy_screen import (
+    SCREEN_CHUNK,
+    Int8GreedyScreen,
+    can_use_greedy_screen,
+    choose_greedy_screen,
+)
 from vbatch.models.loader import ResolvedModel
 
 
@@ -141,3 +152,54 @@ def test_opcheck(ops: None) -> None:
 def test_unavailable_without_float32_cpu() -> None:
     assert not can_use_greedy_screen(torch.device("cpu"), torch.bfloat16)
     assert not can_use_greedy_screen(torch.device("meta"), torch.float32)
+
+
+def test_the_screen_choice_is_measured_once_per_machine_and_cached(
+    ops: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path))
+    weight = random_head(8192, 64)
+    choice = choose_greedy_screen(weight, fp32_argmax(weight))
+    assert isinstance(choice["on"], bool) and min(choice["ms"].values()) > 0
+    (cached,) = (tmp_path / "kernel_choices").glob("greedy_screen-*.json")
+    assert json.loads(cached.read_text())["key"]["machine"]["capability"]
+
+    def no_timing(candidates: object) -> dict[str, float]:
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(greedy_screen, "median_ms", no_timing)
+    assert choose_greedy_screen(weight, fp32_argmax(weight)) == choice
+    # NOTE: under another ISA switch (the AVX2 emulation) the choice is another machine's.
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    with pytest.raises(AssertionError, match="measured again"):
+        choose_greedy_screen(weight, fp32_argmax(weight))
+
+
+@pytest.mark.parametrize(("forced", "measured_on"), [(None, False), (None, True), (True, False)])
+def test_the_engine_takes_the_measured_side_unless_forced(
+    ops: None,
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    forced: bool | None,
+    measured_on: bool,
+) -> None:
+    measured = {"on": measured_on, "ms": {"screen": 2.0, "fp32": 3.0}}
+    calls: list[int] = []
+
+    def choose(weight: torch.Tensor, fallback: object) -> dict[str, object]:
+        calls.append(1)
+        return measured
+
+    monkeypatch.setattr(model_runner, "choose_greedy_screen", choose)
+    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=16, greedy_screen=forced)
+    core = EngineCore(config)
+    expected_on = measured_on if forced is None else forced
+    assert (core.runner.model.greedy_screen is not None) == expected_on
+    assert len(calls) == (forced is None)
+    (note,) = core.info.kernels
+    if forced is None:
+        side = "on" if measured_on else "off"
+        figures = "screen 2.00 ms, fp32 head 3.00 ms"
+        assert note == f"greedy screen {side} (measured at batch 1 and 32: {figures})"
+    else:
+        assert note == "greedy screen on (forced)"

@@ -280,21 +280,23 @@ def test_transposed_mlp_matches_the_plain_one(num_tokens: int) -> None:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_loading_does_not_import_dynamo(tiny_model_dir: Path) -> None:
+def test_loading_does_not_import_dynamo_or_sympy(tiny_model_dir: Path) -> None:
     """Start-up stays lean: building the model on the meta device runs no random init, whose
-    meta-device path imports torch._dynamo (about a second)."""
+    meta-device path imports torch._dynamo (about a second), and its parameters get storage
+    without an op on a meta tensor, which imports sympy (`to_empty`: about a second)."""
     code = (
         "import sys, torch\n"
         "from vbatch.layers.attention import TorchAttentionBackend\n"
         "from vbatch.models.llama import load_model\n"
-        f"load_model({str(tiny_model_dir)!r}, torch.device('cpu'), torch.float32,"
+        f"m = load_model({str(tiny_model_dir)!r}, torch.device('cpu'), torch.bfloat16,"
         " TorchAttentionBackend())\n"
-        "print('torch._dynamo' in sys.modules)\n"
+        "print(sorted({'torch._dynamo', 'sympy'} & set(sys.modules)))\n"
+        "print(sorted({(str(p.dtype), p.device.type, p.requires_grad) for p in m.parameters()}))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
-    assert result.stdout.strip() == "False"
+    assert result.stdout.splitlines() == ["[]", "[('torch.bfloat16', 'cpu', False)]"]
 
 
 def rounded_copy(reference: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:

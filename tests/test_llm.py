@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -225,3 +226,24 @@ def test_generate_on_smollm2_is_token_exact_with_hf(
     got = [o.outputs[0].token_ids for o in outs]
     assert all(len(tokens) == num_tokens for tokens in got)
     assert_greedy_matches_hf(prompts[:num_prompts], got)
+
+
+def test_a_tokenizer_that_fails_to_load_stops_the_core_started_beside_it(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The core starts before the tokenizer loads (to overlap the two); when the tokenizer
+    fails, the core is stopped, not left running."""
+    import psutil
+
+    def cores() -> set[int]:
+        children = psutil.Process().children()
+        return {p.pid for p in children if "spawn_main" in " ".join(p.cmdline())}
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    (model_dir / "tokenizer.json").write_text("{not json")
+    # NOTE: this module's shared LLM keeps its own core.
+    before = cores()
+    with pytest.raises(VbatchError):
+        LLM(str(model_dir), device="cpu", num_threads=1, attention_backend="torch")
+    assert cores() <= before

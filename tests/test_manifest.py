@@ -142,6 +142,7 @@ def test_a_version_2_manifest_loads_typed_and_saves_unchanged(tmp_path: Path) ->
         "reasoning_parser": None,
         "data_parallel_size": 1,
         "ray": None,
+        "require_valid_json": False,
     }
     expected = {**VERSION_2_MANIFEST, "options": {**VERSION_2_MANIFEST["options"], **added}}
     assert json.loads((tmp_path / "manifest.json").read_text()) == expected

@@ -583,6 +583,20 @@ def test_build_key_tracks_sources(tmp_path: Path) -> None:
     assert native.build_key(copy, with_cuda=False) != key
 
 
+def test_build_key_tracks_cpu_flags_and_target_isa(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    csrc_dir = native.find_csrc_dir()
+    assert csrc_dir is not None
+    key = native.build_key(csrc_dir, with_cuda=False)
+    monkeypatch.setenv(native.MARCH_ENV, "haswell")
+    assert native.march_flag() == "-march=haswell"
+    assert native.build_key(csrc_dir, with_cuda=False) != key
+    monkeypatch.delenv(native.MARCH_ENV)
+    monkeypatch.setattr(native, "cpu_flags", lambda: "flags : fpu sse2 avx2")
+    assert native.build_key(csrc_dir, with_cuda=False) != key
+
+
 def test_failed_build_logs_one_line_and_returns_false(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -33,7 +33,8 @@ ENGINE = dict(device="cpu", num_threads=1, max_num_seqs=8, num_kv_blocks=64)
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 # NOTE: token ids that no other prompt here contains; a prompt holding one triggers the fault
 # that FAULTS_ENV assigns it in the core.
-RAISE, FATAL, BUSY, HANG = 40001, 40002, 40003, 40004
+RAISE, FATAL, BUSY, HANG, SPIN, SPIN_FOREVER = 40001, 40002, 40003, 40004, 40005, 40006
+SPIN_STEP_S = 5.0
 BUSY_STEP_S = 8.0
 HEARTBEAT_TIMEOUT_S = 12.0
 
@@ -144,6 +145,36 @@ def test_a_core_stuck_in_a_step_is_killed_as_hung(own: LLM) -> None:
         own.generate([faulty(HANG)])
     assert HEARTBEAT_TIMEOUT_S <= time.monotonic() - start < HEARTBEAT_TIMEOUT_S + 15
     assert wait_gone(pid, 10)
+
+
+def spinning_llm(model_dir: Path) -> LLM:
+    """An LLM whose core computes, busy, for SPIN_STEP_S (or for ever) in a step of a prompt
+    holding SPIN (SPIN_FOREVER), under a 2 s heartbeat timeout."""
+    os.environ[FAULTS_ENV] = f"spin:{SPIN}:{SPIN_STEP_S},spin:{SPIN_FOREVER}:3600"
+    try:
+        return LLM(str(model_dir), heartbeat_timeout_s=2, max_num_batched_tokens=32, **ENGINE)
+    finally:
+        del os.environ[FAULTS_ENV]
+
+
+def test_a_slow_step_that_computes_is_not_killed_as_hung(tiny_model_dir: Path) -> None:
+    with spinning_llm(tiny_model_dir) as llm:
+        start = time.monotonic()
+        (out,) = llm.generate([faulty(SPIN, max_tokens=2)])
+        assert time.monotonic() - start >= SPIN_STEP_S
+        assert out.error is None and len(out.outputs[0].token_ids) == 2
+
+
+def test_a_computing_step_past_its_measured_limit_is_killed(tiny_model_dir: Path) -> None:
+    with spinning_llm(tiny_model_dir) as llm:
+        pid = llm.engine_info.pid
+        (warm,) = llm.generate(["measure some steps"], GREEDY)
+        assert warm.error is None
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="sized from the step times measured so far"):
+            llm.generate([faulty(SPIN_FOREVER)])
+        assert 2.0 <= time.monotonic() - start < 90.0
+        assert wait_gone(pid, 10)
 
 
 def test_a_stopped_core_is_detected_and_killed(tiny_model_dir: Path) -> None:

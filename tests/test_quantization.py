@@ -1,3 +1,6 @@
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,23 +13,36 @@ from vbatch.client.tokenizer import TextTokenizer
 from vbatch.config import EngineConfig
 from vbatch.engine.core import EngineCore
 from vbatch.errors import ConfigError
+from vbatch.layers import quantization
 from vbatch.layers.attention import AttentionMetadata, TorchAttentionBackend
-from vbatch.layers.quantization import Int8DynamicLinear, has_int8_kernels, quantize_linears
+from vbatch.layers.quantization import (
+    FBGEMM,
+    INT_MM,
+    Int8DynamicLinear,
+    fbgemm_is_exact,
+    has_fbgemm,
+    has_int8_kernels,
+    quantize_linears,
+)
 from vbatch.models.llama import load_model
 from vbatch.models.loader import ResolvedModel
 from vbatch.protocol import AddRequest, pack_token_ids
 from vbatch.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not has_int8_kernels(), reason="no x86 int8 kernels in torch")
+NO_FBGEMM = pytest.mark.skipif(not has_fbgemm(), reason="no fbgemm in torch")
+EXACT_FBGEMM = pytest.mark.skipif(not fbgemm_is_exact(), reason="FBGEMM saturates here")
+BACKENDS = [INT_MM, pytest.param(FBGEMM, marks=EXACT_FBGEMM)]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("has_bias", [False, True])
-def test_int8_linear_tracks_float_linear(has_bias: bool) -> None:
+def test_int8_linear_tracks_float_linear(has_bias: bool, backend: str) -> None:
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 64, generator=gen)
     bias = torch.randn(96, generator=gen) if has_bias else None
     x = torch.randn(5, 7, 64, generator=gen)
-    layer = Int8DynamicLinear(weight, bias)
+    layer = Int8DynamicLinear(weight, bias, backend)
     got = layer(x)
     expected = F.linear(x, weight, bias)
     assert got.shape == (5, 7, 96) and got.dtype == torch.float32
@@ -34,12 +50,43 @@ def test_int8_linear_tracks_float_linear(has_bias: bool) -> None:
     assert not torch.equal(got, expected), "int8 rounding must show"
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int8_linear_scales_each_token_apart(backend: str) -> None:
+    """A token 1000x larger than the others leaves their relative error as it was: FBGEMM's
+    per-tensor quantization would round the small tokens to nothing."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(64, 128, generator=gen)
+    x = torch.randn(4, 128, generator=gen)
+    x[0] *= 1000.0
+    got = Int8DynamicLinear(weight, None, backend)(x)
+    expected = F.linear(x, weight)
+    relative = (got - expected).norm(dim=1) / expected.norm(dim=1)
+    assert float(relative.max()) < 0.03, relative
+
+
+@NO_FBGEMM
+def test_fbgemm_is_a_candidate_only_where_its_sums_are_exact() -> None:
+    """Without VNNI (FBGEMM_ENABLE_INSTRUCTIONS=AVX2 makes FBGEMM run as there), full-range
+    activations saturate FBGEMM's int16 pair sums, so it is left out of the choice."""
+    code = (
+        "from vbatch.layers.quantization import choose_int8_backend, fbgemm_is_exact\n"
+        "print(fbgemm_is_exact(), choose_int8_backend([(32, 64)])['backend'])"
+    )
+    env = {**os.environ, "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.stdout.split() == ["False", INT_MM], result.stderr
+
+
 def test_quantize_linears_skips_the_lm_head() -> None:
     model = nn.Sequential()
     model.add_module("proj", nn.Linear(8, 8))
     model.add_module("block", nn.Sequential(nn.Linear(8, 8, bias=False), nn.ReLU()))
     model.add_module("lm_head", nn.Linear(8, 4, bias=False))
-    assert quantize_linears(model) == 2
+    choice = quantize_linears(model)
+    assert choice["replaced"] == 2 and choice["backend"] in (INT_MM, FBGEMM)
+    assert set(choice["ms"]) >= {"fp32", choice["backend"]}
     assert isinstance(model.proj, Int8DynamicLinear)
     assert isinstance(model.block[0], Int8DynamicLinear)
     assert isinstance(model.lm_head, nn.Linear)
@@ -80,15 +127,22 @@ TEXTS = [
 ]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_int8_smollm2_keeps_its_predictions(
-    smollm2: ResolvedModel, tokenizer: TextTokenizer, make_attention_metadata: Callable
+    smollm2: ResolvedModel,
+    tokenizer: TextTokenizer,
+    make_attention_metadata: Callable,
+    monkeypatch: pytest.MonkeyPatch,
+    backend: str,
 ) -> None:
     """Teacher-forced next-token predictions on real text: int8 agrees with fp32 at most
     positions, and its log-likelihood of the text stays close (measured: 93% and <0.1 nats)."""
+    forced = {"backend": backend, "ms": {"fp32": 1.0, backend: 1.0}, "speedup": 1.0}
+    monkeypatch.setattr(quantization, "choose_int8_backend", lambda shapes: forced)
     cpu = torch.device("cpu")
     fp32 = load_model(smollm2, cpu, torch.float32, TorchAttentionBackend())
     int8 = load_model(smollm2, cpu, torch.float32, TorchAttentionBackend(), None, "int8")
-    assert isinstance(int8.layers[0].mlp.down_proj, Int8DynamicLinear)
+    assert int8.layers[0].mlp.down_proj.backend == backend
     for ids in tokenizer.encode_batch(TEXTS):
         table = list(range(-(-len(ids) // 16)))
         meta = make_attention_metadata([len(ids)], [len(ids)], [table], 16)
@@ -112,3 +166,18 @@ def test_engine_core_runs_int8(tiny_model_dir: Path) -> None:
     while core.has_unfinished():
         tokens.extend(core.step().token_ids)
     assert len(tokens) == 6
+
+
+def test_int8_that_is_not_faster_warns_with_the_measured_figures(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slow = {"backend": INT_MM, "ms": {"fp32": 1.5, INT_MM: 3.0}, "speedup": 0.5}
+    monkeypatch.setattr(quantization, "choose_int8_backend", lambda shapes: slow)
+    config = EngineConfig(
+        model=str(tiny_model_dir), device="cpu", quantization="int8", num_kv_blocks=16
+    )
+    info = EngineCore(config).info
+    (warning,) = info.kernel_warnings
+    assert "is not 1.3x faster than fp32 on this CPU" in warning
+    assert "0.5x fp32" in warning and "fp32 1.50 ms" in warning and "int_mm 3.00 ms" in warning
+    assert any(note.startswith("int8 linears through int_mm") for note in info.kernels)

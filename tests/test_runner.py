@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -323,3 +325,49 @@ def test_hard_stop_commits_finished_rows_and_resumes(
     done = resume_job(job.output_path, {"display": "quiet"}, llm_factory=shared_llm)
     assert done.exit_code == 0
     assert sorted(r["id"] for r in read_output(job.output_path)) == sorted(r["id"] for r in records)
+
+
+def test_the_core_starts_before_the_input_is_scanned_and_stops_with_a_refused_job(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without an llm_factory the engine core is spawned before the scan (its start-up overlaps
+    the client's work); a job the scan refuses stops it at once."""
+    from vbatch.job import runner
+
+    real_scan = runner.scan_input
+    pattern = os.path.join(tempfile.gettempdir(), f"vbatch-{os.getpid()}-*")
+    # NOTE: other tests' shared LLM keeps its own socket directory.
+    before = set(glob.glob(pattern))
+    core_dirs: list[set[str]] = []
+
+    def scan(*args: Any, **kwargs: Any) -> Any:
+        core_dirs.append(set(glob.glob(pattern)) - before)
+        return real_scan(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "scan_input", scan)
+    rows = [{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}]
+    job = spec(tmp_path, write_jsonl(tmp_path / "in.jsonl", rows), "out.jsonl", tiny_model_dir)
+    job.engine_args.update(device="cpu", num_threads=1)
+    with pytest.raises(InputError, match="duplicate id"):
+        start_job(job, QUIET)
+    assert len(core_dirs) == 1 and len(core_dirs[0]) == 1
+    assert not os.path.exists(core_dirs[0].pop())
+
+
+def test_the_manifest_records_the_kernels_the_engine_chose(
+    tmp_path: Path, shared_llm: Callable[..., Any]
+) -> None:
+    job = JobSpec(write_jsonl(tmp_path / "in.jsonl", [{"prompt": "ok"}]), tmp_path / "out.jsonl")
+    kernels: list[list[str]] = []
+
+    def factory(model: str, **kwargs: Any) -> Any:
+        llm = shared_llm(model, **kwargs)
+        kernels.append(llm.engine_info.kernels)
+        return llm
+
+    assert start_job(job, QUIET, llm_factory=factory).exit_code == 0
+    if not kernels[0]:
+        pytest.skip("no kernel choice on this machine (no native kernels)")
+    manifest = orjson.loads((job_dir_for(job.output_path) / "manifest.json").read_bytes())
+    assert manifest["kernels"] == kernels[0]
+    assert "greedy_screen" not in manifest["engine"]  # auto: chosen by measurement, not recorded

@@ -233,11 +233,12 @@ AsyncScheduling = Annotated[
     ),
 ]
 GreedyScreen = Annotated[
-    bool,
+    bool | None,
     typer.Option(
         "--greedy-screen/--no-greedy-screen",
         help="On CPU, screen the vocabulary in int8 before scoring greedy tokens in fp32 (the "
-        "same tokens, faster); off scores the whole vocabulary in fp32.",
+        "same tokens); off scores the whole vocabulary in fp32. Default: whichever is faster "
+        "on this CPU, timed at start-up and cached.",
         rich_help_panel=ENGINE,
     ),
 ]
@@ -245,9 +246,10 @@ HeartbeatTimeout = Annotated[
     float,
     typer.Option(
         "--heartbeat-timeout",
-        help="Seconds without a heartbeat from the engine core, or in one engine step, before "
-        "the core counts as hung: it is killed and the job commits and exits with the resume "
-        "command (must exceed the slowest step).",
+        help="Seconds without a heartbeat from the engine core, or in one engine step that "
+        "does not use the CPU, before the core counts as hung: it is killed and the job commits "
+        "and exits with the resume command. A step that computes may run longer, up to a limit "
+        "sized from the step times measured so far.",
         rich_help_panel=ENGINE,
     ),
 ]

@@ -48,6 +48,16 @@ class CorePlacement:
     cuda_visible_devices: str | None = None
 
 
+# NOTE: the hang rules (client/core_client.py `_hang`). A loop iteration past the heartbeat
+# timeout that used less than IDLE_CPU_FRACTION of its time on the CPU is a hang. A computing
+# step may run SLOW_STEP_FACTOR times what the slowest measured seconds per token predict for a
+# full step (max_num_batched_tokens), never less than the heartbeat timeout; before any step was
+# measured, FIRST_STEP_FACTOR times the heartbeat timeout.
+IDLE_CPU_FRACTION = 0.05
+SLOW_STEP_FACTOR = 8.0
+FIRST_STEP_FACTOR = 10.0
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core needs to start. `model` is a resolved path (HF dir or GGUF).
@@ -59,12 +69,15 @@ class EngineConfig:
     (CPU only) halves the cache's bytes at a small cost in accuracy. `greedy_screen` finds
     plain-greedy tokens on CPU through an int8 screen of the LM head with fp32 rescoring of the
     few candidates it cannot rule out (the same tokens as the fp32 head); False scores the whole
-    vocabulary in fp32. `async_scheduling` launches a decode step that continues the last one
-    before the last one's tokens reach the host (overlap on a GPU; nothing to gain on CPU).
+    vocabulary in fp32; None (auto) times both on the model's head at start-up and takes the
+    faster (layers/kernel_choice.py, cached per machine). `async_scheduling` launches a decode
+    step that continues the last one before the last one's tokens reach the host (overlap on a
+    GPU; nothing to gain on CPU).
     After READY the core is declared hung, killed, and EngineDeadError raised when it sends no
-    heartbeat for `heartbeat_timeout_s` seconds, or when one iteration of its busy loop (one
-    step) lasts that long; so the timeout must exceed the slowest step (a long first prefill on
-    a big model). Before READY, `startup_timeout_s` applies instead.
+    heartbeat for `heartbeat_timeout_s` seconds, when one iteration of its busy loop (one step)
+    lasts that long without using the CPU, or when a computing step outlasts the limit sized from
+    the step times measured so far (see SLOW_STEP_FACTOR). Before READY, `startup_timeout_s`
+    applies instead.
     """
 
     model: str | None = None
@@ -84,7 +97,7 @@ class EngineConfig:
     num_threads: int | None = None
     seed: int = 0
     enforce_eager: bool = False
-    greedy_screen: bool = True
+    greedy_screen: bool | None = None
     async_scheduling: bool = False
     max_graph_batch_size: int = 256
     startup_timeout_s: float = 600.0
@@ -155,6 +168,10 @@ class EngineConfig:
         names = [name for name, _ in self.loras]
         if len(set(names)) != len(names):
             raise ConfigError(f"LoRA adapter names must be distinct, got {', '.join(names)}")
+        if self.greedy_screen not in (None, True, False):
+            raise ConfigError(
+                f"greedy_screen must be true, false or null (auto), got {self.greedy_screen!r}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         return self

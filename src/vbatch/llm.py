@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -98,6 +99,16 @@ def _with_loras(
     ]
 
 
+def start_core(model: str | None, **engine_args: Any) -> EngineCoreClient:
+    """Spawn one engine core for `model` and return without waiting for it, so it imports
+    torch and loads the model while the caller reads its input; pass it to LLM(started_core=)."""
+    from vbatch.models.loader import resolve_model
+
+    resolved = resolve_model(model)
+    config = EngineConfig.from_dict({**engine_args, "model": str(resolved.local_path)})
+    return EngineCoreClient(config, wait=False)
+
+
 def _check_main_guard() -> None:
     frame = inspect.currentframe()
     while frame is not None:
@@ -177,8 +188,12 @@ class LLM:
         reasoning_parser: str | None = None,
         data_parallel_size: int = 1,
         prefix_placement: bool = True,
+        started_core: EngineCoreClient | None = None,
         **engine_args: Any,
     ) -> None:
+        """`started_core` is a core start_core() began for the same model and engine args; it
+        is used (and owned from here on) when its config is the one this LLM builds, else shut
+        down."""
         _check_main_guard()
         if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int):
             raise ConfigError(f"data_parallel_size must be an integer, got {data_parallel_size!r}")
@@ -195,19 +210,31 @@ class LLM:
         resolved = resolve_model(model)
         self.model = resolved
         config = EngineConfig.from_dict({**settings.engine, "model": str(resolved.local_path)})
-        self.tokenizer = TextTokenizer.from_dir(_tokenizer_dir(settings.tokenizer, model, resolved))
-        self.default_sampling_params = default_sampling_params(
-            resolved.hf_dir, settings.generation_config
-        )
+        tokenizer_dir = _tokenizer_dir(settings.tokenizer, model, resolved)
         self.loras = ClientLoras(config.enable_lora, config.max_lora_rank, config.loras)
         self._client: EngineCoreClient | DataParallelClient
         if data_parallel_size > 1:
+            if started_core is not None:
+                started_core.shutdown(timeout=0.0)
+            self._load_client_side(tokenizer_dir, resolved.hf_dir, settings.generation_config)
             self._client = DataParallelClient(
                 config, data_parallel_size, on_progress, prefix_aware=prefix_placement
             )
         else:
-            self._client = EngineCoreClient(config, on_progress=on_progress)
+            if started_core is not None and started_core.config != config:
+                started_core.shutdown(timeout=0.0)
+                started_core = None
+            # NOTE: the core imports torch and loads the model while the tokenizer loads here.
+            self._client = started_core or EngineCoreClient(config, wait=False)
+            try:
+                self._load_client_side(tokenizer_dir, resolved.hf_dir, settings.generation_config)
+            except BaseException:
+                self._client.shutdown()
+                raise
+            self._client.wait_ready(on_progress)
         self.engine_info: Ready = self._client.info
+        for warning in self.engine_info.kernel_warnings:
+            logging.getLogger("vbatch").warning(warning)
         # NOTE: each running sequence holds at least one KV block, so more than
         # num_kv_blocks (summed over the cores) can never run together; twice that keeps the
         # schedulers fed.
@@ -217,6 +244,10 @@ class LLM:
         self._request_ids = itertools.count()
         self._is_streaming = False
         self._live: dict[str, RequestState] = {}
+
+    def _load_client_side(self, tokenizer_dir: Path, hf_dir: Path, generation_config: str) -> None:
+        self.tokenizer = TextTokenizer.from_dir(tokenizer_dir)
+        self.default_sampling_params = default_sampling_params(hf_dir, generation_config)
 
     @property
     def latest_stats(self) -> SchedulerStats | None:

@@ -156,6 +156,10 @@ class Ready(_Msg, tag=10):
     kv_cache_bytes: int
     attention_backend: str
     pid: int
+    # NOTE: the kernels chosen at start-up (by measurement or forced), one line each, and the
+    # warnings about them that the user should see once.
+    kernels: list[str] = msgspec.field(default_factory=list)
+    kernel_warnings: list[str] = msgspec.field(default_factory=list)
 
 
 class StartupFailed(_Msg, tag=11):
@@ -208,9 +212,14 @@ class Heartbeat(_Msg, tag=16):
 
     `loop_age_s` is how long the busy loop has been in its current iteration (one step, or an
     idle wait of at most STATS_INTERVAL_S): a live core whose loop is stuck shows a growing age.
+    `loop_cpu_s` is the CPU time the core process used in that iteration: a step that computes
+    uses it, a deadlocked one does not. `step_limit_s` is how long a computing step may run,
+    sized by the core from the step times it measured (see core_process.step_limit).
     """
 
     loop_age_s: float = 0.0
+    loop_cpu_s: float = 0.0
+    step_limit_s: float = 0.0
 
 
 CoreMessage = (

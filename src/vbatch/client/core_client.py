@@ -24,7 +24,13 @@ from typing import Any
 
 import zmq
 
-from vbatch.config import CorePlacement, EngineConfig
+from vbatch.config import (
+    FIRST_STEP_FACTOR,
+    IDLE_CPU_FRACTION,
+    SLOW_STEP_FACTOR,
+    CorePlacement,
+    EngineConfig,
+)
 from vbatch.errors import EngineDeadError, EngineStartupError, VbatchError
 from vbatch.protocol import (
     Abort,
@@ -89,9 +95,11 @@ class EngineCoreClient:
         *,
         placement: CorePlacement | None = None,
         on_result: Callable[[], None] | None = None,
+        wait: bool = True,
     ) -> None:
         """`placement` pins the core (one of several); `on_result` is called, on the socket
-        thread, after each item that get_outputs would return (outputs or the core's death)."""
+        thread, after each item that get_outputs would return (outputs or the core's death).
+        With `wait=False` the core starts in the background and `wait_ready()` must follow."""
         self.config = config
         sweep_stale_ipc_dirs()
         self._conn = _Connection(config, placement, on_result)
@@ -100,6 +108,11 @@ class EngineCoreClient:
         self._finalizer = weakref.finalize(self, self._conn.close)
         self._finalizer.atexit = False
         self._conn.start()
+        if wait:
+            self.wait_ready(on_progress)
+
+    def wait_ready(self, on_progress: Callable[[str], None] | None = None) -> None:
+        """Wait for the core's READY (sets `info`); a failed start shuts the client down."""
         try:
             self.info: Ready = self._conn.wait_ready(on_progress)
         except BaseException:
@@ -239,6 +252,8 @@ class _Connection:
         # until READY) and the age of its busy loop's iteration in its last heartbeat.
         self._last_heard: float | None = None
         self._loop_age = 0.0
+        self._loop_cpu = 0.0
+        self._step_limit = 0.0
         self.thread = threading.Thread(target=self._run, name="vbatch-client", daemon=True)
 
     def start(self) -> None:
@@ -381,8 +396,10 @@ class _Connection:
                 return
 
     def _hang(self, now: float) -> str | None:
-        """Why the core counts as hung (no heartbeat, or a busy-loop iteration, for longer than
-        heartbeat_timeout_s), or None."""
+        """Why the core counts as hung, or None: no heartbeat for longer than
+        heartbeat_timeout_s; a busy-loop iteration that long in which the core barely used the
+        CPU (a step stuck waiting); or a computing step past the limit the core sized from its
+        measured step times."""
         if self._last_heard is None:
             return None
         limit = self.config.heartbeat_timeout_s
@@ -394,11 +411,22 @@ class _Connection:
                 f"stuck holding the interpreter lock) and was killed (heartbeat timeout "
                 f"{limit:g} s)"
             )
-        if self._loop_age > limit:
+        age = self._loop_age
+        if age > limit and self._loop_cpu < IDLE_CPU_FRACTION * age:
             return (
                 f"the engine core (pid {pid}) is alive but its loop made no progress for "
-                f"{self._loop_age:.0f} s (a step hung or deadlocked) and was killed (heartbeat "
-                f"timeout {limit:g} s; raise it, --heartbeat-timeout, if steps are this slow)"
+                f"{age:.0f} s, using {self._loop_cpu:.1f} s of CPU (a step hung or deadlocked), "
+                f"and was killed (heartbeat timeout {limit:g} s)"
+            )
+        if age > max(limit, self._step_limit):
+            return (
+                f"the engine core (pid {pid}) has computed one step for {age:.0f} s "
+                f"({self._loop_cpu:.0f} s of CPU), past the {self._step_limit:.0f} s a step may "
+                f"take here (sized from the step times measured so far: "
+                f"{SLOW_STEP_FACTOR:g}x a full step at the slowest rate seen, at least the "
+                f"heartbeat timeout; {FIRST_STEP_FACTOR:g}x the heartbeat timeout before any "
+                f"step was measured), and was killed (raise --heartbeat-timeout if steps are "
+                f"this slow)"
             )
         return None
 
@@ -461,6 +489,8 @@ class _Connection:
                 self._last_heard = time.monotonic()
             if isinstance(msg, Heartbeat):
                 self._loop_age = msg.loop_age_s
+                self._loop_cpu = msg.loop_cpu_s
+                self._step_limit = msg.step_limit_s
             elif isinstance(msg, EngineOutputs):
                 if msg.stats is not None:
                     self.latest_stats = msg.stats

@@ -35,7 +35,8 @@ GRAMMAR_WAIT_S = 0.05
 # itself is broken rather than one of its requests.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 # NOTE: test-only fault injection (no real way exists to fail a step or wedge the loop once
-# requests are validated): "raise:<token id>", "fatal:<token id>" or "sleep:<token id>:<s>"
+# requests are validated): "raise:<token id>", "fatal:<token id>", "sleep:<token id>:<s>" or
+# "spin:<token id>:<s>" (a step that computes, busy, for that long)
 # acts in any step holding a seq whose prompt contains that token id.
 FAULTS_ENV = "VBATCH_TEST_FAULTS"
 # NOTE: messages of errors after which the device is unusable (a CUDA error poisons its context).
@@ -112,9 +113,12 @@ class EngineCore:
             kv_cache_bytes=self.runner.kv_cache_bytes,
             attention_backend=self.runner.attn_backend.name,
             pid=os.getpid(),
+            kernels=self.runner.kernel_notes,
+            kernel_warnings=self.runner.kernel_warnings,
         )
         self._step_time = 0.0
         self._forward_time = 0.0
+        self.last_step_tokens = 0
         # NOTE: with async scheduling, the launched step that continues the one step() applied
         # last, with its samples still on the device.
         self._ahead: tuple[SchedulerOutput, SamplerOutput | None] | None = None
@@ -286,6 +290,7 @@ class EngineCore:
         )
         run_step = self._overlap_step if self.config.async_scheduling else self._normal_step
         outputs = run_step(planned)
+        self.last_step_tokens = sum(out.num_batched_tokens for out in planned)
         if outputs is None:
             return EngineOutputs(finished=errors)
         outputs.finished = errors + outputs.finished
@@ -454,7 +459,7 @@ def _parse_faults(spec: str | None) -> dict[int, tuple[str, float]] | None:
     faults = {}
     for item in spec.split(","):
         action, token_id, *rest = item.strip().split(":")
-        if action not in ("raise", "fatal", "sleep"):
+        if action not in ("raise", "fatal", "sleep", "spin"):
             raise ValueError(f"{FAULTS_ENV}: unknown action {action!r}")
         faults[int(token_id)] = (action, float(rest[0]) if rest else 0.0)
     return faults
@@ -466,6 +471,10 @@ def _inject_fault(faults: dict[int, tuple[str, float]], out: SchedulerOutput) ->
             action, seconds = faults[token_id]
             if action == "sleep":
                 time.sleep(seconds)
+            elif action == "spin":
+                deadline = time.monotonic() + seconds
+                while time.monotonic() < deadline:
+                    sum(range(1000))
             elif action == "fatal":
                 raise RuntimeError("CUDA error: an illegal memory access was encountered (test)")
             else:

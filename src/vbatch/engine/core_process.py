@@ -19,11 +19,12 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
-from vbatch.config import CorePlacement, EngineConfig
+from vbatch.config import FIRST_STEP_FACTOR, SLOW_STEP_FACTOR, CorePlacement, EngineConfig
 from vbatch.errors import VbatchError
 from vbatch.protocol import (
     Abort,
@@ -136,7 +137,8 @@ class _Watchdog:
 
     Every PARENT_POLL_S it checks the parent (gone: remove the IPC directory, exit), re-arms the
     dead-man alarm, and, once the busy loop runs, sends a Heartbeat about every second with the
-    age of the loop's current iteration (`beat()` marks each iteration's start).
+    age of the loop's current iteration (`beat()` marks each iteration's start), the CPU time
+    used in it, and the step limit sized from the steps measured so far (`record_step`).
     """
 
     def __init__(
@@ -146,6 +148,10 @@ class _Watchdog:
         self.ipc_dir = ipc_dir
         self.out_q = out_q
         self.heartbeat_timeout_s = config.heartbeat_timeout_s
+        self.max_step_tokens = config.max_num_batched_tokens
+        self.step_limit_s = FIRST_STEP_FACTOR * config.heartbeat_timeout_s
+        self.slowest_s_per_token = 0.0
+        self.loop_cpu_start = 0.0
         self.interval_s = min(1.0, max(PARENT_POLL_S, config.heartbeat_timeout_s / 4))
         self.alarm_s = config.startup_timeout_s + _ALARM_MARGIN_S
         self.loop_start: float | None = None
@@ -159,7 +165,18 @@ class _Watchdog:
         """The busy loop starts an iteration; the first call starts the heartbeats."""
         if self.loop_start is None:
             self.alarm_s = self.heartbeat_timeout_s + _ALARM_MARGIN_S
+        self.loop_cpu_start = time.process_time()
         self.loop_start = time.monotonic()
+
+    def record_step(self, seconds: float, num_tokens: int) -> None:
+        """A step of `num_tokens` scheduled tokens took `seconds`: resize the step limit (a step
+        that scheduled nothing says nothing about the rate)."""
+        if num_tokens <= 0:
+            return
+        self.slowest_s_per_token = max(self.slowest_s_per_token, seconds / max(num_tokens, 1))
+        self.step_limit_s = step_limit(
+            self.slowest_s_per_token, self.max_step_tokens, self.heartbeat_timeout_s
+        )
 
     def stop_heartbeat(self) -> None:
         with self._lock:
@@ -180,9 +197,14 @@ class _Watchdog:
             if loop_start is not None and now - last_beat >= self.interval_s:
                 last_beat = now
                 age = now - max(loop_start, self.resumed_at)
+                beat = Heartbeat(
+                    loop_age_s=max(age, 0.0),
+                    loop_cpu_s=max(time.process_time() - self.loop_cpu_start, 0.0),
+                    step_limit_s=self.step_limit_s,
+                )
                 with self._lock:
                     if self.out_q is not None:
-                        self.out_q.put(Heartbeat(loop_age_s=max(age, 0.0)))
+                        self.out_q.put(beat)
             time.sleep(PARENT_POLL_S)
 
     def _parent_gone(self) -> None:
@@ -207,7 +229,7 @@ def _serve(config: EngineConfig, in_q: queue.Queue, out_q: queue.Queue, watchdog
     try:
         # NOTE: one inference-mode guard for the whole loop, not one per step (~15 µs each).
         with torch.inference_mode():
-            _busy_loop(core, in_q, out_q, watchdog.beat)
+            _busy_loop(core, in_q, out_q, watchdog.beat, watchdog.record_step)
     except BaseException as e:
         out_q.put(EngineError(message=_describe(e), traceback=traceback.format_exc()))
         return 1
@@ -226,11 +248,24 @@ class _Undecodable:
         self.message = message
 
 
-def _busy_loop(core: Any, in_q: queue.Queue, out_q: queue.Queue, beat: Any = lambda: None) -> None:
+def step_limit(slowest_s_per_token: float, max_step_tokens: int, floor_s: float) -> float:
+    """How long a computing step may run: SLOW_STEP_FACTOR times a full step (max_step_tokens)
+    at the slowest rate measured, and at least `floor_s` (the heartbeat timeout)."""
+    return max(floor_s, SLOW_STEP_FACTOR * slowest_s_per_token * max_step_tokens)
+
+
+def _busy_loop(
+    core: Any,
+    in_q: queue.Queue,
+    out_q: queue.Queue,
+    beat: Callable[[], None] = lambda: None,
+    record_step: Callable[[float, int], None] = lambda seconds, num_tokens: None,
+) -> None:
     """Drain inputs (aborts land before the next step's outputs), step, push compact outputs.
 
     Blocks on the input queue only while the engine has no unfinished request. `beat()` marks
-    the start of every iteration, for the heartbeat's loop age.
+    the start of every iteration, for the heartbeat's loop age; `record_step` gets each step's
+    time and scheduled tokens.
     """
     busy_time = 0.0
     last_stats = 0.0
@@ -256,7 +291,9 @@ def _busy_loop(core: Any, in_q: queue.Queue, out_q: queue.Queue, beat: Any = lam
         if core.has_unfinished():
             start = time.perf_counter()
             outputs = core.step()
-            busy_time += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            busy_time += seconds
+            record_step(seconds, core.last_step_tokens)
         else:
             outputs = EngineOutputs()
         if finished:

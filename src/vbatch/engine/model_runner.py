@@ -32,8 +32,13 @@ from vbatch.engine.sequence import Sequence
 from vbatch.engine.steps import SchedulerOutput
 from vbatch.layers import get_attention_backend
 from vbatch.layers.attention import AttentionMetadata
-from vbatch.layers.greedy_screen import can_use_greedy_screen
+from vbatch.layers.greedy_screen import (
+    can_use_greedy_screen,
+    choose_greedy_screen,
+    describe_screen_choice,
+)
 from vbatch.layers.native import has_fused_ops
+from vbatch.layers.quantization import WORTHWHILE_SPEEDUP, describe_int8_choice
 from vbatch.lora.slots import LoraSlots
 from vbatch.models.config import ModelConfig
 from vbatch.models.llama import load_model
@@ -98,8 +103,30 @@ class ModelRunner:
             model_config,
             config.quantization,
         )
-        if config.greedy_screen and can_use_greedy_screen(self.device, self.dtype):
-            self.model.enable_greedy_screen()
+        # NOTE: the kernels chosen, as text for the manifest and dashboard, and any warning.
+        self.kernel_notes: list[str] = []
+        self.kernel_warnings: list[str] = []
+        choice = self.model.quantization_choice
+        if choice and "backend" in choice:
+            self.kernel_notes.append(describe_int8_choice(choice))
+            if float(choice["speedup"]) < WORTHWHILE_SPEEDUP:  # type: ignore[arg-type]
+                self.kernel_warnings.append(
+                    f"--quantization int8 is not {WORTHWHILE_SPEEDUP:g}x faster than fp32 on "
+                    f"this CPU: {describe_int8_choice(choice)}"
+                )
+        if config.greedy_screen is not False and can_use_greedy_screen(self.device, self.dtype):
+            progress("choosing kernels")
+            if config.greedy_screen is None:
+                screen = choose_greedy_screen(
+                    self.model.lm_head_weight, self.model._greedy_token_ids_fp32
+                )
+                use_screen = bool(screen["on"])
+                self.kernel_notes.append(describe_screen_choice(screen, None))
+            else:
+                use_screen = True
+                self.kernel_notes.append(describe_screen_choice({}, True))
+            if use_screen:
+                self.model.enable_greedy_screen()
         self.lora: LoraSlots | None = None
         if config.enable_lora:
             self.lora = LoraSlots(self.model, model_config, config.max_loras, config.max_lora_rank)

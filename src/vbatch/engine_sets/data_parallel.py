@@ -49,6 +49,8 @@ class DataParallelClient:
             kv_cache_bytes=sum(info.kv_cache_bytes for info in infos),
             attention_backend=first.attention_backend,
             pid=first.pid,
+            kernels=first.kernels,
+            kernel_warnings=first.kernel_warnings,
         )
         self._balancer = LoadBalancer(num_cores, first.block_size, prefix_aware)
         # NOTE: request id -> [core, cost, samples not yet finished]

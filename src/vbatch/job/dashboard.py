@@ -146,6 +146,8 @@ def _header(snap: JobSnapshot) -> list[Text]:
         if snap.max_model_len is not None:
             parts.append(f"max len {snap.max_model_len:,}")
         lines.append(_line("engine", " · ".join(parts)))
+        if snap.kernels:
+            lines.append(_line("kernels", " · ".join(snap.kernels)))
     lines.append(_line("input", snap.input_path or "--"))
     lines.append(_line("output", snap.output_path or "--"))
     return lines

@@ -235,6 +235,7 @@ class JobExecution:
         self.interruptible = not getattr(llm, "waits_briefly", False)
         try:
             self.metrics.set_engine_info(llm.engine_info)
+            self._record_kernels(llm.engine_info.kernels)
             self.metrics.set_stats_source(lambda: llm.latest_stats, llm.engine_reports)
             tokens = TokenStrings(lambda: llm.tokenizer)
             self.token_text, self.token_bytes = tokens.text, tokens.bytes
@@ -248,6 +249,11 @@ class JobExecution:
             self.metrics.set_stats_source(None, None)
             with contextlib.suppress(VbatchError):
                 llm.shutdown()
+
+    def _record_kernels(self, kernels: list[str]) -> None:
+        if kernels and kernels != self.manifest.kernels:
+            self.manifest.kernels = list(kernels)
+            self.manifest.save(self.job_dir)
 
     def _loop(self, llm: EngineSet) -> None:
         # NOTE: with idle_s, the stream also yields None when no row finished for that long, so

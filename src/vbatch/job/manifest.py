@@ -158,11 +158,11 @@ class ShardRecord(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Manifest(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Everything that decides a job's result. Invariant: written once, atomically, at job start
-    (and again by `resume --force`); `resume` compares `input`, `model` and `vbatch_version`
-    against the world as it is now. `engine` holds EngineConfig fields, `sampling` the default
-    SamplingParams as a dict. A `--shard I/N` job records its `shard`, and `num_rows` counts
-    only the shard's rows."""
+    """Everything that decides a job's result. Invariant: written atomically at job start (and
+    again by `resume --force`, and when an engine reports different `kernels`); `resume`
+    compares `input`, `model` and `vbatch_version` against the world as it is now. `engine`
+    holds EngineConfig fields, `sampling` the default SamplingParams as a dict. A `--shard I/N`
+    job records its `shard`, and `num_rows` counts only the shard's rows."""
 
     vbatch_version: str
     input_path: str
@@ -179,6 +179,9 @@ class Manifest(msgspec.Struct, kw_only=True, omit_defaults=True):
     created: float = msgspec.field(default_factory=time.time)
     shard: ShardRecord | None = None
     lora_rows: LoraRows | None = None
+    # NOTE: the kernels the engine chose at start-up (by measurement or forced), as it reported
+    # them in its latest run; a record, never compared on resume.
+    kernels: list[str] | None = None
     # NOTE: no default, so that it is always written (the struct omits default values).
     manifest_version: int
 

@@ -89,6 +89,7 @@ class JobSnapshot:
     since_commit_s: float | None
     drain_left_s: float | None
     engines: tuple[EngineSnapshot, ...] = ()
+    kernels: tuple[str, ...] = ()
     notices: tuple[str, ...] = ()
 
     @property
@@ -325,6 +326,7 @@ class JobMetrics:
             max_model_len=info.max_model_len if info else None,
             num_kv_blocks=info.num_kv_blocks if info else None,
             kv_cache_bytes=info.kv_cache_bytes if info else None,
+            kernels=tuple(info.kernels) if info else (),
             elapsed_s=end - self._start_t,
             running_s=running_s,
             total_rows=self._total_rows,

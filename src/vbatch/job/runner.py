@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import shutil
@@ -11,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -19,7 +20,15 @@ from vbatch.client.reasoning import check_reasoning_parser
 from vbatch.client.tokenizer import check_template_kwargs
 from vbatch.config import EngineConfig
 from vbatch.engine_sets.base import require_ray
-from vbatch.errors import ConfigError, InputError, JobStateError, is_storage_failure, storage_error
+from vbatch.engine_sets.factory import open_engine_set
+from vbatch.errors import (
+    ConfigError,
+    InputError,
+    JobStateError,
+    VbatchError,
+    is_storage_failure,
+    storage_error,
+)
 from vbatch.job.execution import JobExecution
 from vbatch.job.finalize import finish_completion
 from vbatch.job.journal import JOURNAL_NAME, JobState, Journal, read_journal
@@ -49,6 +58,9 @@ from vbatch.job.rows import ColumnOptions, LoraRows, RowParser
 from vbatch.job.shard import Shard, shard_of_output, shards_on_disk
 from vbatch.lora.adapter import read_adapter_config
 from vbatch.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from vbatch.client.core_client import EngineCoreClient
 
 # NOTE: kept input columns may not shadow output fields (vbatch rows or OpenAI Batch lines).
 RESERVED_COLUMNS = frozenset(OUTPUT_COLUMNS) | {"custom_id", "response"}
@@ -152,14 +164,36 @@ def start_job(
     _refuse_output_onto_input(spec.input_path, output, job_dir)
     output.parent.mkdir(parents=True, exist_ok=True)
     lock = JobLock(job_dir, create=True)
-    return _create_and_execute(
-        output,
-        job_dir,
-        lock,
-        lambda: _prepare_job(spec, options, job_dir, fmt, overwrite=overwrite),
-        options,
-        llm_factory,
-    )
+    core = None
+    if llm_factory is None and options.ray is None and options.data_parallel_size == 1:
+        core = _start_core_early(spec)
+        if core is not None:
+            llm_factory = functools.partial(open_engine_set, started_core=core)
+    try:
+        return _create_and_execute(
+            output,
+            job_dir,
+            lock,
+            lambda: _prepare_job(spec, options, job_dir, fmt, overwrite=overwrite),
+            options,
+            llm_factory,
+        )
+    finally:
+        if core is not None:
+            # NOTE: a no-op once the job's LLM has shut it down; else a start nothing waits for.
+            core.shutdown(timeout=0.0)
+
+
+def _start_core_early(spec: JobSpec) -> EngineCoreClient | None:
+    """The engine core, spawned before the input is scanned, so its torch import and model load
+    overlap the scan, the manifest and the tokenizer; None where the model or engine args are
+    wrong, which the job's own checks then report in their usual order."""
+    from vbatch.llm import start_core
+
+    try:
+        return start_core(spec.model, **spec.engine_args)
+    except VbatchError:
+        return None
 
 
 def _create_and_execute(

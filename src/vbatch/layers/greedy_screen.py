@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from vbatch.layers import native
+from vbatch.layers.kernel_choice import cached_choice, median_ms
 from vbatch.layers.quantization import has_int8_kernels
 
 SCREEN_CHUNK = 4096  # vocab rows per int8 GEMM: its int32 tile stays in cache
@@ -30,6 +31,7 @@ UNIT_ROUNDOFF = 2.0**-24
 BOUND_SLACK = 1.0 + 1e-5  # covers rounding in the kernel's own bound arithmetic
 NORM_SLACK = 1.0 + 1e-3  # covers float32 rounding in the weight norms (d u ~ 3e-5 at d = 576)
 INT8_MAX = 127
+TIMED_BATCHES = (1, 32)
 
 
 def _round_up(x: torch.Tensor) -> torch.Tensor:
@@ -137,3 +139,43 @@ class Int8GreedyScreen:
             unsettled = is_unsettled.nonzero().squeeze(1)
             token_ids[unsettled] = fallback(hidden.index_select(0, unsettled))
         return token_ids
+
+
+def choose_greedy_screen(
+    weight: torch.Tensor, fp32_argmax: Callable[[torch.Tensor], torch.Tensor]
+) -> dict[str, object]:
+    """Whether the screen beats `fp32_argmax` for this [vocab, hidden] head on this machine:
+    both timed on rows with a clear winner, as a model's are, at TIMED_BATCHES (measured once per
+    machine and head shape, cached). {"on": bool, "ms": summed median ms per side}."""
+
+    def measure() -> dict[str, object]:
+        screen = Int8GreedyScreen(weight)
+        generator = torch.Generator().manual_seed(0)
+        totals = {"screen": 0.0, "fp32": 0.0}
+        for batch in TIMED_BATCHES:
+            ids = torch.randint(weight.shape[0], (batch,), generator=generator)
+            rows = weight[ids] / weight[ids].norm(dim=1, keepdim=True).clamp_min(1e-12) * 4.0
+            timed = median_ms(
+                {
+                    "screen": lambda rows=rows: screen.argmax(rows, fp32_argmax),
+                    "fp32": lambda rows=rows: fp32_argmax(rows),
+                }
+            )
+            for name, ms in timed.items():
+                totals[name] += ms
+        return {"on": totals["screen"] < totals["fp32"], "ms": totals}
+
+    shape = {"vocab": weight.shape[0], "hidden": weight.shape[1]}
+    return cached_choice("greedy_screen", shape, measure)
+
+
+def describe_screen_choice(choice: dict[str, object], forced: bool | None) -> str:
+    if forced is not None:
+        return f"greedy screen {'on' if forced else 'off'} (forced)"
+    ms = choice["ms"]
+    assert isinstance(ms, dict)
+    batches = " and ".join(map(str, TIMED_BATCHES))
+    return (
+        f"greedy screen {'on' if choice['on'] else 'off'} (measured at batch {batches}: "
+        f"screen {ms['screen']:.2f} ms, fp32 head {ms['fp32']:.2f} ms)"
+    )

@@ -23,7 +23,10 @@ from vbatch.layers.attention import (
 logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "vbatch_native"
-CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
+CXX_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
+# NOTE: VBATCH_NATIVE_MARCH=haswell builds the kernels as for an AVX2-only CPU (the AVX2
+# emulation, benchmarks/emulate.py); the default tunes them to this CPU.
+MARCH_ENV = "VBATCH_NATIVE_MARCH"
 CUDA_FLAGS = ("-O3",)
 BUILD_LOCK_TIMEOUT_S = 600.0
 # NOTE: on CUDA, longer prefill chunks go to SDPA (flash attention there). On CPU the op takes
@@ -58,7 +61,11 @@ def _sources(csrc_dir: Path, with_cuda: bool) -> list[Path]:
     return sources
 
 
-def _cpu_flags() -> str:
+def march_flag() -> str:
+    return f"-march={os.environ.get(MARCH_ENV) or 'native'}"
+
+
+def cpu_flags() -> str:
     # NOTE: -march=native ties a build to this CPU, so the CPU's feature set is part of the key.
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -70,8 +77,8 @@ def _cpu_flags() -> str:
 def build_key(csrc_dir: Path, with_cuda: bool) -> str:
     """A hash of everything the built library depends on; any change means a fresh build."""
     digest = hashlib.sha256()
-    parts = [torch.__version__, sys.version, platform.machine(), _cpu_flags(), str(with_cuda)]
-    parts += [*CXX_FLAGS, *CUDA_FLAGS, os.environ.get("CXX", "")]
+    parts = [torch.__version__, sys.version, platform.machine(), cpu_flags(), str(with_cuda)]
+    parts += [march_flag(), *CXX_FLAGS, *CUDA_FLAGS, os.environ.get("CXX", "")]
     for part in parts:
         digest.update(part.encode() + b"\0")
     for path in sorted(csrc_dir.rglob("*")):
@@ -83,7 +90,6 @@ def build_key(csrc_dir: Path, with_cuda: bool) -> str:
 def build_and_load(csrc_dir: Path, root: Path, with_cuda: bool) -> Path:
     """Builds the library under root/<key> (once per key, under a file lock) and loads it."""
     from filelock import FileLock
-    from torch.utils import cpp_extension
 
     build_dir = root / "native" / build_key(csrc_dir, with_cuda)
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -94,10 +100,12 @@ def build_and_load(csrc_dir: Path, root: Path, with_cuda: bool) -> Path:
             # NOTE: we hold the lock, so cpp_extension's own baton file can only be a stale one
             # left by a killed build, and it would make load() wait forever.
             (build_dir / "lock").unlink(missing_ok=True)
+            from torch.utils import cpp_extension
+
             cpp_extension.load(
                 name=EXTENSION_NAME,
                 sources=[str(p) for p in _sources(csrc_dir, with_cuda)],
-                extra_cflags=list(CXX_FLAGS),
+                extra_cflags=[march_flag(), *CXX_FLAGS],
                 extra_cuda_cflags=list(CUDA_FLAGS),
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),

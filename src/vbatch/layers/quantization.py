@@ -1,9 +1,23 @@
-"""Int8 linear layers for CPU: int8 weights per output channel, activations int8 per token."""
+"""Int8 linear layers for CPU: int8 weights per output channel, activations int8 per token,
+through whichever of torch's int8 GEMMs (oneDNN's `_int_mm`, FBGEMM's dynamic linear) is
+faster on this machine."""
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 from torch import nn
+from torch.nn import functional as F
+
+from vbatch.layers.kernel_choice import cached_choice, median_ms
+
+INT_MM = "int_mm"
+FBGEMM = "fbgemm"
+TIMED_BATCHES = (1, 64)
+# NOTE: int8 that is not at least this much faster than fp32 is reported as not worth it.
+WORTHWHILE_SPEEDUP = 1.3
 
 
 def has_int8_kernels() -> bool:
@@ -15,20 +29,46 @@ def has_int8_kernels() -> bool:
         return False
 
 
+def has_fbgemm() -> bool:
+    """Whether torch's FBGEMM dynamic quantized linear runs on this CPU."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+@functools.cache
+def fbgemm_is_exact() -> bool:
+    """Whether FBGEMM sums full-range 8-bit activations exactly here, checked by running it.
+    Without VNNI it adds pairs of u8 x s8 products in int16, which they saturate (a sum of 576
+    came out as 4.5), and only 7-bit activations (`reduce_range`) are safe: those cost SmolLM2
+    0.30 nats per token against <0.1, too much for a default, so there FBGEMM is no candidate."""
+    if not has_fbgemm():
+        return False
+    weight = torch.full((16, 576), 127.0)
+    probe = Int8DynamicLinear(weight, None, FBGEMM)(torch.ones(1, 576))
+    return torch.allclose(probe, weight.sum(dim=1), rtol=0.02)
+
+
 class Int8DynamicLinear(nn.Module):
-    """y = x W^T + b with W symmetric int8 per output row and each token of x quantized to
-    symmetric int8 on the fly; the int32 GEMM result is rescaled by both scales.
+    """y = x W^T + b with W symmetric int8 per output row and each token of x quantized to int8
+    on the fly; the int32 GEMM result is rescaled by both scales.
+
+    `backend` INT_MM: symmetric 8-bit tokens through `torch._int_mm` (oneDNN; fast with VNNI).
+    FBGEMM: each token divided by its largest magnitude first, so that FBGEMM's per-tensor
+    dynamic quantization acts per token, as 8-bit asymmetric values (only where that is exact,
+    see fbgemm_is_exact).
 
     Invariants: `weight_t` is the int8 weight as [in_features, out_features] (a transposed view
     of a row-major [out, in] tensor); `weight_scale` is float32 [out_features]; inputs and
     outputs are float32 [..., in_features] / [..., out_features].
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, backend: str = INT_MM
+    ) -> None:
         super().__init__()
         weight = weight.detach().float()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
+        self.backend = backend
         scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0
         qweight = torch.round(weight / scale[:, None]).to(torch.int8)
         self.register_buffer("weight_t", qweight.t(), persistent=False)
@@ -36,32 +76,92 @@ class Int8DynamicLinear(nn.Module):
         self.register_buffer(
             "bias", None if bias is None else bias.detach().float(), persistent=False
         )
+        self.packed: object | None = None
+        if backend == FBGEMM:
+            with warnings.catch_warnings():
+                # NOTE: torch marks quantized tensors deprecated; the packed weight is one.
+                warnings.simplefilter("ignore")
+                per_channel = torch._make_per_channel_quantized_tensor(
+                    qweight, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0
+                )
+                self.packed = torch.ops.quantized.linear_prepack(per_channel, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         # [num_rows, 1]: per-token scale, so one outlier token does not crush the others
-        scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
-        qrows = torch.round(rows / scale).to(torch.int8)
-        out = torch._int_mm(qrows, self.weight_t).float()
-        out.mul_(scale).mul_(self.weight_scale)
+        peak = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+        if self.packed is not None:
+            out = torch.ops.quantized.linear_dynamic(rows / peak, self.packed, False).mul_(peak)
+        else:
+            scale = peak / 127.0
+            qrows = torch.round(rows / scale).to(torch.int8)
+            out = torch._int_mm(qrows, self.weight_t).float()
+            out.mul_(scale).mul_(self.weight_scale)
         if self.bias is not None:
             out.add_(self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"int8 ({self.backend})"
+        )
 
 
-def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:
+def _time_backends(shapes: list[tuple[int, int]]) -> dict[str, object]:
+    """Per backend (and fp32), the summed median ms over the layer shapes at TIMED_BATCHES."""
+    backends = [INT_MM] if has_int8_kernels() else []
+    if fbgemm_is_exact():
+        backends.append(FBGEMM)
+    totals = dict.fromkeys(["fp32", *backends], 0.0)
+    for out_features, in_features in shapes:
+        weight = torch.randn(out_features, in_features) / in_features**0.5
+        layers = {name: Int8DynamicLinear(weight, None, name) for name in backends}
+        for batch in TIMED_BATCHES:
+            x = torch.randn(batch, in_features)
+            candidates = {"fp32": lambda x=x, weight=weight: F.linear(x, weight)}
+            candidates |= {name: (lambda x=x, m=m: m(x)) for name, m in layers.items()}
+            for name, ms in median_ms(candidates).items():
+                totals[name] += ms
+    best = min(backends, key=lambda name: totals[name])
+    return {
+        "backend": best,
+        "ms": {name: round(total, 3) for name, total in totals.items()},
+        "speedup": round(totals["fp32"] / max(totals[best], 1e-9), 2),
+    }
+
+
+def choose_int8_backend(shapes: list[tuple[int, int]]) -> dict[str, object]:
+    """The fastest int8 backend for these [out, in] linear shapes on this machine (measured once,
+    cached): {"backend", "ms" per candidate including fp32, "speedup" of the best over fp32}."""
+    unique = sorted(set(shapes))
+    key = {f"{o}x{i}": 1 for o, i in unique}
+    return cached_choice("int8_linear", key, lambda: _time_backends(unique))
+
+
+def describe_int8_choice(choice: dict[str, object]) -> str:
+    ms = choice["ms"]
+    assert isinstance(ms, dict)
+    figures = ", ".join(f"{name} {value:.2f} ms" for name, value in ms.items())
+    return (
+        f"int8 linears through {choice['backend']}: {choice['speedup']}x fp32 "
+        f"(layer shapes summed at batch {' and '.join(map(str, TIMED_BATCHES))}: {figures})"
+    )
+
+
+def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> dict[str, object]:
     """Replace every nn.Linear in `model` (names ending in `skip` excepted) with an
-    Int8DynamicLinear, in place; returns how many were replaced."""
+    Int8DynamicLinear on the fastest backend here, in place; returns that choice
+    (choose_int8_backend) with "replaced", the number of layers replaced."""
     targets = [
         (name, module)
         for name, module in model.named_modules()
         if isinstance(module, nn.Linear) and not name.endswith(skip)
     ]
+    choice = choose_int8_backend([tuple(m.weight.shape) for _, m in targets]) if targets else {}
+    backend = str(choice.get("backend", INT_MM))
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8DynamicLinear(module.weight, module.bias))
-    return len(targets)
+        setattr(parent, child, Int8DynamicLinear(module.weight, module.bias, backend))
+    return {**choice, "replaced": len(targets)}

@@ -261,6 +261,8 @@ class LlamaForCausalLM(nn.Module):
         ]
         self._embedding_multipliers: dict[torch.dtype, float] = {}
         self.greedy_screen: Int8GreedyScreen | None = None
+        # NOTE: set by load_model under int8 quantization (quantize_linears' measured choice)
+        self.quantization_choice: dict[str, object] | None = None
 
     @property
     def long_rope_offset(self) -> int | None:
@@ -397,9 +399,8 @@ def load_model(
     config = config or ModelConfig.from_hf_dir(hf_dir)
     use_native_ops = attn_backend.name == "native" and has_fused_ops(device)
     with torch.device("meta"):
-        llm = LlamaForCausalLM(config, attn_backend, use_native_ops).to(dtype)
-    llm.to_empty(device=device)
-    llm.requires_grad_(False)
+        llm = LlamaForCausalLM(config, attn_backend, use_native_ops)
+    _materialize(llm, device, dtype)
     params = dict(llm.named_parameters())
     num_loaded = dict.fromkeys(params, 0)
     for path in weight_files(hf_dir):
@@ -430,8 +431,31 @@ def load_model(
         raise ModelLoadError(f"model in {hf_dir} lacks weights for {', '.join(missing[:5])}")
     if quantization is not None:
         # NOTE: the MoE router stays float32: a rounding there changes which experts run.
-        quantize_linears(llm.layers, skip=("lm_head", "mlp.gate"))
+        llm.quantization_choice = quantize_linears(llm.layers, skip=("lm_head", "mlp.gate"))
     return llm.eval()
+
+
+def _materialize(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Give the meta tensors of `module` uninitialized storage on `device`, floating point ones
+    in `dtype`, as `.to(dtype).to_empty(device)` would, but built from shapes alone: any op on a
+    meta tensor imports torch's meta registrations and sympy, ~1 s of a warm start."""
+    # NOTE: by id, holding the meta tensor so its id stays its own; a tied tensor stays tied.
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def empty(tensor: torch.Tensor, *, is_param: bool) -> torch.Tensor:
+        if id(tensor) not in made:
+            kind = dtype if tensor.dtype.is_floating_point else tensor.dtype
+            new = torch.empty(tensor.shape, dtype=kind, device=device)
+            made[id(tensor)] = (tensor, nn.Parameter(new, requires_grad=False) if is_param else new)
+        return made[id(tensor)][1]
+
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is not None and param.is_meta:
+                sub._parameters[name] = empty(param, is_param=True)
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                sub._buffers[name] = empty(buffer, is_param=False)
 
 
 def check_quantization(quantization: str, device: torch.device, dtype: torch.dtype) -> None:

@@ -1,0 +1,88 @@
+"""Kernel defaults chosen by measurement: the candidates timed on the model's shapes, once per
+machine and shape set, the decision cached in the cache directory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vbatch.layers.native import cache_dir, cpu_flags
+
+# NOTE: every switch that changes which kernels torch, oneDNN, MKL, FBGEMM or csrc/ run, so an
+# emulated AVX2 run never reads a decision measured without the emulation, or the reverse.
+ISA_SWITCHES = (
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "FBGEMM_ENABLE_INSTRUCTIONS",
+    "VBATCH_NATIVE_MARCH",
+)
+REPEATS = 3
+CHOICES_VERSION = 1
+
+
+def machine_key() -> dict[str, Any]:
+    """What a timing depends on besides the shapes: the CPU, its flags, torch, the ISA switches
+    and the thread count."""
+    model_name = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model_name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": model_name,
+        "flags": hashlib.sha256(cpu_flags().encode()).hexdigest()[:12],
+        "torch": torch.__version__,
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "switches": {name: os.environ[name] for name in ISA_SWITCHES if name in os.environ},
+        "threads": torch.get_num_threads(),
+    }
+
+
+def median_ms(candidates: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Each candidate's median time in ms over REPEATS calls, the candidates interleaved after
+    one warm-up call each."""
+    for fn in candidates.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(REPEATS):
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: round(statistics.median(ts), 3) for name, ts in times.items()}
+
+
+def cached_choice(
+    kind: str, shapes: dict[str, int], measure: Callable[[], dict[str, Any]]
+) -> dict[str, Any]:
+    """`measure()`'s result for this kind, machine and shape set: read from the cache, or
+    measured now and written there (best effort: an unwritable cache only costs a re-measure)."""
+    key = {"kind": kind, "shapes": shapes, "machine": machine_key(), "version": CHOICES_VERSION}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir() / "kernel_choices" / f"{kind}-{digest}.json"
+    try:
+        return json.loads(path.read_text())["choice"]
+    except (OSError, ValueError, KeyError):
+        pass
+    choice = measure()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "choice": choice}, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass
+    return choice
