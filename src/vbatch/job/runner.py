@@ -281,6 +281,7 @@ def _prepare_job(
             **options.result_settings(),
         ),
         shard=None if spec.shard is None else _shard_record(spec.shard, scan.input_rows),
+        lora_rows=spec.lora_rows,
         manifest_version=MANIFEST_VERSION,
     )
     _remove_job(job_dir, output)
