@@ -429,6 +429,64 @@ def test_bad_chat_template_kwargs_and_reasoning_parser_are_one_line_errors(
     assert not output.exists() and not (tmp_path / "o.jsonl.vbatch").exists()
 
 
+@pytest.mark.parametrize(
+    ("flag", "bad"),
+    [
+        ("--max-errors", "nan"),
+        ("--max-errors", "inf"),
+        ("--max-errors", "-1"),
+        ("--commit-every-seconds", "nan"),
+        ("--commit-every-rows", "-1"),
+        ("--max-in-flight", "0"),
+        ("--num-threads", "0"),
+        ("--num-threads", "-1"),
+        ("--kv-cache-memory", "nan"),
+        ("--kv-cache-memory", "0"),
+        ("--log-interval", "0"),
+        ("--drain-timeout", "inf"),
+        ("--heartbeat-timeout", "nan"),
+        ("--max-num-seqs", "0"),
+        ("--max-tokens", "0"),
+        ("--temperature", "nan"),
+        ("--top-p", "0"),
+        ("--min-p", "2"),
+        ("--n", "257"),
+        ("--logprobs", "21"),
+        ("--seed", str(2**64)),
+        ("--cpus-per-replica", "0"),
+        ("-dp", "0"),
+    ],
+)
+def test_a_numeric_flag_out_of_range_exits_2_at_parse_time_and_leaves_nothing(
+    tmp_path: Path, flag: str, bad: str
+) -> None:
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    output = tmp_path / "out.jsonl"
+    runner = CliRunner()
+    result = runner.invoke(app, ["run", str(tmp_path / "in.jsonl"), "-o", str(output), flag, bad])
+    assert result.exit_code == 2, (flag, bad, result.output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+    if flag in ("--max-errors", "--commit-every-rows", "--max-in-flight", "--log-interval"):
+        result = runner.invoke(app, ["resume", str(output), flag, bad])
+        assert result.exit_code == 2, (flag, bad, result.output)
+
+
+def test_openai_lines_default_to_openais_sampling_unless_the_flag_is_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import vbatch.job.runner
+
+    specs: list[Any] = []
+    monkeypatch.setattr(vbatch.job.runner, "start_job", lambda spec, *a, **k: specs.append(spec))
+    for extra, expected in (
+        ([], {"temperature": 1.0, "top_p": 1.0}),
+        (["--temperature", "0"], {"top_p": 1.0}),
+        (["--temperature", "0.5", "--top-p", "0.9"], {}),
+    ):
+        CliRunner().invoke(app, ["run", "in.jsonl", "-o", str(tmp_path / "o.jsonl"), *extra])
+        assert specs.pop().openai_defaults == expected, extra
+
+
 def test_the_ray_extra_survives_rich_markup_in_help_and_docs() -> None:
     """rich took `[ray]` for a style tag: the help said "pip install 'vbatch'"."""
     result = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "200"})

@@ -17,7 +17,8 @@ def test_run_batch_runs_an_openai_batch_file_as_vbatch_run(
             "method": "POST",
             "url": "/v1/chat/completions",
             "body": {
-                "model": "any",
+                # NOTE: as with vLLM, the line names the served model: --model as given.
+                "model": str(tiny_model_dir),
                 "messages": [{"role": "user", "content": f"Hello {i}"}],
                 "max_completion_tokens": 3,
             },

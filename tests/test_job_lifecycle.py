@@ -101,6 +101,37 @@ def test_run_refuses_an_output_that_is_the_input(
             assert not job_dir_for(tmp_path / output_name).exists()
 
 
+def test_a_metrics_file_that_is_the_input_the_output_or_in_the_job_is_refused(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    data = b'{"id": "a", "prompt": "x"}\n'
+    (tmp_path / "in.jsonl").write_bytes(data)
+    runner = CliRunner()
+    flags = ["--model", str(tiny_model_dir), "--max-tokens", "2", "--num-threads", "1", "-q"]
+    for metrics, clash in (
+        ("in.jsonl", "is the input file"),
+        ("out.jsonl", "is the metrics file"),
+        ("out.jsonl.vbatch/journal.jsonl", "is inside the job directory"),
+    ):
+        result = runner.invoke(
+            app, ["run", "in.jsonl", "-o", "out.jsonl", *flags, "--metrics-file", metrics]
+        )
+        assert result.exit_code == 1 and clash in result.output, (metrics, result.output)
+        assert (tmp_path / "in.jsonl").read_bytes() == data
+        assert (
+            not (tmp_path / "out.jsonl").exists()
+            and not job_dir_for(tmp_path / "out.jsonl").exists()
+        )
+    assert runner.invoke(app, ["run", "in.jsonl", "-o", "out.jsonl", *flags]).exit_code == 0
+    written = (tmp_path / "out.jsonl").read_bytes()
+    for metrics in ("in.jsonl", "out.jsonl"):
+        result = runner.invoke(app, ["resume", "out.jsonl", "-q", "--metrics-file", metrics])
+        assert result.exit_code == 1 and "is the" in result.output, result.output
+    assert (tmp_path / "in.jsonl").read_bytes() == data
+    assert (tmp_path / "out.jsonl").read_bytes() == written
+
+
 # --- 2, 3. the job lock: --overwrite and concurrent runs -------------------------------------
 
 

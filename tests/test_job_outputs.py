@@ -24,6 +24,7 @@ from vbatch.job.runner import JobSpec, RunOptions, resume_job, start_job
 
 QUIET = RunOptions(display="quiet", commit_every_rows=2)
 SAMPLING = {"max_tokens": 3, "temperature": 0.0}
+CHAT = [{"role": "user", "content": "hi"}]
 
 
 def run(
@@ -431,3 +432,38 @@ def test_openai_batch_output_shapes(
         if "\ufffd" not in token:
             assert full[offset : offset + len(token)] == token
     assert offsets == sorted(offsets)
+
+
+def test_openai_lines_echo_parts_logit_bias_and_model_names_in_a_job(
+    tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any], tokenizer: Any
+) -> None:
+    parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    lines = [
+        {"custom_id": "echo", "url": "/v1/completions", "body": {"prompt": "Hello", "echo": True}},
+        {"custom_id": "plain", "url": "/v1/completions", "body": {"prompt": "Hello"}},
+        {
+            "custom_id": "bias",
+            "url": "/v1/completions",
+            "body": {"prompt": "Hello", "logit_bias": {"1000": 100}},
+        },
+        {"custom_id": "parts", "body": {"messages": [{"role": "user", "content": parts}]}},
+        {"custom_id": "joined", "body": {"messages": [{"role": "user", "content": "hi\nthere"}]}},
+        {"custom_id": "image", "body": {"messages": [{"role": "user", "content": [image]}]}},
+        {"custom_id": "other", "body": {"model": "gpt-4o", "messages": CHAT}},
+        {"custom_id": "same", "body": {"model": tiny_model_dir.name, "messages": CHAT}},
+    ]
+    output = run(
+        tmp_path, write_jsonl(tmp_path / "b.jsonl", lines), "o.jsonl", tiny_model_dir, shared_llm
+    )
+    got = {line["custom_id"]: line for line in read_jsonl(output)}
+
+    def text(custom_id: str) -> str:
+        choice = got[custom_id]["response"]["body"]["choices"][0]
+        return choice["text"] if "text" in choice else choice["message"]["content"]
+
+    assert text("echo") == "Hello" + text("plain")
+    assert text("bias") == tokenizer.decode([1000] * 3)
+    assert text("parts") == text("joined") and got["same"]["error"] is None
+    assert "the model is text-only" in got["image"]["error"]["message"]
+    assert "body.model 'gpt-4o' is not this job's model" in got["other"]["error"]["message"]

@@ -140,9 +140,10 @@ def test_a_version_2_manifest_loads_typed_and_saves_unchanged(tmp_path: Path) ->
     added = {
         "chat_template_kwargs": None,
         "reasoning_parser": None,
+        "openai_defaults": {},
+        "require_valid_json": False,
         "data_parallel_size": 1,
         "ray": None,
-        "require_valid_json": False,
     }
     expected = {**VERSION_2_MANIFEST, "options": {**VERSION_2_MANIFEST["options"], **added}}
     assert json.loads((tmp_path / "manifest.json").read_text()) == expected

@@ -190,6 +190,19 @@ def test_a_killed_shard_resumes_exactly_once_and_merges(
     assert sorted(merged) == sorted(f"r{i}" for i in range(num_rows))
 
 
+def test_merge_refuses_an_output_that_is_a_file_it_reads(
+    tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any]
+) -> None:
+    data = make_input(tmp_path / "in.jsonl", 4).read_bytes()
+    for index in range(2):
+        job = spec(tmp_path, tiny_model_dir, "in.jsonl", Shard(index, 2))
+        assert start_job(job, QUIET, llm_factory=shared_llm).exit_code == 0
+    result = merge(str(tmp_path / "in.jsonl"), "--overwrite")
+    assert result.exit_code == 1
+    assert "the merged output" in result.output and "is shard 0/2's input file" in result.output
+    assert (tmp_path / "in.jsonl").read_bytes() == data
+
+
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
 def test_a_damaged_shard_file_is_named_with_how_to_run_it_again(
     tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any], suffix: str

@@ -105,6 +105,18 @@ def test_a_failing_step_fails_its_requests_with_the_cores_message(shared: LLM) -
     assert (stats.num_running, stats.num_waiting) == (0, 0)
 
 
+def test_a_failing_step_of_many_requests_fails_only_the_one_that_raises(shared: LLM) -> None:
+    prompts = [f"row number {i}" for i in range(7)]
+    clean = [o.outputs[0].token_ids for o in shared.generate(prompts, GREEDY)]
+    outs = shared.generate([*prompts[:3], faulty(RAISE), *prompts[3:]], GREEDY)
+    bad = outs.pop(3)
+    assert bad.error is not None and "injected fault" in bad.error
+    assert [o.error for o in outs] == [None] * 7
+    assert [o.outputs[0].token_ids for o in outs] == clean
+    (ok,) = shared.generate(["after"], GREEDY)
+    assert ok.error is None and shared.get_stats().num_running == 0
+
+
 def test_get_stats_waits_for_a_busy_core_instead_of_calling_it_dead(shared: LLM) -> None:
     worker = threading.Thread(target=shared.generate, args=([faulty(BUSY, max_tokens=1)],))
     worker.start()
@@ -281,8 +293,8 @@ def test_a_job_turns_bad_requests_and_failing_steps_into_error_rows(
     )
     os.environ[FAULTS_ENV] = f"raise:{trigger}"
     try:
-        # NOTE: one row at a time, so the failing step holds only the row that fails it.
-        outcome = start_job(spec, RunOptions(display="quiet", max_in_flight=1))
+        # NOTE: all rows at once: the failing step holds the other rows too, and they finish.
+        outcome = start_job(spec, RunOptions(display="quiet"))
     finally:
         del os.environ[FAULTS_ENV]
     assert outcome.exit_code == 0, outcome.message

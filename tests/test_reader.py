@@ -223,3 +223,17 @@ def test_corrupt_parquet_page_is_one_clear_error(tmp_path: Path) -> None:
     assert scan_input(reader, PARSER).num_rows == 5000
     with pytest.raises(InputError, match=r"The Parquet file is corrupt or truncated; write it"):
         list(reader.rows(PARSER))
+
+
+def test_a_parquet_struct_field_left_null_is_absent(tmp_path: Path) -> None:
+    rows = [
+        {"prompt": "a", "sampling_params": {"max_tokens": 4, "temperature": None}},
+        {"prompt": "b", "sampling_params": {"max_tokens": None, "temperature": 0.5}},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
+    reader = InputReader(tmp_path / "in.parquet", None, ColumnOptions())
+    defaults = SamplingParams(max_tokens=8, temperature=0.0)
+    first, second = reader.rows(RowParser(ColumnOptions(), defaults))
+    assert (first.error, second.error) == (None, None)
+    assert (first.sampling_params.max_tokens, first.sampling_params.temperature) == (4, 0.0)
+    assert (second.sampling_params.max_tokens, second.sampling_params.temperature) == (8, 0.5)

@@ -6,10 +6,12 @@ from typing import Any
 
 import pytest
 
-from vbatch.job.rows import ColumnOptions, RowParser
+from vbatch.job.rows import ColumnOptions, RowError, RowParser, openai_overrides
 from vbatch.sampling_params import SamplingParams
 
 DEFAULTS = SamplingParams(max_tokens=32, temperature=0.0)
+
+CHAT = [{"role": "user", "content": "x"}]
 
 
 def parse(record: Any, options: ColumnOptions | None = None, index: int = 7) -> Any:
@@ -97,8 +99,8 @@ def test_openai_completions_line() -> None:
         ({"prompt": ""}, "line 9: prompt is empty"),
         ({"prompt": 5}, "line 9: prompt must be a string, got int"),
         ({"messages": "hi"}, "line 9: messages must be a non-empty list"),
-        ({"messages": [{"content": "x"}]}, "line 9: messages[0] must be an object"),
-        ({"prompt": "x", "messages": [{"role": "user"}]}, "row has both"),
+        ({"messages": [{"content": "x"}]}, "line 9: messages[0] must have a string 'role'"),
+        ({"prompt": "x", "messages": CHAT}, "row has both"),
         ({"prompt": "x", "sampling_params": {"temperature": -1}}, "temperature must be >= 0"),
         ({"prompt": "x", "sampling_params": {"max_tokens": "9"}}, "max_tokens must be an integer"),
         ({"prompt": "x", "sampling_params": {"bogus": 1}}, "unknown sampling parameter"),
@@ -111,21 +113,33 @@ def test_openai_completions_line() -> None:
             "unsupported body field 'tools'",
         ),
         ({"custom_id": "a", "body": {"messages": []}}, "body.messages must be a non-empty list"),
-        ({"custom_id": "a", "body": {"messages": [{"role": "user"}], "n": 0}}, "n must be at"),
         (
-            {"messages": [{"role": "user"}], "chat_template_kwargs": ["enable_thinking"]},
+            {"custom_id": "a", "body": {"messages": CHAT, "n": 0}},
+            "n must be at",
+        ),
+        (
+            {
+                "messages": CHAT,
+                "chat_template_kwargs": ["enable_thinking"],
+            },
             "chat_template_kwargs must be an object of template variables",
         ),
         (
-            {"messages": [{"role": "user"}], "chat_template_kwargs": "{enable_thinking"},
+            {
+                "messages": CHAT,
+                "chat_template_kwargs": "{enable_thinking",
+            },
             "chat_template_kwargs is not valid JSON",
         ),
         (
-            {"messages": [{"role": "user"}], "chat_template_kwargs": {"messages": []}},
+            {
+                "messages": CHAT,
+                "chat_template_kwargs": {"messages": []},
+            },
             "chat_template_kwargs may not set 'messages'",
         ),
         (
-            {"messages": [{"role": "user"}], "chat_template_kwargs": {"a-b": 1}},
+            {"messages": CHAT, "chat_template_kwargs": {"a-b": 1}},
             "not a template variable name",
         ),
         (
@@ -133,7 +147,10 @@ def test_openai_completions_line() -> None:
             "chat_template_kwargs applies to chat messages, and this row has a prompt",
         ),
         (
-            {"custom_id": "a", "body": {"messages": [{"role": "user"}], "chat_template_kwargs": 1}},
+            {
+                "custom_id": "a",
+                "body": {"messages": CHAT, "chat_template_kwargs": 1},
+            },
             "body.chat_template_kwargs must be an object",
         ),
     ],
@@ -144,3 +161,69 @@ def test_bad_rows_become_error_rows(record: Any, message: str) -> None:
     assert row.error.startswith("line 9: ")
     assert row.prompt is None and row.messages is None and row.index == 7
     assert row.chat_template_kwargs is None
+
+
+def test_null_fields_are_absent_in_sampling_params_and_openai_bodies() -> None:
+    row = parse({"prompt": "x", "sampling_params": {"max_tokens": 4, "temperature": None}})
+    assert row.error is None and (
+        row.sampling_params.max_tokens,
+        row.sampling_params.temperature,
+    ) == (
+        4,
+        0.0,
+    )
+    body = {"prompt": "x", "temperature": None, "logprobs": None, "tools": None, "n": None}
+    row = parse({"custom_id": "c", "url": "/v1/completions", "body": body})
+    assert row.error is None and row.sampling_params == DEFAULTS
+
+
+def test_openai_fields_without_effect_are_accepted_and_logit_bias_and_echo_are_mapped() -> None:
+    body = {
+        "prompt": "x",
+        "service_tier": "auto",
+        "store": False,
+        "metadata": {"a": "b"},
+        "user": "u",
+        "parallel_tool_calls": True,
+        "stream_options": {"include_usage": True},
+        "echo": True,
+    }
+    row = parse({"custom_id": "c", "url": "/v1/completions", "body": body})
+    assert row.error is None and row.echo
+    assert openai_overrides({"logit_bias": {"50256": -100, 7: 2.5}}, "chat") == {
+        "logit_bias": {50256: -100.0, 7: 2.5}
+    }
+    for bad in ({"x": 1}, {"5": 101}, {"5": True}, [1]):
+        with pytest.raises(RowError, match="logit_bias"):
+            openai_overrides({"logit_bias": bad}, "chat")
+    for body, message in (
+        ({"messages": CHAT, "echo": True}, "echo is a /v1/completions field"),
+        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo with logprobs"),
+        ({"prompt": "x", "echo": "yes"}, "echo must be true or false"),
+    ):
+        url = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        row = parse({"custom_id": "c", "url": url, "body": body})
+        assert row.error is not None and message in row.error, row.error
+
+
+def test_openai_lines_get_their_own_defaults_and_must_name_the_jobs_model() -> None:
+    openai = DEFAULTS.updated({"temperature": 1.0, "top_p": 1.0})
+    parser = RowParser(
+        ColumnOptions(), DEFAULTS, model_names=frozenset({"tiny"}), openai_defaults=openai
+    )
+    line = {"custom_id": "c", "body": {"messages": CHAT, "model": "tiny", "top_p": 0.5}}
+    params = parser.parse(line, 0, "line 1").sampling_params
+    assert (params.temperature, params.top_p, params.max_tokens) == (1.0, 0.5, 32)
+    assert parser.parse({"prompt": "x"}, 1, "line 2").sampling_params is None
+    line = {"custom_id": "d", "body": {"messages": CHAT, "model": "gpt-4o"}}
+    error = parser.parse(line, 2, "line 3").error
+    assert (
+        error
+        == "line 3: body.model 'gpt-4o' is not this job's model; give one of 'tiny', or no model"
+    )
+
+
+def test_responses_lines_are_error_rows_naming_the_supported_urls() -> None:
+    row = parse({"custom_id": "r", "url": "/v1/responses", "body": {"input": "x"}})
+    assert row.error is not None and "/v1/chat/completions" in row.error
+    assert "/v1/responses" in row.error

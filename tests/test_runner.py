@@ -116,7 +116,6 @@ def test_openai_batch_round_trip(
         "method": "POST",
         "url": "/v1/chat/completions",
         "body": {
-            "model": "x",
             "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 3,
             "logprobs": True,
@@ -128,7 +127,6 @@ def test_openai_batch_round_trip(
         "method": "POST",
         "url": "/v1/completions",
         "body": {
-            "model": "x",
             "prompt": "once upon",
             "max_tokens": 2,
             "n": 2,

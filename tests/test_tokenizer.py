@@ -142,9 +142,14 @@ def test_template_raise_exception_is_input_error(tokenizer: TextTokenizer) -> No
         ([], r"messages must be a non-empty list"),
         ([{"role": "user", "content": "a"}, "b"], r"messages\[1\] must be an object"),
         ([{"role": "user", "content": "a"}, {"role": "user"}], r"messages\[1\] has no 'content'"),
-        ([{"content": "a"}], r"messages\[0\] has no 'role'"),
-        ([{"role": "user", "content": 3}], r"messages\[0\]\['content'\] must be a string, got int"),
-        ([{"role": None, "content": "a"}], r"messages\[0\]\['role'\] must be a string"),
+        ([{"content": "a"}], r"messages\[0\] must have a string 'role'"),
+        ([{"role": "user", "content": 3}], r"messages\[0\]\.content must be a string or a list"),
+        ([{"role": None, "content": "a"}], r"messages\[0\] must have a string 'role'"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            r"messages\[0\]\.content\[0\] is a 'image_url' part; the model is text-only",
+        ),
+        ([{"role": "user", "content": [{"text": "a"}]}], r"must be \{'type': 'text'"),
     ],
 )
 def test_bad_messages_raise_input_error(
@@ -226,3 +231,15 @@ def test_template_kwargs_reach_a_qwen3_template_as_in_transformers(
 def test_bad_template_kwargs_are_input_errors(kwargs: object, message: str) -> None:
     with pytest.raises(InputError, match=message):
         check_template_kwargs(kwargs)
+
+
+def test_text_parts_and_a_null_assistant_content_render_as_plain_text(
+    tokenizer: TextTokenizer,
+) -> None:
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    plain = [{"role": "user", "content": "a\nb"}, {"role": "assistant", "content": ""}]
+    openai = [
+        {"role": "user", "content": parts, "name": None},
+        {"role": "assistant", "content": None, "tool_calls": None},
+    ]
+    assert tokenizer.apply_chat_template(openai) == tokenizer.apply_chat_template(plain)

@@ -26,7 +26,7 @@ from vbatch.errors import (
     storage_error,
     unexpected_error,
 )
-from vbatch.job.options import JOB_SAMPLING, RunOptions
+from vbatch.job.options import JOB_SAMPLING, OPENAI_LINE_DEFAULTS, RunOptions
 from vbatch.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -73,8 +73,10 @@ ENGINE_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.name not in ("mo
 RUN_OPTION_FIELDS = tuple(f.name for f in fields(RunOptions) if f.name != "display")
 
 
-def run_request(params: Mapping[str, Any]) -> RunRequest:
-    """Map `vbatch run`'s parsed options (click's `ctx.params`) to the job, each to one place.
+def run_request(params: Mapping[str, Any], defaulted: frozenset[str] = frozenset()) -> RunRequest:
+    """Map `vbatch run`'s parsed options (click's `ctx.params`) to the job, each to one place;
+    `defaulted` names the options the user did not give (OpenAI lines then get OpenAI's own
+    sampling defaults for them).
 
     Options are routed by name: a SamplingParams field goes to the sampling defaults, an
     EngineConfig field to the engine args (only when it differs from EngineConfig's default),
@@ -122,6 +124,7 @@ def run_request(params: Mapping[str, Any]) -> RunRequest:
         shard=None if shard is None else parse_shard(shard),
         chat_template_kwargs=template_kwargs,
         lora_rows=lora_rows,
+        openai_defaults={k: v for k, v in OPENAI_LINE_DEFAULTS.items() if k in defaulted},
         **take(spec_fields),
     )
     if values:
@@ -320,7 +323,12 @@ def run(
     """Run a batch job: read INPUT, generate, and write OUTPUT incrementally."""
     from vbatch.job.runner import start_job
 
-    request = _guarded(lambda: run_request(ctx.params))
+    defaulted = frozenset(
+        name
+        for name in ctx.params
+        if (source := ctx.get_parameter_source(name)) is not None and source.name == "DEFAULT"
+    )
+    request = _guarded(lambda: run_request(ctx.params, defaulted))
     outcome = _guarded(
         lambda: start_job(request.spec, request.options, overwrite=request.overwrite)
     )

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from vbatch.client.reasoning import ReasoningParser
 from vbatch.config import AttentionBackend, Device, Dtype, Quantization
+from vbatch.sampling_params import MAX_LOGPROBS, MAX_N
 
 INPUT = "Input"
 ENGINE = "Engine"
@@ -17,6 +19,45 @@ STRUCTURED = "Structured output"
 RAY = "Ray (many machines)"
 JOB = "Job"
 DISPLAY = "Display"
+
+
+class Range:
+    """A numeric option's parser: the one place its range is declared. A value out of range,
+    not finite (nan, inf) or not written in ASCII digits fails at parse time (exit 2)."""
+
+    def __init__(
+        self,
+        kind: type[int] | type[float],
+        least: float,
+        *,
+        above: bool = False,
+        most: float | None = None,
+    ) -> None:
+        self.kind, self.least, self.above, self.most = kind, least, above, most
+        bound = f"> {least}" if above else f">= {least}"
+        self.__name__ = f"{kind.__name__} {bound}" + (f", <= {most}" if most is not None else "")
+
+    def __call__(self, value: Any) -> int | float:
+        if isinstance(value, str) and not value.isascii():
+            raise ValueError(f"{value!r} is not a number written in ASCII")
+        number = self.kind(value)
+        if not math.isfinite(number):
+            raise ValueError(f"{value!r} is not a finite number")
+        is_low = number <= self.least if self.above else number < self.least
+        if is_low or (self.most is not None and number > self.most):
+            raise ValueError(f"{value} is not {self.__name__.partition(' ')[2]}")
+        return number
+
+
+def count(least: int = 1, most: int | None = None) -> Range:
+    return Range(int, least, most=most)
+
+
+def number(least: float, *, above: bool = False, most: float | None = None) -> Range:
+    return Range(float, least, above=above, most=most)
+
+
+INT64 = Range(int, -(2**63), most=2**63 - 1)
 
 InputPath = Annotated[Path, typer.Argument(help="Input file: .jsonl[.gz|.zst] or .parquet.")]
 OutputPath = Annotated[Path, typer.Option("--output", "-o", help="Output: .jsonl or .parquet.")]
@@ -107,15 +148,19 @@ DtypeOption = Annotated[
     ),
 ]
 MaxNumSeqs = Annotated[
-    int, typer.Option(help="Most sequences in one batch.", rich_help_panel=ENGINE)
+    int,
+    typer.Option(help="Most sequences in one batch.", rich_help_panel=ENGINE, parser=count()),
 ]
 MaxNumBatchedTokens = Annotated[
-    int, typer.Option(help="Token budget of one engine step.", rich_help_panel=ENGINE)
+    int,
+    typer.Option(help="Token budget of one engine step.", rich_help_panel=ENGINE, parser=count()),
 ]
 MaxModelLen = Annotated[
     int | None,
     typer.Option(
-        help="Longest prompt + output, in tokens (default: the model's).", rich_help_panel=ENGINE
+        help="Longest prompt + output, in tokens (default: the model's).",
+        rich_help_panel=ENGINE,
+        parser=count(),
     ),
 ]
 KvCacheMemory = Annotated[
@@ -124,6 +169,7 @@ KvCacheMemory = Annotated[
         "--kv-cache-memory",
         help="KV cache size in GB.",
         rich_help_panel=ENGINE,
+        parser=number(0, above=True),
     ),
 ]
 AttentionBackendOption = Annotated[
@@ -135,7 +181,8 @@ AttentionBackendOption = Annotated[
     ),
 ]
 NumThreads = Annotated[
-    int | None, typer.Option(help="CPU threads for the engine.", rich_help_panel=ENGINE)
+    int | None,
+    typer.Option(help="CPU threads for the engine.", rich_help_panel=ENGINE, parser=count()),
 ]
 KvCacheDtype = Annotated[
     Dtype,
@@ -151,11 +198,11 @@ DataParallelSize = Annotated[
     typer.Option(
         "--data-parallel-size",
         "-dp",
-        min=1,
         help="Engine cores on this machine, each a full engine: one per GPU, or on CPU each "
         "with its share of --num-threads (the total) pinned to its own CPUs. Rows go to the "
         "least loaded.",
         rich_help_panel=ENGINE,
+        parser=count(),
     ),
 ]
 UseRay = Annotated[
@@ -175,18 +222,28 @@ RayAddress = Annotated[
         rich_help_panel=RAY,
     ),
 ]
-Replicas = Annotated[int, typer.Option(help="Engine replicas (Ray actors).", rich_help_panel=RAY)]
+Replicas = Annotated[
+    int, typer.Option(help="Engine replicas (Ray actors).", rich_help_panel=RAY, parser=count())
+]
 GpusPerReplica = Annotated[
-    float, typer.Option(help="GPUs Ray gives each replica.", rich_help_panel=RAY)
+    float,
+    typer.Option(help="GPUs Ray gives each replica.", rich_help_panel=RAY, parser=number(0)),
 ]
 CpusPerReplica = Annotated[
     float,
     typer.Option(
-        help="CPUs Ray gives each replica; also its engine's threads.", rich_help_panel=RAY
+        help="CPUs Ray gives each replica; also its engine's threads.",
+        rich_help_panel=RAY,
+        parser=number(0, above=True),
     ),
 ]
 MaxRestarts = Annotated[
-    int, typer.Option(help="Times Ray may restart each replica that died.", rich_help_panel=RAY)
+    int,
+    typer.Option(
+        help="Times Ray may restart each replica that died.",
+        rich_help_panel=RAY,
+        parser=count(0),
+    ),
 ]
 ChatTemplateKwargs = Annotated[
     str | None,
@@ -221,7 +278,12 @@ EnforceEager = Annotated[
     ),
 ]
 MaxGraphBatchSize = Annotated[
-    int, typer.Option(help="Largest decode batch captured as a CUDA graph.", rich_help_panel=ENGINE)
+    int,
+    typer.Option(
+        help="Largest decode batch captured as a CUDA graph.",
+        rich_help_panel=ENGINE,
+        parser=count(),
+    ),
 ]
 AsyncScheduling = Annotated[
     bool,
@@ -251,28 +313,45 @@ HeartbeatTimeout = Annotated[
         "and exits with the resume command. A step that computes may run longer, up to a limit "
         "sized from the step times measured so far.",
         rich_help_panel=ENGINE,
+        parser=number(1),
     ),
 ]
 
 MaxTokens = Annotated[
-    int, typer.Option(help="Most generated tokens per row.", rich_help_panel=SAMPLING)
+    int,
+    typer.Option(help="Most generated tokens per row.", rich_help_panel=SAMPLING, parser=count()),
 ]
 Temperature = Annotated[
-    float, typer.Option(help="0 means greedy (reproducible).", rich_help_panel=SAMPLING)
+    float,
+    typer.Option(help="0 means greedy (reproducible).", rich_help_panel=SAMPLING, parser=number(0)),
 ]
-TopP = Annotated[float, typer.Option(rich_help_panel=SAMPLING)]
-TopK = Annotated[int, typer.Option(help="0 disables.", rich_help_panel=SAMPLING)]
-MinP = Annotated[float, typer.Option(rich_help_panel=SAMPLING)]
+TopP = Annotated[
+    float, typer.Option(rich_help_panel=SAMPLING, parser=number(0, above=True, most=1))
+]
+TopK = Annotated[int, typer.Option(help="0 disables.", rich_help_panel=SAMPLING, parser=count(-1))]
+MinP = Annotated[float, typer.Option(rich_help_panel=SAMPLING, parser=number(0, most=1))]
 Seed = Annotated[
     int | None,
-    typer.Option(help="Seed for sampled rows (reproducible).", rich_help_panel=SAMPLING),
+    typer.Option(
+        help="Seed for sampled rows (reproducible).", rich_help_panel=SAMPLING, parser=INT64
+    ),
 ]
 Stop = Annotated[
     list[str] | None, typer.Option(help="Stop string (repeatable).", rich_help_panel=SAMPLING)
 ]
-N = Annotated[int, typer.Option(help="Samples per row (at most 256).", rich_help_panel=SAMPLING)]
+N = Annotated[
+    int,
+    typer.Option(
+        help="Samples per row (at most 256).", rich_help_panel=SAMPLING, parser=count(1, MAX_N)
+    ),
+]
 Logprobs = Annotated[
-    int | None, typer.Option(help="Top logprobs per token (0-20).", rich_help_panel=SAMPLING)
+    int | None,
+    typer.Option(
+        help="Top logprobs per token (0-20).",
+        rich_help_panel=SAMPLING,
+        parser=count(0, MAX_LOGPROBS),
+    ),
 ]
 IncludeTokenIds = Annotated[
     bool,
@@ -348,14 +427,20 @@ Clean = Annotated[
     typer.Option("--clean", help="Remove the job directory on success.", rich_help_panel=JOB),
 ]
 CommitEveryRows = Annotated[
-    int | None, typer.Option(help="Commit after this many finished rows.", rich_help_panel=JOB)
+    int | None,
+    typer.Option(help="Commit after this many finished rows.", rich_help_panel=JOB, parser=count()),
 ]
 CommitEverySeconds = Annotated[
-    float | None, typer.Option(help="Commit at least this often.", rich_help_panel=JOB)
+    float | None,
+    typer.Option(help="Commit at least this often.", rich_help_panel=JOB, parser=number(0)),
 ]
 MaxErrors = Annotated[
     float | None,
-    typer.Option(help="Stop when more rows error (N, or a fraction < 1).", rich_help_panel=JOB),
+    typer.Option(
+        help="Stop when more rows error (N, or a fraction < 1).",
+        rich_help_panel=JOB,
+        parser=number(0),
+    ),
 ]
 DrainTimeout = Annotated[
     float | None,
@@ -363,10 +448,12 @@ DrainTimeout = Annotated[
         "--drain-timeout",
         help="Seconds in-flight rows get on SIGTERM/SIGINT.",
         rich_help_panel=JOB,
+        parser=number(0),
     ),
 ]
 MaxInFlight = Annotated[
-    int | None, typer.Option(help="Most rows admitted at once.", rich_help_panel=JOB)
+    int | None,
+    typer.Option(help="Most rows admitted at once.", rich_help_panel=JOB, parser=count()),
 ]
 ShardOption = Annotated[
     str | None,
@@ -393,7 +480,10 @@ Quiet = Annotated[
 LogInterval = Annotated[
     float,
     typer.Option(
-        "--log-interval", help="Seconds between plain progress lines.", rich_help_panel=DISPLAY
+        "--log-interval",
+        help="Seconds between plain progress lines.",
+        rich_help_panel=DISPLAY,
+        parser=number(0, above=True),
     ),
 ]
 MetricsFile = Annotated[

@@ -74,29 +74,60 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def validate_messages(messages: Any) -> list[dict[str, Any]]:
-    """Check a conversation's shape; return shallow copies without None-valued keys."""
+def validate_messages(messages: Any, what: str = "messages") -> list[dict[str, Any]]:
+    """The one rule set for a conversation, for the job's rows and for rendering: a non-empty
+    list of objects with a string `role` and a `content` that is a string or a list of text
+    parts (joined with newlines, as vLLM does); an assistant's content may be null or absent
+    (a message with only tool calls), and is then "". Returns shallow copies without
+    None-valued keys; raises InputError naming the message otherwise."""
     if not isinstance(messages, list) or not messages:
         raise InputError(
-            "messages must be a non-empty list of {'role', 'content'} objects, "
+            f"{what} must be a non-empty list of {{'role', 'content'}} objects, "
             f"got {messages!r:.80}"
         )
     checked = []
     for i, message in enumerate(messages):
+        where = f"{what}[{i}]"
         if not isinstance(message, Mapping):
             raise InputError(
-                f"messages[{i}] must be an object with 'role' and 'content', "
-                f"got {type(message).__name__}"
+                f"{where} must be an object with 'role' and 'content', got {type(message).__name__}"
             )
-        for key in ("role", "content"):
-            if key not in message:
-                raise InputError(f"messages[{i}] has no '{key}'")
-            if not isinstance(message[key], str):
-                raise InputError(
-                    f"messages[{i}]['{key}'] must be a string, got {type(message[key]).__name__}"
-                )
-        checked.append({k: v for k, v in message.items() if v is not None})
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise InputError(f"{where} must have a string 'role', got {role!r:.80}")
+        copy = {k: v for k, v in message.items() if v is not None}
+        content = message.get("content")
+        if content is None and role != "assistant":
+            raise InputError(f"{where} has no 'content' (only an assistant's may be null)")
+        if content is None:
+            # NOTE: templates concatenate content; "" is as falsy as null where they test it.
+            copy["content"] = ""
+        elif isinstance(content, list):
+            copy["content"] = _join_text_parts(content, f"{where}.content")
+        elif content is not None and not isinstance(content, str):
+            raise InputError(
+                f"{where}.content must be a string or a list of text parts, "
+                f"got {type(content).__name__}"
+            )
+        checked.append(copy)
     return checked
+
+
+def _join_text_parts(parts: list[Any], what: str) -> str:
+    """OpenAI content parts as one text: text parts joined; any other part refused."""
+    texts = []
+    for k, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif isinstance(kind, str) and kind != "text":
+            raise InputError(
+                f"{what}[{k}] is a {kind!r} part; the model is text-only, so content parts must "
+                "be text parts"
+            )
+        else:
+            raise InputError(f"{what}[{k}] must be {{'type': 'text', 'text': string}}")
+    return "\n".join(texts)
 
 
 def check_template_kwargs(value: Any, what: str = "chat_template_kwargs") -> dict[str, Any]:
@@ -253,6 +284,12 @@ class TextTokenizer:
             )
         except jinja2.TemplateError as exc:
             raise InputError(f"the chat template rejected the messages: {exc}") from None
+        except Exception as exc:
+            # NOTE: templates assume types (a string to concatenate, a list to loop over) that a
+            # row may break, e.g. numbers in tool_calls or chat_template_kwargs: the row's fault.
+            raise InputError(
+                f"the chat template failed on these messages: {type(exc).__name__}: {exc}"
+            ) from None
 
     def encode_chats(
         self,

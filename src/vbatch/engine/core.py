@@ -63,11 +63,14 @@ class EngineCore:
     finished. The n samples of one request are n Sequences; the scheduler admits the later ones
     after the first has computed the prompt, so they share its KV blocks.
 
-    Failures: a request that cannot be added, and every request of a step that raises, end
-    with an ERROR finish carrying the exception's text, and the engine goes on. A step raises
-    EngineBrokenError instead when the failure leaves the engine unusable: a CUDA error (other
-    than out-of-memory), a non-Exception BaseException, or MAX_CONSECUTIVE_STEP_FAILURES
-    failed steps in a row.
+    Failures: a request that cannot be added, and the request of a step that raises, end with
+    an ERROR finish carrying the exception's text, and the engine goes on. A step of several
+    requests that raises before its tokens were applied fails none of them: they are computed
+    again (from their tokens so far) in groups of half the step's size, halving again while a
+    group fails, so that only the request that raises, alone in its step, ends with an ERROR
+    (`_retry_apart`). A step raises EngineBrokenError instead when the failure leaves the engine
+    unusable: a CUDA error (other than out-of-memory), a non-Exception BaseException, or
+    MAX_CONSECUTIVE_STEP_FAILURES failed steps of one request in a row.
     """
 
     def __init__(
@@ -125,6 +128,10 @@ class EngineCore:
         # NOTE: the last output's (step_id, request_ids, indices) when it covered all its seqs.
         self._columns: tuple[int, list[str], list[int]] = (-1, [], [])
         self._num_failed_steps = 0
+        # NOTE: the requests of a failed step being run again in smaller groups, and whether the
+        # step being run is applying its tokens (a failure then cannot be retried).
+        self._suspects: set[str] = set()
+        self._is_applying = False
         self._faults = _parse_faults(os.environ.get(FAULTS_ENV))
         for lora_id, (name, path) in enumerate(config.loras, start=1):
             progress(f"loading LoRA adapter {name}")
@@ -272,16 +279,42 @@ class EngineCore:
         except Exception as e:
             if not planned or _is_fatal(e):
                 raise EngineBrokenError(f"{_describe(e)}; the engine cannot go on after it") from e
+            seqs = [seq for out in planned for seq in out.seqs]
+            if not self._is_applying and len({seq.request_id for seq in seqs}) > 1:
+                return self._retry_apart(seqs)
+            self._is_applying = False
             self._num_failed_steps += 1
             if self._num_failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
                 raise EngineBrokenError(
                     f"{self._num_failed_steps} engine steps in a row failed, the last with "
                     f"{_describe(e)}"
                 ) from e
+            self._end_retries()
             return self._fail_step(planned, f"the engine failed a step: {_describe(e)}")
         if planned:
             self._num_failed_steps = 0
+            if self._suspects and not self._suspects & self.requests.keys():
+                self._end_retries()
         return outputs
+
+    def _retry_apart(self, seqs: list[Sequence]) -> EngineOutputs:
+        """Run a failed step's requests again, at most half as many seqs to a step, so that the
+        request that made it fail ends up alone in a step and fails alone."""
+        self._ahead = None
+        self._columns = (-1, [], [])
+        self.runner.reset_step_state()
+        request_ids = dict.fromkeys(seq.request_id for seq in seqs)
+        samples = [seq for rid in request_ids for seq in self.requests.get(rid, ())]
+        self.scheduler.requeue(samples)
+        self._suspects.update(request_ids)
+        self.scheduler.max_num_seqs = max(1, len(dict.fromkeys(seqs)) // 2)
+        return EngineOutputs()
+
+    def _end_retries(self) -> None:
+        """The request that failed was found (or the retried ones all finished): run at full
+        size again."""
+        self._suspects.clear()
+        self.scheduler.max_num_seqs = self.config.max_num_seqs
 
     def _step(self, planned: list[SchedulerOutput]) -> EngineOutputs:
         start = time.perf_counter()
@@ -338,8 +371,11 @@ class EngineCore:
         collect_start = time.perf_counter()
         token_ids, logprobs = self.runner.collect(sampled)
         self._forward_time += time.perf_counter() - collect_start
+        self._is_applying = True
         update = self.scheduler.update(out, token_ids, logprobs)
-        return self._outputs(out, update)
+        outputs = self._outputs(out, update)
+        self._is_applying = False
+        return outputs
 
     def _fail_step(self, planned: list[SchedulerOutput], message: str) -> EngineOutputs:
         """End every request with a seq in `planned` with an ERROR finish; reset the state that

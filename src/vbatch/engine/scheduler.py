@@ -46,6 +46,9 @@ class Scheduler:
     Invariants: every unfinished seq is in exactly one of `waiting` (no blocks, nothing computed) or
     `running` (admission order, newest last); a step never exceeds max_num_batched_tokens tokens or
     max_num_seqs seqs; finished seqs hold no blocks and are in neither queue.
+
+    `max_num_seqs` starts as the config's; the engine lowers it for a while to run the requests
+    of a failed step in smaller groups (see EngineCore).
     """
 
     def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int]) -> None:
@@ -57,6 +60,7 @@ class Scheduler:
             config.sliding_window,
         )
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_num_seqs = config.max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # NOTE: with prefix caching, a waiting seq whose next uncached prompt block a running seq
@@ -157,7 +161,7 @@ class Scheduler:
             if (
                 last is not None
                 and continues_step == last.step_id
-                and (not self.waiting or len(running) >= self.config.max_num_seqs)
+                and (not self.waiting or len(running) >= self.max_num_seqs)
             ):
                 return self._continue(last)
             seqs = running.copy()
@@ -206,7 +210,7 @@ class Scheduler:
         # continuing it would recompute its position and sample it a second time.
         if not all(out.sampling_mask):
             return None
-        if self.waiting and len(running) < self.config.max_num_seqs:
+        if self.waiting and len(running) < self.max_num_seqs:
             return None
         long_from = self.config.long_rope_from
         for seq in seqs:
@@ -279,6 +283,21 @@ class Scheduler:
         if aborted:
             self.waiting = deque(seq for seq in self.waiting if seq.finish_reason is None)
             self.running = [seq for seq in self.running if seq.finish_reason is None]
+
+    def requeue(self, seqs: Iterable[Sequence]) -> None:
+        """Put these running seqs back at the head of the waiting queue, in order, to be computed
+        again from their tokens (a failed step's seqs, before its tokens were applied)."""
+        requeued = [seq for seq in seqs if seq.status == SequenceStatus.RUNNING]
+        self._applier.end_run()
+        self._decode_crossing = None
+        self._continuable_step = -1
+        self._last_output = None
+        if not requeued:
+            return
+        leaving = set(requeued)
+        self.running = [seq for seq in self.running if seq not in leaving]
+        for seq in reversed(requeued):
+            self._preempt(seq)
 
     def stats(self) -> SchedulerStats:
         """Gauges now plus counters since start (step_time_s is the caller's to fill)."""
@@ -362,9 +381,7 @@ class Scheduler:
         waiting = self.waiting
         active_loras = self._active_loras() if self.config.max_loras and waiting else None
         position = 0
-        while (
-            position < len(waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs
-        ):
+        while position < len(waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = waiting[position]
             if active_loras is not None and not _gets_lora_slot(seq, active_loras, self.config):
                 # NOTE: FCFS but for adapters: a seq whose adapter cannot get a slot lets

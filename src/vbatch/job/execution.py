@@ -63,8 +63,17 @@ class JobExecution:
         self.columns = manifest.options.columns
         self.defaults = SamplingParams.from_dict(manifest.sampling)
         self.reader = InputReader(Path(manifest.input_path), manifest.input_format, self.columns)
+        model = manifest.model
+        lora_rows = manifest.lora_rows
+        # NOTE: an OpenAI line may name an adapter as its body.model.
+        served = {model.source, model.name, model.repo_id, *(lora_rows.names if lora_rows else ())}
         self.parser = RowParser(
-            self.columns, self.defaults, manifest.options.chat_template_kwargs, manifest.lora_rows
+            self.columns,
+            self.defaults,
+            manifest.options.chat_template_kwargs,
+            model_names=frozenset(name for name in served if name),
+            openai_defaults=self.defaults.updated(manifest.options.openai_defaults),
+            loras=lora_rows,
         )
         self.schema = None
         if manifest.output_format == "parquet":
@@ -281,21 +290,7 @@ class JobExecution:
                 row = self.in_flight.pop(result.index)
                 if result.error is None and any(o.finish_reason == "abort" for o in result.outputs):
                     continue
-                structured = (row.sampling_params or self.defaults).structured
-                values = result_row(
-                    row,
-                    result,
-                    include_token_ids=self.manifest.options.include_token_ids,
-                    parse_json=self.manifest.options.parse_json,
-                    reasoning_parser=self.manifest.options.reasoning_parser,
-                    check=(
-                        functools.partial(self.checker.check, structured)
-                        if structured is not None and structured.is_json
-                        else None
-                    ),
-                    require_valid=self.manifest.options.require_valid_json,
-                )
-                self._emit(row, values)
+                self._emit(row, self._result_values(row, result), is_input_error=_refused(result))
         except StopNow:
             pass
         finally:
@@ -312,7 +307,7 @@ class JobExecution:
                 self._show_stop()
                 break
             if row.error is not None:
-                self._emit(row, error_row(row, row.error))
+                self._emit(row, error_row(row, row.error), is_input_error=True)
                 continue
             self.in_flight[row.index] = row
             self.checker.note((row.sampling_params or self.defaults).structured)
@@ -328,13 +323,40 @@ class JobExecution:
             )
         self.stop.is_waiting = self.interruptible
 
-    def _emit(self, row: InputRow, values: dict[str, Any]) -> None:
-        line = None
-        if self.manifest.options.openai_output:
-            line = openai_line(
-                row, values, self.manifest.model.name, self.token_text, self.token_bytes
+    def _result_values(self, row: InputRow, result: Any) -> dict[str, Any]:
+        """The output row of a finished request; an error row when building it raised."""
+        options = self.manifest.options
+        structured = (row.sampling_params or self.defaults).structured
+        try:
+            return result_row(
+                row,
+                result,
+                include_token_ids=options.include_token_ids,
+                parse_json=options.parse_json,
+                reasoning_parser=options.reasoning_parser,
+                check=(
+                    functools.partial(self.checker.check, structured)
+                    if structured is not None and structured.is_json
+                    else None
+                ),
+                require_valid=options.require_valid_json,
             )
-        self.writer.add(values, row.kept, line)
+        except VbatchError:
+            raise
+        except Exception as e:
+            return error_row(row, _unwritable(row, e), len(result.prompt_token_ids))
+
+    def _emit(self, row: InputRow, values: dict[str, Any], *, is_input_error: bool) -> None:
+        """Hand one output row to the writer. A row that cannot be encoded (a kept value nested
+        too deep for JSON, say) is written as an error row without its kept columns."""
+        try:
+            self.writer.add(values, row.kept, self._line(row, values))
+        except VbatchError:
+            raise
+        except Exception as e:
+            values = error_row(row, _unwritable(row, e), values["prompt_tokens"])
+            self.writer.add(values, None, self._line(row, values))
+            is_input_error = True
         if values["structured_valid"] is False:
             self.num_invalid += 1
         is_error = values["error"] is not None
@@ -343,7 +365,7 @@ class JobExecution:
             prompt_tokens=values["prompt_tokens"],
             completion_tokens=values["completion_tokens"],
             cached_tokens=values["cached_tokens"],
-            error_kind=("input" if row.error is not None else "engine") if is_error else None,
+            error_kind=("input" if is_input_error else "engine") if is_error else None,
         )
         if is_error:
             self.num_errors += 1
@@ -356,6 +378,11 @@ class JobExecution:
         ):
             self._commit()
 
+    def _line(self, row: InputRow, values: dict[str, Any]) -> dict[str, Any] | None:
+        if not self.manifest.options.openai_output:
+            return None
+        return openai_line(row, values, self.manifest.model.name, self.token_text, self.token_bytes)
+
     def _commit(self) -> None:
         self.writer.commit()
         self.last_commit_time = time.monotonic()
@@ -367,3 +394,13 @@ class JobExecution:
             self.is_stop_shown = True
             self.metrics.set_state("draining")
             self.metrics.set_drain_deadline(self.stop.drain_deadline)
+
+
+def _refused(result: Any) -> bool:
+    """Whether the LLM refused a request before the engine saw it (bad params, a chat the
+    template cannot render): an error with no prompt tokens is the row's, not the engine's."""
+    return result.error is not None and not result.prompt_token_ids
+
+
+def _unwritable(row: InputRow, error: Exception) -> str:
+    return f"{row.location}: the output row could not be written: {type(error).__name__}: {error}"

@@ -83,6 +83,9 @@ class JobOptions(msgspec.Struct, frozen=True, kw_only=True):
     openai_output: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_parser: str | None = None
+    # NOTE: the sampling defaults an OpenAI Batch line gets over `sampling` (OPENAI_LINE_DEFAULTS
+    # less the options given on the command line); empty in a manifest written before them.
+    openai_defaults: dict[str, Any] = msgspec.field(default_factory=dict)
     commit_every_rows: int = RunOptions.commit_every_rows
     commit_every_seconds: float = RunOptions.commit_every_seconds
     max_errors: float | None = RunOptions.max_errors

@@ -20,7 +20,14 @@ from vbatch.errors import JobStateError
 from vbatch.job.finalize import BATCH_ROWS, RowGroupSink, write_sorted_lines, write_sorted_parquet
 from vbatch.job.journal import JOURNAL_NAME, JobState, read_journal
 from vbatch.job.manifest import MANIFEST_NAME, Manifest
-from vbatch.job.paths import JobLock, fsync_dir, job_dir_for, output_format, resume_command
+from vbatch.job.paths import (
+    JobLock,
+    fsync_dir,
+    job_dir_for,
+    output_format,
+    refuse_clashing_paths,
+    resume_command,
+)
 from vbatch.job.results import line_index
 from vbatch.job.shard import Shard, shards_on_disk
 
@@ -33,6 +40,7 @@ _RESULT_OPTIONS = (
     "parse_json",
     "require_valid_json",
     "openai_output",
+    "openai_defaults",
 )
 _RUN_ROWS = 65536
 
@@ -159,6 +167,7 @@ def merge_shards(
             f"{output} has a job directory of its own ({job_dir_for(output)}); merging would "
             "replace that job's output. Merge into another path"
         )
+    _refuse_clashes(output, jobs)
     if output.exists() and not overwrite:
         raise JobStateError(f"{output} already exists; pass --overwrite to replace it")
     with contextlib.ExitStack() as stack:
@@ -176,6 +185,18 @@ def merge_shards(
     return (
         f"merged {len(jobs)} shards into {output}: {num_rows} rows, {num_errors} errored{removed}"
     )
+
+
+def _refuse_clashes(output: Path, jobs: list[ShardJob]) -> None:
+    """Refuse a merged output that is a file the merge reads: a shard's output or input."""
+    writes = {"the merged output": output}
+    reads: dict[str, Path] = {}
+    for job in jobs:
+        writes[f"shard {job.shard}'s job directory"] = job.job_dir
+        reads[f"shard {job.shard}'s output"] = job.output
+        if job.manifest is not None:
+            reads[f"shard {job.shard}'s input file"] = Path(job.manifest.input_path)
+    refuse_clashing_paths(writes, reads)
 
 
 def _problems(output: Path, array: ShardArray) -> list[str]:

@@ -13,6 +13,9 @@ from vbatch.sampling_params import SamplingParams
 # NOTE: a job is greedy (reproducible, so a resumed job equals an uninterrupted one) and allows
 # longer outputs than a bare SamplingParams.
 JOB_SAMPLING = SamplingParams(max_tokens=256, temperature=0.0)
+# NOTE: an OpenAI Batch line that sets no temperature or top_p gets OpenAI's documented defaults,
+# as it would from OpenAI; `vbatch run --temperature/--top-p` given on the command line win.
+OPENAI_LINE_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,34 @@ def resume_command(output: Path) -> str:
     return f"vbatch resume {shlex.quote(str(output))}"
 
 
+def same_file(a: Path, b: Path) -> bool:
+    """Whether `a` and `b` name one file: through symlinks, relative paths and hard links."""
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def refuse_clashing_paths(writes: dict[str, Path], reads: dict[str, Path]) -> None:
+    """Refuse a command that would write a file it reads or another file it writes, or write
+    or read a file inside a job directory it writes. `writes` and `reads` map what a path is
+    ("the output", "the metrics file") to the path; a key ending in "directory" names a job
+    directory, which may be read and written but holds none of the other paths."""
+    dirs = {what: path.resolve() for what, path in writes.items() if what.endswith("directory")}
+    files = {what: path for what, path in writes.items() if what not in dirs}
+    named = list(files.items())
+    for number, (what, path) in enumerate(named):
+        for other_what, other in [*named[number + 1 :], *reads.items()]:
+            if same_file(path, other):
+                raise InputError(f"{what} {path} is {other_what} {other}; write to another file")
+    for what, path in [*named, *reads.items()]:
+        for dir_what, job_dir in dirs.items():
+            if path.resolve().is_relative_to(job_dir):
+                raise InputError(f"{what} {path} is inside {dir_what} {job_dir}")
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename or a file creation inside `path` durable."""
     fd = os.open(path, os.O_RDONLY)

@@ -112,7 +112,8 @@ def result_row(
 ) -> dict[str, Any]:
     """The vbatch output row (DESIGN.md section 5) for a finished request; `parse_json` adds
     the parsed text (None where it is not JSON), a list of them for n > 1; `reasoning_parser`
-    moves each sample's `<think>` part from its text to `reasoning`/`reasonings`.
+    moves each sample's `<think>` part from its text to `reasoning`/`reasonings`; `row.echo`
+    (an OpenAI completions line's `echo`) puts the prompt before each text.
 
     `check` (for a JSON constraint) says why complete outputs break it, or None: the row's
     `structured_valid`; with `require_valid` an invalid one is an error row."""
@@ -124,6 +125,8 @@ def result_row(
     has_logprobs = any(o.token_logprobs is not None for o in outputs)
     stop_reason = first.stop_reason
     reasonings, texts = zip(*(_split(o, reasoning_parser) for o in outputs), strict=True)
+    if row.echo:
+        texts = tuple(f"{row.prompt}{text}" for text in texts)
     has_reasoning = any(r is not None for r in reasonings)
     complete = _structured_complete(outputs)
     invalid = check(texts) if check is not None and complete else None

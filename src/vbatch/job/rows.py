@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from vbatch.client.tokenizer import check_template_kwargs
+from vbatch.client.tokenizer import check_template_kwargs, validate_messages
 from vbatch.errors import InputError, SamplingParamsError
 from vbatch.sampling_params import SamplingParams
 from vbatch.structured import from_response_format, row_structured
@@ -15,8 +15,22 @@ OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 # NOTE: body keys read elsewhere or that do not change the result pass here; any other unknown key
 # is an error row, so that e.g. a `tools` list the engine cannot honour is never dropped.
 OPENAI_IGNORED_KEYS = frozenset(
-    {"model", "user", "metadata", "store", "stream", "messages", "chat_template_kwargs"}
+    {
+        "model",
+        "user",
+        "metadata",
+        "store",
+        "stream",
+        "stream_options",
+        "service_tier",
+        "parallel_tool_calls",
+        "messages",
+        "prompt",
+        "echo",
+        "chat_template_kwargs",
+    }
 )
+LOGIT_BIAS_LIMIT = 100.0
 OPENAI_SAMPLING_KEYS = {
     "max_tokens": "max_tokens",
     "max_completion_tokens": "max_tokens",
@@ -68,6 +82,7 @@ class InputRow:
     kept: dict[str, Any] | None = None
     error: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False
     lora: str | None = None
 
 
@@ -81,19 +96,27 @@ def is_openai_record(record: dict[str, Any]) -> bool:
 
 class RowParser:
     """Parses raw records with fixed column options, default sampling params and the run's
-    chat-template variables (a row's own `chat_template_kwargs` are merged over them)."""
+    chat-template variables (a row's own `chat_template_kwargs` are merged over them).
+
+    OpenAI Batch lines take their sampling defaults from `openai_defaults` (default: `defaults`),
+    and a line whose body names a model outside `model_names` is an error row (None: any)."""
 
     def __init__(
         self,
         options: ColumnOptions,
         defaults: SamplingParams,
         template_kwargs: dict[str, Any] | None = None,
+        *,
+        model_names: frozenset[str] | None = None,
+        openai_defaults: SamplingParams | None = None,
         loras: LoraRows | None = None,
     ) -> None:
         self.options = options
         self.loras = loras
         self.defaults = defaults
         self.template_kwargs = template_kwargs
+        self.model_names = model_names
+        self.openai_defaults = openai_defaults or defaults
 
     def row_id(self, record: dict[str, Any], index: int) -> str | int | None:
         """The row's id: the id column, else `id`, else `custom_id`, else the input index."""
@@ -131,9 +154,11 @@ class RowParser:
             if self.loras is not None:
                 row.lora = self._lora(record, self.loras)
         except (RowError, SamplingParamsError, InputError) as e:
-            row.prompt = row.messages = row.sampling_params = None
-            row.chat_template_kwargs = None
-            row.error = f"{location}: {e}"
+            _fail(row, f"{location}: {e}")
+        except Exception as e:
+            # NOTE: any other failure (a RecursionError on a deeply nested value, say) is still
+            # this row's: it becomes an error row, so the job and every resume get past it.
+            _fail(row, f"{location}: the row could not be read: {type(e).__name__}: {e}")
         row.kept = self._kept(record)
         return row
 
@@ -169,7 +194,7 @@ class RowParser:
         if prompt is not None and messages is not None:
             raise RowError(f"row has both {prompt_column!r} and {messages_column!r}; give one")
         if messages is not None:
-            row.messages = check_messages(messages, messages_column)
+            row.messages = validate_messages(messages, messages_column)
         elif prompt is not None:
             row.prompt = check_prompt(prompt, prompt_column)
         else:
@@ -180,7 +205,9 @@ class RowParser:
         if overrides is not None:
             if not isinstance(overrides, dict):
                 raise RowError(f"sampling_params must be an object, got {overrides!r}")
-            row.sampling_params = self.defaults.updated(overrides)
+            # NOTE: a null field is an absent one (Parquet writes nulls for unset struct fields).
+            given = {key: value for key, value in overrides.items() if value is not None}
+            row.sampling_params = self.defaults.updated(given)
         response_format, guided = record.get("response_format"), record.get("guided")
         if response_format is not None or guided is not None:
             # NOTE: {"type": "text"} (None) also overrides a job-wide constraint.
@@ -216,21 +243,40 @@ class RowParser:
         if not isinstance(body, dict):
             raise RowError(f"body must be an object, got {type(body).__name__}")
         row.openai_kind = OPENAI_URLS[url]
+        model = body.get("model")
+        if model is not None and self.model_names is not None and model not in self.model_names:
+            # NOTE: as vLLM's run-batch: a line naming a model that is not served fails.
+            names = ", ".join(repr(name) for name in sorted(self.model_names))
+            raise RowError(
+                f"body.model {model!r} is not this job's model; give one of {names}, or no model"
+            )
         if row.openai_kind == "chat":
-            row.messages = check_messages(body.get("messages"), "body.messages")
+            row.messages = validate_messages(body.get("messages"), "body.messages")
         else:
             row.prompt = check_prompt(body.get("prompt"), "body.prompt")
-        row.sampling_params = self.defaults.updated(openai_overrides(body, row.openai_kind))
+            row.echo = _echo(body)
+        row.sampling_params = self.openai_defaults.updated(openai_overrides(body, row.openai_kind))
         self._template_kwargs(row, body.get("chat_template_kwargs"), "body.chat_template_kwargs")
+
+
+def _fail(row: InputRow, message: str) -> None:
+    row.prompt = row.messages = row.sampling_params = None
+    row.chat_template_kwargs = None
+    row.error = message
 
 
 def openai_overrides(body: dict[str, Any], kind: str) -> dict[str, Any]:
     """Map OpenAI request body fields onto SamplingParams fields."""
     overrides: dict[str, Any] = {}
     for key, value in body.items():
+        if value is None:
+            continue
         if key in OPENAI_SAMPLING_KEYS:
-            if value is not None:
-                overrides[OPENAI_SAMPLING_KEYS[key]] = value
+            overrides[OPENAI_SAMPLING_KEYS[key]] = value
+        elif key == "logit_bias":
+            overrides["logit_bias"] = logit_bias(value)
+        elif key == "echo" and kind == "chat":
+            raise RowError("echo is a /v1/completions field")
         elif key == "logprobs" and kind == "completions":
             overrides["logprobs"] = value
         elif key == "logprobs":
@@ -239,11 +285,38 @@ def openai_overrides(body: dict[str, Any], kind: str) -> dict[str, Any]:
         elif key == "top_logprobs":
             overrides["logprobs"] = value
         elif key == "response_format":
-            if value is not None:
-                overrides["structured"] = from_response_format(value)
-        elif key not in OPENAI_IGNORED_KEYS and key != "prompt":
+            overrides["structured"] = from_response_format(value)
+        elif key not in OPENAI_IGNORED_KEYS:
             raise RowError(f"unsupported body field {key!r}")
     return overrides
+
+
+def logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's `logit_bias` (token id, as a string or an integer, to a bias in [-100, 100]) as
+    the `logit_bias` sampling parameter."""
+    if not isinstance(value, dict):
+        raise RowError(f"logit_bias must be an object of token id to bias, got {value!r:.80}")
+    biases = {}
+    for key, bias in value.items():
+        is_id = isinstance(key, int) or (isinstance(key, str) and key.isascii() and key.isdigit())
+        is_number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
+        if not is_id or not is_number or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise RowError(
+                f"logit_bias maps token ids to numbers in [-100, 100], got {key!r}: {bias!r:.40}"
+            )
+        biases[int(key)] = float(bias)
+    return biases
+
+
+def _echo(body: dict[str, Any]) -> bool:
+    echo = body.get("echo")
+    if echo is None:
+        return False
+    if not isinstance(echo, bool):
+        raise RowError(f"echo must be true or false, got {echo!r:.40}")
+    if echo and body.get("logprobs") is not None:
+        raise RowError("echo with logprobs needs prompt logprobs, which vbatch does not give")
+    return echo
 
 
 def check_prompt(prompt: Any, column: str) -> str:
@@ -252,15 +325,3 @@ def check_prompt(prompt: Any, column: str) -> str:
     if not prompt.strip():
         raise RowError(f"{column} is empty")
     return prompt
-
-
-def check_messages(messages: Any, column: str) -> list[dict[str, Any]]:
-    if not isinstance(messages, list) or not messages:
-        raise RowError(f"{column} must be a non-empty list of messages, got {messages!r:.80}")
-    for number, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise RowError(f"{column}[{number}] must be an object with a string 'role'")
-        content = message.get("content")
-        if content is not None and not isinstance(content, (str, list)):
-            raise RowError(f"{column}[{number}].content must be a string or a list of parts")
-    return messages

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import shlex
 import shutil
 import sys
@@ -49,6 +48,7 @@ from vbatch.job.paths import (
     JobLock,
     job_dir_for,
     output_format,
+    refuse_clashing_paths,
     resume_command,
     tmp_output_path,
 )
@@ -85,6 +85,7 @@ class JobSpec:
     shard: Shard | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_parser: str | None = None
+    openai_defaults: dict[str, Any] = field(default_factory=dict)
     lora_rows: LoraRows | None = None
 
 
@@ -97,22 +98,22 @@ class Outcome:
     status: dict[str, Any]
 
 
-def _refuse_output_onto_input(input_path: Path, output: Path, job_dir: Path) -> None:
-    """`run X -o X --overwrite` would delete the input before reading it: refuse, through
-    symlinks, relative paths and hard links."""
+def _refuse_clashes(
+    input_path: Path, output: Path, job_dir: Path, metrics_file: Path | None
+) -> None:
+    """`run X -o X --overwrite` would delete the input before reading it, and a metrics file
+    naming the input or the output would replace it: refuse every written path that is a read
+    one (or another written one), through symlinks, relative paths and hard links."""
     if output.is_dir():
         raise InputError(f"the output {output} is a directory; name a .jsonl or .parquet file")
-    source = input_path.resolve()
-    for path, what in ((output, "output"), (tmp_output_path(output), "output's temp file")):
-        is_same = path.resolve() == source
-        if not is_same and path.exists() and input_path.exists():
-            is_same = os.path.samefile(path, input_path)
-        if is_same:
-            raise InputError(
-                f"the {what} {path} is the input file {input_path}; write to another file"
-            )
-    if source.is_relative_to(job_dir.resolve()):
-        raise InputError(f"the input {input_path} is inside the job directory {job_dir}")
+    writes = {
+        "the output": output,
+        "the output's temp file": tmp_output_path(output),
+        "the job directory": job_dir,
+    }
+    if metrics_file is not None:
+        writes["the metrics file"] = metrics_file
+    refuse_clashing_paths(writes, {"the input file": input_path})
 
 
 def _remove_job(job_dir: Path, output: Path) -> None:
@@ -161,7 +162,7 @@ def start_job(
     fmt = output_format(output)
     if options.ray is not None:
         require_ray()
-    _refuse_output_onto_input(spec.input_path, output, job_dir)
+    _refuse_clashes(spec.input_path, output, job_dir, options.metrics_file)
     output.parent.mkdir(parents=True, exist_ok=True)
     lock = JobLock(job_dir, create=True)
     core = None
@@ -234,6 +235,7 @@ def _prepare_job(
     if clashes:
         raise InputError(f"--keep-columns {', '.join(clashes)} would overwrite output fields")
     defaults = SamplingParams.from_dict(spec.sampling)
+    defaults.updated(spec.openai_defaults)
     config = EngineConfig.from_dict({**spec.engine_args, "model": spec.model})
     for name, path in config.loras:
         read_adapter_config(name, path, config.max_lora_rank)
@@ -248,7 +250,7 @@ def _prepare_job(
     reader = InputReader(spec.input_path, spec.input_format, spec.columns)
     scan = scan_input(
         reader,
-        RowParser(spec.columns, defaults, template_kwargs, spec.lora_rows),
+        RowParser(spec.columns, defaults, template_kwargs, loras=spec.lora_rows),
         collect_keys=spec.columns.keep_all_columns,
         shard=spec.shard,
     )
@@ -278,6 +280,7 @@ def _prepare_job(
             openai_output=scan.is_openai and fmt == "jsonl",
             chat_template_kwargs=template_kwargs,
             reasoning_parser=spec.reasoning_parser,
+            openai_defaults=dict(spec.openai_defaults),
             **options.result_settings(),
         ),
         shard=None if spec.shard is None else _shard_record(spec.shard, scan.input_rows),
@@ -365,6 +368,7 @@ def _start_shard_like(
     options = sibling.options.run_options(overrides)
     _refuse_clean_shard(options)
     job_dir = job_dir_for(output)
+    _refuse_clashes(input_path, output, job_dir, options.metrics_file)
     lock = JobLock(job_dir, create=True)
     if (job_dir / MANIFEST_NAME).exists():
         try:
@@ -396,7 +400,7 @@ def _rescan_input(manifest: Manifest, shard: Shard | None) -> InputScan:
         columns,
         SamplingParams.from_dict(manifest.sampling),
         manifest.options.chat_template_kwargs,
-        manifest.lora_rows,
+        loras=manifest.lora_rows,
     )
     return scan_input(reader, parser, shard=shard)
 
@@ -430,6 +434,7 @@ def _resume_locked(
         if old_input.sampled_sha256 != fingerprint.sampled_sha256:
             _warn_index_matching(job_dir, output, old_rows, manifest.num_rows)
     options = manifest.options.run_options(overrides)
+    _refuse_clashes(input_path, output, job_dir, options.metrics_file)
     if manifest.shard is not None:
         _refuse_clean_shard(options)
     return _execute(
