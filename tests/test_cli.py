@@ -101,6 +101,11 @@ RUN_OPTIONS: dict[str, tuple[list[str], str, Any]] = {
     "device": (["--device", "cpu"], "spec.engine_args.device", "cpu"),
     "dtype": (["--dtype", "bfloat16"], "spec.engine_args.dtype", "bfloat16"),
     "max_num_seqs": (["--max-num-seqs", "7"], "spec.engine_args.max_num_seqs", 7),
+    "lora": (["--lora", "a=/x"], "spec.engine_args.loras", (("a", "/x"),)),
+    "lora_column": (["--lora", "a=/x", "--lora-column", "ad"], "spec.lora_rows.column", "ad"),
+    "lora_default": (["--lora", "a=/x", "--lora-default", "a"], "spec.lora_rows.default", "a"),
+    "max_loras": (["--max-loras", "2"], "spec.engine_args.max_loras", 2),
+    "max_lora_rank": (["--max-lora-rank", "8"], "spec.engine_args.max_lora_rank", 8),
     "max_num_batched_tokens": (
         ["--max-num-batched-tokens", "64"],
         "spec.engine_args.max_num_batched_tokens",

@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from vbatch.engine_args import EngineArgs
     from vbatch.llm import LLM, CompletionOutput, RequestOutput
+    from vbatch.lora.request import LoRARequest
 
 __all__ = [
     "LLM",
@@ -26,6 +27,7 @@ __all__ = [
     "EngineDeadError",
     "EngineStartupError",
     "GuidedDecodingParams",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "SamplingParamsError",
@@ -45,4 +47,8 @@ def __getattr__(name: str) -> Any:
         from vbatch.engine_args import EngineArgs
 
         return EngineArgs
+    if name == "LoRARequest":
+        from vbatch.lora.request import LoRARequest
+
+        return LoRARequest
     raise AttributeError(name)

@@ -30,6 +30,7 @@ from vbatch.job.options import JOB_SAMPLING, OPENAI_LINE_DEFAULTS, RunOptions
 from vbatch.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from vbatch.job.rows import LoraRows
     from vbatch.job.runner import JobSpec
 
 app = typer.Typer(
@@ -85,6 +86,7 @@ def run_request(params: Mapping[str, Any], defaulted: frozenset[str] = frozenset
     from vbatch.job.rows import ColumnOptions
     from vbatch.job.runner import JobSpec
     from vbatch.job.shard import parse_shard
+    from vbatch.lora.adapter import parse_lora_option
     from vbatch.structured import cli_structured
 
     values = {k: v.value if isinstance(v, Enum) else v for k, v in params.items()}
@@ -102,12 +104,16 @@ def run_request(params: Mapping[str, Any], defaulted: frozenset[str] = frozenset
         **take(tuple(f.name for f in fields(ColumnOptions))),
         keep_columns=tuple(c.strip() for c in keep.split(",") if c.strip()),
     )
+    loras = tuple(parse_lora_option(value) for value in values.pop("lora") or ())
+    lora_rows = _lora_rows(loras, values.pop("lora_column"), values.pop("lora_default"))
     display = "quiet" if values.pop("quiet") else "auto"
     overwrite = values.pop("overwrite")
     options = RunOptions(
         display=display, ray=_ray_settings(values), **_given(take(RUN_OPTION_FIELDS))
     )
     engine = {k: v for k, v in take(ENGINE_FIELDS).items() if v != getattr(ENGINE, k)}
+    if loras:
+        engine.update(enable_lora=True, loras=loras)
     shard = values.pop("shard")
     template_kwargs = _json_object(values.pop("chat_template_kwargs"), "--chat-template-kwargs")
     spec_fields = tuple(f.name for f in fields(JobSpec))
@@ -117,6 +123,7 @@ def run_request(params: Mapping[str, Any], defaulted: frozenset[str] = frozenset
         sampling=sampling,
         shard=None if shard is None else parse_shard(shard),
         chat_template_kwargs=template_kwargs,
+        lora_rows=lora_rows,
         openai_defaults={k: v for k, v in OPENAI_LINE_DEFAULTS.items() if k in defaulted},
         **take(spec_fields),
     )
@@ -140,6 +147,22 @@ def resume_request(params: Mapping[str, Any]) -> ResumeRequest:
     if values:
         raise TypeError(f"options with no place in the job: {', '.join(sorted(values))}")
     return request
+
+
+def _lora_rows(
+    loras: tuple[tuple[str, str], ...], column: str | None, default: str | None
+) -> LoraRows | None:
+    """How rows pick among the --lora adapters; --lora-column and --lora-default need them."""
+    from vbatch.job.rows import LoraRows
+
+    if not loras:
+        if column is not None or default is not None:
+            raise ConfigError("--lora-column and --lora-default need adapters: add --lora")
+        return None
+    names = tuple(name for name, _ in loras)
+    if default is not None and default not in names:
+        raise ConfigError(f"--lora-default {default} is not one of the --lora names")
+    return LoraRows(names, column, default)
 
 
 def _ray_settings(values: dict[str, Any]) -> RaySettings | None:
@@ -256,6 +279,11 @@ def run(
     async_scheduling: o.AsyncScheduling = ENGINE.async_scheduling,
     greedy_screen: o.GreedyScreen = ENGINE.greedy_screen,
     heartbeat_timeout_s: o.HeartbeatTimeout = ENGINE.heartbeat_timeout_s,
+    lora: o.Lora = None,
+    lora_default: o.LoraDefault = None,
+    lora_column: o.LoraColumn = None,
+    max_loras: o.MaxLoras = ENGINE.max_loras,
+    max_lora_rank: o.MaxLoraRank = ENGINE.max_lora_rank,
     max_tokens: o.MaxTokens = SAMPLING.max_tokens,
     temperature: o.Temperature = SAMPLING.temperature,
     top_p: o.TopP = SAMPLING.top_p,

@@ -99,6 +99,34 @@ KeepAllColumns = Annotated[
     ),
 ]
 
+LORA = "LoRA adapters"
+Lora = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--lora",
+        metavar="NAME=PATH",
+        help="A PEFT LoRA adapter directory (repeatable); a row picks one by name.",
+        rich_help_panel=LORA,
+    ),
+]
+LoraDefault = Annotated[
+    str | None,
+    typer.Option(
+        help="The adapter of rows that name none (default: the base model).", rich_help_panel=LORA
+    ),
+]
+LoraColumn = Annotated[
+    str | None,
+    typer.Option(
+        help="Column that names the adapter of a row (default: lora; OpenAI lines: body.model).",
+        rich_help_panel=LORA,
+    ),
+]
+MaxLoras = Annotated[
+    int, typer.Option(help="Adapters held on the device at once.", rich_help_panel=LORA)
+]
+MaxLoraRank = Annotated[int, typer.Option(help="The largest adapter rank.", rich_help_panel=LORA)]
+
 Model = Annotated[
     str | None,
     typer.Option(

@@ -102,6 +102,15 @@ class EngineConfig:
     max_graph_batch_size: int = 256
     startup_timeout_s: float = 600.0
     heartbeat_timeout_s: float = 120.0
+    enable_lora: bool = False
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    # NOTE: (name, path) of the adapters the core loads at start-up, with ids 1, 2, ... in order.
+    loras: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        # NOTE: a manifest's JSON gives lists.
+        object.__setattr__(self, "loras", tuple((str(n), str(p)) for n, p in self.loras))
 
     def validate(self) -> EngineConfig:
         if self.device not in DEVICES:
@@ -150,6 +159,15 @@ class EngineConfig:
             raise ConfigError(
                 f"heartbeat_timeout_s must be at least 1 second, got {self.heartbeat_timeout_s}"
             )
+        if self.loras and not self.enable_lora:
+            raise ConfigError("LoRA adapters were given but enable_lora is off")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        names = [name for name, _ in self.loras]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"LoRA adapter names must be distinct, got {', '.join(names)}")
         if self.greedy_screen not in (None, True, False):
             raise ConfigError(
                 f"greedy_screen must be true, false or null (auto), got {self.greedy_screen!r}"

@@ -104,3 +104,7 @@ def unexpected_error(error: BaseException) -> str:
         f"unexpected {type(error).__name__}: {error} (this is a bug in vbatch; rerun with "
         "VBATCH_DEBUG=1 to see the traceback)"
     )
+
+
+class LoraError(VbatchError):
+    """A LoRA adapter that cannot be used: unreadable, unsupported, or not made for this model."""

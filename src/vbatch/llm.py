@@ -18,6 +18,7 @@ import msgspec
 from vbatch.client.core_client import EngineCoreClient
 from vbatch.client.detokenizer import IncrementalDetokenizer
 from vbatch.client.hf_tokenizer import HFTokenizer
+from vbatch.client.loras import ClientLoras
 from vbatch.client.outputs import (
     CompletionOutput,
     Request,
@@ -40,8 +41,15 @@ from vbatch.engine_args import default_sampling_params, map_llm_args
 from vbatch.engine_sets.base import EngineReport, EngineState
 from vbatch.engine_sets.data_parallel import DataParallelClient
 from vbatch.engine_sets.stream import stream_loop
-from vbatch.errors import ConfigError, ModelLoadError, SamplingParamsError, VbatchError
+from vbatch.errors import (
+    ConfigError,
+    LoraError,
+    ModelLoadError,
+    SamplingParamsError,
+    VbatchError,
+)
 from vbatch.llm_pooling import PoolingMethods
+from vbatch.lora.request import LoRARequest
 from vbatch.protocol import (
     AddRequest,
     EngineOutputs,
@@ -72,6 +80,25 @@ _LLM_PARAMS = frozenset(
         "prefix_placement",
     }
 )
+
+
+def _with_loras(
+    requests: list[Request], lora_request: LoRARequest | Sequence[LoRARequest | None]
+) -> list[Request]:
+    """`requests`, each carrying its adapter (one for all, or one per request)."""
+    if isinstance(lora_request, LoRARequest):
+        loras: list[LoRARequest | None] = [lora_request] * len(requests)
+    else:
+        loras = list(lora_request)
+        if len(loras) != len(requests):
+            raise LoraError(
+                f"lora_request has {len(loras)} entries for {len(requests)} prompts; give one "
+                "per prompt or a single one"
+            )
+    return [
+        dataclasses.replace(request, lora_request=lora)
+        for request, lora in zip(requests, loras, strict=True)
+    ]
 
 
 def start_core(model: str | None, **engine_args: Any) -> EngineCoreClient:
@@ -186,6 +213,7 @@ class LLM(PoolingMethods):
         self.model = resolved
         config = EngineConfig.from_dict({**settings.engine, "model": str(resolved.local_path)})
         tokenizer_dir = _tokenizer_dir(settings.tokenizer, model, resolved)
+        self.loras = ClientLoras(config.enable_lora, config.max_lora_rank, config.loras)
         self._client: EngineCoreClient | DataParallelClient
         if data_parallel_size > 1:
             if started_core is not None:
@@ -252,6 +280,7 @@ class LLM(PoolingMethods):
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; results come back in input order.
 
@@ -259,9 +288,13 @@ class LLM(PoolingMethods):
         [int]}, conversations (lists of messages; prefer `chat`) or `Request`s.
         `sampling_params` is one SamplingParams for all, or a list with one per prompt (default:
         `get_default_sampling_params()`). Anything else raises TypeError/ValueError (as
-        PromptTypeError/PromptValueError) before any prompt runs.
+        PromptTypeError/PromptValueError) before any prompt runs. `lora_request`
+        (LLM(enable_lora=True)) runs every prompt with one adapter, or, a list, each prompt with
+        its own (None: the base model).
         """
         requests = [to_request(item) for item in generate_inputs(prompts)]
+        if lora_request is not None:
+            requests = _with_loras(requests, lora_request)
         return self._run(requests, sampling_params, use_tqdm)
 
     def chat(
@@ -399,13 +432,20 @@ class LLM(PoolingMethods):
                 pooling.append((position, req))
                 continue
             problem = self._check_params(req.sampling_params or defaults, checked)
+            if problem is None:
+                try:
+                    lora = self.loras.ref(req.lora_request)
+                except LoraError as e:
+                    problem = str(e)
             if problem is not None:
                 ready.append((position, error_output(req, position, [], problem, 1)))
                 continue
-            requests.append((position, req))
+            requests.append((position, req, lora))
         adds = []
-        tokenized = self._tokenize([req for _, req in requests])
-        for (position, req), (prompt_ids, prompt_text) in zip(requests, tokenized, strict=True):
+        tokenized = self._tokenize([req for _, req, _ in requests])
+        for (position, req, lora), (prompt_ids, prompt_text) in zip(
+            requests, tokenized, strict=True
+        ):
             params = req.sampling_params or defaults
             if isinstance(prompt_ids, str):
                 ready.append((position, error_output(req, position, [], prompt_ids, params.n)))
@@ -430,7 +470,7 @@ class LLM(PoolingMethods):
                 reasoning_parser=self.reasoning_parser,
                 decode_token=self._decode_token,
             )
-            adds.append(AddRequest(rid, pack_token_ids(prompt_ids), params, time.time()))
+            adds.append(AddRequest(rid, pack_token_ids(prompt_ids), params, time.time(), lora=lora))
         if adds:
             self._client.add_requests(adds)
         if pooling:

@@ -8,6 +8,7 @@ import re
 import msgspec
 import numpy as np
 
+from vbatch.lora.request import LoraRef
 from vbatch.pooling_params import PoolingParams
 from vbatch.sampling_params import SamplingParams
 
@@ -42,6 +43,7 @@ class AddRequest(_Msg, tag=1):
     arrival_time: float = 0.0
     # NOTE: set for a prefill-only request: the core answers with a PooledOutput, not tokens.
     pooling: PoolingParams | None = None
+    lora: LoraRef | None = None
 
 
 class Abort(_Msg, tag=2):

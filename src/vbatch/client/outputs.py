@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 from vbatch.client.detokenizer import IncrementalDetokenizer
 from vbatch.client.reasoning import split_reasoning
+from vbatch.lora.request import LoRARequest
 from vbatch.pooling_params import PoolingParams
 from vbatch.protocol import FinishReason, PooledOutput, SampleFinish, TokenLogprobs
 from vbatch.sampling_params import SamplingParams
@@ -94,6 +95,7 @@ class Request:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

@@ -37,8 +37,12 @@ def hash_block(parent_hash: BlockHash, token_ids: SequenceOf[int]) -> BlockHash:
 
 
 def root_hash(seq: Sequence) -> BlockHash:
-    """The parent of `seq`'s first block: it keys what, besides the tokens, its K/V depend on."""
-    return LONG_ROPE_ROOT_HASH if seq.long_rope else ROOT_HASH
+    """The parent of `seq`'s first block: it keys what, besides the tokens, its K/V depend on
+    (longrope's long factors; its LoRA adapter, whose K/V of the same tokens differ)."""
+    root = LONG_ROPE_ROOT_HASH if seq.long_rope else ROOT_HASH
+    if seq.lora_id:
+        return _sha256(root + b"lora:" + seq.lora_id.to_bytes(8, "little")).digest()
+    return root
 
 
 class BlockManager:

@@ -17,7 +17,8 @@ from vbatch.engine.sampler import SamplerOutput
 from vbatch.engine.scheduler import Scheduler, SchedulerConfig
 from vbatch.engine.sequence import Sequence
 from vbatch.engine.steps import SchedulerOutput, StepUpdate
-from vbatch.errors import VbatchError
+from vbatch.errors import LoraError, VbatchError
+from vbatch.lora.request import LoraRef
 from vbatch.models.config import ModelConfig
 from vbatch.models.loader import resolve_model
 from vbatch.pooling_params import PoolingParams, PoolingTask
@@ -97,6 +98,7 @@ class EngineCore:
                 enable_prefix_caching=config.enable_prefix_caching,
                 sliding_window=_kv_window(self.model_config.sliding_windows),
                 long_rope_from=self.model_config.long_rope_from,
+                max_loras=config.max_loras if config.enable_lora else 0,
             ),
             eos_token_ids=self.model_config.eos_token_ids,
         )
@@ -143,6 +145,10 @@ class EngineCore:
         self._suspects: set[str] = set()
         self._is_applying = False
         self._faults = _parse_faults(os.environ.get(FAULTS_ENV))
+        for lora_id, (name, path) in enumerate(config.loras, start=1):
+            progress(f"loading LoRA adapter {name}")
+            assert self.runner.lora is not None, "validate() requires enable_lora with loras"
+            self.runner.lora.register(LoraRef(lora_id, name, path))
 
     def add_request(self, req: AddRequest) -> list[SampleFinish]:
         """Queue a request; a rejected one, or one whose admission raised, comes back as an ERROR
@@ -176,11 +182,29 @@ class EngineCore:
                     f"lie in [0, {vocab_size})",
                 )
             ]
-        seqs = [Sequence(req.request_id, prompt_token_ids, params, i) for i in range(params.n)]
+        lora_id = 0
+        if req.lora is not None:
+            if self.runner.lora is None:
+                return [
+                    _error(
+                        req.request_id,
+                        "the request names a LoRA adapter; start the engine with enable_lora",
+                    )
+                ]
+            try:
+                self.runner.lora.register(req.lora)
+            except LoraError as e:
+                return [_error(req.request_id, str(e))]
+            lora_id = req.lora.lora_id
+        seqs = [
+            Sequence(req.request_id, prompt_token_ids, params, i, lora_id) for i in range(params.n)
+        ]
         prompt_job = None
         if params.prompt_logprobs is not None:
             if params.structured is not None:
                 return [_error(req.request_id, "prompt_logprobs cannot go with structured output")]
+            if lora_id:
+                return [_error(req.request_id, "prompt_logprobs cannot go with a LoRA adapter")]
             prompt_job = PoolingJob(
                 req.request_id,
                 [prompt_token_ids],

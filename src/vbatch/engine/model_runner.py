@@ -39,6 +39,7 @@ from vbatch.layers.greedy_screen import (
 )
 from vbatch.layers.native import has_fused_ops
 from vbatch.layers.quantization import WORTHWHILE_SPEEDUP, describe_int8_choice
+from vbatch.lora.slots import LoraSlots
 from vbatch.models.config import ModelConfig
 from vbatch.models.llama import load_model
 from vbatch.models.loader import ResolvedModel
@@ -128,6 +129,9 @@ class ModelRunner:
                 self.kernel_notes.append(describe_screen_choice({}, True))
             if use_screen:
                 self.model.enable_greedy_screen()
+        self.lora: LoraSlots | None = None
+        if config.enable_lora:
+            self.lora = LoraSlots(self.model, model_config, config.max_loras, config.max_lora_rank)
         progress("sizing KV cache")
         self.block_bytes = kv_block_bytes(model_config, self.block_size, self.kv_cache_dtype)
         self.num_kv_blocks = count_kv_blocks(config, self.device, self.block_bytes)
@@ -166,10 +170,12 @@ class ModelRunner:
         self.graph_runner: DecodeGraphRunner | None = None
         # NOTE: the torch backend's decode gathers max_seq_len positions a row, which a graph
         # fixes at the model's whole length; the native op reads only each row's context. MoE
-        # routing sizes its expert batches on the host, which a graph cannot capture.
+        # routing sizes its expert batches on the host, which a graph cannot capture. A step's
+        # LoRA groups change its shapes, so adapters run eagerly too.
         if (
             self.device.type == "cuda"
             and not config.enforce_eager
+            and self.lora is None
             and self.attn_backend.name == "native"
             and self.model.supports_cuda_graphs
         ):
@@ -301,6 +307,8 @@ class ModelRunner:
 
     def _launch(self, out: SchedulerOutput) -> SamplerOutput | None:
         inputs = self.prepare(out)
+        if self.lora is not None:
+            self.lora.prepare(out)
         if not inputs.sample_rows:
             self.model(inputs.input_ids, inputs.model_positions, self.kv_caches, inputs.meta)
             return None

@@ -30,6 +30,14 @@ class SchedulerConfig:
     # NOTE: set for a longrope model: its pre-training length. A longer seq runs on the long
     # factors, every position of it (as transformers); one that grows past it is recomputed.
     long_rope_from: int | None = None
+    # NOTE: with LoRA, how many adapters may run at once (the engine's adapter slots); 0: no
+    # limit (no adapters).
+    max_loras: int = 0
+
+
+# NOTE: with LoRA, how far down the waiting queue admission looks past seqs whose adapter finds
+# no slot.
+MAX_LORA_LOOKAHEAD = 256
 
 
 class Scheduler:
@@ -371,8 +379,17 @@ class Scheduler:
         block_size = self.config.block_size
         is_sharing_prompts = self.config.enable_prefix_caching
         waiting = self.waiting
-        while waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = waiting[0]
+        active_loras = self._active_loras() if self.config.max_loras and waiting else None
+        position = 0
+        while position < len(waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = waiting[position]
+            if active_loras is not None and not _gets_lora_slot(seq, active_loras, self.config):
+                # NOTE: FCFS but for adapters: a seq whose adapter cannot get a slot lets
+                # later seqs of resident adapters (or the base model) go first.
+                position += 1
+                if position >= MAX_LORA_LOOKAHEAD:
+                    break
+                continue
             cached_blocks = block_manager.match_prefix(seq)
             if self._claims.is_computing_next(seq, cached_blocks):
                 break
@@ -380,7 +397,9 @@ class Scheduler:
             num_new = num_uncomputed if num_uncomputed < budget else budget
             if not block_manager.can_allocate(num_new, cached_blocks):
                 break
-            waiting.popleft()
+            del waiting[position]
+            if active_loras is not None and seq.lora_id:
+                active_loras.add(seq.lora_id)
             block_manager.allocate(seq, num_new, cached_blocks)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -391,6 +410,9 @@ class Scheduler:
             sampling_mask.append(num_new == num_uncomputed)
             budget -= num_new
         return budget
+
+    def _active_loras(self) -> set[int]:
+        return {seq.lora_id for seq in self.running if seq.lora_id}
 
     def _recompute_past(self, seqs: list[Sequence], long_from: int) -> bool:
         """Requeue, at the head, the unfinished `seqs` that have just grown past the pre-training
@@ -426,6 +448,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self._claims.release(seq)
         self.num_preemptions += 1
+
+
+def _gets_lora_slot(seq: Sequence, active_loras: set[int], config: SchedulerConfig) -> bool:
+    """Whether `seq` may run beside the running seqs' adapters."""
+    lora_id = seq.lora_id
+    return not lora_id or lora_id in active_loras or len(active_loras) < config.max_loras
 
 
 def _will_pass(seq: Sequence, long_from: int) -> bool:

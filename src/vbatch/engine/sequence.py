@@ -49,6 +49,7 @@ class Sequence:
         "grammar",
         "index",
         "long_rope",
+        "lora_id",
         "max_num_tokens",
         "num_cached_tokens",
         "num_dropped_blocks",
@@ -69,10 +70,13 @@ class Sequence:
         prompt_token_ids: list[int],
         params: SamplingParams,
         index: int = 0,
+        lora_id: int = 0,
     ) -> None:
         self.seq_id = next(_seq_counter)
         self.request_id = request_id
         self.index = index
+        # NOTE: the LoRA adapter it runs with (its id in the core), 0 for the base model.
+        self.lora_id = lora_id
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_uncomputed_tokens = self.num_prompt_tokens

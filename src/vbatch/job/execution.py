@@ -46,6 +46,7 @@ from vbatch.job.tasks import (
 )
 from vbatch.job.validation import OutputChecker
 from vbatch.job.writer import open_writer
+from vbatch.lora.request import startup_requests
 from vbatch.models.config import read_id2label
 from vbatch.sampling_params import SamplingParams
 
@@ -81,12 +82,16 @@ class JobExecution:
         self.defaults = SamplingParams.from_dict(manifest.sampling)
         self.reader = InputReader(Path(manifest.input_path), manifest.input_format, self.columns)
         model = manifest.model
+        lora_rows = manifest.lora_rows
+        # NOTE: an OpenAI line may name an adapter as its body.model.
+        served = {model.source, model.name, model.repo_id, *(lora_rows.names if lora_rows else ())}
         self.parser = RowParser(
             self.columns,
             self.defaults,
             manifest.options.chat_template_kwargs,
-            model_names=frozenset(n for n in (model.source, model.name, model.repo_id) if n),
+            model_names=frozenset(name for name in served if name),
             openai_defaults=self.defaults.updated(manifest.options.openai_defaults),
+            loras=lora_rows,
         )
         self.task = manifest.options.task
         self.task_params = pooling_params(self.task, manifest.options.dimensions)
@@ -100,6 +105,7 @@ class JobExecution:
                 self.reader.arrow_schema,
                 manifest.options.parse_json,
                 reasoning=manifest.options.reasoning_parser is not None,
+                lora=manifest.lora_rows is not None,
             )
             if self.task_params is not None:
                 self.schema = task_schema(
@@ -109,6 +115,7 @@ class JobExecution:
                     [self.schema.field(name) for name in kept],
                 )
         self.writer = open_writer(job_dir, journal, manifest, self.schema)
+        self.lora_requests = startup_requests(manifest.engine.get("loras"))
         self.in_flight: dict[int, InputRow] = {}
         self.num_errors = len(journal.state.errors)
         self.num_invalid = 0
@@ -373,6 +380,7 @@ class JobExecution:
                 sampling_params=row.sampling_params,
                 chat_template_kwargs=row.chat_template_kwargs,
                 pooling_params=row.pooling_params or self.task_params,
+                lora_request=None if row.lora is None else self.lora_requests[row.lora],
             )
         self.stop.is_waiting = self.interruptible
 

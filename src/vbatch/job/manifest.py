@@ -13,7 +13,7 @@ from vbatch.engine_sets.base import RaySettings
 from vbatch.errors import JobStateError, ModelLoadError
 from vbatch.job.options import RunOptions
 from vbatch.job.paths import write_atomic
-from vbatch.job.rows import ColumnOptions
+from vbatch.job.rows import ColumnOptions, LoraRows
 from vbatch.job.shard import Shard
 
 MANIFEST_NAME = "manifest.json"
@@ -32,6 +32,29 @@ class InputFingerprint(msgspec.Struct, frozen=True, kw_only=True):
     sampled_sha256: str
 
 
+class LoraRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A LoRA adapter the job runs: its name, directory and each file's sha256."""
+
+    name: str
+    path: str
+    files: dict[str, str]
+
+
+def lora_records(loras: Any) -> list[LoraRecord] | None:
+    """The records of a job's (name, path) adapters; None without any."""
+    from vbatch.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
+    from vbatch.models.loader import hash_files
+
+    records = []
+    for name, path in loras or ():
+        files = {}
+        for file_name in (CONFIG_FILE, WEIGHTS_FILE):
+            file = Path(path) / file_name
+            files[file_name] = hash_files([file]) if file.is_file() else "missing"
+        records.append(LoraRecord(name=name, path=str(Path(path).absolute()), files=files))
+    return records or None
+
+
 class ModelIdentity(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """The model as the user named it (`source`), the hash of its weights, and a hash of each
     other file that changes its output; `files` is None in a manifest of version 1. A hub id
@@ -44,6 +67,7 @@ class ModelIdentity(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     repo_id: str | None = None
     revision: str | None = None
     commit: str | None = None
+    loras: list[LoraRecord] | None = None
 
 
 class JobOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -104,10 +128,11 @@ def input_fingerprint(path: Path) -> InputFingerprint:
     return InputFingerprint(size=size, mtime_ns=stat.st_mtime_ns, sampled_sha256=digest.hexdigest())
 
 
-def model_identity(model: str | None) -> ModelIdentity:
+def model_identity(model: str | None, loras: Any = ()) -> ModelIdentity:
     """The model as the user named it, a hash of its weights (memoized by size and mtime) and a
     hash of each other file that changes its output (tokenizer, chat template, configs). A hub
-    id also records its repo id, the revision asked for and the snapshot commit it resolved to."""
+    id also records its repo id, the revision asked for and the snapshot commit it resolved to;
+    `loras`, the job's (name, path) adapters, their files' hashes."""
     from vbatch.models.loader import hash_files, locate_model, model_file_hashes, weight_files
 
     location = locate_model(model)
@@ -126,6 +151,7 @@ def model_identity(model: str | None) -> ModelIdentity:
         repo_id=hub.repo_id if hub else None,
         revision=hub.revision if hub else None,
         commit=hub.commit if hub else None,
+        loras=lora_records(loras),
     )
 
 
@@ -158,6 +184,7 @@ class Manifest(msgspec.Struct, kw_only=True, omit_defaults=True):
     options: JobOptions
     created: float = msgspec.field(default_factory=time.time)
     shard: ShardRecord | None = None
+    lora_rows: LoraRows | None = None
     # NOTE: the kernels the engine chose at start-up (by measurement or forced), as it reported
     # them in its latest run; a record, never compared on resume.
     kernels: list[str] | None = None
@@ -229,6 +256,12 @@ class Manifest(msgspec.Struct, kw_only=True, omit_defaults=True):
                 f"Face cache, not {self.model.commit}{same}"
             )
         reasons += model_changes
+        for old, new in zip(self.model.loras or [], current_model.loras or [], strict=False):
+            changed = [name for name, digest in old.files.items() if new.files.get(name) != digest]
+            if changed:
+                reasons.append(
+                    f"LoRA adapter {old.name!r} changed ({old.path}: {', '.join(changed)})"
+                )
         if __version__ != self.vbatch_version:
             reasons.append(f"vbatch version changed ({self.vbatch_version} -> {__version__})")
         return reasons

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 OUTPUT_COLUMNS = (
     "id",
     "index",
+    "lora",
     "text",
     "reasoning",
     "texts",
@@ -53,6 +54,7 @@ OUTPUT_COLUMNS = (
 )
 OPTIONAL_COLUMNS = frozenset(
     {
+        "lora",
         "reasoning",
         "texts",
         "reasonings",
@@ -136,6 +138,7 @@ def result_row(
     return {
         "id": row.id,
         "index": row.index,
+        "lora": row.lora,
         "text": None if is_multi else texts[0],
         "reasoning": None if is_multi else reasonings[0],
         "texts": list(texts) if is_multi else None,
@@ -189,6 +192,7 @@ def error_row(row: InputRow, message: str, prompt_tokens: int = 0) -> dict[str, 
     values.update(
         id=row.id,
         index=row.index,
+        lora=row.lora,
         finish_reason="error",
         prompt_tokens=prompt_tokens,
         completion_tokens=0,
@@ -315,7 +319,7 @@ def openai_line(
         "id": f"{'chatcmpl' if is_chat else 'cmpl'}-vbatch-{row.index}",
         "object": "chat.completion" if is_chat else "text_completion",
         "created": int(time.time()),
-        "model": model_name,
+        "model": row.lora or model_name,
         "choices": choices,
         "usage": {
             "prompt_tokens": values["prompt_tokens"],
@@ -415,6 +419,7 @@ def parquet_schema(
     parse_json: bool = False,
     *,
     reasoning: bool = False,
+    lora: bool = False,
 ) -> pa.Schema:
     """The fixed Parquet schema of every part and of the final file. Kept columns keep their
     Parquet input type (views as their plain types); kept JSONL values are stored as JSON text,
@@ -440,6 +445,7 @@ def parquet_schema(
     fields = [
         ("id", pa.int64() if id_kind == "int" else pa.string()),
         ("index", pa.int64()),
+        *([("lora", pa.string())] if lora else []),
         ("text", pa.string()),
         *([("reasoning", pa.string())] if reasoning else []),
         ("texts", pa.list_(pa.string())),

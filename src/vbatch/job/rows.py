@@ -64,6 +64,16 @@ class ColumnOptions:
     keep_all_columns: bool = False
 
 
+@dataclass(frozen=True)
+class LoraRows:
+    """With LoRA adapters (--lora): their names, the column naming a row's adapter (default:
+    lora; an OpenAI Batch line's body.model) and the adapter of rows naming none."""
+
+    names: tuple[str, ...]
+    column: str | None = None
+    default: str | None = None
+
+
 @dataclass
 class InputRow:
     """One input row. Invariant: exactly one of `error`, `prompt`, `messages` is set."""
@@ -82,6 +92,7 @@ class InputRow:
     # NOTE: an OpenAI embeddings line's (its `input` may be a list of strings, then `prompt`).
     pooling_params: PoolingParams | None = None
     encoding_format: str | None = None
+    lora: str | None = None
 
 
 class RowError(ValueError):
@@ -107,8 +118,10 @@ class RowParser:
         *,
         model_names: frozenset[str] | None = None,
         openai_defaults: SamplingParams | None = None,
+        loras: LoraRows | None = None,
     ) -> None:
         self.options = options
+        self.loras = loras
         self.defaults = defaults
         self.template_kwargs = template_kwargs
         self.model_names = model_names
@@ -147,6 +160,8 @@ class RowParser:
                 self._parse_openai(record, row)
             else:
                 self._parse_plain(record, row)
+            if self.loras is not None:
+                row.lora = self._lora(record, self.loras)
         except (RowError, SamplingParamsError, InputError) as e:
             _fail(row, f"{location}: {e}")
         except Exception as e:
@@ -155,6 +170,23 @@ class RowParser:
             _fail(row, f"{location}: the row could not be read: {type(e).__name__}: {e}")
         row.kept = self._kept(record)
         return row
+
+    def _lora(self, record: dict[str, Any], loras: LoraRows) -> str | None:
+        """The adapter a row names (its lora column, or an OpenAI body's `model` when that
+        names an adapter), else the default one; a name no --lora gave is a RowError."""
+        if is_openai_record(record):
+            model = record["body"].get("model")
+            return model if model in loras.names else loras.default
+        column = loras.column or "lora"
+        name = record.get(column)
+        if name is None:
+            return loras.default
+        if not isinstance(name, str) or name not in loras.names:
+            raise RowError(
+                f"{column} {name!r} is not a LoRA adapter of this job "
+                f"(--lora gave {', '.join(loras.names)})"
+            )
+        return name
 
     def _kept(self, record: dict[str, Any]) -> dict[str, Any] | None:
         if self.options.keep_all_columns:

@@ -54,8 +54,9 @@ from vbatch.job.paths import (
 )
 from vbatch.job.reader import InputReader, InputScan, scan_input
 from vbatch.job.results import OUTPUT_COLUMNS
-from vbatch.job.rows import ColumnOptions, RowParser
+from vbatch.job.rows import ColumnOptions, LoraRows, RowParser
 from vbatch.job.shard import Shard, shard_of_output, shards_on_disk
+from vbatch.lora.adapter import read_adapter_config
 from vbatch.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ class JobSpec:
     openai_defaults: dict[str, Any] = field(default_factory=dict)
     task: str = "generate"
     dimensions: int | None = None
+    lora_rows: LoraRows | None = None
 
 
 @dataclass(frozen=True)
@@ -237,6 +239,8 @@ def _prepare_job(
     defaults = SamplingParams.from_dict(spec.sampling)
     defaults.updated(spec.openai_defaults)
     config = EngineConfig.from_dict({**spec.engine_args, "model": spec.model})
+    for name, path in config.loras:
+        read_adapter_config(name, path, config.max_lora_rank)
     if options.data_parallel_size > 1:
         from vbatch.client.placement import core_placements
 
@@ -248,7 +252,7 @@ def _prepare_job(
     reader = InputReader(spec.input_path, spec.input_format, spec.columns)
     scan = scan_input(
         reader,
-        RowParser(spec.columns, defaults, template_kwargs),
+        RowParser(spec.columns, defaults, template_kwargs, loras=spec.lora_rows),
         collect_keys=spec.columns.keep_all_columns,
         shard=spec.shard,
     )
@@ -266,7 +270,7 @@ def _prepare_job(
         id_kind=scan.id_kind,
         output_path=str(output.absolute()),
         output_format=fmt,
-        model=model_identity(spec.model),
+        model=model_identity(spec.model, spec.engine_args.get("loras")),
         engine=dict(spec.engine_args),
         sampling=defaults.to_dict(),
         options=JobOptions(
@@ -284,6 +288,7 @@ def _prepare_job(
             **options.result_settings(),
         ),
         shard=None if spec.shard is None else _shard_record(spec.shard, scan.input_rows),
+        lora_rows=spec.lora_rows,
         manifest_version=MANIFEST_VERSION,
     )
     _remove_job(job_dir, output)
@@ -354,7 +359,7 @@ def _start_shard_like(
     input_path = Path(sibling.input_path)
     if not input_path.is_file():
         raise InputError(f"the input file {input_path} of shard {sibling.shard_spec} is gone")
-    identity = model_identity(sibling.model_to_load())
+    identity = model_identity(sibling.model_to_load(), sibling.engine.get("loras"))
     mismatches = sibling.mismatches(input_fingerprint(input_path), identity)
     if mismatches:
         raise JobStateError(
@@ -396,7 +401,10 @@ def _rescan_input(manifest: Manifest, shard: Shard | None) -> InputScan:
     columns = replace(manifest.options.columns, keep_all_columns=False)
     reader = InputReader(Path(manifest.input_path), manifest.input_format, columns)
     parser = RowParser(
-        columns, SamplingParams.from_dict(manifest.sampling), manifest.options.chat_template_kwargs
+        columns,
+        SamplingParams.from_dict(manifest.sampling),
+        manifest.options.chat_template_kwargs,
+        loras=manifest.lora_rows,
     )
     return scan_input(reader, parser, shard=shard)
 
@@ -416,7 +424,7 @@ def _resume_locked(
     if not input_path.is_file():
         raise InputError(f"the job's input file {input_path} no longer exists")
     fingerprint = input_fingerprint(input_path)
-    identity = model_identity(manifest.model.source)
+    identity = model_identity(manifest.model.source, manifest.engine.get("loras"))
     mismatches = manifest.mismatches(fingerprint, identity)
     if mismatches and not force:
         raise JobStateError(

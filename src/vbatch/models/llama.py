@@ -14,6 +14,7 @@ from vbatch.errors import ConfigError, ModelLoadError
 from vbatch.layers.activation import ACTIVATIONS
 from vbatch.layers.attention import AttentionBackend, AttentionMetadata
 from vbatch.layers.greedy_screen import Int8GreedyScreen
+from vbatch.layers.lora import LoraLinear
 from vbatch.layers.native import has_fused_ops
 from vbatch.layers.norm import RMSNorm
 from vbatch.layers.quantization import has_int8_kernels, quantize_linears
@@ -61,6 +62,9 @@ class LlamaAttention(nn.Module):
         )
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
+        # NOTE: set by LoraSlots when the engine runs adapters (vbatch/lora/slots.py).
+        self.qkv_lora: LoraLinear | None = None
+        self.o_lora: LoraLinear | None = None
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, use_native_ops)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, use_native_ops)
@@ -71,7 +75,10 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         num_qk_heads = self.num_heads + self.num_kv_heads
         # [num_tokens, num_heads + 2 * num_kv_heads, head_dim]
-        qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)
+        qkv = self.qkv_proj(x)
+        if self.qkv_lora is not None:
+            self.qkv_lora.add_to(qkv, x)
+        qkv = qkv.view(num_tokens, -1, self.head_dim)
         qk = qkv[:, :num_qk_heads]
         if self.q_norm is not None and self.k_norm is not None:
             q = _norm_heads(self.q_norm, qk[:, : self.num_heads])
@@ -83,7 +90,12 @@ class LlamaAttention(nn.Module):
         out = self.attn_backend.forward(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window, self.softcap
         )
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        out = out.reshape(num_tokens, self.num_heads * self.head_dim)
+        if self.o_lora is None:
+            return self.o_proj(out)
+        projected = self.o_proj(out)
+        self.o_lora.add_to(projected, out)
+        return projected
 
 
 def _norm_heads(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -101,12 +113,22 @@ class LlamaMLP(nn.Module):
         bias = config.mlp_bias
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        # NOTE: set by LoraSlots when the engine runs adapters (vbatch/lora/slots.py).
+        self.gate_up_lora: LoraLinear | None = None
+        self.down_lora: LoraLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= MAX_TRANSPOSED_ROWS and _is_cpu_float32_linear(self.gate_up_proj, x):
             return self._forward_transposed(x)
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if self.gate_up_lora is not None:
+            self.gate_up_lora.add_to(gate_up, x)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        act = self.act(gate) * up
+        out = self.down_proj(act)
+        if self.down_lora is not None:
+            self.down_lora.add_to(out, act)
+        return out
 
     def _forward_transposed(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: for few rows MKL runs W @ x^T 1.3-1.4x faster than x @ W^T (measured at 16-128
@@ -119,8 +141,13 @@ class LlamaMLP(nn.Module):
         size = self.intermediate_size
         # [2 * intermediate_size, padded num_tokens]
         gate_up = _mm_columns(self.gate_up_proj, x.t())
+        if self.gate_up_lora is not None:
+            self.gate_up_lora.add_to(gate_up[:, :num_tokens].t(), x[:num_tokens])
         act = self.act(gate_up[:size]).mul_(gate_up[size:])
-        return _mm_columns(self.down_proj, act)[:, :num_tokens].t().contiguous()
+        out = _mm_columns(self.down_proj, act)[:, :num_tokens].t().contiguous()
+        if self.down_lora is not None:
+            self.down_lora.add_to(out, act[:, :num_tokens].t())
+        return out
 
 
 def _mm_columns(layer: nn.Linear, x_t: torch.Tensor) -> torch.Tensor:
