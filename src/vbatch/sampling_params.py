@@ -81,6 +81,7 @@ CHANGES_ARGMAX: dict[str, bool] = {
     "truncate_prompt_tokens": False,
     "structured_outputs": True,
     "guided_decoding": True,
+    "prompt_logprobs": False,
 }
 
 _trusted = False

@@ -45,6 +45,13 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # NOTE: `decode_token` is the LLM's bound method (sockets, queues): a pickled output (a
+        # Ray replica's, say) carries its logprobs decoded instead.
+        if self.token_logprobs is not None:
+            _ = self.logprobs
+        return {**self.__dict__, "decode_token": None}
+
     @property
     def cumulative_logprob(self) -> float | None:
         """The sum of the sampled tokens' logprobs; None unless logprobs were asked for."""
