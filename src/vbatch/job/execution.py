@@ -25,10 +25,8 @@ from vbatch.job.options import RunOptions
 from vbatch.job.paths import resume_command
 from vbatch.job.reader import InputReader
 from vbatch.job.results import (
-    OPENAI_ID_PREFIX,
     TokenStrings,
     error_row,
-    openai_custom_id,
     openai_line,
     parquet_schema,
     result_row,
@@ -38,7 +36,6 @@ from vbatch.job.stopping import StopControl, StopNow, StopOnSignal
 from vbatch.job.tasks import (
     Task,
     embedding_dimension,
-    openai_embeddings_line,
     pooled_error_row,
     pooled_row,
     pooling_params,
@@ -459,14 +456,6 @@ class JobExecution:
     def _line(self, row: InputRow, values: dict[str, Any]) -> dict[str, Any] | None:
         if not self.manifest.options.openai_output:
             return None
-        if row.openai_kind == "embeddings":
-            return openai_embeddings_line(
-                row,
-                values,
-                self.manifest.model.name,
-                openai_custom_id(row),
-                f"{OPENAI_ID_PREFIX}{row.index}",
-            )
         return openai_line(row, values, self.manifest.model.name, self.token_text, self.token_bytes)
 
     def _commit(self) -> None:

@@ -16,7 +16,7 @@ from vbatch.client.reasoning import split_reasoning
 from vbatch.errors import JobStateError
 from vbatch.job.encoding import fits_int64, json_default, parquet_kept_type
 from vbatch.job.rows import InputRow
-from vbatch.job.tasks import OPTIONAL_TASK_COLUMNS
+from vbatch.job.tasks import OPTIONAL_TASK_COLUMNS, openai_embeddings_body
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -291,6 +291,22 @@ def openai_line(
             "response": None,
             "error": {"code": "invalid_request", "message": values["error"]},
         }
+    if row.openai_kind == "embeddings":
+        body = openai_embeddings_body(row, values, model_name)
+    else:
+        body = _completion_body(row, values, model_name, token_text, token_bytes)
+    response = {"status_code": 200, "request_id": f"vbatch-{row.index}", "body": body}
+    return {"id": line_id, "custom_id": custom_id, "response": response, "error": None}
+
+
+def _completion_body(
+    row: InputRow,
+    values: dict[str, Any],
+    model_name: str,
+    token_text: Callable[[int], str],
+    token_bytes: Callable[[int], list[int]] | None,
+) -> dict[str, Any]:
+    """The chat.completion or text_completion body of a finished generation row."""
     token_bytes = token_bytes or _utf8_bytes(token_text)
     texts = values["texts"] or [values["text"]]
     reasonings = values["reasonings"] or [values["reasoning"]] * len(texts)
@@ -315,7 +331,7 @@ def openai_line(
             if values.get(name) is not None:
                 choice[name] = values[name]
         choices.append(choice)
-    body = {
+    return {
         "id": f"{'chatcmpl' if is_chat else 'cmpl'}-vbatch-{row.index}",
         "object": "chat.completion" if is_chat else "text_completion",
         "created": int(time.time()),
@@ -328,8 +344,6 @@ def openai_line(
             "prompt_tokens_details": {"cached_tokens": values["cached_tokens"]},
         },
     }
-    response = {"status_code": 200, "request_id": f"vbatch-{row.index}", "body": body}
-    return {"id": line_id, "custom_id": custom_id, "response": response, "error": None}
 
 
 def _chat_logprobs(

@@ -177,19 +177,12 @@ def embeddings_request(body: dict[str, Any]) -> tuple[str | list[str], PoolingPa
     return text, PoolingParams(PoolingTask.EMBED, dimensions=body.get("dimensions")), encoding
 
 
-def openai_embeddings_line(
-    row: InputRow, values: dict[str, Any], model_name: str, custom_id: str, line_id: str
+def openai_embeddings_body(
+    row: InputRow, values: dict[str, Any], model_name: str
 ) -> dict[str, Any]:
-    """OpenAI's Batch output line for an embeddings request (its embeddings response body)."""
+    """OpenAI's embeddings response body for a finished embeddings row."""
     import numpy as np
 
-    if values["error"] is not None:
-        return {
-            "id": line_id,
-            "custom_id": custom_id,
-            "response": None,
-            "error": {"code": "invalid_request", "message": values["error"]},
-        }
     vectors = values["embeddings"] if values["embeddings"] is not None else [values["embedding"]]
     as_base64 = row.encoding_format == "base64"
     data = [
@@ -203,11 +196,9 @@ def openai_embeddings_line(
         for i, v in enumerate(vectors)
     ]
     tokens = values["prompt_tokens"]
-    body = {
+    return {
         "object": "list",
         "data": data,
         "model": model_name,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
-    response = {"status_code": 200, "request_id": f"vbatch-{row.index}", "body": body}
-    return {"id": line_id, "custom_id": custom_id, "response": response, "error": None}
