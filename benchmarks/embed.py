@@ -1,9 +1,14 @@
 """Pooling jobs against their usual tools, interleaved in one run on the same texts and threads:
 `vbatch run --task embed` against sentence-transformers `encode` (its default batching) for an
 encoder (all-MiniLM-L6-v2) and a decoder (SmolLM2-135M pooled by its last token), and
-`--task perplexity` against a transformers forward loop. Texts/s and prompt tokens/s, medians.
+`--task perplexity` against a transformers forward loop. Texts/s and prompt tokens/s, medians;
+for perplexity also the largest difference between the two sides' per-text log-probabilities.
 
-python -m benchmarks.embed [--texts 2000] [--threads 2] [--rounds 3] [--only minilm,decoder,ppl]
+The encoder row runs `--texts` texts (default 3000); the two SmolLM2-135M rows run the first
+`--decoder-texts` of them (default 600), which keeps a run on 2 loaded cores under ~20 minutes.
+
+python -m benchmarks.embed [--texts 3000] [--decoder-texts 600] [--threads 2] [--rounds 2]
+                           [--only minilm,decoder,ppl]
 """
 
 from __future__ import annotations
@@ -87,7 +92,8 @@ class _Shared:
 
 
 def run_job(llm: Any, model: Path, texts: list[str], task: str, root: Path) -> float:
-    """Seconds of one `vbatch run --task` job over `texts` (reading, engine, Parquet, commits)."""
+    """Seconds of one `vbatch run --task` job over `texts` (reading, engine, Parquet, commits),
+    its output left at root/out-{task}.parquet."""
     from vbatch.job.runner import JobSpec, RunOptions, start_job
 
     source = root / "texts.jsonl"
@@ -104,31 +110,55 @@ def run_job(llm: Any, model: Path, texts: list[str], task: str, root: Path) -> f
     return elapsed
 
 
-def perplexity_loop(model_dir: Path, threads: int) -> Callable[[list[str]], float]:
+class PerplexityLoop:
     """A transformers forward loop: texts sorted by length, batches of 16, right-padded; the
-    prompt's logprob per text from log_softmax of the logits."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    prompt's logprob per text from log_softmax of the logits (`logprobs`, in input order, from
+    the last call)."""
 
-    torch.set_num_threads(threads)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    def __init__(self, model_dir: Path, threads: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    def run(texts: list[str]) -> float:
+        torch.set_num_threads(threads)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer.pad_token = self.tokenizer.pad_token or self.tokenizer.eos_token
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.logprobs: list[float] = []
+
+    def __call__(self, texts: list[str]) -> float:
+        import torch
+
         start = time.perf_counter()
-        ordered = sorted(texts, key=len)
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        sums = [0.0] * len(texts)
         with torch.inference_mode():
-            for i in range(0, len(ordered), 16):
-                batch = tokenizer(ordered[i : i + 16], return_tensors="pt", padding=True)
-                logits = model(**batch).logits[:, :-1].float()
+            for i in range(0, len(order), 16):
+                rows = order[i : i + 16]
+                batch = self.tokenizer([texts[r] for r in rows], return_tensors="pt", padding=True)
+                logits = self.model(**batch).logits[:, :-1].float()
                 logprobs = torch.log_softmax(logits, -1)
                 targets = batch["input_ids"][:, 1:]
                 picked = logprobs.gather(2, targets[..., None])[..., 0]
-                (picked * batch["attention_mask"][:, 1:]).sum(-1).tolist()
-        return time.perf_counter() - start
+                for r, total in zip(
+                    rows, (picked * batch["attention_mask"][:, 1:]).sum(-1).tolist()
+                ):
+                    sums[r] = total
+        elapsed = time.perf_counter() - start
+        self.logprobs = sums
+        return elapsed
 
-    return run
+
+def perplexity_difference(root: Path, reference: list[float]) -> str:
+    """The largest |vbatch - transformers| of a text's logprob, in all and per scored token."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(
+        root / "out-perplexity.parquet", columns=["index", "logprob", "scored_tokens"]
+    )
+    rows = sorted(zip(*(table.column(c).to_pylist() for c in table.column_names)))
+    diffs = [abs(logprob - reference[index]) for index, logprob, _ in rows]
+    per_token = [d / max(1, n) for d, (_, _, n) in zip(diffs, rows)]
+    return f"max |logprob diff| {max(diffs):.2e} per text, {max(per_token):.2e} per token"
 
 
 def sentence_transformers_encode(model_dir: Path, threads: int) -> Callable[[list[str]], float]:
@@ -152,12 +182,16 @@ def compare(
     task: str,
     reference: Callable[[list[str]], float],
     texts: list[str],
-    num_tokens: int,
     args: argparse.Namespace,
     root: Path,
 ) -> None:
     from vbatch import LLM
+    from vbatch.client.tokenizer import TextTokenizer
 
+    num_tokens = sum(len(x) for x in TextTokenizer.from_dir(model).encode_batch(texts))
+    for old in (root / "texts.jsonl", root / "warmup" / "texts.jsonl"):
+        old.unlink(missing_ok=True)
+    load_before = os.getloadavg()[0]
     with LLM(str(model), num_threads=args.threads) as llm:
         run_job(llm, model, texts[:32], task, root / "warmup")
         reference(texts[:32])
@@ -166,20 +200,28 @@ def compare(
             ours.append(run_job(llm, model, texts, task, root))
             theirs.append(reference(texts))
     ours_s, theirs_s = statistics.median(ours), statistics.median(theirs)
+    check = ""
+    if isinstance(reference, PerplexityLoop):
+        check = "; " + perplexity_difference(root, reference.logprobs)
     print(
-        f"{name}: vbatch {len(texts) / ours_s:8.1f} texts/s {num_tokens / ours_s:9.0f} tok/s | "
+        f"{name}: {len(texts)} texts, {num_tokens} tokens: "
+        f"vbatch {len(texts) / ours_s:8.1f} texts/s {num_tokens / ours_s:9.0f} tok/s | "
         f"reference {len(texts) / theirs_s:8.1f} texts/s {num_tokens / theirs_s:9.0f} tok/s | "
         f"{theirs_s / ours_s:.2f}x  (runs vbatch {[round(s, 1) for s in ours]}, "
-        f"reference {[round(s, 1) for s in theirs]}; load {os.getloadavg()[0]:.1f})",
+        f"reference {[round(s, 1) for s in theirs]}; load {load_before:.1f} -> "
+        f"{os.getloadavg()[0]:.1f}{check})",
         flush=True,
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--texts", type=int, default=2000)
+    parser.add_argument("--texts", type=int, default=3000, help="texts of the encoder row")
+    parser.add_argument(
+        "--decoder-texts", type=int, default=600, help="texts of the SmolLM2-135M rows"
+    )
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--only", default="minilm,decoder,ppl")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -187,8 +229,6 @@ def main() -> None:
     # and the reference runs in this process.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
-
-    from vbatch.client.tokenizer import TextTokenizer
 
     print(
         f"CPU {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, "
@@ -201,24 +241,17 @@ def main() -> None:
         root = Path(tmp)
         (root / "warmup").mkdir()
         decoder = decoder_embedder_dir(root)
-        models = {"minilm": minilm_dir(), "decoder": decoder, "ppl": decoder}
-        for name in ("minilm", "decoder", "ppl"):
-            if name not in only:
-                continue
-            model = models[name]
-            ids = TextTokenizer.from_dir(model).encode_batch(texts)
-            num_tokens = sum(len(x) for x in ids)
-            if name == "ppl":
-                reference = perplexity_loop(model, args.threads)
-                task = "perplexity"
-            else:
-                reference = sentence_transformers_encode(model, args.threads)
-                task = "embed"
-            for old in root.glob("texts.jsonl"):
-                old.unlink()
-            for old in (root / "warmup").glob("texts.jsonl"):
-                old.unlink()
-            compare(name, model, task, reference, texts, num_tokens, args, root)
+        decoder_texts = texts[: args.decoder_texts]
+        if "minilm" in only:
+            model = minilm_dir()
+            reference = sentence_transformers_encode(model, args.threads)
+            compare("minilm", model, "embed", reference, texts, args, root)
+        if "decoder" in only:
+            reference = sentence_transformers_encode(decoder, args.threads)
+            compare("decoder", decoder, "embed", reference, decoder_texts, args, root)
+        if "ppl" in only:
+            loop = PerplexityLoop(decoder, args.threads)
+            compare("ppl", decoder, "perplexity", loop, decoder_texts, args, root)
 
 
 if __name__ == "__main__":

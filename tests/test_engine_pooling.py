@@ -67,6 +67,32 @@ def test_pooling_steps_pack_jobs_beside_generation_and_give_their_blocks_back(
     assert manager.num_cached_blocks == 40 // core.config.block_size
 
 
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_a_prompt_scored_for_prompt_logprobs_is_not_computed_again(
+    tiny_model_dir: Path, enable_prefix_caching: bool
+) -> None:
+    core = EngineCore(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            num_threads=1,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+    )
+    manager = core.scheduler.block_manager
+    prompt = list(range(10, 60))
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=0, ignore_eos=True)
+    core.add_request(AddRequest("gen", pack_token_ids(prompt), params))
+    (seq,) = core.requests["gen"]
+    finished = []
+    while core.has_unfinished():
+        finished.extend(core.step().finished)
+    assert [f.finish_reason for f in finished] == [FinishReason.LENGTH]
+    full_blocks = (len(prompt) - 1) // core.config.block_size * core.config.block_size
+    # NOTE: the prefill after the prompt-logprob pass computes only what the cache lacks.
+    hits = full_blocks if enable_prefix_caching else 0
+    assert seq.num_cached_tokens == manager.num_prefix_hits == hits
+
+
 def test_pooling_params_are_checked() -> None:
     with pytest.raises(SamplingParamsError, match="dimensions"):
         PoolingParams(dimensions=0)

@@ -571,6 +571,39 @@ def test_advance_decode_past_the_block_table_changes_nothing(ops: None) -> None:
         torch.ops.vbatch.advance_decode(*inputs[:4], inputs[4].int(), inputs[5], 16)
 
 
+def logsumexp_over_tiles(logits: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    """log_softmax(logits)[targets] per row through vbatch::logsumexp_update, `chunk` columns
+    of `logits` per tile."""
+    num_rows, vocab = logits.shape
+    row_max = torch.full((num_rows,), float("-inf"))
+    row_sum = torch.zeros(num_rows, dtype=torch.float64)
+    picked = torch.empty(num_rows)
+    buffer = torch.empty(num_rows, chunk)
+    for start in range(0, vocab, chunk):
+        tile = buffer[:, : min(chunk, vocab - start)]
+        tile.copy_(logits[:, start : start + chunk])
+        torch.ops.vbatch.logsumexp_update(tile, targets, start, row_max, row_sum, picked)
+    return (picked.double() - row_max.double() - row_sum.log()).float()
+
+
+def test_logsumexp_over_vocab_tiles_matches_log_softmax(ops: None) -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(67, 5000) * 8
+    # NOTE: a row whose first tiles are all -inf, and one with a huge logit in its last tile.
+    logits[1, :4000] = float("-inf")
+    logits[2, 4999] = 80.0
+    targets = torch.randint(0, 5000, (67,))
+    targets[1] = 4500
+    want = torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
+    for chunk in (1024, 3072, 5000):
+        got = logsumexp_over_tiles(logits, targets, chunk)
+        assert (got - want).abs().max().item() <= 1e-5
+    with pytest.raises(RuntimeError, match="row_sum must be"):
+        torch.ops.vbatch.logsumexp_update(
+            logits[:, :64], targets, 0, torch.zeros(67), torch.zeros(67), torch.zeros(67)
+        )
+
+
 def test_build_key_tracks_sources(tmp_path: Path) -> None:
     csrc_dir = native.find_csrc_dir()
     assert csrc_dir is not None

@@ -142,7 +142,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: GuidedDecodingParams | None = None
     # NOTE: with k, each prompt token's logprob and its k most likely alternatives
-    # (RequestOutput.prompt_logprobs), from a prefill-only pass that skips the prefix cache.
+    # (RequestOutput.prompt_logprobs), from a prefill-only pass that reads nothing from the
+    # prefix cache (it needs every position's hidden state) and leaves the prompt's full blocks
+    # there for the generation's prefill.
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:

@@ -44,9 +44,11 @@ class PoolingQueue:
     """The core's pooling jobs, first in first out, and the steps that run them.
 
     Invariants: a job is in `jobs` from `add` until `pick` takes it or `remove` drops it; the
-    blocks a step allocates are freed before `run` returns (they are never hashed, so a pooling
-    step leaves the prefix cache as it found it); a step takes whole jobs, at least one, and
-    more while they fit `max_num_batched_tokens`, `max_num_seqs` and the free blocks.
+    blocks a step allocates are freed before `run` returns; only the full prompt blocks of jobs
+    that go on to generate are hashed (kept in the prefix cache for their prefill), so a step of
+    embedding, classification or perplexity jobs leaves the prefix cache as it found it; a step
+    takes whole jobs, at least one, and more while they fit `max_num_batched_tokens`,
+    `max_num_seqs` and the free blocks.
     """
 
     def __init__(
@@ -173,11 +175,25 @@ class PoolingQueue:
                     else self._output(job, rows_of[job.request_id])
                     for job in jobs
                 ]
+            self._cache_prompts_to_generate(jobs, seqs)
         finally:
             for seq in seqs:
                 self.block_manager.free(seq)
         self.num_prompt_tokens += sum(job.num_tokens for job in jobs)
         return outputs
+
+    def _cache_prompts_to_generate(self, jobs: list[PoolingJob], seqs: list[Sequence]) -> None:
+        """Hash the full blocks of the prompts that generation requests go on from (their
+        prompt logprobs done), so that their prefill finds them in the prefix cache instead of
+        computing the prompt again."""
+        manager = self.block_manager
+        if not manager.enable_prefix_caching or self.runner.model_config.long_rope_from is not None:
+            return
+        prompts_to_generate = {job.request_id for job in jobs if job.then}
+        for seq in seqs:
+            if seq.request_id in prompts_to_generate:
+                seq.num_computed_tokens = seq.num_prompt_tokens
+                manager.cache_full_blocks(seq)
 
     def _forward(self, seqs: list[Sequence]) -> torch.Tensor:
         """[num_tokens, hidden_size]: the final hidden states of every prompt, one after another."""
@@ -233,8 +249,8 @@ class PoolingQueue:
         self, jobs: list[PoolingJob], rows_of: dict[str, list[torch.Tensor]]
     ) -> list[PooledOutput]:
         """Each prompt position's logprob after the first (the token given what precedes it)
-        for every job of the step at once, the LM head over LOGITS_CHUNK rows at a time; with
-        the ranks and top `top_logprobs` alternatives a generation's prompt_logprobs return."""
+        for every job of the step at once; with the ranks and top `top_logprobs` alternatives
+        a generation's prompt_logprobs return."""
         if not jobs:
             return []
         # [num_scored, hidden_size]: each prompt's rows but its last, which predicts no token
@@ -246,23 +262,15 @@ class PoolingQueue:
         )
         k = max(job.params.top_logprobs for job in jobs)
         with_ranks = any(job.then for job in jobs)
-        logprobs, ranks, top_ids, top_values = [], [], [], []
-        for start in range(0, len(targets), LOGITS_CHUNK):
-            logits = self.runner.model.compute_logits(hidden[start : start + LOGITS_CHUNK])
-            # NOTE: logit - logsumexp reads the logits once; log_softmax would also write them.
-            lse = torch.logsumexp(logits, dim=-1)
-            target = logits.gather(1, targets[start : start + LOGITS_CHUNK, None])[:, 0]
-            logprobs.append(target - lse)
-            if with_ranks:
-                ranks.append((logits > target[:, None]).sum(-1).to(torch.int32) + 1)
-            if k:
-                values, ids = logits.topk(k, dim=-1)
-                top_ids.append(ids.to(torch.int32))
-                top_values.append(values - lse[:, None])
-        all_logprobs = torch.cat(logprobs) if logprobs else None
-        all_ranks = torch.cat(ranks) if ranks else None
-        all_ids = torch.cat(top_ids) if top_ids else None
-        all_values = torch.cat(top_values) if top_values else None
+        fused = None
+        if not k and not with_ranks and len(targets):
+            fused = self.runner.model.token_logprobs(hidden, targets)
+        if fused is not None:
+            all_logprobs, all_ranks, all_ids, all_values = fused, None, None, None
+        else:
+            all_logprobs, all_ranks, all_ids, all_values = self._chunked_logprobs(
+                hidden, targets, k, with_ranks
+            )
         outputs = []
         start = 0
         for job in jobs:
@@ -282,6 +290,28 @@ class PoolingQueue:
             )
             start = end
         return outputs
+
+    def _chunked_logprobs(
+        self, hidden: torch.Tensor, targets: torch.Tensor, k: int, with_ranks: bool
+    ) -> tuple[torch.Tensor | None, ...]:
+        """(logprobs, ranks or None, top-k ids or None, top-k logprobs or None) of the rows,
+        the full logits of LOGITS_CHUNK rows at a time."""
+        logprobs, ranks, top_ids, top_values = [], [], [], []
+        for start in range(0, len(targets), LOGITS_CHUNK):
+            logits = self.runner.model.compute_logits(hidden[start : start + LOGITS_CHUNK])
+            # NOTE: logit - logsumexp reads the logits once; log_softmax would also write them.
+            lse = torch.logsumexp(logits, dim=-1)
+            target = logits.gather(1, targets[start : start + LOGITS_CHUNK, None])[:, 0]
+            logprobs.append(target - lse)
+            if with_ranks:
+                ranks.append((logits > target[:, None]).sum(-1).to(torch.int32) + 1)
+            if k:
+                values, ids = logits.topk(k, dim=-1)
+                top_ids.append(ids.to(torch.int32))
+                top_values.append(values - lse[:, None])
+        return tuple(
+            torch.cat(parts) if parts else None for parts in (logprobs, ranks, top_ids, top_values)
+        )
 
 
 def float32_bytes(tensor: torch.Tensor) -> bytes:

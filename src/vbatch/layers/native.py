@@ -55,6 +55,7 @@ def _sources(csrc_dir: Path, with_cuda: bool) -> list[Path]:
         csrc_dir / "cpu" / "fused_ops.cpp",
         csrc_dir / "cpu" / "greedy_screen.cpp",
         csrc_dir / "cpu" / "advance_decode.cpp",
+        csrc_dir / "cpu" / "logsumexp.cpp",
     ]
     if with_cuda:
         sources.append(csrc_dir / "cuda" / "paged_attention.cu")
@@ -168,6 +169,17 @@ def _register_fakes() -> None:
         token_ids: torch.Tensor,
         block_tables: torch.Tensor,
         block_size: int,
+    ) -> None:
+        return None
+
+    @torch.library.register_fake("vbatch::logsumexp_update")
+    def _logsumexp_update_fake(
+        tile: torch.Tensor,
+        targets: torch.Tensor,
+        vocab_start: int,
+        row_max: torch.Tensor,
+        row_sum: torch.Tensor,
+        target_logits: torch.Tensor,
     ) -> None:
         return None
 

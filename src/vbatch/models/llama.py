@@ -344,6 +344,30 @@ class LlamaForCausalLM(nn.Module):
             torch.mm(hidden, weight[start:end].t(), out=logits[:, start:end])
         return logits
 
+    def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """[n] float32: each row's log_softmax(logits)[target], the LM head run over
+        LM_HEAD_CHUNK vocab entries at a time for all `hidden` rows and a running logsumexp
+        kept over the tiles, so no [n, vocab_size] logits are written; None where that path
+        does not run (off CPU, not float32, no native ops)."""
+        if hidden.dtype != torch.float32 or not has_fused_ops(hidden.device):
+            return None
+        weight = self.lm_head_weight
+        vocab_size = weight.shape[0]
+        num_rows = hidden.shape[0]
+        cap = self.config.final_logit_softcapping
+        row_max = hidden.new_full((num_rows,), float("-inf"))
+        row_sum = hidden.new_zeros(num_rows, dtype=torch.float64)
+        target_logits = hidden.new_empty(num_rows)
+        buffer = hidden.new_empty(num_rows, LM_HEAD_CHUNK)
+        for start in range(0, vocab_size, LM_HEAD_CHUNK):
+            end = min(start + LM_HEAD_CHUNK, vocab_size)
+            tile = buffer[:, : end - start]
+            torch.mm(hidden, weight[start:end].t(), out=tile)
+            if cap is not None:
+                tile.div_(cap).tanh_().mul_(cap)
+            torch.ops.vbatch.logsumexp_update(tile, targets, start, row_max, row_sum, target_logits)
+        return (target_logits.double() - row_max.double() - row_sum.log()).float()
+
     def enable_greedy_screen(self) -> None:
         """Find greedy tokens through the int8 screen (see layers/greedy_screen.py)."""
         self.greedy_screen = Int8GreedyScreen(self.lm_head_weight)
