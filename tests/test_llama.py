@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 import subprocess
 import sys
@@ -262,6 +263,23 @@ def test_greedy_token_ids_match_argmax_of_logits(tiny_model_dir: Path) -> None:
     assert got.dtype == torch.int64
     assert torch.equal(got, expected)
     assert got[0] == 7
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_logit_tiles_and_target_logits_match_compute_logits(
+    tiny_model_dir: Path, softcap: float | None
+) -> None:
+    model = load_model(tiny_model_dir, torch.device("cpu"), torch.float32, TorchAttentionBackend())
+    model.config = dataclasses.replace(model.config, final_logit_softcapping=softcap)
+    hidden = torch.randn(23, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, model.config.vocab_size, (23,))
+    with torch.inference_mode():
+        expected = model.compute_logits(hidden)
+        tiles = [(start, tile.clone()) for start, tile in model.logit_tiles(hidden)]
+        targeted = model.target_logits(hidden, targets)
+    assert [start for start, _ in tiles] == list(range(0, expected.shape[1], LM_HEAD_CHUNK))
+    assert torch.equal(torch.cat([tile for _, tile in tiles], 1), expected)
+    torch.testing.assert_close(targeted, expected.gather(1, targets[:, None])[:, 0])
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 8, 13, 64, 119, MAX_TRANSPOSED_ROWS])

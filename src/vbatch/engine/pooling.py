@@ -15,6 +15,7 @@ from vbatch.engine.model_runner import ModelRunner
 from vbatch.engine.sequence import Sequence
 from vbatch.errors import ModelLoadError
 from vbatch.layers.attention import AttentionMetadata
+from vbatch.layers.native import has_fused_ops
 from vbatch.models.poolers import PoolingConfig, finish_embedding, pool, read_pooling_config
 from vbatch.pooling_params import PoolingParams, PoolingTask
 from vbatch.protocol import PooledOutput
@@ -262,15 +263,9 @@ class PoolingQueue:
         )
         k = max(job.params.top_logprobs for job in jobs)
         with_ranks = any(job.then for job in jobs)
-        fused = None
-        if not k and not with_ranks and len(targets):
-            fused = self.runner.model.token_logprobs(hidden, targets)
-        if fused is not None:
-            all_logprobs, all_ranks, all_ids, all_values = fused, None, None, None
-        else:
-            all_logprobs, all_ranks, all_ids, all_values = self._chunked_logprobs(
-                hidden, targets, k, with_ranks
-            )
+        tiled = len(targets) > 0 and hidden.dtype == torch.float32 and has_fused_ops(hidden.device)
+        logprobs_of = self._tiled_logprobs if tiled else self._chunked_logprobs
+        all_logprobs, all_ranks, all_ids, all_values = logprobs_of(hidden, targets, k, with_ranks)
         outputs = []
         start = 0
         for job in jobs:
@@ -291,11 +286,50 @@ class PoolingQueue:
             start = end
         return outputs
 
+    def _tiled_logprobs(
+        self, hidden: torch.Tensor, targets: torch.Tensor, k: int, with_ranks: bool
+    ) -> tuple[torch.Tensor | None, ...]:
+        """As _chunked_logprobs, with the LM head over vocab tiles for all rows at once (its
+        GEMMs run ~1.4x faster per row at 2048 rows than at 512) and a running logsumexp,
+        rank count and top-k over the tiles: no [rows, vocab] logits are written."""
+        model = self.runner.model
+        num_rows = len(targets)
+        row_max = hidden.new_full((num_rows,), float("-inf"))
+        row_sum = hidden.new_zeros(num_rows, dtype=torch.float64)
+        picked = hidden.new_empty(num_rows)
+        num_above = torch.zeros(num_rows, dtype=torch.int64) if with_ranks else None
+        # NOTE: the ranks compare against the target's logit before its tile is reached.
+        target_values = model.target_logits(hidden, targets) if with_ranks else None
+        top_values = top_ids = None
+        for start, tile in model.logit_tiles(hidden):
+            torch.ops.vbatch.logsumexp_update(tile, targets, start, row_max, row_sum, picked)
+            if num_above is not None:
+                num_above += (tile > target_values[:, None]).sum(-1)
+            if k:
+                values, ids = tile.topk(min(k, tile.shape[1]), dim=-1)
+                ids += start
+                if top_values is not None:
+                    values, ids = torch.cat([top_values, values], 1), torch.cat([top_ids, ids], 1)
+                    values, order = values.topk(min(k, values.shape[1]), dim=-1)
+                    ids = ids.gather(1, order)
+                top_values, top_ids = values, ids
+        lse = row_max.double() + row_sum.log()
+        ranks = None
+        if num_above is not None:
+            # NOTE: the target's own tile entry counts when rounding put it above its dot product.
+            ranks = (num_above + 1 - (picked > target_values).long()).to(torch.int32)
+        return (
+            (picked.double() - lse).float(),
+            ranks,
+            None if top_ids is None else top_ids.to(torch.int32),
+            None if top_values is None else (top_values.double() - lse[:, None]).float(),
+        )
+
     def _chunked_logprobs(
         self, hidden: torch.Tensor, targets: torch.Tensor, k: int, with_ranks: bool
     ) -> tuple[torch.Tensor | None, ...]:
         """(logprobs, ranks or None, top-k ids or None, top-k logprobs or None) of the rows,
-        the full logits of LOGITS_CHUNK rows at a time."""
+        the full logits of LOGITS_CHUNK rows at a time (off CPU, or without the native ops)."""
         logprobs, ranks, top_ids, top_values = [], [], [], []
         for start in range(0, len(targets), LOGITS_CHUNK):
             logits = self.runner.model.compute_logits(hidden[start : start + LOGITS_CHUNK])

@@ -3,6 +3,7 @@ Gemma 2/3, Mixtral and Qwen3-MoE, each a set of ModelConfig hooks (see models/fa
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -344,29 +345,30 @@ class LlamaForCausalLM(nn.Module):
             torch.mm(hidden, weight[start:end].t(), out=logits[:, start:end])
         return logits
 
-    def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """[n] float32: each row's log_softmax(logits)[target], the LM head run over
-        LM_HEAD_CHUNK vocab entries at a time for all `hidden` rows and a running logsumexp
-        kept over the tiles, so no [n, vocab_size] logits are written; None where that path
-        does not run (off CPU, not float32, no native ops)."""
-        if hidden.dtype != torch.float32 or not has_fused_ops(hidden.device):
-            return None
+    def logit_tiles(self, hidden: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        """The logits of `hidden` LM_HEAD_CHUNK vocab entries at a time, as in compute_logits:
+        (first vocab id, [n, chunk] soft-capped logits), each tile in one buffer that the next
+        one overwrites. A [n, vocab_size] tensor is never made."""
         weight = self.lm_head_weight
         vocab_size = weight.shape[0]
-        num_rows = hidden.shape[0]
         cap = self.config.final_logit_softcapping
-        row_max = hidden.new_full((num_rows,), float("-inf"))
-        row_sum = hidden.new_zeros(num_rows, dtype=torch.float64)
-        target_logits = hidden.new_empty(num_rows)
-        buffer = hidden.new_empty(num_rows, LM_HEAD_CHUNK)
+        buffer = hidden.new_empty(hidden.shape[0], min(LM_HEAD_CHUNK, vocab_size))
         for start in range(0, vocab_size, LM_HEAD_CHUNK):
             end = min(start + LM_HEAD_CHUNK, vocab_size)
             tile = buffer[:, : end - start]
             torch.mm(hidden, weight[start:end].t(), out=tile)
             if cap is not None:
                 tile.div_(cap).tanh_().mul_(cap)
-            torch.ops.vbatch.logsumexp_update(tile, targets, start, row_max, row_sum, target_logits)
-        return (target_logits.double() - row_max.double() - row_sum.log()).float()
+            yield start, tile
+
+    def target_logits(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """[n]: each row's logit of its own target token alone (soft-capped), a row-wise dot
+        product that may differ from the full head's by rounding."""
+        logits = (hidden * self.lm_head_weight[targets]).sum(-1)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = logits.div(cap).tanh().mul(cap)
+        return logits
 
     def enable_greedy_screen(self) -> None:
         """Find greedy tokens through the int8 screen (see layers/greedy_screen.py)."""
