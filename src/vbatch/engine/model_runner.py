@@ -257,6 +257,9 @@ class ModelRunner:
             seq_lens_cpu=host.seq_lens,
             max_query_len=host.max_query_len,
             max_seq_len=host.max_seq_len,
+            prompt_chunks=None
+            if host.prompt_chunks is None
+            else torch.from_numpy(host.prompt_chunks),
         )
         self._feed_input_ids(input_ids)
         inputs = StepInputs(input_ids, positions, meta, logits_rows, host.sample_rows)
