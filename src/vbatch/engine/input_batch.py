@@ -129,11 +129,7 @@ class DecodeBatch:
     def start(self, out: SchedulerOutput, host: HostBatch) -> None:
         """Keep `host`, the batch just built for `out`, if a later step can advance it."""
         self.next_token_ids = None
-        if (
-            host.max_query_len != 1
-            or len(host.sample_rows) != host.num_tokens
-            or host.prompt_chunks is not None
-        ):
+        if host.max_query_len != 1 or len(host.sample_rows) != host.num_tokens:
             self.host = None
             self.step_id = -1
             return
@@ -166,6 +162,7 @@ class DecodeBatch:
             block_tables = out.block_tables[self.block_rows, :max_num_blocks]
             gathered.keep(out, block_tables)
         host.block_tables = block_tables
+        host.prompt_chunks = None
         self._advance_arrays(host, token_ids)
         return host
 

@@ -237,6 +237,7 @@ class ModelRunner:
             inputs = kept[1]
             inputs.meta.block_tables = self._to_device("block_tables", host.block_tables)
             inputs.meta.max_seq_len = host.max_seq_len
+            inputs.meta.prompt_chunks = None
             self._feed_input_ids(inputs.input_ids)
             if inputs.rope_offsets is not None and inputs.rope_positions is not None:
                 torch.add(inputs.positions, inputs.rope_offsets, out=inputs.rope_positions)
