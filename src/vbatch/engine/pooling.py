@@ -221,6 +221,9 @@ class PoolingQueue:
             seq_lens_cpu=lens,
             max_query_len=int(lens.max()),
             max_seq_len=int(lens.max()),
+            # NOTE: whole prompts, attended as a generation's prompt chunks are, so blocks cached
+            # for a generation after its prompt logprobs hold the same bits as its own prefill's.
+            prompt_chunks=torch.ones(len(seqs), dtype=torch.int32),
         )
         model = self.runner.model
         return model.forward(
