@@ -1,8 +1,10 @@
 """Pooling jobs against their usual tools, interleaved in one run on the same texts and threads:
 `vbatch run --task embed` against sentence-transformers `encode` (its default batching) for an
 encoder (all-MiniLM-L6-v2) and a decoder (SmolLM2-135M pooled by its last token), and
-`--task perplexity` against a transformers forward loop. Texts/s and prompt tokens/s, medians;
-for perplexity also the largest difference between the two sides' per-text log-probabilities.
+`--task perplexity` against a transformers forward loop. Texts/s and prompt tokens/s, medians,
+and the CPU seconds each side used (vbatch: this process and its engine core), which a loaded
+host disturbs less than wall time; for perplexity also the largest difference between the two
+sides' per-text log-probabilities.
 
 The encoder row runs `--texts` texts (default 3000); the two SmolLM2-135M rows run the first
 `--decoder-texts` of them (default 600), which keeps a run on 2 loaded cores under ~20 minutes.
@@ -89,6 +91,23 @@ class _Shared:
 
     def shutdown(self) -> None:
         pass
+
+
+def cpu_seconds(core_pid: int | None) -> float:
+    """CPU seconds used so far by this process and, when given, the engine core (/proc)."""
+    own = time.process_time()
+    if core_pid is None:
+        return own
+    # NOTE: utime and stime are the 14th and 15th fields of /proc/PID/stat, after `(comm) state`.
+    fields = Path(f"/proc/{core_pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return own + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def timed(run: Callable[[], object], core_pid: int | None = None) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of run()."""
+    wall, cpu = time.perf_counter(), cpu_seconds(core_pid)
+    run()
+    return time.perf_counter() - wall, cpu_seconds(core_pid) - cpu
 
 
 def run_job(llm: Any, model: Path, texts: list[str], task: str, root: Path) -> float:
@@ -195,11 +214,13 @@ def compare(
     with LLM(str(model), num_threads=args.threads) as llm:
         run_job(llm, model, texts[:32], task, root / "warmup")
         reference(texts[:32])
+        core_pid = llm._client.pid
         ours, theirs = [], []
         for _ in range(args.rounds):
-            ours.append(run_job(llm, model, texts, task, root))
-            theirs.append(reference(texts))
-    ours_s, theirs_s = statistics.median(ours), statistics.median(theirs)
+            ours.append(timed(lambda: run_job(llm, model, texts, task, root), core_pid))
+            theirs.append(timed(lambda: reference(texts)))
+    ours_s, theirs_s = (statistics.median(wall for wall, _ in runs) for runs in (ours, theirs))
+    ours_cpu, theirs_cpu = (statistics.median(cpu for _, cpu in runs) for runs in (ours, theirs))
     check = ""
     if isinstance(reference, PerplexityLoop):
         check = "; " + perplexity_difference(root, reference.logprobs)
@@ -207,8 +228,9 @@ def compare(
         f"{name}: {len(texts)} texts, {num_tokens} tokens: "
         f"vbatch {len(texts) / ours_s:8.1f} texts/s {num_tokens / ours_s:9.0f} tok/s | "
         f"reference {len(texts) / theirs_s:8.1f} texts/s {num_tokens / theirs_s:9.0f} tok/s | "
-        f"{theirs_s / ours_s:.2f}x  (runs vbatch {[round(s, 1) for s in ours]}, "
-        f"reference {[round(s, 1) for s in theirs]}; load {load_before:.1f} -> "
+        f"{theirs_s / ours_s:.2f}x; CPU seconds {ours_cpu:.1f} vs {theirs_cpu:.1f}, "
+        f"{theirs_cpu / ours_cpu:.2f}x  (runs vbatch {[round(w, 1) for w, _ in ours]}, "
+        f"reference {[round(w, 1) for w, _ in theirs]}; load {load_before:.1f} -> "
         f"{os.getloadavg()[0]:.1f}{check})",
         flush=True,
     )
