@@ -237,6 +237,7 @@ class ModelRunner:
             inputs = kept[1]
             inputs.meta.block_tables = self._to_device("block_tables", host.block_tables)
             inputs.meta.max_seq_len = host.max_seq_len
+            inputs.meta.prompt_chunks = None
             self._feed_input_ids(inputs.input_ids)
             if inputs.rope_offsets is not None and inputs.rope_positions is not None:
                 torch.add(inputs.positions, inputs.rope_offsets, out=inputs.rope_positions)
@@ -257,6 +258,9 @@ class ModelRunner:
             seq_lens_cpu=host.seq_lens,
             max_query_len=host.max_query_len,
             max_seq_len=host.max_seq_len,
+            prompt_chunks=None
+            if host.prompt_chunks is None
+            else torch.from_numpy(host.prompt_chunks),
         )
         self._feed_input_ids(input_ids)
         inputs = StepInputs(input_ids, positions, meta, logits_rows, host.sample_rows)
