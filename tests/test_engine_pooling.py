@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -91,6 +92,29 @@ def test_a_prompt_scored_for_prompt_logprobs_is_not_computed_again(
     # NOTE: the prefill after the prompt-logprob pass computes only what the cache lacks.
     hits = full_blocks if enable_prefix_caching else 0
     assert seq.num_cached_tokens == manager.num_prefix_hits == hits
+
+
+def _generate(core: EngineCore, prompt: list[int], params: SamplingParams) -> list[float]:
+    core.add_request(AddRequest("gen", pack_token_ids(prompt), params))
+    logprobs = []
+    while core.has_unfinished():
+        out = core.step()
+        logprobs.extend(entry.logprob for entry in out.logprobs or [] if entry is not None)
+    return logprobs
+
+
+def test_blocks_cached_by_a_prompt_logprob_pass_hold_the_bits_of_a_cold_prefill(
+    tiny_model_dir: Path,
+) -> None:
+    config = EngineConfig(model=str(tiny_model_dir), num_threads=1, attention_backend="native")
+    prompt = list(range(10, 70))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    cold = _generate(EngineCore(config), prompt, params)
+    core = EngineCore(config)
+    scored = msgspec.structs.replace(params, prompt_logprobs=0)
+    after_pass = _generate(core, prompt, scored)
+    assert core.scheduler.block_manager.num_prefix_hits > 0
+    assert after_pass == cold
 
 
 def test_pooling_params_are_checked() -> None:
