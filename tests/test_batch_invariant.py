@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from vbatch import LLM
 from vbatch.config import EngineConfig
 from vbatch.engine.core import EngineCore
 from vbatch.errors import ConfigError
 from vbatch.layers import native
 from vbatch.layers.batch_invariant import check_row_invariance, invariant_linear
+from vbatch.pooling_params import PoolingParams, PoolingTask
 from vbatch.protocol import AddRequest, pack_token_ids
 from vbatch.sampling_params import SamplingParams
 
@@ -69,3 +72,18 @@ def test_refuses_what_it_cannot_make_invariant() -> None:
         EngineConfig(batch_invariant=True, quantization="int8").validate()
     with pytest.raises(ConfigError, match="enable_lora"):
         EngineConfig(batch_invariant=True, enable_lora=True).validate()
+
+
+def test_prompt_logprobs_are_the_same_alone_and_batched(tiny_model_dir: Path) -> None:
+    if not native.is_available():
+        pytest.skip("native kernels could not be built here")
+    text = "the same text, scored alone and among others"
+    others = ["a", "two words", "a somewhat longer text to score " * 3]
+    params = PoolingParams(task=PoolingTask.PROMPT_LOGPROBS)
+    with LLM(str(tiny_model_dir), device="cpu", num_threads=2, batch_invariant=True) as llm:
+        (alone,) = llm.encode([text], params)
+        batched = llm.encode([*others, text], params)[-1]
+    with LLM(str(tiny_model_dir), device="cpu", num_threads=2) as llm:
+        (default,) = llm.encode([text], params)
+    assert np.array_equal(alone.outputs.data, batched.outputs.data)
+    np.testing.assert_allclose(alone.outputs.data, default.outputs.data, atol=1e-5)

@@ -362,7 +362,10 @@ class LlamaForCausalLM(nn.Module):
         for start in range(0, vocab_size, LM_HEAD_CHUNK):
             end = min(start + LM_HEAD_CHUNK, vocab_size)
             tile = buffer[:, : end - start]
-            torch.mm(hidden, weight[start:end].t(), out=tile)
+            if self.is_batch_invariant:
+                tile.copy_(invariant_linear(hidden, weight[start:end]))
+            else:
+                torch.mm(hidden, weight[start:end].t(), out=tile)
             if cap is not None:
                 tile.div_(cap).tanh_().mul_(cap)
             yield start, tile
