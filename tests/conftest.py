@@ -185,8 +185,10 @@ def check_greedy_against(hf_model: Any, prompts: list[list[int]], got: list[list
                 )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def shared_llm(tiny_model_dir: Path) -> Iterator[Callable[..., Any]]:
+    """A factory for jobs (`llm_factory`) lending them one tiny-model engine, started once for
+    the session; a job's shutdown() leaves it running."""
     from vbatch.llm import LLM
 
     llm = LLM(str(tiny_model_dir), num_threads=1, max_num_seqs=16)
