@@ -7,7 +7,7 @@ TORCH_LIBRARY(vbatch, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, "
       "Tensor seq_lens, Tensor block_tables, float scale, int sliding_window=0, "
-      "float softcap=0.0) -> Tensor");
+      "float softcap=0.0, Tensor? prompt_chunks=None) -> Tensor");
   m.def(
       "reshape_and_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping) -> ()");

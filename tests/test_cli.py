@@ -138,6 +138,7 @@ RUN_OPTIONS: dict[str, tuple[list[str], str, Any]] = {
     ),
     "async_scheduling": (["--async-scheduling"], "spec.engine_args.async_scheduling", True),
     "greedy_screen": (["--no-greedy-screen"], "spec.engine_args.greedy_screen", False),
+    "batch_invariant": (["--batch-invariant"], "spec.engine_args.batch_invariant", True),
     "heartbeat_timeout_s": (
         ["--heartbeat-timeout", "9"],
         "spec.engine_args.heartbeat_timeout_s",

@@ -65,6 +65,24 @@ def test_one_token_path_matches_the_general_path() -> None:
     assert fast.block_tables[0].tolist() == [*out.seqs[0].block_table, 0, 0]
 
 
+def test_prompt_rows_are_flagged_for_the_attention_kernel() -> None:
+    """A one-token step flags the seqs computing a prompt position (a tail after a prefix-cache
+    hit), not those decoding; a step of decodes only flags none."""
+    bm = BlockManager(num_blocks=16, block_size=BLOCK_SIZE, enable_prefix_caching=False)
+    decoding = Sequence("d", [1, 2, 3], SamplingParams())
+    bm.allocate(decoding, 3)
+    decoding.token_ids.append(4)
+    decoding.num_computed_tokens = 3
+    tail = Sequence("t", [5, 6, 7, 8, 9], SamplingParams())
+    bm.allocate(tail, 5)
+    tail.num_computed_tokens = 4
+    both = SchedulerOutput(seqs=[decoding, tail], num_new_tokens=[1, 1])
+    for host in (build_host_batch(both, BLOCK_SIZE), input_batch._build_mixed(both, BLOCK_SIZE)):
+        assert host.prompt_chunks is not None and host.prompt_chunks.tolist() == [0, 1]
+    alone = SchedulerOutput(seqs=[decoding], num_new_tokens=[1])
+    assert build_host_batch(alone, BLOCK_SIZE).prompt_chunks is None
+
+
 def test_block_manager_rows_match_the_seqs_lists() -> None:
     out, bm = one_token_batch()
     rows = dataclasses.replace(

@@ -167,6 +167,47 @@ def test_op_alone_handles_long_prefill_chunks(ops: None) -> None:
     assert (out.double() - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("tail", [1, 5, 8, 19])
+def test_a_prompt_row_is_attended_alike_whatever_its_chunk(
+    ops: None, tail: int, window: int | None
+) -> None:
+    """Flagged as prompt chunks, the last `tail` rows of a 70-row prefill, sent alone behind
+    their cached prefix (a prefix-cache hit), give the bits the full chunk gave them."""
+    q, k, v, k_cache, v_cache, meta = make_batch([(70, 70)], SMOLLM2_HEADS)
+    write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    args = (k_cache, v_cache)
+    flag = torch.ones(1, dtype=torch.int32)
+    full = torch.ops.vbatch.paged_attention(
+        q, *args, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125, window or 0
+    )
+    tail_starts = torch.tensor([0, tail], dtype=torch.int32)
+    alone = torch.ops.vbatch.paged_attention(
+        q[-tail:],
+        *args,
+        tail_starts,
+        meta.seq_lens,
+        meta.block_tables,
+        0.125,
+        window or 0,
+        0.0,
+        flag,
+    )
+    assert torch.equal(alone, full[-tail:])
+    with pytest.raises(RuntimeError, match="one entry per sequence"):
+        torch.ops.vbatch.paged_attention(
+            q,
+            *args,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            0.125,
+            0,
+            0.0,
+            torch.ones(2, dtype=torch.int32),
+        )
+
+
 # (seq_len, query_len): chunks from position 0 and behind cached prefixes shorter and longer
 # than the chunk, lengths on and off multiples of 16, both sides of the per-token limit (8).
 TILED_SPECS = [

@@ -536,7 +536,11 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                                               max_num_blocks, rule, out);
 }
 
-// Sequences with more query rows than this (long prefill chunks) attend by tiles.
+// Without prompt_chunks, sequences with more query rows than this attend by tiles. With it, the
+// flagged sequences (prefill chunks, of any length) do and the others go row by row, so that a
+// prompt position's attention does not depend on how its prompt was chunked or prefix-cached:
+// a tile lane's result does not depend on the tile's other lanes, and both paths round
+// differently.
 constexpr int64_t kMaxPerTokenQueryLen = 8;
 
 // One work item of the tiled kernel: up to kNumLanes consecutive query rows of one sequence,
@@ -737,7 +741,8 @@ void tiled_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
 at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& query_start_loc,
                                const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                               double scale, int64_t sliding_window, double softcap) {
+                               double scale, int64_t sliding_window, double softcap,
+                               const std::optional<at::Tensor>& prompt_chunks) {
   check_paged_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                              /*can_cache_be_16bit=*/true);
   TORCH_CHECK(sliding_window >= 0 && softcap >= 0.0,
@@ -749,6 +754,13 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
   const int32_t* starts = query_start_loc.const_data_ptr<int32_t>();
   const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
   const int32_t* tables = block_tables.const_data_ptr<int32_t>();
+  const int32_t* is_prompt_chunk = nullptr;
+  if (prompt_chunks.has_value()) {
+    TORCH_CHECK(prompt_chunks->device().is_cpu() && prompt_chunks->scalar_type() == at::kInt &&
+                    prompt_chunks->is_contiguous() && prompt_chunks->numel() == num_seqs,
+                "prompt_chunks must be a contiguous int32 CPU tensor with one entry per sequence");
+    is_prompt_chunk = prompt_chunks->const_data_ptr<int32_t>();
+  }
 
   TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == num_tokens,
               "query_start_loc must run from 0 to num_tokens");
@@ -765,7 +777,9 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
       TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " is out of range");
     }
     std::fill(token_seq.begin() + starts[seq], token_seq.begin() + starts[seq + 1], seq);
-    if (query_len <= kMaxPerTokenQueryLen) {
+    const bool is_tiled = is_prompt_chunk != nullptr ? is_prompt_chunk[seq] != 0
+                                                     : query_len > kMaxPerTokenQueryLen;
+    if (!is_tiled) {
       for (int64_t token = starts[seq]; token < starts[seq + 1]; ++token) tokens.push_back(token);
       continue;
     }

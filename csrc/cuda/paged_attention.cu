@@ -159,7 +159,9 @@ __global__ void reshape_and_cache_kernel(const scalar_t* __restrict__ k,
 at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& query_start_loc,
                                 const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                                double scale, int64_t sliding_window, double softcap) {
+                                double scale, int64_t sliding_window, double softcap,
+                                const std::optional<at::Tensor>& /*prompt_chunks*/) {
+  // NOTE: every query row attends alone here, prompt row or not, so prompt_chunks changes nothing.
   check_paged_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables);
   TORCH_CHECK(sliding_window >= 0 && sliding_window <= INT32_MAX && softcap >= 0.0,
               "sliding_window and softcap must be >= 0 (0: off)");

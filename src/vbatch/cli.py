@@ -278,6 +278,7 @@ def run(
     max_graph_batch_size: o.MaxGraphBatchSize = ENGINE.max_graph_batch_size,
     async_scheduling: o.AsyncScheduling = ENGINE.async_scheduling,
     greedy_screen: o.GreedyScreen = ENGINE.greedy_screen,
+    batch_invariant: o.BatchInvariant = ENGINE.batch_invariant,
     heartbeat_timeout_s: o.HeartbeatTimeout = ENGINE.heartbeat_timeout_s,
     lora: o.Lora = None,
     lora_default: o.LoraDefault = None,

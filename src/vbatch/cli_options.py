@@ -295,6 +295,16 @@ AsyncScheduling = Annotated[
         rich_help_panel=ENGINE,
     ),
 ]
+BatchInvariant = Annotated[
+    bool,
+    typer.Option(
+        "--batch-invariant",
+        help="Compute every row of a step as in any other batch (CPU, float32): a seeded row "
+        "gives the same tokens alone, in any batch and after a prefix-cache hit. Slower; "
+        "without int8, LoRA, MoE models or the greedy screen.",
+        rich_help_panel=ENGINE,
+    ),
+]
 GreedyScreen = Annotated[
     bool | None,
     typer.Option(

@@ -72,7 +72,10 @@ class EngineConfig:
     vocabulary in fp32; None (auto) times both on the model's head at start-up and takes the
     faster (layers/kernel_choice.py, cached per machine). `async_scheduling` launches a decode
     step that continues the last one before the last one's tokens reach the host (overlap on a
-    GPU; nothing to gain on CPU).
+    GPU; nothing to gain on CPU). `batch_invariant` (CPU, float32, native attention) computes
+    every row of a step as in any other batch (layers/batch_invariant.py), so a seeded request
+    gives the same bits alone, in any batch, and after a prefix-cache hit; it costs speed and
+    takes neither int8 quantization, LoRA, mixture-of-experts models nor the greedy screen.
     After READY the core is declared hung, killed, and EngineDeadError raised when it sends no
     heartbeat for `heartbeat_timeout_s` seconds, when one iteration of its busy loop (one step)
     lasts that long without using the CPU, or when a computing step outlasts the limit sized from
@@ -99,6 +102,7 @@ class EngineConfig:
     enforce_eager: bool = False
     greedy_screen: bool | None = None
     async_scheduling: bool = False
+    batch_invariant: bool = False
     max_graph_batch_size: int = 256
     startup_timeout_s: float = 600.0
     heartbeat_timeout_s: float = 120.0
@@ -172,6 +176,17 @@ class EngineConfig:
             raise ConfigError(
                 f"greedy_screen must be true, false or null (auto), got {self.greedy_screen!r}"
             )
+        if self.batch_invariant:
+            refused = {
+                "device cuda": self.device == "cuda",
+                f"quantization {self.quantization}": self.quantization is not None,
+                "enable_lora": self.enable_lora,
+                "the greedy screen": self.greedy_screen is True,
+                f"attention_backend {self.attention_backend}": self.attention_backend == "torch",
+            }
+            if any(refused.values()):
+                names = ", ".join(name for name, on in refused.items() if on)
+                raise ConfigError(f"batch_invariant runs on CPU only, without {names}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         return self

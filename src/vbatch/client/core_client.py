@@ -12,12 +12,13 @@ import queue
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -61,10 +62,6 @@ _STALL_S = 2.0
 _IPC_PREFIX = "vbatch-"
 _IPC_DIR_NAME = re.compile(r"vbatch-(\d+)-[A-Za-z0-9_]+")
 _OWN_SIGNALS = {signal.SIGINT, signal.SIGTERM}
-_MAIN_GUARD_HINT = (
-    ' If you call vbatch from a script, put that code under `if __name__ == "__main__":`; '
-    "the engine core is started with multiprocessing 'spawn', which re-imports your script."
-)
 
 
 def check_request_params(reqs: Sequence[AddRequest], vocab_size: int) -> None:
@@ -324,8 +321,7 @@ class _Connection:
             elif isinstance(item, StartupFailed):
                 raise EngineStartupError(f"the engine core failed to start: {item.message}")
             elif isinstance(item, BaseException):
-                hint = _MAIN_GUARD_HINT if "exited with code" in str(item) else ""
-                raise EngineStartupError(f"{item} before it was ready.{hint}") from None
+                raise EngineStartupError(f"{item} before it was ready.") from None
 
     def _run(self) -> None:
         # NOTE: blocked here, so the core (forked from this thread) starts with them blocked and
@@ -584,8 +580,33 @@ def _spawn_core(
         name="vbatch-engine-core",
         daemon=True,
     )
-    proc.start()
+    with _main_module_hidden():
+        proc.start()
     return proc
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Start a spawn child that does not run the parent's main module again.
+
+    The core's target and arguments are vbatch's own, so the child needs nothing from the user's
+    script; without its main module it neither runs an unguarded script's top level a second time
+    nor pays for importing it (the CLI's own modules, before the core's torch import).
+    """
+    # NOTE: multiprocessing's spawn reads __main__'s __spec__ and __file__ in Process.start()
+    # to tell the child what to import as __mp_main__; with neither it imports nothing.
+    main = sys.modules["__main__"]
+    saved = {
+        name: main.__dict__[name] for name in ("__spec__", "__file__") if name in main.__dict__
+    }
+    main.__dict__.pop("__file__", None)
+    main.__dict__["__spec__"] = None
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
+        if "__spec__" not in saved:
+            main.__dict__.pop("__spec__", None)
 
 
 def _bind(sock: zmq.Socket, ipc_dir: str, name: str) -> str:

@@ -30,6 +30,7 @@ class HostBatch:
     sample_rows: list[int]
     max_query_len: int
     max_seq_len: int
+    prompt_chunks: np.ndarray | None = None  # [num_seqs] int32, see AttentionMetadata
 
     @property
     def input_ids(self) -> np.ndarray:
@@ -161,6 +162,7 @@ class DecodeBatch:
             block_tables = out.block_tables[self.block_rows, :max_num_blocks]
             gathered.keep(out, block_tables)
         host.block_tables = block_tables
+        host.prompt_chunks = None
         self._advance_arrays(host, token_ids)
         return host
 
@@ -205,6 +207,7 @@ def _build_single_token(
         table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)
     ]
     seq_lens = [p + 1 for p in positions]
+    prompt_chunks = [int(p < seq.num_prompt_tokens) for seq, p in zip(seqs, positions)]
     mask = out.sampling_mask
     sample_rows = list(range(n)) if all(mask) else [i for i, s in enumerate(mask) if s]
     max_num_blocks = max(map(len, tables))
@@ -229,6 +232,7 @@ def _build_single_token(
         sample_rows=sample_rows,
         max_query_len=1,
         max_seq_len=max(seq_lens),
+        prompt_chunks=np.array(prompt_chunks, dtype=np.int32) if any(prompt_chunks) else None,
     )
 
 
@@ -261,6 +265,8 @@ def _build_mixed(out: SchedulerOutput, block_size: int) -> HostBatch:
     np.cumsum(query_lens, out=query_start_loc[1:])
     sample_rows = np.flatnonzero(out.sampling_mask)
     logits_rows = query_start_loc[1:][sample_rows].astype(np.int64) - 1
+    num_prompt = np.fromiter((s.num_prompt_tokens for s in seqs), np.int64, num_seqs)
+    prompt_chunks = ((query_lens > 1) | (starts < num_prompt)).astype(np.int32)
     return HostBatch(
         int64s=np.concatenate([input_ids, positions, slot_mapping, logits_rows]),
         int32s=int32s,
@@ -269,6 +275,7 @@ def _build_mixed(out: SchedulerOutput, block_size: int) -> HostBatch:
         sample_rows=sample_rows.tolist(),
         max_query_len=max(num_new),
         max_seq_len=int(seq_lens.max()),
+        prompt_chunks=prompt_chunks if prompt_chunks.any() else None,
     )
 
 

@@ -30,8 +30,10 @@ from vbatch.engine.sampler import Sampler, SamplerOutput
 from vbatch.engine.sampling_metadata import SamplingMetadata, free_generators
 from vbatch.engine.sequence import Sequence
 from vbatch.engine.steps import SchedulerOutput
+from vbatch.errors import ConfigError
 from vbatch.layers import get_attention_backend
 from vbatch.layers.attention import AttentionMetadata
+from vbatch.layers.batch_invariant import check_row_invariance, make_batch_invariant
 from vbatch.layers.greedy_screen import (
     can_use_greedy_screen,
     choose_greedy_screen,
@@ -114,9 +116,11 @@ class ModelRunner:
                     f"--quantization int8 is not {WORTHWHILE_SPEEDUP:g}x faster than fp32 on "
                     f"this CPU: {describe_int8_choice(choice)}"
                 )
+        if config.batch_invariant:
+            self._make_batch_invariant(model_config)
         has_lm_head = model_config.head == "lm"
         screenable = has_lm_head and can_use_greedy_screen(self.device, self.dtype)
-        if config.greedy_screen is not False and screenable:
+        if config.greedy_screen is not False and screenable and not config.batch_invariant:
             progress("choosing kernels")
             if config.greedy_screen is None:
                 screen = choose_greedy_screen(
@@ -237,6 +241,7 @@ class ModelRunner:
             inputs = kept[1]
             inputs.meta.block_tables = self._to_device("block_tables", host.block_tables)
             inputs.meta.max_seq_len = host.max_seq_len
+            inputs.meta.prompt_chunks = None
             self._feed_input_ids(inputs.input_ids)
             if inputs.rope_offsets is not None and inputs.rope_positions is not None:
                 torch.add(inputs.positions, inputs.rope_offsets, out=inputs.rope_positions)
@@ -257,6 +262,9 @@ class ModelRunner:
             seq_lens_cpu=host.seq_lens,
             max_query_len=host.max_query_len,
             max_seq_len=host.max_seq_len,
+            prompt_chunks=None
+            if host.prompt_chunks is None
+            else torch.from_numpy(host.prompt_chunks),
         )
         self._feed_input_ids(input_ids)
         inputs = StepInputs(input_ids, positions, meta, logits_rows, host.sample_rows)
@@ -350,6 +358,22 @@ class ModelRunner:
         sampled = self.sampler(logits, sampling)
         sampled.grammar = mask
         return sampled
+
+    def _make_batch_invariant(self, model_config: ModelConfig) -> None:
+        reasons = {
+            "a float32 model on CPU": self.device.type != "cpu" or self.dtype != torch.float32,
+            "the native attention kernels": self.attn_backend.name != "native",
+            "a model without mixture-of-experts layers": any(model_config.moe_layers),
+        }
+        missing = [name for name, is_missing in reasons.items() if is_missing]
+        if missing:
+            raise ConfigError(f"batch_invariant needs {' and '.join(missing)}")
+        shapes = make_batch_invariant(self.model.layers)
+        if model_config.head == "lm":
+            shapes.append(tuple(self.model.lm_head_weight.shape))
+        check_row_invariance(shapes)
+        self.model.is_batch_invariant = True
+        self.kernel_notes.append("batch-invariant linears (oneDNN, row counts checked)")
 
     def _new_decode_batch(self) -> DecodeBatch:
         return DecodeBatch(

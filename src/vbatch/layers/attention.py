@@ -29,6 +29,11 @@ class AttentionMetadata:
     seq_lens_cpu: np.ndarray  # [num_seqs] int32, seq_lens on the host
     max_query_len: int
     max_seq_len: int
+    # [num_seqs] int32 on the host, 1 where a sequence's rows are a prefill chunk (prompt
+    # positions or a recompute); None in a step of decode rows only. The native CPU kernel
+    # attends flagged sequences by tiles and the others row by row, so a prompt position is
+    # computed the same way whether its prompt was chunked or partly found in the prefix cache.
+    prompt_chunks: torch.Tensor | None = None
 
     @property
     def is_decode_only(self) -> bool:

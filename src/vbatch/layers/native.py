@@ -130,6 +130,7 @@ def _register_fakes() -> None:
         scale: float,
         sliding_window: int = 0,
         softcap: float = 0.0,
+        prompt_chunks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return q.new_empty(q.shape)
 
@@ -261,6 +262,7 @@ class NativeAttentionBackend(AttentionBackend):
                 scale,
                 window,
                 cap,
+                meta.prompt_chunks if q.device.type == "cpu" else None,
             )
         plan = self._planner.plan(meta)
         out = torch.empty_like(q)

@@ -13,6 +13,7 @@ from torch import nn
 from vbatch.errors import ConfigError, ModelLoadError
 from vbatch.layers.activation import ACTIVATIONS
 from vbatch.layers.attention import AttentionBackend, AttentionMetadata
+from vbatch.layers.batch_invariant import invariant_linear
 from vbatch.layers.greedy_screen import Int8GreedyScreen
 from vbatch.layers.lora import LoraLinear
 from vbatch.layers.native import has_fused_ops
@@ -267,6 +268,8 @@ class LlamaForCausalLM(nn.Module):
         ]
         self._embedding_multipliers: dict[torch.dtype, float] = {}
         self.greedy_screen: Int8GreedyScreen | None = None
+        # NOTE: set by make_batch_invariant: the LM head through layers/batch_invariant.py too.
+        self.is_batch_invariant = False
         # NOTE: set by load_model under int8 quantization (quantize_linears' measured choice)
         self.quantization_choice: dict[str, object] | None = None
 
@@ -336,6 +339,9 @@ class LlamaForCausalLM(nn.Module):
         vocab_size = weight.shape[0]
         if hidden.device.type != "cpu" or hidden.dtype != torch.float32:
             return F.linear(hidden, weight).float()
+        if self.is_batch_invariant:
+            logits = invariant_linear(hidden, weight)
+            return logits if out is None else out.copy_(logits)
         logits = hidden.new_empty(hidden.shape[0], vocab_size) if out is None else out
         # NOTE: GEMMs over vocab chunks keep each output tile in cache; measured ~25% faster
         # than one [n, vocab_size] GEMM at n = 64-256 on CPU.
@@ -360,6 +366,8 @@ class LlamaForCausalLM(nn.Module):
             return F.linear(hidden, weight).argmax(dim=-1)
         if self.greedy_screen is not None:
             return self.greedy_screen.argmax(hidden, self._greedy_token_ids_fp32)
+        if self.is_batch_invariant:
+            return invariant_linear(hidden, weight).argmax(dim=-1)
         return self._greedy_token_ids_fp32(hidden)
 
     def _greedy_token_ids_fp32(self, hidden: torch.Tensor) -> torch.Tensor:

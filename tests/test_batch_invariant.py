@@ -1,0 +1,71 @@
+"""Batch-invariant mode: a seeded request's bits do not depend on its batch or on cache hits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vbatch.config import EngineConfig
+from vbatch.engine.core import EngineCore
+from vbatch.errors import ConfigError
+from vbatch.layers import native
+from vbatch.layers.batch_invariant import check_row_invariance, invariant_linear
+from vbatch.protocol import AddRequest, pack_token_ids
+from vbatch.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True, logprobs=0)
+Run = dict[str, tuple[list[int], list[float]]]
+
+
+def test_a_row_gets_the_same_bits_in_any_call() -> None:
+    torch.manual_seed(0)
+    weight, x = torch.randn(3072, 576), torch.randn(40, 576)
+    full = invariant_linear(x, weight)
+    torch.testing.assert_close(full, F.linear(x, weight), rtol=1e-4, atol=1e-4)
+    for rows in (1, 2, 7, 16, 39):
+        assert torch.equal(invariant_linear(x[-rows:], weight), full[-rows:])
+    check_row_invariance([(960, 576), (576, 1536), (49152, 576)])
+
+
+def run(core: EngineCore, prompts: dict[str, list[int]]) -> Run:
+    for request_id, prompt in prompts.items():
+        assert core.add_request(AddRequest(request_id, pack_token_ids(prompt), PARAMS)) == []
+    got: Run = {request_id: ([], []) for request_id in prompts}
+    while core.has_unfinished():
+        out = core.step()
+        assert out.logprobs is not None
+        for request_id, token, logprob in zip(out.request_ids, out.token_ids, out.logprobs):
+            got[request_id][0].append(token)
+            got[request_id][1].append(logprob.logprob if logprob is not None else float("nan"))
+    return got
+
+
+def test_a_seeded_request_is_the_same_alone_batched_and_cached(tiny_model_dir: Path) -> None:
+    """Alone its decode steps have 1 row, batched 7: without batch_invariant, MKL rounds the
+    tiny model's rows otherwise at 1 and 2 rows, and the logprobs differ."""
+    if not native.is_available():
+        pytest.skip("native kernels could not be built here")
+    core = EngineCore(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            device="cpu",
+            num_threads=2,
+            batch_invariant=True,
+        )
+    )
+    prompt = list(range(1000, 1033))
+    alone = run(core, {"alone": prompt})["alone"]
+    others = {f"o{i}": list(range(2000 + 50 * i, 2000 + 50 * i + 5 + 9 * i)) for i in range(6)}
+    batched = run(core, {"cached": prompt, **others})["cached"]
+    core.shutdown()
+    assert batched == alone
+
+
+def test_refuses_what_it_cannot_make_invariant() -> None:
+    with pytest.raises(ConfigError, match="quantization int8"):
+        EngineConfig(batch_invariant=True, quantization="int8").validate()
+    with pytest.raises(ConfigError, match="enable_lora"):
+        EngineConfig(batch_invariant=True, enable_lora=True).validate()
