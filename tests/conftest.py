@@ -138,20 +138,25 @@ def prompts(tokenizer: TextTokenizer, chat_messages: list[list[dict[str, str]]])
 
 
 @pytest.fixture(scope="session")
-def assert_greedy_matches_hf(smollm2: ResolvedModel) -> Callable[..., None]:
+def smollm2_hf(smollm2: ResolvedModel) -> Any:
+    """transformers' SmolLM2 (float32, eval mode), loaded once for every test that reads it."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(smollm2.hf_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def assert_greedy_matches_hf(smollm2_hf: Any) -> Callable[..., None]:
     """A check that every generated token is transformers' greedy choice given the same prefix.
 
     NOTE: the reference logits come from one full forward pass over prompt + generated tokens
     (teacher forcing). transformers 5's own cached `generate` drifts by up to ~0.1 in the logits
     from its full forward pass on this model, too coarse for the 1e-4 tie check.
     """
-    import torch
-    from transformers import LlamaForCausalLM
-
-    hf_model = LlamaForCausalLM.from_pretrained(smollm2.hf_dir, dtype=torch.float32).eval()
 
     def check(prompts: list[list[int]], got: list[list[int]]) -> None:
-        check_greedy_against(hf_model, prompts, got)
+        check_greedy_against(smollm2_hf, prompts, got)
 
     return check
 
@@ -180,8 +185,10 @@ def check_greedy_against(hf_model: Any, prompts: list[list[int]], got: list[list
                 )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def shared_llm(tiny_model_dir: Path) -> Iterator[Callable[..., Any]]:
+    """A factory for jobs (`llm_factory`) lending them one tiny-model engine, started once for
+    the session; a job's shutdown() leaves it running."""
     from vbatch.llm import LLM
 
     llm = LLM(str(tiny_model_dir), num_threads=1, max_num_seqs=16)

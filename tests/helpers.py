@@ -48,7 +48,8 @@ def with_chat_template(model_dir: Path, out_dir: Path, template: str) -> Path:
 
 
 class SharedLLM:
-    """The real engine, started once for this module; a job's shutdown() leaves it running."""
+    """The real engine, started once for the session or a module; a job's shutdown() leaves it
+    running."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm

@@ -1,4 +1,6 @@
-"""EngineCore on the real SmolLM2 weights: token-exact with HF in every scheduling mode."""
+"""EngineCore: token-exact with HF on the real SmolLM2 weights in every scheduling mode; its
+request handling (errors, finishes, aborts, seeds, samples, async scheduling) on the tiny
+model."""
 
 from __future__ import annotations
 
@@ -82,15 +84,16 @@ def test_greedy_matches_hf_full_size(smollm2, prompts, assert_greedy_matches_hf,
 def test_prefix_cache_hits_give_same_tokens(smollm2, prompts, assert_greedy_matches_hf) -> None:
     core = EngineCore(EngineConfig(model=str(smollm2.hf_dir)))
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    run(core, prompts[:6], params)
+    # NOTE: one token is enough to compute, and so cache, every prompt block.
+    run(core, prompts[:6], params.updated({"max_tokens": 1}))
     hits_before = core.stats().prefix_cache_hits
     got = run(core, prompts[:6], params)
     assert core.stats().prefix_cache_hits > hits_before
     assert_greedy_matches_hf(prompts[:6], got)
 
 
-def test_seeded_sampling_is_batch_invariant(smollm2, prompts) -> None:
-    core = EngineCore(EngineConfig(model=str(smollm2.hf_dir)))
+def test_seeded_sampling_is_batch_invariant(tiny_model_dir, prompts) -> None:
+    core = EngineCore(EngineConfig(model=str(tiny_model_dir)))
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
     alone = run(core, prompts[:1], seeded)[0]
     others = [
@@ -106,8 +109,8 @@ def test_seeded_sampling_is_batch_invariant(smollm2, prompts) -> None:
     assert tokens == alone
 
 
-def test_n_samples_share_prompt_blocks(smollm2, prompts) -> None:
-    core = EngineCore(EngineConfig(model=str(smollm2.hf_dir)))
+def test_n_samples_share_prompt_blocks(tiny_model_dir, prompts) -> None:
+    core = EngineCore(EngineConfig(model=str(tiny_model_dir)))
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
     core.add_request(AddRequest("multi", pack_token_ids(prompts[2]), params))
     samples: dict[int, list[int]] = {}
@@ -124,8 +127,8 @@ def test_n_samples_share_prompt_blocks(smollm2, prompts) -> None:
     assert core.stats().prefix_cache_hits >= 2 * full_blocks
 
 
-def test_bad_requests_fail_alone(smollm2, prompts) -> None:
-    core = EngineCore(EngineConfig(model=str(smollm2.hf_dir), max_model_len=64))
+def test_bad_requests_fail_alone(tiny_model_dir, prompts) -> None:
+    core = EngineCore(EngineConfig(model=str(tiny_model_dir), max_model_len=64))
     too_long = core.add_request(AddRequest("long", pack_token_ids([5] * 80), GREEDY))
     empty = core.add_request(AddRequest("empty", pack_token_ids([]), GREEDY))
     bad_id = core.add_request(AddRequest("bad", pack_token_ids([10**6]), GREEDY))
@@ -139,18 +142,21 @@ def test_bad_requests_fail_alone(smollm2, prompts) -> None:
 
 
 def test_finish_reasons_and_abort(smollm2, prompts) -> None:
+    """On SmolLM2, whose greedy output holds new tokens to stop at (the tiny model's repeats)."""
     core = EngineCore(EngineConfig(model=str(smollm2.hf_dir)))
-    ref_tokens = run(core, prompts[:1], GREEDY)[0]
-    stop_pos = next(p for p in range(3, NUM_TOKENS) if ref_tokens[p] not in ref_tokens[:p])
+    num_tokens = 16
+    greedy = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    ref_tokens = run(core, prompts[:1], greedy)[0]
+    stop_pos = next(p for p in range(3, num_tokens) if ref_tokens[p] not in ref_tokens[:p])
     stop_token = ref_tokens[stop_pos]
     steps: list[EngineOutputs] = []
     finishes: list[SampleFinish] = []
-    core.add_request(AddRequest("len", pack_token_ids(prompts[0]), GREEDY))
+    core.add_request(AddRequest("len", pack_token_ids(prompts[0]), greedy))
     stop_params = SamplingParams(
-        temperature=0.0, max_tokens=NUM_TOKENS, stop_token_ids=[stop_token]
+        temperature=0.0, max_tokens=num_tokens, stop_token_ids=[stop_token]
     )
     core.add_request(AddRequest("stoptok", pack_token_ids(prompts[0]), stop_params))
-    core.add_request(AddRequest("abort", pack_token_ids(prompts[1]), GREEDY))
+    core.add_request(AddRequest("abort", pack_token_ids(prompts[1]), greedy))
     steps.append(core.step())
     finishes += core.abort(["abort", "abort", "unknown"])
     while core.has_unfinished():
@@ -168,8 +174,8 @@ def test_finish_reasons_and_abort(smollm2, prompts) -> None:
     assert stop_tokens == ref_tokens[: stop_pos + 1]
 
 
-def test_abort_mid_step_drops_its_token(smollm2, prompts) -> None:
-    core = EngineCore(EngineConfig(model=str(smollm2.hf_dir)))
+def test_abort_mid_step_drops_its_token(tiny_model_dir, prompts) -> None:
+    core = EngineCore(EngineConfig(model=str(tiny_model_dir)))
     for rid, ids in (("keep", prompts[0]), ("drop", prompts[1])):
         core.add_request(AddRequest(rid, pack_token_ids(ids), GREEDY))
     core.step()

@@ -37,10 +37,23 @@ def tiny_config(model_dir: Path, **overrides: object) -> EngineConfig:
     return EngineConfig(**values).validate()
 
 
+_EARLIER_CHILDREN: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def earlier_children() -> None:
+    """The children alive before the test (a session-wide engine's core), which it leaves be."""
+    _EARLIER_CHILDREN.clear()
+    _EARLIER_CHILDREN.update(proc.pid for proc in psutil.Process().children(recursive=True))
+
+
 def live_children() -> list[psutil.Process]:
-    """Our live child processes, minus multiprocessing's shared resource tracker."""
+    """Our live child processes started by this test, minus multiprocessing's shared resource
+    tracker."""
     children = []
     for proc in psutil.Process().children(recursive=True):
+        if proc.pid in _EARLIER_CHILDREN:
+            continue
         with contextlib.suppress(psutil.NoSuchProcess):
             if proc.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(
                 proc.cmdline()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -41,26 +42,28 @@ def random_head(vocab: int, hidden: int, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def smollm2_rows(smollm2: ResolvedModel) -> tuple[torch.Tensor, torch.Tensor]:
+def smollm2_rows(smollm2: ResolvedModel, smollm2_hf: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """SmolLM2's tied LM head and the final hidden states of a few real prompts and outputs."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(smollm2.hf_dir)
-    model = AutoModelForCausalLM.from_pretrained(smollm2.hf_dir, torch_dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2.hf_dir, padding_side="left")
     texts = [
         "The capital of France is Paris. The capital of Italy is",
         "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
         "Once upon a time, in a small village by the sea, there lived",
         "1, 1, 2, 3, 5, 8, 13, 21, 34,",
     ]
-    rows = []
+    # NOTE: one left-padded batch; the rows are every position that is not padding.
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
     with torch.inference_mode():
-        for text in texts:
-            ids = tokenizer(text, return_tensors="pt").input_ids
-            out = model.generate(ids, max_new_tokens=24, do_sample=False)
-            states = model(out, output_hidden_states=True).hidden_states[-1]
-            rows.append(states[0])
-    return model.get_output_embeddings().weight.detach().clone(), torch.cat(rows)
+        out = smollm2_hf.generate(**batch, max_new_tokens=24, do_sample=False)
+        mask = torch.cat(
+            [batch.attention_mask, out[:, batch.input_ids.shape[1] :] != tokenizer.pad_token_id],
+            dim=1,
+        )
+        states = smollm2_hf(out, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+    head = smollm2_hf.get_output_embeddings().weight.detach().clone()
+    return head, states[mask.bool()]
 
 
 def test_matches_fp32_argmax_on_smollm2(ops: None, smollm2_rows: tuple) -> None:

@@ -164,12 +164,20 @@ def test_hf_dir_resolves_as_is(tiny_model_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def tokenizer_fields(smollm2: ResolvedModel) -> dict[str, Any]:
-    """SmolLM2's GGUF tokenizer metadata, to give synthetic GGUF files a real tokenizer."""
-    import gguf
+def tokenizer_fields() -> dict[str, Any]:
+    """GGUF tokenizer metadata for synthetic files: a byte-level BPE vocabulary of the 256 bytes
+    and one merge (the real 49152-token one took transformers' GGUF reader seconds per file)."""
+    from vbatch.models.gguf_tokenizer import byte_alphabet
 
-    fields = gguf.GGUFReader(smollm2.source).fields
-    return {key: fields[key].contents() for key in fields if key.startswith("tokenizer.")}
+    tokens = [*byte_alphabet().values(), "\u0120t"]
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "smollm",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [1] * len(tokens),
+        "tokenizer.ggml.merges": ["\u0120 t"],
+        "tokenizer.chat_template": "{% for m in messages %}{{ m.content }}\n{% endfor %}",
+    }
 
 
 def write_gguf(
@@ -246,7 +254,7 @@ def test_synthetic_gguf_round_trips(
     arch = "llama" if family == "mistral" else family
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
     config = (classes | {"mistral": MistralConfig})[family](
-        vocab_size=49152,
+        vocab_size=len(tokenizer_fields["tokenizer.ggml.tokens"]),
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,

@@ -701,11 +701,61 @@ def test_concurrent_builds_share_one_result(tmp_path: Path) -> None:
     assert len(list((tmp_path / "native").glob("*/vbatch_native.so"))) == 1
 
 
+# NOTE: stands in for nvcc in check_cuda_compile.sh: the same flags, but the list of every file
+# the compile reads (nvcc -M) instead of the object file.
+NVCC_DEPENDENCIES = """#!/usr/bin/env bash
+args=()
+while [ $# -gt 0 ]; do
+  if [ "$1" = -o ]; then shift 2; else args+=("$1"); shift; fi
+done
+exec "$REAL_NVCC" "${args[@]}" -M -o "$DEPENDENCY_FILE"
+"""
+
+
+def cuda_compile_key(script: Path, nvcc: str, tmp_path: Path) -> str:
+    """A digest of everything the compile check's result depends on: the script, the content of
+    every file nvcc reads for it (sources, torch's, CUDA's and the system's headers), nvcc's and
+    the host compiler's versions and the environment the script reads."""
+    import hashlib
+    import os
+
+    wrapper, dependency_file = tmp_path / "nvcc-dependencies", tmp_path / "dependencies.d"
+    wrapper.write_text(NVCC_DEPENDENCIES)
+    wrapper.chmod(0o755)
+    env = {**os.environ, "NVCC": str(wrapper), "REAL_NVCC": nvcc}
+    env["DEPENDENCY_FILE"] = str(dependency_file)
+    result = subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    dependencies = dependency_file.read_text().replace("\\\n", " ").split(":", 1)[1].split()
+    digest = hashlib.sha256(script.read_bytes())
+    # NOTE: the one file gone is the header stub the script writes into its temporary directory.
+    for path in sorted(p for p in set(dependencies) if Path(p).is_file()):
+        digest.update(path.encode() + b"\0" + Path(path).read_bytes())
+    for tool in (nvcc, "gcc", "g++"):
+        version = subprocess.run([tool, "--version"], capture_output=True, timeout=60).stdout
+        digest.update(version)
+    digest.update(repr([os.environ.get(name) for name in ("CUDA_ARCH", "NVCC")]).encode())
+    return digest.hexdigest()
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-def test_cuda_source_compiles_with_nvcc() -> None:
+def test_cuda_source_compiles_with_nvcc(tmp_path: Path) -> None:
+    """The compile takes 30-60 s here, so a pass is remembered under a digest of all its inputs
+    (as a build cache does): only a compile of unchanged inputs is skipped."""
+    from vbatch.models.loader import cache_dir
+
     script = Path(__file__).resolve().parents[1] / "csrc" / "check_cuda_compile.sh"
+    nvcc = shutil.which("nvcc")
+    assert nvcc is not None
+    passed = cache_dir() / "cuda-compile-checks" / cuda_compile_key(script, nvcc, tmp_path)
+    if passed.exists():
+        return
     result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
+    passed.parent.mkdir(parents=True, exist_ok=True)
+    passed.touch()
 
 
 @pytest.mark.gpu

@@ -34,9 +34,11 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 # NOTE: token ids that no other prompt here contains; a prompt holding one triggers the fault
 # that FAULTS_ENV assigns it in the core.
 RAISE, FATAL, BUSY, HANG, SPIN, SPIN_FOREVER = 40001, 40002, 40003, 40004, 40005, 40006
-SPIN_STEP_S = 5.0
-BUSY_STEP_S = 8.0
+SPIN_STEP_S = 4.0
+BUSY_STEP_S = 6.0
 HEARTBEAT_TIMEOUT_S = 12.0
+# NOTE: for a core that runs nothing else before its hung step, so no busy step can outlast it.
+HUNG_HEARTBEAT_TIMEOUT_S = 5.0
 
 
 def faulty(token_id: int, max_tokens: int = 4) -> Request:
@@ -44,12 +46,12 @@ def faulty(token_id: int, max_tokens: int = 4) -> Request:
     return Request(prompt_token_ids=[token_id, 5, 6], sampling_params=params)
 
 
-def faulty_llm(model_dir: Path) -> LLM:
+def faulty_llm(model_dir: Path, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> LLM:
     """An LLM whose core has the test-only faults armed (read from its environment at start)."""
     faults = f"raise:{RAISE},fatal:{FATAL},sleep:{BUSY}:{BUSY_STEP_S},sleep:{HANG}:3600"
     os.environ[FAULTS_ENV] = faults
     try:
-        return LLM(str(model_dir), heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, **ENGINE)
+        return LLM(str(model_dir), heartbeat_timeout_s=heartbeat_timeout_s, **ENGINE)
     finally:
         del os.environ[FAULTS_ENV]
 
@@ -150,13 +152,15 @@ def test_a_cuda_error_is_fatal_to_the_engine(own: LLM) -> None:
     assert wait_gone(own.engine_info.pid, 10)
 
 
-def test_a_core_stuck_in_a_step_is_killed_as_hung(own: LLM) -> None:
-    pid = own.engine_info.pid
-    start = time.monotonic()
-    with pytest.raises(EngineDeadError, match="alive but its loop made no progress"):
-        own.generate([faulty(HANG)])
-    assert HEARTBEAT_TIMEOUT_S <= time.monotonic() - start < HEARTBEAT_TIMEOUT_S + 15
-    assert wait_gone(pid, 10)
+def test_a_core_stuck_in_a_step_is_killed_as_hung(tiny_model_dir: Path) -> None:
+    with faulty_llm(tiny_model_dir, HUNG_HEARTBEAT_TIMEOUT_S) as llm:
+        pid = llm.engine_info.pid
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="alive but its loop made no progress"):
+            llm.generate([faulty(HANG)])
+        waited = time.monotonic() - start
+        assert HUNG_HEARTBEAT_TIMEOUT_S <= waited < HUNG_HEARTBEAT_TIMEOUT_S + 15, waited
+        assert wait_gone(pid, 10)
 
 
 def spinning_llm(model_dir: Path) -> LLM:

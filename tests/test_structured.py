@@ -129,7 +129,7 @@ def test_rows_take_response_format_guided_and_openai_body() -> None:
 
 @pytest.mark.parametrize("output_name", ["out.jsonl", "out.parquet"])
 def test_job_rows_with_constraints_flags_and_parsed_json(
-    tmp_path: Path, tiny_model_dir: Path, output_name: str
+    tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any], output_name: str
 ) -> None:
     pytest.importorskip("xgrammar")
     response_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}
@@ -155,7 +155,7 @@ def test_job_rows_with_constraints_flags_and_parsed_json(
         sampling={"max_tokens": 32, "temperature": 0.0},
         parse_json=True,
     )
-    outcome = start_job(spec, RunOptions(display="quiet"))
+    outcome = start_job(spec, RunOptions(display="quiet"), llm_factory=shared_llm)
     assert outcome.exit_code == 0, outcome.message
     path = tmp_path / output_name
     if path.suffix == ".parquet":
