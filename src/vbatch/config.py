@@ -186,7 +186,7 @@ class EngineConfig:
             }
             if any(refused.values()):
                 names = ", ".join(name for name, on in refused.items() if on)
-                raise ConfigError(f"batch_invariant runs on CPU only, without {names}")
+                raise ConfigError(f"batch_invariant does not go with {names}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         return self
