@@ -8,7 +8,7 @@ tighter one: prompt tokens without the LM head, at the 512-row prefill GEMM rate
 
 python -m benchmarks.e2e [--num-prompts 128] [--max-tokens 128] [--threads 2]
     [--hf-batch-sizes 32,64] [--repeats 1] [--skip-hf] [--show-progress] [--quantization int8]
-    [--greedy-screen auto|on|off] [--batch-invariant]
+    [--greedy-screen auto|on|off] [--batch-invariant] [--linear-backend auto|torch|onednn]
 
 Under the AVX2 emulation: python -m benchmarks.emulate avx2 benchmarks.e2e ...
 """
@@ -45,6 +45,8 @@ def run_cli(in_path: Path, out_path: Path, args: argparse.Namespace) -> dict[str
         cmd.append("--greedy-screen" if args.greedy_screen == "on" else "--no-greedy-screen")
     if args.batch_invariant:
         cmd.append("--batch-invariant")
+    if args.linear_backend:
+        cmd += ["--linear-backend", args.linear_backend]
     if not args.show_progress:
         cmd.append("--quiet")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
@@ -88,6 +90,12 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, help="e.g. int8 (the bound stays fp32)")
     parser.add_argument(
         "--batch-invariant", action="store_true", help="vbatch's batch-invariant mode"
+    )
+    parser.add_argument(
+        "--linear-backend",
+        choices=("auto", "torch", "onednn"),
+        default=None,
+        help="vbatch's GEMM library for float32 linears (default: its own, auto)",
     )
     parser.add_argument(
         "--greedy-screen",

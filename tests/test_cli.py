@@ -139,6 +139,7 @@ RUN_OPTIONS: dict[str, tuple[list[str], str, Any]] = {
     "async_scheduling": (["--async-scheduling"], "spec.engine_args.async_scheduling", True),
     "greedy_screen": (["--no-greedy-screen"], "spec.engine_args.greedy_screen", False),
     "batch_invariant": (["--batch-invariant"], "spec.engine_args.batch_invariant", True),
+    "linear_backend": (["--linear-backend", "onednn"], "spec.engine_args.linear_backend", "onednn"),
     "heartbeat_timeout_s": (
         ["--heartbeat-timeout", "9"],
         "spec.engine_args.heartbeat_timeout_s",

@@ -17,7 +17,7 @@ import typer
 
 from vbatch import __version__
 from vbatch import cli_options as o
-from vbatch.config import AttentionBackend, Device, Dtype, EngineConfig
+from vbatch.config import AttentionBackend, Device, Dtype, EngineConfig, LinearBackend
 from vbatch.engine_sets.base import RaySettings
 from vbatch.errors import (
     ConfigError,
@@ -278,6 +278,7 @@ def run(
     max_graph_batch_size: o.MaxGraphBatchSize = ENGINE.max_graph_batch_size,
     async_scheduling: o.AsyncScheduling = ENGINE.async_scheduling,
     greedy_screen: o.GreedyScreen = ENGINE.greedy_screen,
+    linear_backend: o.LinearBackendOption = LinearBackend(ENGINE.linear_backend),
     batch_invariant: o.BatchInvariant = ENGINE.batch_invariant,
     heartbeat_timeout_s: o.HeartbeatTimeout = ENGINE.heartbeat_timeout_s,
     lora: o.Lora = None,

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from vbatch.client.reasoning import ReasoningParser
-from vbatch.config import AttentionBackend, Device, Dtype, Quantization
+from vbatch.config import AttentionBackend, Device, Dtype, LinearBackend, Quantization
 from vbatch.job.tasks import Task
 from vbatch.sampling_params import MAX_LOGPROBS, MAX_N
 
@@ -312,6 +312,15 @@ GreedyScreen = Annotated[
         help="On CPU, screen the vocabulary in int8 before scoring greedy tokens in fp32 (the "
         "same tokens); off scores the whole vocabulary in fp32. Default: whichever is faster "
         "on this CPU, timed at start-up and cached.",
+        rich_help_panel=ENGINE,
+    ),
+]
+LinearBackendOption = Annotated[
+    LinearBackend,
+    typer.Option(
+        "--linear-backend",
+        help="GEMM library of the float32 CPU linears and LM head: torch's (MKL) or oneDNN's. "
+        "auto: the faster per projection and row count, timed at start-up and cached.",
         rich_help_panel=ENGINE,
     ),
 ]

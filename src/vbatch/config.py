@@ -32,11 +32,18 @@ class Quantization(str, Enum):
     INT8 = "int8"
 
 
+class LinearBackend(str, Enum):
+    AUTO = "auto"
+    TORCH = "torch"
+    ONEDNN = "onednn"
+
+
 DEVICES = tuple(c.value for c in Device)
 DTYPES = tuple(c.value for c in Dtype)
 KV_CACHE_DTYPES = DTYPES
 ATTENTION_BACKENDS = tuple(c.value for c in AttentionBackend)
 QUANTIZATION_METHODS = tuple(c.value for c in Quantization)
+LINEAR_BACKENDS = tuple(c.value for c in LinearBackend)
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,11 @@ class EngineConfig:
     plain-greedy tokens on CPU through an int8 screen of the LM head with fp32 rescoring of the
     few candidates it cannot rule out (the same tokens as the fp32 head); False scores the whole
     vocabulary in fp32; None (auto) times both on the model's head at start-up and takes the
-    faster (layers/kernel_choice.py, cached per machine). `async_scheduling` launches a decode
+    faster (layers/kernel_choice.py, cached per machine). `linear_backend` picks the GEMM library
+    of the float32 CPU linears and LM head: "auto" times torch's (MKL) and oneDNN's on the
+    model's shapes at a few row counts at start-up and takes the faster per projection and row
+    count (layers/linear_choice.py, cached per machine); "torch" or "onednn" force one.
+    `async_scheduling` launches a decode
     step that continues the last one before the last one's tokens reach the host (overlap on a
     GPU; nothing to gain on CPU). `batch_invariant` (CPU, float32, native attention) computes
     every row of a step as in any other batch (layers/batch_invariant.py), so a seeded request
@@ -101,6 +112,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     greedy_screen: bool | None = None
+    linear_backend: str = "auto"
     async_scheduling: bool = False
     batch_invariant: bool = False
     max_graph_batch_size: int = 256
@@ -172,6 +184,11 @@ class EngineConfig:
         names = [name for name, _ in self.loras]
         if len(set(names)) != len(names):
             raise ConfigError(f"LoRA adapter names must be distinct, got {', '.join(names)}")
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ConfigError(
+                f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, "
+                f"got {self.linear_backend!r}"
+            )
         if self.greedy_screen not in (None, True, False):
             raise ConfigError(
                 f"greedy_screen must be true, false or null (auto), got {self.greedy_screen!r}"

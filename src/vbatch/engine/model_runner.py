@@ -39,6 +39,11 @@ from vbatch.layers.greedy_screen import (
     choose_greedy_screen,
     describe_screen_choice,
 )
+from vbatch.layers.linear_choice import (
+    choose_linear_backends,
+    describe_linear_choice,
+    onednn_everywhere,
+)
 from vbatch.layers.native import has_fused_ops
 from vbatch.layers.quantization import WORTHWHILE_SPEEDUP, describe_int8_choice
 from vbatch.lora.slots import LoraSlots
@@ -116,9 +121,11 @@ class ModelRunner:
                     f"--quantization int8 is not {WORTHWHILE_SPEEDUP:g}x faster than fp32 on "
                     f"this CPU: {describe_int8_choice(choice)}"
                 )
+        has_lm_head = model_config.head == "lm"
         if config.batch_invariant:
             self._make_batch_invariant(model_config)
-        has_lm_head = model_config.head == "lm"
+        elif self.device.type == "cpu" and self.dtype == torch.float32:
+            self._choose_linears(config.linear_backend, has_lm_head, progress)
         screenable = has_lm_head and can_use_greedy_screen(self.device, self.dtype)
         if config.greedy_screen is not False and screenable and not config.batch_invariant:
             progress("choosing kernels")
@@ -358,6 +365,26 @@ class ModelRunner:
         sampled = self.sampler(logits, sampling)
         sampled.grammar = mask
         return sampled
+
+    def _choose_linears(
+        self, backend: str, has_lm_head: bool, progress: Callable[[str], None]
+    ) -> None:
+        """Run the float32 CPU linears by `backend`: torch's GEMM as built, oneDNN's, or (auto)
+        the faster per projection and row class, measured here (layers/linear_choice.py)."""
+        if backend == "torch":
+            return
+        weights = self.model.linear_weights(with_head=has_lm_head)
+        if not weights:
+            return
+        if backend == "onednn":
+            choice = onednn_everywhere("lm_head" in weights)
+        else:
+            progress("choosing kernels")
+            choice = choose_linear_backends(weights)
+        self.model.use_linear_choice(choice)
+        self.kernel_notes.append(
+            describe_linear_choice(choice, None if backend == "auto" else backend)
+        )
 
     def _make_batch_invariant(self, model_config: ModelConfig) -> None:
         reasons = {

@@ -16,6 +16,13 @@ from vbatch.layers.activation import ACTIVATIONS
 from vbatch.layers.attention import AttentionBackend, AttentionMetadata
 from vbatch.layers.batch_invariant import invariant_linear
 from vbatch.layers.greedy_screen import Int8GreedyScreen
+from vbatch.layers.linear_choice import (
+    HEAD_CHUNK,
+    TRANSPOSED,
+    ChosenLinear,
+    head_tiles,
+    row_class,
+)
 from vbatch.layers.lora import LoraLinear
 from vbatch.layers.native import has_fused_ops
 from vbatch.layers.norm import RMSNorm
@@ -27,7 +34,7 @@ from vbatch.models.moe import SparseMoeBlock
 from vbatch.models.weights import param_target, prepare
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-LM_HEAD_CHUNK = 3072
+LM_HEAD_CHUNK = HEAD_CHUNK
 # NOTE: up to this many rows, GEMMs run as W @ x^T (see LlamaMLP._forward_transposed); from
 # 1024 rows on the usual x @ W^T is as fast or faster.
 MAX_TRANSPOSED_ROWS = 512
@@ -35,7 +42,11 @@ TRANSPOSED_ROW_MULTIPLE = 8
 
 
 def _is_cpu_float32_linear(layer: nn.Module, x: torch.Tensor) -> bool:
-    return type(layer) is nn.Linear and x.device.type == "cpu" and x.dtype == torch.float32
+    return (
+        type(layer) in (nn.Linear, ChosenLinear)
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+    )
 
 
 class LlamaAttention(nn.Module):
@@ -118,9 +129,18 @@ class LlamaMLP(nn.Module):
         # NOTE: set by LoraSlots when the engine runs adapters (vbatch/lora/slots.py).
         self.gate_up_lora: LoraLinear | None = None
         self.down_lora: LoraLinear | None = None
+        # NOTE: set by apply_linear_choice (layers/linear_choice.py): per row class, the
+        # transposed form or the linears' own backends; None: transposed up to 512 rows.
+        self.modes: list[str] | None = None
+
+    def _transposes(self, x: torch.Tensor) -> bool:
+        num_rows = x.shape[0]
+        if self.modes is not None and self.modes[row_class(num_rows)] != TRANSPOSED:
+            return False
+        return num_rows <= MAX_TRANSPOSED_ROWS and _is_cpu_float32_linear(self.gate_up_proj, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= MAX_TRANSPOSED_ROWS and _is_cpu_float32_linear(self.gate_up_proj, x):
+        if self._transposes(x):
             return self._forward_transposed(x)
         gate_up = self.gate_up_proj(x)
         if self.gate_up_lora is not None:
@@ -273,6 +293,8 @@ class LlamaForCausalLM(nn.Module):
         self.is_batch_invariant = False
         # NOTE: set by load_model under int8 quantization (quantize_linears' measured choice)
         self.quantization_choice: dict[str, object] | None = None
+        # NOTE: set by apply_linear_choice: the float32 CPU LM head's backend per row class.
+        self.head_backends: list[str] | None = None
 
     @property
     def long_rope_offset(self) -> int | None:
@@ -344,12 +366,17 @@ class LlamaForCausalLM(nn.Module):
             logits = invariant_linear(hidden, weight)
             return logits if out is None else out.copy_(logits)
         logits = hidden.new_empty(hidden.shape[0], vocab_size) if out is None else out
+        backend = self._head_backend(hidden.shape[0])
         # NOTE: GEMMs over vocab chunks keep each output tile in cache; measured ~25% faster
         # than one [n, vocab_size] GEMM at n = 64-256 on CPU.
-        for start in range(0, vocab_size, LM_HEAD_CHUNK):
-            end = min(start + LM_HEAD_CHUNK, vocab_size)
-            torch.mm(hidden, weight[start:end].t(), out=logits[:, start:end])
+        for start, tile in head_tiles(hidden, weight, logits, backend, in_place=True):
+            if backend == "onednn":
+                logits[:, start : start + tile.shape[1]].copy_(tile)
         return logits
+
+    def _head_backend(self, num_rows: int) -> str:
+        backends = self.head_backends
+        return "torch" if backends is None else backends[row_class(num_rows)]
 
     def logit_tiles(self, hidden: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         """The logits of `hidden` LM_HEAD_CHUNK vocab entries at a time, as in compute_logits:
@@ -359,13 +386,15 @@ class LlamaForCausalLM(nn.Module):
         vocab_size = weight.shape[0]
         cap = self.config.final_logit_softcapping
         buffer = hidden.new_empty(hidden.shape[0], min(LM_HEAD_CHUNK, vocab_size))
-        for start in range(0, vocab_size, LM_HEAD_CHUNK):
-            end = min(start + LM_HEAD_CHUNK, vocab_size)
-            tile = buffer[:, : end - start]
-            if self.is_batch_invariant:
-                tile.copy_(invariant_linear(hidden, weight[start:end]))
-            else:
-                torch.mm(hidden, weight[start:end].t(), out=tile)
+        tiles = (
+            (
+                (start, invariant_linear(hidden, weight[start : start + LM_HEAD_CHUNK]))
+                for start in range(0, vocab_size, LM_HEAD_CHUNK)
+            )
+            if self.is_batch_invariant
+            else head_tiles(hidden, weight, buffer, self._head_backend(hidden.shape[0]))
+        )
+        for start, tile in tiles:
             if cap is not None:
                 tile.div_(cap).tanh_().mul_(cap)
             yield start, tile
@@ -378,6 +407,42 @@ class LlamaForCausalLM(nn.Module):
         if cap is not None:
             logits = logits.div(cap).tanh().mul(cap)
         return logits
+
+    def linear_weights(self, with_head: bool) -> dict[str, torch.Tensor]:
+        """The [out, in] weights layers/linear_choice.py times: one layer's projections (the
+        first with a dense MLP and plain linears) and the LM head if `with_head`; empty when no
+        layer qualifies."""
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None))
+            if isinstance(mlp, LlamaMLP) and all(type(m) is nn.Linear for m in linears):
+                weights = {
+                    "qkv": attn.qkv_proj.weight,
+                    "o": attn.o_proj.weight,
+                    "gate_up": mlp.gate_up_proj.weight,
+                    "down": mlp.down_proj.weight,
+                }
+                if with_head:
+                    weights["lm_head"] = self.lm_head_weight
+                return weights
+        return {}
+
+    def use_linear_choice(self, choice: dict[str, object]) -> None:
+        """Run the float32 linears (and the LM head, if chosen) by layers/linear_choice.py's
+        per-row-class choice; layers with other linears or an MoE block keep theirs."""
+        qkv, o, modes = (list(choice[role]) for role in ("qkv", "o", "mlp"))  # type: ignore[call-overload]
+        mlp_backends = tuple("torch" if mode == TRANSPOSED else mode for mode in modes)
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if type(attn.qkv_proj) is nn.Linear and type(attn.o_proj) is nn.Linear:
+                attn.qkv_proj = ChosenLinear(attn.qkv_proj, tuple(qkv))
+                attn.o_proj = ChosenLinear(attn.o_proj, tuple(o))
+            if isinstance(mlp, LlamaMLP) and type(mlp.gate_up_proj) is nn.Linear:
+                mlp.gate_up_proj = ChosenLinear(mlp.gate_up_proj, mlp_backends)
+                mlp.down_proj = ChosenLinear(mlp.down_proj, mlp_backends)
+                mlp.modes = modes
+        if "lm_head" in choice:
+            self.head_backends = list(choice["lm_head"])  # type: ignore[call-overload]
 
     def enable_greedy_screen(self) -> None:
         """Find greedy tokens through the int8 screen (see layers/greedy_screen.py)."""
@@ -401,17 +466,14 @@ class LlamaForCausalLM(nn.Module):
 
     def _greedy_token_ids_fp32(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.lm_head_weight
-        vocab_size = weight.shape[0]
         # NOTE: a [n, vocab] float32 tensor (50 MB at n = 256) evicts every cache each step;
         # one chunk's scores stay in cache and are reduced before the next chunk is computed.
         num_rows = hidden.shape[0]
         scores = hidden.new_empty(num_rows, LM_HEAD_CHUNK)
         best_value = hidden.new_full((num_rows,), float("-inf"))
         best_index = torch.zeros(num_rows, dtype=torch.int64)
-        for start in range(0, vocab_size, LM_HEAD_CHUNK):
-            end = min(start + LM_HEAD_CHUNK, vocab_size)
-            chunk = scores[:, : end - start]
-            torch.mm(hidden, weight[start:end].t(), out=chunk)
+        backend = self._head_backend(num_rows)
+        for start, chunk in head_tiles(hidden, weight, scores, backend):
             value, index = chunk.max(dim=1)
             is_better = value > best_value
             best_value = torch.where(is_better, value, best_value)

@@ -1,0 +1,188 @@
+"""Which GEMM library runs each float32 linear on CPU, chosen by measurement per row count.
+
+torch's CPU GEMM (MKL in the x86-64 builds) and oneDNN's inner product rank differently on
+different CPUs: on an AVX2-only AMD EPYC oneDNN ran SmolLM2's MLP and LM-head GEMMs 1.5-2.4x
+faster than MKL at 2 threads, while on an AVX-512 Xeon MKL was up to 2x faster at some decode
+shapes, and MKL's W @ x^T form (LlamaMLP's transposed path) won there at 16-128 rows but lost
+5-9x at one row on the EPYC. So the engine times the candidates on the model's own shapes at a
+few row counts and keeps, per projection and row class, the fastest; the decision is cached per
+machine (layers/kernel_choice.py). Every candidate computes the same float32 products; the
+libraries sum them in another order, so logits can differ in the last bits between choices, as
+they already do between batch sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vbatch.layers.kernel_choice import cached_choice, median_ms
+
+# NOTE: a step's row count is timed as the nearest of these: one decode row, a few, a decode
+# batch, a prefill chunk. Bounds are the geometric middles.
+TIMED_ROWS = (1, 8, 64, 512)
+CLASS_BOUNDS = (2, 24, 192)
+BACKENDS = ("torch", "onednn")
+# NOTE: LlamaMLP's W @ x^T form, only for row counts it was written for (models/llama.py).
+TRANSPOSED = "torch-transposed"
+MAX_TRANSPOSED_CLASS = 2
+PADDED_ROW_MULTIPLE = 8
+HEAD_CHUNK = 3072
+
+
+def row_class(num_rows: int) -> int:
+    """The index in TIMED_ROWS whose timing stands for a call of num_rows rows."""
+    for index, bound in enumerate(CLASS_BOUNDS):
+        if num_rows <= bound:
+            return index
+    return len(CLASS_BOUNDS)
+
+
+def onednn_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [n, in_features] @ weight^T (+ bias) through oneDNN's float32 inner product."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+
+
+class ChosenLinear(nn.Linear):
+    """An nn.Linear (sharing the original's parameters) run by the backend chosen for its row
+    class: `backends[row_class(rows)]`, "torch" or "onednn"."""
+
+    def __init__(self, linear: nn.Linear, backends: tuple[str, ...]) -> None:
+        nn.Module.__init__(self)
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight
+        self.register_parameter("bias", linear.bias)
+        self.backends = backends
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.backends[row_class(flat.shape[0])] == "torch":
+            return F.linear(x, self.weight, self.bias)
+        return onednn_linear(flat, self.weight, self.bias).view(*x.shape[:-1], -1)
+
+
+def head_tiles(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    buffer: torch.Tensor,
+    backend: str,
+    in_place: bool = False,
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """hidden @ weight^T, HEAD_CHUNK vocab rows at a time: (first vocab id, [n, chunk] tile).
+    torch's tiles are written into `buffer`: its first columns, which the next tile overwrites,
+    or with `in_place` (buffer [n, vocab]) the tile's own columns; oneDNN's are fresh tensors.
+    A GEMM over one chunk keeps its output tile in cache."""
+    vocab_size = weight.shape[0]
+    for start in range(0, vocab_size, HEAD_CHUNK):
+        end = min(start + HEAD_CHUNK, vocab_size)
+        if backend == "onednn":
+            yield start, onednn_linear(hidden, weight[start:end])
+        else:
+            tile = buffer[:, start:end] if in_place else buffer[:, : end - start]
+            torch.mm(hidden, weight[start:end].t(), out=tile)
+            yield start, tile
+
+
+def _mlp_candidates(
+    gate_up: torch.Tensor, down: torch.Tensor, rows: int, generator: torch.Generator
+) -> dict[str, Callable[[], object]]:
+    x = torch.randn(rows, gate_up.shape[1], generator=generator)
+    act = torch.randn(rows, down.shape[1], generator=generator)
+    padded = rows + (-rows % PADDED_ROW_MULTIPLE)
+    x_t = torch.randn(gate_up.shape[1], padded, generator=generator)
+    act_t = torch.randn(down.shape[1], padded, generator=generator)
+    candidates: dict[str, Callable[[], object]] = {
+        "torch": lambda: (F.linear(x, gate_up), F.linear(act, down)),
+        "onednn": lambda: (onednn_linear(x, gate_up), onednn_linear(act, down)),
+    }
+    if row_class(rows) <= MAX_TRANSPOSED_CLASS:
+        candidates[TRANSPOSED] = lambda: (
+            torch.mm(gate_up, x_t),
+            torch.mm(down, act_t)[:, :rows].t().contiguous(),
+        )
+    return candidates
+
+
+def _head_candidates(
+    weight: torch.Tensor, rows: int, generator: torch.Generator
+) -> dict[str, Callable[[], object]]:
+    hidden = torch.randn(rows, weight.shape[1], generator=generator)
+    buffer = hidden.new_empty(rows, HEAD_CHUNK)
+
+    def run(backend: str) -> Callable[[], object]:
+        return lambda: [tile.max(dim=1) for _, tile in head_tiles(hidden, weight, buffer, backend)]
+
+    return {backend: run(backend) for backend in BACKENDS}
+
+
+def choose_linear_backends(
+    weights: dict[str, torch.Tensor], timed_head_rows: int = 64
+) -> dict[str, Any]:
+    """The fastest backend per projection and row class on this machine, from `weights`:
+    "qkv", "o", "gate_up" and "down" ([out, in]) of one decoder layer and, if given, "lm_head"
+    ([vocab, hidden]). The MLP's two GEMMs are timed together (its transposed form transposes
+    both). The LM head is timed up to `timed_head_rows` rows (a step samples few rows), its
+    last class reusing that. Cached per machine and shape set.
+
+    Returns {"rows": TIMED_ROWS, "qkv"|"o"|"mlp"|"lm_head": [backend per class], "ms": ...}."""
+
+    def measure() -> dict[str, Any]:
+        generator = torch.Generator().manual_seed(0)
+        choice: dict[str, Any] = {"rows": list(TIMED_ROWS), "ms": {}}
+        for role in ("qkv", "o", "mlp", "lm_head"):
+            if role == "lm_head" and "lm_head" not in weights:
+                continue
+            picks: list[str] = []
+            for rows in TIMED_ROWS:
+                if role == "lm_head" and rows > timed_head_rows:
+                    picks.append(picks[-1])
+                    continue
+                if role == "mlp":
+                    candidates = _mlp_candidates(
+                        weights["gate_up"], weights["down"], rows, generator
+                    )
+                elif role == "lm_head":
+                    candidates = _head_candidates(weights["lm_head"], rows, generator)
+                else:
+                    weight = weights[role]
+                    x = torch.randn(rows, weight.shape[1], generator=generator)
+                    candidates = {
+                        "torch": lambda x=x, w=weight: F.linear(x, w),
+                        "onednn": lambda x=x, w=weight: onednn_linear(x, w),
+                    }
+                timed = median_ms(candidates)
+                picks.append(min(timed, key=timed.__getitem__))
+                choice["ms"][f"{role}@{rows}"] = timed
+            choice[role] = picks
+        return choice
+
+    shapes = {name: list(weight.shape) for name, weight in sorted(weights.items())}
+    return cached_choice("linears", {"shapes": shapes}, measure)  # type: ignore[dict-item]
+
+
+def onednn_everywhere(has_head: bool) -> dict[str, Any]:
+    """The choice that runs every linear, and the LM head if `has_head`, through oneDNN."""
+    choice: dict[str, Any] = {"rows": list(TIMED_ROWS)}
+    for role in ("qkv", "o", "mlp") + (("lm_head",) if has_head else ()):
+        choice[role] = ["onednn"] * len(TIMED_ROWS)
+    return choice
+
+
+def describe_linear_choice(choice: dict[str, Any], forced: str | None) -> str:
+    """One line for the manifest and the dashboard, e.g. "linears (measured): qkv torch/onednn
+    ..." with one entry per row class of TIMED_ROWS."""
+    rows = "/".join(str(r) for r in choice["rows"])
+    parts = [
+        f"{role} {'/'.join(choice[role])}"
+        for role in ("qkv", "o", "mlp", "lm_head")
+        if role in choice
+    ]
+    how = f"forced {forced}" if forced else "measured"
+    return f"linears ({how}; at {rows} rows): " + ", ".join(parts)
