@@ -16,6 +16,11 @@ import torch
 from vbatch.config import EngineConfig
 from vbatch.engine.kv_cache import select_device, select_dtype
 from vbatch.engine.pooling import PoolingJob, float32_bytes
+from vbatch.layers.linear_choice import (
+    choose_linear_backends,
+    describe_linear_choice,
+    onednn_everywhere,
+)
 from vbatch.models.bert import EncoderConfig, load_encoder
 from vbatch.models.config import is_encoder_dir
 from vbatch.models.loader import resolve_model
@@ -67,6 +72,20 @@ class EncoderCore:
             torch.set_num_threads(config.num_threads)
         progress("loading model")
         self.model = load_encoder(resolved.hf_dir, self.device, dtype)
+        kernels: list[str] = []
+        if self.device.type == "cpu" and dtype == torch.float32:
+            backend = config.linear_backend
+            if backend != "torch":
+                progress("choosing kernels")
+                choice = (
+                    onednn_everywhere(False)
+                    if backend == "onednn"
+                    else choose_linear_backends(self.model.linear_weights())
+                )
+                self.model.use_linear_choice(choice)
+                kernels.append(
+                    describe_linear_choice(choice, None if backend == "auto" else backend)
+                )
         self.pooling = read_pooling_config(resolved.hf_dir, "cls")
         self.hidden_size = encoder_config.hidden_size
         self.vocab_size = encoder_config.vocab_size
@@ -81,6 +100,7 @@ class EncoderCore:
             kv_cache_bytes=0,
             attention_backend="sdpa",
             pid=os.getpid(),
+            kernels=kernels,
         )
         self._stats = SchedulerStats()
         # NOTE: the tokens of the last step, which the core process's watchdog reports.

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from torch import nn
 
 from vbatch.errors import ModelLoadError
+from vbatch.layers.linear_choice import TRANSPOSED, ChosenLinear
 from vbatch.models.config import ENCODER_ARCHITECTURES
 from vbatch.models.loader import weight_files
 
@@ -108,6 +109,32 @@ class EncoderModel(nn.Module):
         self.embeddings = _Embeddings(config)
         self.encoder = nn.Module()
         self.encoder.layer = nn.ModuleList(_Layer(config) for _ in range(config.num_hidden_layers))
+
+    def linear_weights(self) -> dict[str, torch.Tensor]:
+        """The [out, in] weights layers/linear_choice.py times, under its decoder roles: a
+        projection (query) as "qkv", the attention output as "o", the feed-forward pair as the
+        MLP's "gate_up" and "down"."""
+        layer = self.encoder.layer[0]
+        return {
+            "qkv": layer.attention.self.query.weight,
+            "o": layer.attention.output.dense.weight,
+            "gate_up": layer.intermediate.dense.weight,
+            "down": layer.output.dense.weight,
+        }
+
+    def use_linear_choice(self, choice: dict[str, Any]) -> None:
+        """Run the linears by layers/linear_choice.py's per-row-class choice (the MLP's
+        transposed form, a decoder's, runs as torch's linears here)."""
+        mlp = tuple("torch" if mode == TRANSPOSED else mode for mode in choice["mlp"])
+        for layer in self.encoder.layer:
+            attn = layer.attention
+            for name in ("query", "key", "value"):
+                setattr(
+                    attn.self, name, ChosenLinear(getattr(attn.self, name), tuple(choice["qkv"]))
+                )
+            attn.output.dense = ChosenLinear(attn.output.dense, tuple(choice["o"]))
+            layer.intermediate.dense = ChosenLinear(layer.intermediate.dense, mlp)
+            layer.output.dense = ChosenLinear(layer.output.dense, mlp)
 
     def forward(self, input_ids: torch.Tensor, lens: list[int]) -> torch.Tensor:
         """input_ids [num_tokens] of prompts one after another (their lengths `lens`) →

@@ -1,0 +1,147 @@
+"""The float32 linears' backend per row class (layers/linear_choice.py): each backend computes
+the same linear, the choice is measured once per machine and shapes, and an engine forced to
+either backend gives the same greedy tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vbatch.config import EngineConfig
+from vbatch.engine.core import EngineCore
+from vbatch.errors import ConfigError
+from vbatch.layers import linear_choice
+from vbatch.layers.linear_choice import (
+    TIMED_ROWS,
+    TRANSPOSED,
+    ChosenLinear,
+    choose_linear_backends,
+    head_tiles,
+    onednn_everywhere,
+    row_class,
+)
+from vbatch.protocol import AddRequest, pack_token_ids
+from vbatch.sampling_params import SamplingParams
+
+
+def test_row_classes_take_the_nearest_timed_count() -> None:
+    assert [row_class(n) for n in (1, 2, 3, 24, 25, 192, 193, 4096)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [row_class(n) for n in TIMED_ROWS] == list(range(len(TIMED_ROWS)))
+
+
+@pytest.mark.parametrize("backend", ["torch", "onednn"])
+@pytest.mark.parametrize("rows", [1, 3, 30, 300])
+def test_a_chosen_linear_computes_the_linear(backend: str, rows: int) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    linear = nn.Linear(48, 80)
+    x = torch.randn(rows, 48, generator=generator)
+    expected = F.linear(x, linear.weight, linear.bias)
+    chosen = ChosenLinear(linear, (backend,) * len(TIMED_ROWS))
+    assert chosen.weight is linear.weight
+    torch.testing.assert_close(chosen(x), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(chosen(x[None])[0], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "onednn"])
+def test_head_tiles_cover_the_vocabulary(backend: str) -> None:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(linear_choice.HEAD_CHUNK * 2 + 5, 16, generator=generator)
+    hidden = torch.randn(3, 16, generator=generator)
+    buffer = hidden.new_empty(3, linear_choice.HEAD_CHUNK)
+    tiles = [(start, tile.clone()) for start, tile in head_tiles(hidden, weight, buffer, backend)]
+    assert [start for start, _ in tiles] == [
+        0,
+        linear_choice.HEAD_CHUNK,
+        2 * linear_choice.HEAD_CHUNK,
+    ]
+    logits = torch.cat([tile for _, tile in tiles], dim=1)
+    torch.testing.assert_close(logits, hidden @ weight.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_choice_is_measured_once_per_machine_and_shapes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path))
+    weights = {
+        "qkv": torch.randn(96, 32),
+        "o": torch.randn(32, 32),
+        "gate_up": torch.randn(128, 32),
+        "down": torch.randn(32, 64),
+        "lm_head": torch.randn(500, 32),
+    }
+    choice = choose_linear_backends(weights)
+    assert choice["rows"] == list(TIMED_ROWS)
+    for role in ("qkv", "o", "lm_head"):
+        assert len(choice[role]) == len(TIMED_ROWS)
+        assert set(choice[role]) <= {"torch", "onednn"}
+    assert set(choice["mlp"][-1:]) <= {"torch", "onednn"}, "not transposed past 192 rows"
+    assert set(choice["mlp"]) <= {"torch", "onednn", TRANSPOSED}
+    for role_rows, timed in choice["ms"].items():
+        role = role_rows.split("@")[0]
+        picked = choice[role][TIMED_ROWS.index(int(role_rows.split("@")[1]))]
+        assert timed[picked] == min(timed.values()), role_rows
+
+    def no_timing(candidates: object) -> dict[str, float]:
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(linear_choice, "median_ms", no_timing)
+    assert choose_linear_backends(weights) == choice
+    with pytest.raises(AssertionError, match="measured again"):
+        choose_linear_backends({**weights, "o": torch.randn(32, 96)})
+
+
+def greedy_run(core: EngineCore, prompt: list[int]) -> tuple[list[int], list[float]]:
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    assert core.add_request(AddRequest("r", pack_token_ids(prompt), params)) == []
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    while core.has_unfinished():
+        out = core.step()
+        tokens += out.token_ids
+        assert out.logprobs is not None
+        logprobs += [lp.logprob for lp in out.logprobs if lp is not None]
+    return tokens, logprobs
+
+
+def test_the_engine_runs_alike_on_either_backend_and_says_which(tiny_model_dir: Path) -> None:
+    prompt = list(range(100, 140))
+    runs = {}
+    for backend in ("torch", "onednn", "auto"):
+        config = EngineConfig(
+            model=str(tiny_model_dir), device="cpu", num_threads=1, linear_backend=backend
+        )
+        core = EngineCore(config)
+        runs[backend] = greedy_run(core, prompt)
+        notes = [n for n in core.info.kernels if n.startswith("linears")]
+        model = core.runner.model
+        mlp = model.layers[0].mlp
+        if backend == "torch":
+            assert notes == [] and mlp.modes is None and model.head_backends is None
+        else:
+            (note,) = notes
+            assert note.startswith(
+                "linears (forced onednn" if backend == "onednn" else "linears (measured"
+            )
+            assert type(mlp.gate_up_proj) is ChosenLinear
+        if backend == "onednn":
+            assert mlp.modes == ["onednn"] * len(TIMED_ROWS)
+            assert model.head_backends == ["onednn"] * len(TIMED_ROWS)
+        core.shutdown()
+    for backend in ("onednn", "auto"):
+        assert runs[backend][0] == runs["torch"][0]
+        assert runs[backend][1] == pytest.approx(runs["torch"][1], abs=1e-4)
+
+
+def test_onednn_everywhere_sets_every_role() -> None:
+    choice = onednn_everywhere(has_head=False)
+    assert "lm_head" not in choice
+    assert choice["mlp"] == ["onednn"] * len(TIMED_ROWS)
+
+
+def test_an_unknown_backend_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="linear_backend must be one of auto, torch, onednn"):
+        EngineConfig(linear_backend="blas").validate()
