@@ -14,7 +14,7 @@ from rich.console import Console
 from vbatch.errors import ConfigError
 from vbatch.job.dashboard import render_dashboard
 from vbatch.job.metrics import JobMetrics
-from vbatch.job.progress import ProgressDisplay, write_json_atomic
+from vbatch.job.progress import REFRESH_PER_SECOND, ProgressDisplay, write_json_atomic
 from vbatch.protocol import SchedulerStats
 
 
@@ -133,7 +133,7 @@ def test_concurrent_reader_never_sees_a_partial_metrics_file(tmp_path: Path) -> 
 
 
 def test_display_cost_is_small() -> None:
-    """The display thread takes the GIL for one render per refresh: keep that well under 1%."""
+    """The display thread takes the GIL for one render per refresh: keep that under 2%."""
     metrics = JobMetrics(total_rows=10_000, model="m", input_path="in.jsonl", output_path="o")
     metrics.set_state("running")
     for i in range(1000):
@@ -148,7 +148,7 @@ def test_display_cost_is_small() -> None:
         console.print(render_dashboard(metrics.snapshot()))
         timings.append(time.thread_time() - start)
     median_s = sorted(timings)[len(timings) // 2]
-    assert median_s * 4 < 0.02, f"render takes {1000 * median_s:.1f} ms"
+    assert median_s * REFRESH_PER_SECOND < 0.02, f"render takes {1000 * median_s:.1f} ms"
     start = time.thread_time()
     for _ in range(20_000):
         metrics.on_result(finish_reason="stop", prompt_tokens=50, completion_tokens=40)
