@@ -129,8 +129,9 @@ class LlamaMLP(nn.Module):
         # NOTE: set by LoraSlots when the engine runs adapters (vbatch/lora/slots.py).
         self.gate_up_lora: LoraLinear | None = None
         self.down_lora: LoraLinear | None = None
-        # NOTE: set by apply_linear_choice (layers/linear_choice.py): per row class, the
-        # transposed form or the linears' own backends; None: transposed up to 512 rows.
+        # NOTE: set by LlamaForCausalLM.use_linear_choice (layers/linear_choice.py): per row
+        # class, the transposed form or the linears' own backends; None: transposed up to 512
+        # rows.
         self.modes: list[str] | None = None
 
     def _transposes(self, x: torch.Tensor) -> bool:
@@ -293,7 +294,7 @@ class LlamaForCausalLM(nn.Module):
         self.is_batch_invariant = False
         # NOTE: set by load_model under int8 quantization (quantize_linears' measured choice)
         self.quantization_choice: dict[str, object] | None = None
-        # NOTE: set by apply_linear_choice: the float32 CPU LM head's backend per row class.
+        # NOTE: set by use_linear_choice: the float32 CPU LM head's backend per row class.
         self.head_backends: list[str] | None = None
 
     @property
