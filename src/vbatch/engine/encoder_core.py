@@ -16,11 +16,7 @@ import torch
 from vbatch.config import EngineConfig
 from vbatch.engine.kv_cache import select_device, select_dtype
 from vbatch.engine.pooling import PoolingJob, float32_bytes
-from vbatch.layers.linear_choice import (
-    choose_linear_backends,
-    describe_linear_choice,
-    onednn_everywhere,
-)
+from vbatch.layers.linear_choice import settle_linears
 from vbatch.models.bert import EncoderConfig, load_encoder
 from vbatch.models.config import is_encoder_dir
 from vbatch.models.loader import resolve_model
@@ -74,18 +70,14 @@ class EncoderCore:
         self.model = load_encoder(resolved.hf_dir, self.device, dtype)
         kernels: list[str] = []
         if self.device.type == "cpu" and dtype == torch.float32:
-            backend = config.linear_backend
-            if backend != "torch":
+            if config.linear_backend == "auto":
                 progress("choosing kernels")
-                choice = (
-                    onednn_everywhere(False)
-                    if backend == "onednn"
-                    else choose_linear_backends(self.model.linear_weights())
-                )
-                self.model.use_linear_choice(choice)
-                kernels.append(
-                    describe_linear_choice(choice, None if backend == "auto" else backend)
-                )
+            settled = settle_linears(
+                config.linear_backend, self.model.linear_weights(), transposed_mlp=False
+            )
+            if settled is not None:
+                self.model.use_linear_choice(settled[0])
+                kernels.append(settled[1])
         self.pooling = read_pooling_config(resolved.hf_dir, "cls")
         self.hidden_size = encoder_config.hidden_size
         self.vocab_size = encoder_config.vocab_size

@@ -39,11 +39,7 @@ from vbatch.layers.greedy_screen import (
     choose_greedy_screen,
     describe_screen_choice,
 )
-from vbatch.layers.linear_choice import (
-    choose_linear_backends,
-    describe_linear_choice,
-    onednn_everywhere,
-)
+from vbatch.layers.linear_choice import settle_linears
 from vbatch.layers.native import has_fused_ops
 from vbatch.layers.quantization import WORTHWHILE_SPEEDUP, describe_int8_choice
 from vbatch.lora.slots import LoraSlots
@@ -371,20 +367,12 @@ class ModelRunner:
     ) -> None:
         """Run the float32 CPU linears by `backend`: torch's GEMM as built, oneDNN's, or (auto)
         the faster per projection and row class, measured here (layers/linear_choice.py)."""
-        if backend == "torch":
-            return
-        weights = self.model.linear_weights(with_head=has_lm_head)
-        if not weights:
-            return
-        if backend == "onednn":
-            choice = onednn_everywhere("lm_head" in weights)
-        else:
+        if backend == "auto":
             progress("choosing kernels")
-            choice = choose_linear_backends(weights)
-        self.model.use_linear_choice(choice)
-        self.kernel_notes.append(
-            describe_linear_choice(choice, None if backend == "auto" else backend)
-        )
+        settled = settle_linears(backend, self.model.linear_weights(with_head=has_lm_head))
+        if settled is not None:
+            self.model.use_linear_choice(settled[0])
+            self.kernel_notes.append(settled[1])
 
     def _make_batch_invariant(self, model_config: ModelConfig) -> None:
         reasons = {

@@ -123,13 +123,14 @@ def _head_candidates(
 
 
 def choose_linear_backends(
-    weights: dict[str, torch.Tensor], timed_head_rows: int = 64
+    weights: dict[str, torch.Tensor], transposed_mlp: bool = True, timed_head_rows: int = 64
 ) -> dict[str, Any]:
     """The fastest backend per projection and row class on this machine, from `weights`:
-    "qkv", "o", "gate_up" and "down" ([out, in]) of one decoder layer and, if given, "lm_head"
-    ([vocab, hidden]). The MLP's two GEMMs are timed together (its transposed form transposes
-    both). The LM head is timed up to `timed_head_rows` rows (a step samples few rows), its
-    last class reusing that. Cached per machine and shape set.
+    "qkv", "o", "gate_up" and "down" ([out, in]) of one layer and, if given, "lm_head"
+    ([vocab, hidden]). The MLP's two GEMMs are timed together, with its transposed form a
+    candidate if the model has one (`transposed_mlp`). The LM head is timed up to
+    `timed_head_rows` rows (a step samples few rows), its last class reusing that. Cached per
+    machine and shape set.
 
     Returns {"rows": TIMED_ROWS, "qkv"|"o"|"mlp"|"lm_head": [backend per class], "ms": ...}."""
 
@@ -148,6 +149,8 @@ def choose_linear_backends(
                     candidates = _mlp_candidates(
                         weights["gate_up"], weights["down"], rows, generator
                     )
+                    if not transposed_mlp:
+                        candidates.pop(TRANSPOSED, None)
                 elif role == "lm_head":
                     candidates = _head_candidates(weights["lm_head"], rows, generator)
                 else:
@@ -164,7 +167,22 @@ def choose_linear_backends(
         return choice
 
     shapes = {name: list(weight.shape) for name, weight in sorted(weights.items())}
-    return cached_choice("linears", {"shapes": shapes}, measure)  # type: ignore[dict-item]
+    key = {"shapes": shapes, "transposed_mlp": transposed_mlp}
+    return cached_choice("linears", key, measure)  # type: ignore[dict-item]
+
+
+def settle_linears(
+    backend: str, weights: dict[str, torch.Tensor], transposed_mlp: bool = True
+) -> tuple[dict[str, Any], str] | None:
+    """The choice for `backend` ("auto" measures, "onednn" forces it; "torch" keeps the model
+    as built: None) over `weights` (none: None), and its line for the manifest."""
+    if backend == "torch" or not weights:
+        return None
+    if backend == "onednn":
+        choice = onednn_everywhere("lm_head" in weights)
+        return choice, describe_linear_choice(choice, backend)
+    choice = choose_linear_backends(weights, transposed_mlp)
+    return choice, describe_linear_choice(choice, None)
 
 
 def onednn_everywhere(has_head: bool) -> dict[str, Any]:

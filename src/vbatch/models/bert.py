@@ -14,7 +14,7 @@ from safetensors import safe_open
 from torch import nn
 
 from vbatch.errors import ModelLoadError
-from vbatch.layers.linear_choice import TRANSPOSED, ChosenLinear
+from vbatch.layers.linear_choice import ChosenLinear
 from vbatch.models.config import ENCODER_ARCHITECTURES
 from vbatch.models.loader import weight_files
 
@@ -123,15 +123,13 @@ class EncoderModel(nn.Module):
         }
 
     def use_linear_choice(self, choice: dict[str, Any]) -> None:
-        """Run the linears by layers/linear_choice.py's per-row-class choice (the MLP's
-        transposed form, a decoder's, runs as torch's linears here)."""
-        mlp = tuple("torch" if mode == TRANSPOSED else mode for mode in choice["mlp"])
+        """Run the linears by layers/linear_choice.py's per-row-class choice, measured without
+        the decoder MLP's transposed form."""
+        qkv, mlp = tuple(choice["qkv"]), tuple(choice["mlp"])
         for layer in self.encoder.layer:
             attn = layer.attention
             for name in ("query", "key", "value"):
-                setattr(
-                    attn.self, name, ChosenLinear(getattr(attn.self, name), tuple(choice["qkv"]))
-                )
+                setattr(attn.self, name, ChosenLinear(getattr(attn.self, name), qkv))
             attn.output.dense = ChosenLinear(attn.output.dense, tuple(choice["o"]))
             layer.intermediate.dense = ChosenLinear(layer.intermediate.dense, mlp)
             layer.output.dense = ChosenLinear(layer.output.dense, mlp)
