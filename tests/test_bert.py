@@ -15,6 +15,8 @@ from benchmarks.tiny_model import TOKENIZER_FILES
 from benchmarks.tiny_pooling import write_sentence_transformers_files
 from vbatch import LLM
 from vbatch.client.outputs import Request
+from vbatch.models import bert
+from vbatch.models.bert import load_encoder
 from vbatch.models.loader import ResolvedModel
 
 PROMPTS = [[5, 17, 300, 9], [7], list(range(40, 140)), [1000 + i for i in range(33)]]
@@ -93,3 +95,17 @@ def test_all_minilm_matches_sentence_transformers(monkeypatch: pytest.MonkeyPatc
         got = np.array(out.outputs.embedding)
         assert np.abs(got - ref).max() <= 1e-4
         assert got @ ref / np.linalg.norm(got) / np.linalg.norm(ref) >= 0.99999
+
+
+def test_native_attention_and_the_sdpa_fallback_agree(
+    tmp_path: Path, smollm2: ResolvedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _write("bert", tmp_path / "bert", smollm2.hf_dir, "mean", True)
+    model = load_encoder(tmp_path / "bert", torch.device("cpu"), torch.float32)
+    lens = [len(ids) for ids in PROMPTS]
+    input_ids = torch.tensor([t for ids in PROMPTS for t in ids])
+    with torch.inference_mode():
+        native_hidden = model(input_ids, lens)
+        monkeypatch.setattr(bert, "has_fused_ops", lambda device: False)
+        fallback_hidden = model(input_ids, lens)
+    torch.testing.assert_close(native_hidden, fallback_hidden, rtol=1e-5, atol=1e-5)

@@ -16,6 +16,7 @@ from vbatch.engine.core import EngineCore
 from vbatch.errors import ConfigError
 from vbatch.layers import linear_choice
 from vbatch.layers.linear_choice import (
+    SEPARATE,
     TIMED_ROWS,
     TRANSPOSED,
     ChosenLinear,
@@ -29,7 +30,8 @@ from vbatch.sampling_params import SamplingParams
 
 
 def test_row_classes_take_the_nearest_timed_count() -> None:
-    assert [row_class(n) for n in (1, 2, 3, 24, 25, 192, 193, 4096)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    counts = (1, 2, 3, 24, 25, 192, 193, 1024, 1025, 8192)
+    assert [row_class(n) for n in counts] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
     assert [row_class(n) for n in TIMED_ROWS] == list(range(len(TIMED_ROWS)))
 
 
@@ -75,20 +77,26 @@ def test_the_choice_is_measured_once_per_machine_and_shapes(
     }
     choice = choose_linear_backends(weights)
     assert choice["rows"] == list(TIMED_ROWS)
-    for role in ("qkv", "o", "lm_head"):
+    for role in ("qkv", "o", "gate_up", "down", "lm_head"):
         assert len(choice[role]) == len(TIMED_ROWS)
         assert set(choice[role]) <= {"torch", "onednn"}
-    assert set(choice["mlp"][-1:]) <= {"torch", "onednn"}, "not transposed past 192 rows"
-    assert set(choice["mlp"]) <= {"torch", "onednn", TRANSPOSED}
+    assert choice["mlp"][-1] == SEPARATE, "not transposed past 192 rows"
+    assert set(choice["mlp"]) <= {SEPARATE, TRANSPOSED}
     for role_rows, timed in choice["ms"].items():
-        role = role_rows.split("@")[0]
-        picked = choice[role][TIMED_ROWS.index(int(role_rows.split("@")[1]))]
-        assert timed[picked] == min(timed.values()), role_rows
+        role, rows = role_rows.split("@")
+        index = TIMED_ROWS.index(int(rows))
+        if role == "mlp":
+            separate = sum(
+                min(choice["ms"][f"{part}@{rows}"].values()) for part in ("gate_up", "down")
+            )
+            assert (timed[TRANSPOSED] < separate) == (choice["mlp"][index] == TRANSPOSED)
+            continue
+        assert timed[choice[role][index]] == min(timed.values()), role_rows
 
     def no_timing(candidates: object) -> dict[str, float]:
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(linear_choice, "median_ms", no_timing)
+    monkeypatch.setattr(linear_choice, "fastest_ms", no_timing)
     assert choose_linear_backends(weights) == choice
     with pytest.raises(AssertionError, match="measured again"):
         choose_linear_backends({**weights, "o": torch.randn(32, 96)})
@@ -128,7 +136,8 @@ def test_the_engine_runs_alike_on_either_backend_and_says_which(tiny_model_dir: 
             )
             assert type(mlp.gate_up_proj) is ChosenLinear
         if backend == "onednn":
-            assert mlp.modes == ["onednn"] * len(TIMED_ROWS)
+            assert mlp.modes == [SEPARATE] * len(TIMED_ROWS)
+            assert mlp.down_proj.backends == ("onednn",) * len(TIMED_ROWS)
             assert model.head_backends == ["onednn"] * len(TIMED_ROWS)
         core.shutdown()
     for backend in ("onednn", "auto"):
@@ -139,7 +148,9 @@ def test_the_engine_runs_alike_on_either_backend_and_says_which(tiny_model_dir: 
 def test_onednn_everywhere_sets_every_role() -> None:
     choice = onednn_everywhere(has_head=False)
     assert "lm_head" not in choice
-    assert choice["mlp"] == ["onednn"] * len(TIMED_ROWS)
+    assert choice["mlp"] == [SEPARATE] * len(TIMED_ROWS)
+    for role in ("qkv", "o", "gate_up", "down"):
+        assert choice[role] == ["onednn"] * len(TIMED_ROWS)
 
 
 def test_an_unknown_backend_is_a_config_error() -> None:

@@ -767,3 +767,50 @@ def test_cuda_matches_reference(ops: None, dtype: torch.dtype) -> None:
     assert out.is_cuda and out.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert (out.double().cpu() - ref).abs().max().item() < tolerance
+
+
+def encoder_inputs(
+    lens: list[int], num_heads: int, head_dim: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [tokens, heads, head_dim] (views of one fused projection, as the encoder's) and
+    the int32 prompt starts."""
+    generator = torch.Generator().manual_seed(seed)
+    fused = torch.randn(sum(lens), 3, num_heads, head_dim, generator=generator)
+    starts = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
+    return fused[:, 0], fused[:, 1], fused[:, 2], starts
+
+
+@pytest.mark.parametrize(("num_heads", "head_dim"), [(4, 32), (3, 24), (2, 100), (12, 64)])
+def test_encoder_attention_matches_sdpa_per_prompt(
+    ops: None, num_heads: int, head_dim: int
+) -> None:
+    from vbatch.models.bert import _attend_per_prompt
+
+    lens = [1, 7, 8, 9, 33, 120, 2]
+    q, k, v, starts = encoder_inputs(lens, num_heads, head_dim)
+    got = torch.ops.vbatch.encoder_attention(q, k, v, starts, head_dim**-0.5)
+    want = _attend_per_prompt(q, k, v, lens)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_encoder_attention_keeps_prompts_apart(ops: None) -> None:
+    q, k, v, starts = encoder_inputs([5, 6], 2, 16)
+    alone = torch.ops.vbatch.encoder_attention(q[:5], k[:5], v[:5], starts[:2], 0.25)
+    changed = v.clone()
+    changed[5:] += 100.0
+    both = torch.ops.vbatch.encoder_attention(q, k, changed, starts, 0.25)
+    assert torch.equal(both[:5], alone)
+
+
+def test_encoder_attention_rejects_bad_inputs(ops: None) -> None:
+    q, k, v, starts = encoder_inputs([3, 4], 2, 8)
+    op = torch.ops.vbatch.encoder_attention
+    with pytest.raises(RuntimeError, match="from 0 to num_tokens"):
+        op(q, k, v, torch.tensor([0, 3, 6], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="every prompt needs a token"):
+        op(q, k, v, torch.tensor([0, 3, 3, 7], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(q.double(), k.double(), v.double(), starts, 1.0)
+    with pytest.raises(RuntimeError, match="int32"):
+        op(q, k, v, starts.long(), 1.0)
+    torch.library.opcheck(torch.ops.vbatch.encoder_attention.default, (q, k, v, starts, 0.5))

@@ -90,7 +90,9 @@ class EncoderCore:
             dtype=str(dtype).removeprefix("torch."),
             vocab_size=encoder_config.vocab_size,
             kv_cache_bytes=0,
-            attention_backend="sdpa",
+            attention_backend="native"
+            if self.model.native_attention(dtype, self.device)
+            else "sdpa",
             pid=os.getpid(),
             kernels=kernels,
         )

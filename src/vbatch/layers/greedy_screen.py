@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from vbatch.layers import native
-from vbatch.layers.kernel_choice import cached_choice, median_ms
+from vbatch.layers.kernel_choice import cached_choice, fastest_ms
 from vbatch.layers.quantization import has_int8_kernels
 
 SCREEN_CHUNK = 4096  # vocab rows per int8 GEMM: its int32 tile stays in cache
@@ -155,7 +155,7 @@ def choose_greedy_screen(
         for batch in TIMED_BATCHES:
             ids = torch.randint(weight.shape[0], (batch,), generator=generator)
             rows = weight[ids] / weight[ids].norm(dim=1, keepdim=True).clamp_min(1e-12) * 4.0
-            timed = median_ms(
+            timed = fastest_ms(
                 {
                     "screen": lambda rows=rows: screen.argmax(rows, fp32_argmax),
                     "fp32": lambda rows=rows: fp32_argmax(rows),

@@ -20,15 +20,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vbatch.layers.kernel_choice import cached_choice, median_ms
+from vbatch.layers.kernel_choice import cached_choice, fastest_ms
 
 # NOTE: a step's row count is timed as the nearest of these: one decode row, a few, a decode
-# batch, a prefill chunk. Bounds are the geometric middles.
-TIMED_ROWS = (1, 8, 64, 512)
-CLASS_BOUNDS = (2, 24, 192)
+# batch, a prefill chunk, a full prefill step (the default max_num_batched_tokens; an
+# encoder's usual step). Bounds are the geometric middles.
+TIMED_ROWS = (1, 8, 64, 512, 2048)
+CLASS_BOUNDS = (2, 24, 192, 1024)
 BACKENDS = ("torch", "onednn")
 # NOTE: LlamaMLP's W @ x^T form, only for row counts it was written for (models/llama.py).
 TRANSPOSED = "torch-transposed"
+SEPARATE = "separate"
 MAX_TRANSPOSED_CLASS = 2
 PADDED_ROW_MULTIPLE = 8
 HEAD_CHUNK = 3072
@@ -90,24 +92,20 @@ def head_tiles(
             yield start, tile
 
 
-def _mlp_candidates(
+def _transposed_mlp(
     gate_up: torch.Tensor, down: torch.Tensor, rows: int, generator: torch.Generator
-) -> dict[str, Callable[[], object]]:
-    x = torch.randn(rows, gate_up.shape[1], generator=generator)
-    act = torch.randn(rows, down.shape[1], generator=generator)
+) -> Callable[[], object]:
     padded = rows + (-rows % PADDED_ROW_MULTIPLE)
     x_t = torch.randn(gate_up.shape[1], padded, generator=generator)
     act_t = torch.randn(down.shape[1], padded, generator=generator)
-    candidates: dict[str, Callable[[], object]] = {
-        "torch": lambda: (F.linear(x, gate_up), F.linear(act, down)),
-        "onednn": lambda: (onednn_linear(x, gate_up), onednn_linear(act, down)),
-    }
-    if row_class(rows) <= MAX_TRANSPOSED_CLASS:
-        candidates[TRANSPOSED] = lambda: (
-            torch.mm(gate_up, x_t),
-            torch.mm(down, act_t)[:, :rows].t().contiguous(),
-        )
-    return candidates
+    return lambda: (torch.mm(gate_up, x_t), torch.mm(down, act_t)[:, :rows].t().contiguous())
+
+
+def _linear_candidates(
+    weight: torch.Tensor, rows: int, generator: torch.Generator
+) -> dict[str, Callable[[], object]]:
+    x = torch.randn(rows, weight.shape[1], generator=generator)
+    return {"torch": lambda: F.linear(x, weight), "onednn": lambda: onednn_linear(x, weight)}
 
 
 def _head_candidates(
@@ -127,47 +125,50 @@ def choose_linear_backends(
 ) -> dict[str, Any]:
     """The fastest backend per projection and row class on this machine, from `weights`:
     "qkv", "o", "gate_up" and "down" ([out, in]) of one layer and, if given, "lm_head"
-    ([vocab, hidden]). The MLP's two GEMMs are timed together, with its transposed form a
-    candidate if the model has one (`transposed_mlp`). The LM head is timed up to
-    `timed_head_rows` rows (a step samples few rows), its last class reusing that. Cached per
-    machine and shape set.
+    ([vocab, hidden]). Each projection is timed on its own; if the model has the MLP's
+    transposed form (`transposed_mlp`), it is timed as a pair and taken where it beats the two
+    GEMMs' own picks together. The LM head is timed up to `timed_head_rows` rows (a step samples
+    few rows), its last class reusing that. Cached per machine and shape set.
 
-    Returns {"rows": TIMED_ROWS, "qkv"|"o"|"mlp"|"lm_head": [backend per class], "ms": ...}."""
+    Returns {"rows": TIMED_ROWS, "qkv"|"o"|"gate_up"|"down"|"lm_head": [backend per class],
+    "mlp": [TRANSPOSED or SEPARATE per class], "ms": ...}."""
 
     def measure() -> dict[str, Any]:
         generator = torch.Generator().manual_seed(0)
         choice: dict[str, Any] = {"rows": list(TIMED_ROWS), "ms": {}}
-        for role in ("qkv", "o", "mlp", "lm_head"):
-            if role == "lm_head" and "lm_head" not in weights:
+        best: dict[str, float] = {}
+        for role in ("qkv", "o", "gate_up", "down", "lm_head"):
+            if role not in weights:
                 continue
             picks: list[str] = []
             for rows in TIMED_ROWS:
                 if role == "lm_head" and rows > timed_head_rows:
                     picks.append(picks[-1])
                     continue
-                if role == "mlp":
-                    candidates = _mlp_candidates(
-                        weights["gate_up"], weights["down"], rows, generator
-                    )
-                    if not transposed_mlp:
-                        candidates.pop(TRANSPOSED, None)
-                elif role == "lm_head":
+                if role == "lm_head":
                     candidates = _head_candidates(weights["lm_head"], rows, generator)
                 else:
-                    weight = weights[role]
-                    x = torch.randn(rows, weight.shape[1], generator=generator)
-                    candidates = {
-                        "torch": lambda x=x, w=weight: F.linear(x, w),
-                        "onednn": lambda x=x, w=weight: onednn_linear(x, w),
-                    }
-                timed = median_ms(candidates)
+                    candidates = _linear_candidates(weights[role], rows, generator)
+                timed = fastest_ms(candidates)
                 picks.append(min(timed, key=timed.__getitem__))
+                best[f"{role}@{rows}"] = timed[picks[-1]]
                 choice["ms"][f"{role}@{rows}"] = timed
             choice[role] = picks
+        modes: list[str] = []
+        for rows in TIMED_ROWS:
+            mode = SEPARATE
+            if transposed_mlp and row_class(rows) <= MAX_TRANSPOSED_CLASS:
+                pair = _transposed_mlp(weights["gate_up"], weights["down"], rows, generator)
+                transposed_ms = fastest_ms({TRANSPOSED: pair})[TRANSPOSED]
+                choice["ms"][f"mlp@{rows}"] = {TRANSPOSED: transposed_ms}
+                if transposed_ms < best[f"gate_up@{rows}"] + best[f"down@{rows}"]:
+                    mode = TRANSPOSED
+            modes.append(mode)
+        choice["mlp"] = modes
         return choice
 
     shapes = {name: list(weight.shape) for name, weight in sorted(weights.items())}
-    key = {"shapes": shapes, "transposed_mlp": transposed_mlp}
+    key = {"shapes": shapes, "transposed_mlp": transposed_mlp, "rows": list(TIMED_ROWS)}
     return cached_choice("linears", key, measure)  # type: ignore[dict-item]
 
 
@@ -187,8 +188,8 @@ def settle_linears(
 
 def onednn_everywhere(has_head: bool) -> dict[str, Any]:
     """The choice that runs every linear, and the LM head if `has_head`, through oneDNN."""
-    choice: dict[str, Any] = {"rows": list(TIMED_ROWS)}
-    for role in ("qkv", "o", "mlp") + (("lm_head",) if has_head else ()):
+    choice: dict[str, Any] = {"rows": list(TIMED_ROWS), "mlp": [SEPARATE] * len(TIMED_ROWS)}
+    for role in ("qkv", "o", "gate_up", "down") + (("lm_head",) if has_head else ()):
         choice[role] = ["onednn"] * len(TIMED_ROWS)
     return choice
 
@@ -199,8 +200,8 @@ def describe_linear_choice(choice: dict[str, Any], forced: str | None) -> str:
     rows = "/".join(str(r) for r in choice["rows"])
     parts = [
         f"{role} {'/'.join(choice[role])}"
-        for role in ("qkv", "o", "mlp", "lm_head")
-        if role in choice
+        for role in ("qkv", "o", "gate_up", "down", "mlp", "lm_head")
+        if role in choice and (role != "mlp" or TRANSPOSED in choice[role])
     ]
     how = f"forced {forced}" if forced else "measured"
     return f"linears ({how}; at {rows} rows): " + ", ".join(parts)

@@ -56,6 +56,7 @@ def _sources(csrc_dir: Path, with_cuda: bool) -> list[Path]:
         csrc_dir / "cpu" / "greedy_screen.cpp",
         csrc_dir / "cpu" / "advance_decode.cpp",
         csrc_dir / "cpu" / "logsumexp.cpp",
+        csrc_dir / "cpu" / "encoder_attention.cpp",
     ]
     if with_cuda:
         sources.append(csrc_dir / "cuda" / "paged_attention.cu")
@@ -183,6 +184,12 @@ def _register_fakes() -> None:
         target_logits: torch.Tensor,
     ) -> None:
         return None
+
+    @torch.library.register_fake("vbatch::encoder_attention")
+    def _encoder_attention_fake(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        return q.new_empty(q.shape)
 
     @torch.library.register_fake("vbatch::int8_greedy_screen")
     def _int8_greedy_screen_fake(

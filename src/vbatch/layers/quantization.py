@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from vbatch.layers.kernel_choice import cached_choice, median_ms
+from vbatch.layers.kernel_choice import cached_choice, fastest_ms
 
 INT_MM = "int_mm"
 FBGEMM = "fbgemm"
@@ -109,7 +109,7 @@ class Int8DynamicLinear(nn.Module):
 
 
 def _time_backends(shapes: list[tuple[int, int]]) -> dict[str, object]:
-    """Per backend (and fp32), the summed median ms over the layer shapes at TIMED_BATCHES."""
+    """Per backend (and fp32), the summed fastest ms over the layer shapes at TIMED_BATCHES."""
     backends = [INT_MM] if has_int8_kernels() else []
     if fbgemm_is_exact():
         backends.append(FBGEMM)
@@ -121,7 +121,7 @@ def _time_backends(shapes: list[tuple[int, int]]) -> dict[str, object]:
             x = torch.randn(batch, in_features)
             candidates = {"fp32": lambda x=x, weight=weight: F.linear(x, weight)}
             candidates |= {name: (lambda x=x, m=m: m(x)) for name, m in layers.items()}
-            for name, ms in median_ms(candidates).items():
+            for name, ms in fastest_ms(candidates).items():
                 totals[name] += ms
     best = min(backends, key=lambda name: totals[name])
     return {

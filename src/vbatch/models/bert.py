@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from vbatch.errors import ModelLoadError
 from vbatch.layers.linear_choice import ChosenLinear
+from vbatch.layers.native import has_fused_ops
 from vbatch.models.config import ENCODER_ARCHITECTURES
 from vbatch.models.loader import weight_files
 
@@ -100,7 +102,8 @@ class EncoderModel(nn.Module):
 
     Invariant: parameter names are the checkpoint's without its `bert.`/`roberta.` prefix;
     the linears run over every token of the batch at once, attention per prompt (bidirectional,
-    no padding).
+    no padding): on CPU in float32 every prompt in one vbatch::encoder_attention call, else one
+    SDPA call per prompt.
     """
 
     def __init__(self, config: EncoderConfig) -> None:
@@ -125,14 +128,21 @@ class EncoderModel(nn.Module):
     def use_linear_choice(self, choice: dict[str, Any]) -> None:
         """Run the linears by layers/linear_choice.py's per-row-class choice, measured without
         the decoder MLP's transposed form."""
-        qkv, mlp = tuple(choice["qkv"]), tuple(choice["mlp"])
+        qkv = tuple(choice["qkv"])
         for layer in self.encoder.layer:
             attn = layer.attention
             for name in ("query", "key", "value"):
                 setattr(attn.self, name, ChosenLinear(getattr(attn.self, name), qkv))
             attn.output.dense = ChosenLinear(attn.output.dense, tuple(choice["o"]))
-            layer.intermediate.dense = ChosenLinear(layer.intermediate.dense, mlp)
-            layer.output.dense = ChosenLinear(layer.output.dense, mlp)
+            layer.intermediate.dense = ChosenLinear(
+                layer.intermediate.dense, tuple(choice["gate_up"])
+            )
+            layer.output.dense = ChosenLinear(layer.output.dense, tuple(choice["down"]))
+
+    @staticmethod
+    def native_attention(dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether attention runs through vbatch::encoder_attention (float32 on CPU)."""
+        return dtype == torch.float32 and has_fused_ops(device)
 
     def forward(self, input_ids: torch.Tensor, lens: list[int]) -> torch.Tensor:
         """input_ids [num_tokens] of prompts one after another (their lengths `lens`) →
@@ -148,28 +158,42 @@ class EncoderModel(nn.Module):
         hidden = emb.LayerNorm(hidden)
         num_heads = config.num_attention_heads
         head_dim = config.hidden_size // num_heads
+        starts = None
+        if self.native_attention(hidden.dtype, hidden.device):
+            starts = torch.tensor([0, *accumulate(lens)], dtype=torch.int32)
         for layer in self.encoder.layer:
             attn = layer.attention
             q, k, v = (
-                getattr(attn.self, name)(hidden).view(-1, num_heads, head_dim).transpose(0, 1)
+                getattr(attn.self, name)(hidden).view(-1, num_heads, head_dim)
                 for name in ("query", "key", "value")
             )
-            # NOTE: [1, num_heads, n, head_dim] per prompt: 4-D inputs take torch's fused CPU
-            # kernel, 3-D ones its math path (~7x slower per call here).
-            context = torch.cat(
-                [
-                    F.scaled_dot_product_attention(qs[None], ks[None], vs[None])[0]
-                    for qs, ks, vs in zip(
-                        q.split(lens, 1), k.split(lens, 1), v.split(lens, 1), strict=True
-                    )
-                ],
-                dim=1,
-            )
-            context = context.transpose(0, 1).reshape(-1, config.hidden_size)
+            if starts is not None:
+                context = torch.ops.vbatch.encoder_attention(q, k, v, starts, head_dim**-0.5)
+            else:
+                context = _attend_per_prompt(q, k, v, lens)
+            context = context.reshape(-1, config.hidden_size)
             hidden = attn.output.LayerNorm(attn.output.dense(context) + hidden)
             inner = F.gelu(layer.intermediate.dense(hidden))
             hidden = layer.output.LayerNorm(layer.output.dense(inner) + hidden)
         return hidden
+
+
+def _attend_per_prompt(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]
+) -> torch.Tensor:
+    """[num_tokens, num_heads, head_dim] each → the same, one SDPA call per prompt."""
+    # NOTE: [1, num_heads, n, head_dim] per prompt: 4-D inputs take torch's fused CPU kernel,
+    # 3-D ones its math path (~7x slower per call here).
+    context = torch.cat(
+        [
+            F.scaled_dot_product_attention(qs[None], ks[None], vs[None])[0]
+            for qs, ks, vs in zip(
+                *(x.transpose(0, 1).split(lens, 1) for x in (q, k, v)), strict=True
+            )
+        ],
+        dim=1,
+    )
+    return context.transpose(0, 1)
 
 
 def load_encoder(hf_dir: Path, device: torch.device, dtype: torch.dtype) -> EncoderModel:

@@ -431,16 +431,18 @@ class LlamaForCausalLM(nn.Module):
     def use_linear_choice(self, choice: dict[str, object]) -> None:
         """Run the float32 linears (and the LM head, if chosen) by layers/linear_choice.py's
         per-row-class choice; layers with other linears or an MoE block keep theirs."""
-        qkv, o, modes = (list(choice[role]) for role in ("qkv", "o", "mlp"))  # type: ignore[call-overload]
-        mlp_backends = tuple("torch" if mode == TRANSPOSED else mode for mode in modes)
+        qkv, o, gate_up, down, modes = (
+            list(choice[role])  # type: ignore[call-overload]
+            for role in ("qkv", "o", "gate_up", "down", "mlp")
+        )
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if type(attn.qkv_proj) is nn.Linear and type(attn.o_proj) is nn.Linear:
                 attn.qkv_proj = ChosenLinear(attn.qkv_proj, tuple(qkv))
                 attn.o_proj = ChosenLinear(attn.o_proj, tuple(o))
             if isinstance(mlp, LlamaMLP) and type(mlp.gate_up_proj) is nn.Linear:
-                mlp.gate_up_proj = ChosenLinear(mlp.gate_up_proj, mlp_backends)
-                mlp.down_proj = ChosenLinear(mlp.down_proj, mlp_backends)
+                mlp.gate_up_proj = ChosenLinear(mlp.gate_up_proj, tuple(gate_up))
+                mlp.down_proj = ChosenLinear(mlp.down_proj, tuple(down))
                 mlp.modes = modes
         if "lm_head" in choice:
             self.head_backends = list(choice["lm_head"])  # type: ignore[call-overload]
