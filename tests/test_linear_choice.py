@@ -23,6 +23,7 @@ from vbatch.layers.linear_choice import (
     choose_linear_backends,
     head_tiles,
     onednn_everywhere,
+    onednn_head_chunks,
     row_class,
 )
 from vbatch.protocol import AddRequest, pack_token_ids
@@ -44,17 +45,24 @@ def test_a_chosen_linear_computes_the_linear(backend: str, rows: int) -> None:
     expected = F.linear(x, linear.weight, linear.bias)
     chosen = ChosenLinear(linear, (backend,) * len(TIMED_ROWS))
     assert chosen.weight is linear.weight
+    assert (chosen.onednn_weight is None) == (backend == "torch")
     torch.testing.assert_close(chosen(x), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(chosen(x[None])[0], expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["torch", "onednn"])
+@pytest.mark.parametrize("backend", ["torch", "onednn", "onednn-reordered"])
 def test_head_tiles_cover_the_vocabulary(backend: str) -> None:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(linear_choice.HEAD_CHUNK * 2 + 5, 16, generator=generator)
     hidden = torch.randn(3, 16, generator=generator)
     buffer = hidden.new_empty(3, linear_choice.HEAD_CHUNK)
-    tiles = [(start, tile.clone()) for start, tile in head_tiles(hidden, weight, buffer, backend)]
+    chunks = onednn_head_chunks(weight) if backend == "onednn-reordered" else None
+    tiles = [
+        (start, tile.clone())
+        for start, tile in head_tiles(
+            hidden, weight, buffer, backend.split("-")[0], onednn_chunks=chunks
+        )
+    ]
     assert [start for start, _ in tiles] == [
         0,
         linear_choice.HEAD_CHUNK,
@@ -139,6 +147,7 @@ def test_the_engine_runs_alike_on_either_backend_and_says_which(tiny_model_dir: 
             assert mlp.modes == [SEPARATE] * len(TIMED_ROWS)
             assert mlp.down_proj.backends == ("onednn",) * len(TIMED_ROWS)
             assert model.head_backends == ["onednn"] * len(TIMED_ROWS)
+            assert model.head_onednn_chunks is not None
         core.shutdown()
     for backend in ("onednn", "auto"):
         assert runs[backend][0] == runs["torch"][0]

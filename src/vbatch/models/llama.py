@@ -21,6 +21,7 @@ from vbatch.layers.linear_choice import (
     TRANSPOSED,
     ChosenLinear,
     head_tiles,
+    onednn_head_chunks,
     row_class,
 )
 from vbatch.layers.lora import LoraLinear
@@ -294,8 +295,10 @@ class LlamaForCausalLM(nn.Module):
         self.is_batch_invariant = False
         # NOTE: set by load_model under int8 quantization (quantize_linears' measured choice)
         self.quantization_choice: dict[str, object] | None = None
-        # NOTE: set by use_linear_choice: the float32 CPU LM head's backend per row class.
+        # NOTE: set by use_linear_choice: the float32 CPU LM head's backend per row class, and
+        # oneDNN's reordered copies of its chunks when a class takes oneDNN.
         self.head_backends: list[str] | None = None
+        self.head_onednn_chunks: list[torch.Tensor] | None = None
 
     @property
     def long_rope_offset(self) -> int | None:
@@ -370,7 +373,10 @@ class LlamaForCausalLM(nn.Module):
         backend = self._head_backend(hidden.shape[0])
         # NOTE: GEMMs over vocab chunks keep each output tile in cache; measured ~25% faster
         # than one [n, vocab_size] GEMM at n = 64-256 on CPU.
-        for start, tile in head_tiles(hidden, weight, logits, backend, in_place=True):
+        tiles = head_tiles(
+            hidden, weight, logits, backend, in_place=True, onednn_chunks=self.head_onednn_chunks
+        )
+        for start, tile in tiles:
             if backend == "onednn":
                 logits[:, start : start + tile.shape[1]].copy_(tile)
         return logits
@@ -393,7 +399,13 @@ class LlamaForCausalLM(nn.Module):
                 for start in range(0, vocab_size, LM_HEAD_CHUNK)
             )
             if self.is_batch_invariant
-            else head_tiles(hidden, weight, buffer, self._head_backend(hidden.shape[0]))
+            else head_tiles(
+                hidden,
+                weight,
+                buffer,
+                self._head_backend(hidden.shape[0]),
+                onednn_chunks=self.head_onednn_chunks,
+            )
         )
         for start, tile in tiles:
             if cap is not None:
@@ -446,6 +458,8 @@ class LlamaForCausalLM(nn.Module):
                 mlp.modes = modes
         if "lm_head" in choice:
             self.head_backends = list(choice["lm_head"])  # type: ignore[call-overload]
+            if "onednn" in self.head_backends:
+                self.head_onednn_chunks = onednn_head_chunks(self.lm_head_weight)
 
     def enable_greedy_screen(self) -> None:
         """Find greedy tokens through the int8 screen (see layers/greedy_screen.py)."""
@@ -476,7 +490,9 @@ class LlamaForCausalLM(nn.Module):
         best_value = hidden.new_full((num_rows,), float("-inf"))
         best_index = torch.zeros(num_rows, dtype=torch.int64)
         backend = self._head_backend(num_rows)
-        for start, chunk in head_tiles(hidden, weight, scores, backend):
+        for start, chunk in head_tiles(
+            hidden, weight, scores, backend, onednn_chunks=self.head_onednn_chunks
+        ):
             value, index = chunk.max(dim=1)
             is_better = value > best_value
             best_value = torch.where(is_better, value, best_value)
