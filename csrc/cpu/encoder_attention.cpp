@@ -44,20 +44,20 @@ struct TaskView {
 void tile_scores(const TaskView& t, const float* keys_t, int64_t padded, int64_t first,
                  int64_t rows, float* scores) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  float q_scaled[kQueryTile][512];
-  for (int64_t r = rows; r < kQueryTile; ++r) std::fill(q_scaled[r], q_scaled[r] + t.head_dim, 0.0f);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* q_row = t.q + (first + r) * t.q_stride;
-    for (int64_t d = 0; d < t.head_dim; ++d) q_scaled[r][d] = q_row[d] * t.scale;
+  // NOTE: [d][r]: the tile's kQueryTile values of one dimension share a cache line.
+  alignas(64) float q_scaled[512 * kQueryTile];
+  for (int64_t d = 0; d < t.head_dim; ++d) {
+    for (int64_t r = 0; r < kQueryTile; ++r) {
+      q_scaled[d * kQueryTile + r] = r < rows ? t.q[(first + r) * t.q_stride + d] * t.scale : 0.0f;
+    }
   }
   for (int64_t j = 0; j < padded; j += kNumLanes) {
     Lanes acc[kQueryTile];
     for (int64_t r = 0; r < kQueryTile; ++r) acc[r] = lanes_zero();
     for (int64_t d = 0; d < t.head_dim; ++d) {
       const Lanes key = lanes_load(keys_t + d * padded + j);
-      for (int64_t r = 0; r < kQueryTile; ++r) {
-        acc[r] = lanes_fmadd(lanes_set1(q_scaled[r][d]), key, acc[r]);
-      }
+      const float* q_d = q_scaled + d * kQueryTile;
+      for (int64_t r = 0; r < kQueryTile; ++r) acc[r] = lanes_fmadd(lanes_set1(q_d[r]), key, acc[r]);
     }
     for (int64_t r = 0; r < rows; ++r) {
       Lanes s = acc[r];
@@ -131,14 +131,57 @@ void weighted_sums(const float* p0, const float* p1, const TaskView& t, float* o
   }
 }
 
+#if defined(__AVX2__)
+// Transposes the 8x8 block at src (rows `src_stride` apart) into dst (rows `dst_stride` apart).
+inline void transpose8x8(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * src_stride);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * dst_stride, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * dst_stride, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+#endif
+
+// keys_t[d * padded + j] = key j's d-th value, zero for j in [n, padded). Element by element,
+// the scattered stores cost more than all of a short prompt's attention (measured); 8x8 blocks
+// in registers do not.
+void transpose_keys(const TaskView& t, int64_t padded, float* keys_t) {
+  int64_t j0 = 0;
+#if defined(__AVX2__)
+  const int64_t whole_d = t.head_dim / 8 * 8;
+  for (; j0 + 8 <= t.n; j0 += 8) {
+    for (int64_t d = 0; d < whole_d; d += 8) {
+      transpose8x8(t.k + j0 * t.k_stride + d, t.k_stride, keys_t + d * padded + j0, padded);
+    }
+    for (int64_t j = j0; j < j0 + 8; ++j) {
+      for (int64_t d = whole_d; d < t.head_dim; ++d) keys_t[d * padded + j] = t.k[j * t.k_stride + d];
+    }
+  }
+#endif
+  for (int64_t j = j0; j < t.n; ++j) {
+    for (int64_t d = 0; d < t.head_dim; ++d) keys_t[d * padded + j] = t.k[j * t.k_stride + d];
+  }
+  for (int64_t d = 0; d < t.head_dim; ++d) {
+    std::fill(keys_t + d * padded + t.n, keys_t + (d + 1) * padded, 0.0f);
+  }
+}
+
 void attend_task(const TaskView& t, std::vector<float>& keys_t, std::vector<float>& scores,
                  std::vector<float>& sums) {
   const int64_t padded = (t.n + kNumLanes - 1) / kNumLanes * kNumLanes;
-  keys_t.assign(t.head_dim * padded, 0.0f);
-  for (int64_t j = 0; j < t.n; ++j) {
-    const float* key = t.k + j * t.k_stride;
-    for (int64_t d = 0; d < t.head_dim; ++d) keys_t[d * padded + j] = key[d];
-  }
+  keys_t.resize(t.head_dim * padded);
+  transpose_keys(t, padded, keys_t.data());
   scores.resize(kQueryTile * padded);
   sums.resize(2 * t.head_dim);
   float inv_sums[kQueryTile];
