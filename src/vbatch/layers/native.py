@@ -185,6 +185,10 @@ def _register_fakes() -> None:
     ) -> None:
         return None
 
+    @torch.library.register_fake("vbatch::gelu_erf_")
+    def _gelu_erf_fake(x: torch.Tensor) -> None:
+        return None
+
     @torch.library.register_fake("vbatch::encoder_attention")
     def _encoder_attention_fake(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float

@@ -102,8 +102,8 @@ class EncoderModel(nn.Module):
 
     Invariant: parameter names are the checkpoint's without its `bert.`/`roberta.` prefix;
     the linears run over every token of the batch at once, attention per prompt (bidirectional,
-    no padding): on CPU in float32 every prompt in one vbatch::encoder_attention call, else one
-    SDPA call per prompt.
+    no padding): on CPU in float32 every prompt in one vbatch::encoder_attention call and the
+    GELU in place (vbatch::gelu_erf_), else one SDPA call per prompt and F.gelu.
     """
 
     def __init__(self, config: EncoderConfig) -> None:
@@ -141,7 +141,7 @@ class EncoderModel(nn.Module):
 
     @staticmethod
     def native_attention(dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether attention runs through vbatch::encoder_attention (float32 on CPU)."""
+        """Whether attention and GELU run through the vbatch:: ops (float32 on CPU)."""
         return dtype == torch.float32 and has_fused_ops(device)
 
     def forward(self, input_ids: torch.Tensor, lens: list[int]) -> torch.Tensor:
@@ -173,7 +173,11 @@ class EncoderModel(nn.Module):
                 context = _attend_per_prompt(q, k, v, lens)
             context = context.reshape(-1, config.hidden_size)
             hidden = attn.output.LayerNorm(attn.output.dense(context) + hidden)
-            inner = F.gelu(layer.intermediate.dense(hidden))
+            inner = layer.intermediate.dense(hidden)
+            if starts is not None:
+                torch.ops.vbatch.gelu_erf_(inner)
+            else:
+                inner = F.gelu(inner)
             hidden = layer.output.LayerNorm(layer.output.dense(inner) + hidden)
         return hidden
 
