@@ -25,6 +25,7 @@ from vbatch.layers.linear_choice import (
     onednn_everywhere,
     onednn_head_chunks,
     row_class,
+    settle_linears,
 )
 from vbatch.protocol import AddRequest, pack_token_ids
 from vbatch.sampling_params import SamplingParams
@@ -45,7 +46,7 @@ def test_a_chosen_linear_computes_the_linear(backend: str, rows: int) -> None:
     expected = F.linear(x, linear.weight, linear.bias)
     chosen = ChosenLinear(linear, (backend,) * len(TIMED_ROWS))
     assert chosen.weight is linear.weight
-    assert (chosen.onednn_weight is None) == (backend == "torch")
+    assert (chosen.reordered is None) == (backend == "torch")
     torch.testing.assert_close(chosen(x), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(chosen(x[None])[0], expected, rtol=1e-5, atol=1e-5)
 
@@ -152,6 +153,33 @@ def test_the_engine_runs_alike_on_either_backend_and_says_which(tiny_model_dir: 
     for backend in ("onednn", "auto"):
         assert runs[backend][0] == runs["torch"][0]
         assert runs[backend][1] == pytest.approx(runs["torch"][1], abs=1e-4)
+
+
+def test_without_ram_for_copies_onednn_runs_from_the_plain_weights(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = nn.Linear(48, 80)
+    weights = {
+        "qkv": model.weight,
+        "o": model.weight,
+        "gate_up": model.weight,
+        "down": model.weight,
+    }
+    settled = settle_linears("onednn", model, weights)
+    assert settled is not None and settled[0]["reorder"] is True
+    assert "no RAM for copies" not in settled[1]
+
+    class Tight:
+        available = 1000
+
+    monkeypatch.setattr(linear_choice.psutil, "virtual_memory", lambda: Tight())
+    settled = settle_linears("onednn", model, weights)
+    assert settled is not None and settled[0]["reorder"] is False
+    assert settled[1].endswith("oneDNN from plain weights: no RAM for copies")
+    chosen = ChosenLinear(model, ("onednn",) * len(TIMED_ROWS), reorder=False)
+    assert chosen.reordered is None
+    x = torch.randn(5, 48)
+    torch.testing.assert_close(chosen(x), model(x), rtol=1e-5, atol=1e-5)
 
 
 def test_onednn_everywhere_sets_every_role() -> None:

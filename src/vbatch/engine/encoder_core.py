@@ -73,7 +73,10 @@ class EncoderCore:
             if config.linear_backend == "auto":
                 progress("choosing kernels")
             settled = settle_linears(
-                config.linear_backend, self.model.linear_weights(), transposed_mlp=False
+                config.linear_backend,
+                self.model,
+                self.model.linear_weights(),
+                transposed_mlp=False,
             )
             if settled is not None:
                 self.model.use_linear_choice(settled[0])

@@ -369,7 +369,8 @@ class ModelRunner:
         the faster per projection and row class, measured here (layers/linear_choice.py)."""
         if backend == "auto":
             progress("choosing kernels")
-        settled = settle_linears(backend, self.model.linear_weights(with_head=has_lm_head))
+        weights = self.model.linear_weights(with_head=has_lm_head)
+        settled = settle_linears(backend, self.model, weights)
         if settled is not None:
             self.model.use_linear_choice(settled[0])
             self.kernel_notes.append(settled[1])

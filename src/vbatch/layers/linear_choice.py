@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psutil
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,6 +35,9 @@ SEPARATE = "separate"
 MAX_TRANSPOSED_CLASS = 2
 PADDED_ROW_MULTIPLE = 8
 HEAD_CHUNK = 3072
+# NOTE: the reordered copies (about the model's size again) are made only if the model fits
+# this share of the free RAM, which leaves the rest to them and the KV cache.
+MAX_COPIED_SHARE = 0.5
 # NOTE: the row count oneDNN lays a reordered weight out for; it serves every row count, and a
 # layout for 64 rows ran 1-2048 rows as fast as each count's own on the AVX2 EPYC.
 PACKED_FOR_ROWS = 64
@@ -68,22 +72,23 @@ def onednn_weight(weight: torch.Tensor) -> torch.Tensor:
 class ChosenLinear(nn.Linear):
     """An nn.Linear (sharing the original's parameters) run by the backend chosen for its row
     class: `backends[row_class(rows)]`, "torch" or "onednn" (from a reordered copy of the
-    weight, made if any class takes oneDNN)."""
+    weight, made with `reorder` if any class takes oneDNN)."""
 
-    def __init__(self, linear: nn.Linear, backends: tuple[str, ...]) -> None:
+    def __init__(self, linear: nn.Linear, backends: tuple[str, ...], reorder: bool = True) -> None:
         nn.Module.__init__(self)
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.weight = linear.weight
         self.register_parameter("bias", linear.bias)
         self.backends = backends
-        self.onednn_weight = onednn_weight(self.weight) if "onednn" in backends else None
+        self.reordered = onednn_weight(self.weight) if reorder and "onednn" in backends else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.onednn_weight is None or self.backends[row_class(flat.shape[0])] == "torch":
+        if self.backends[row_class(flat.shape[0])] == "torch":
             return F.linear(x, self.weight, self.bias)
-        return onednn_linear(flat, self.onednn_weight, self.bias).view(*x.shape[:-1], -1)
+        weight = self.weight if self.reordered is None else self.reordered
+        return onednn_linear(flat, weight, self.bias).view(*x.shape[:-1], -1)
 
 
 def head_tiles(
@@ -208,17 +213,22 @@ def choose_linear_backends(
 
 
 def settle_linears(
-    backend: str, weights: dict[str, torch.Tensor], transposed_mlp: bool = True
+    backend: str, model: nn.Module, weights: dict[str, torch.Tensor], transposed_mlp: bool = True
 ) -> tuple[dict[str, Any], str] | None:
     """The choice for `backend` ("auto" measures, "onednn" forces it; "torch" keeps the model
-    as built: None) over `weights` (none: None), and its line for the manifest."""
+    as built: None) over `weights` of `model` (none: None), and its line for the manifest. The
+    choice's "reorder" says whether oneDNN runs from reordered copies: only if `model` takes at
+    most MAX_COPIED_SHARE of the free RAM."""
     if backend == "torch" or not weights:
         return None
     if backend == "onednn":
         choice = onednn_everywhere("lm_head" in weights)
-        return choice, describe_linear_choice(choice, backend)
-    choice = choose_linear_backends(weights, transposed_mlp)
-    return choice, describe_linear_choice(choice, None)
+    else:
+        choice = choose_linear_backends(weights, transposed_mlp)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    reorder = model_bytes <= psutil.virtual_memory().available * MAX_COPIED_SHARE
+    choice = {**choice, "reorder": reorder}
+    return choice, describe_linear_choice(choice, backend if backend == "onednn" else None)
 
 
 def onednn_everywhere(has_head: bool) -> dict[str, Any]:
@@ -239,4 +249,5 @@ def describe_linear_choice(choice: dict[str, Any], forced: str | None) -> str:
         if role in choice and (role != "mlp" or TRANSPOSED in choice[role])
     ]
     how = f"forced {forced}" if forced else "measured"
-    return f"linears ({how}; at {rows} rows): " + ", ".join(parts)
+    plain = "" if choice.get("reorder", True) else "; oneDNN from plain weights: no RAM for copies"
+    return f"linears ({how}; at {rows} rows): " + ", ".join(parts) + plain

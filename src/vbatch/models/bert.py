@@ -128,16 +128,16 @@ class EncoderModel(nn.Module):
     def use_linear_choice(self, choice: dict[str, Any]) -> None:
         """Run the linears by layers/linear_choice.py's per-row-class choice, measured without
         the decoder MLP's transposed form."""
-        qkv = tuple(choice["qkv"])
+        qkv, reorder = tuple(choice["qkv"]), bool(choice.get("reorder", True))
         for layer in self.encoder.layer:
             attn = layer.attention
             for name in ("query", "key", "value"):
-                setattr(attn.self, name, ChosenLinear(getattr(attn.self, name), qkv))
-            attn.output.dense = ChosenLinear(attn.output.dense, tuple(choice["o"]))
+                setattr(attn.self, name, ChosenLinear(getattr(attn.self, name), qkv, reorder))
+            attn.output.dense = ChosenLinear(attn.output.dense, tuple(choice["o"]), reorder)
             layer.intermediate.dense = ChosenLinear(
-                layer.intermediate.dense, tuple(choice["gate_up"])
+                layer.intermediate.dense, tuple(choice["gate_up"]), reorder
             )
-            layer.output.dense = ChosenLinear(layer.output.dense, tuple(choice["down"]))
+            layer.output.dense = ChosenLinear(layer.output.dense, tuple(choice["down"]), reorder)
 
     @staticmethod
     def native_attention(dtype: torch.dtype, device: torch.device) -> bool:

@@ -447,18 +447,19 @@ class LlamaForCausalLM(nn.Module):
             list(choice[role])  # type: ignore[call-overload]
             for role in ("qkv", "o", "gate_up", "down", "mlp")
         )
+        reorder = bool(choice.get("reorder", True))
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if type(attn.qkv_proj) is nn.Linear and type(attn.o_proj) is nn.Linear:
-                attn.qkv_proj = ChosenLinear(attn.qkv_proj, tuple(qkv))
-                attn.o_proj = ChosenLinear(attn.o_proj, tuple(o))
+                attn.qkv_proj = ChosenLinear(attn.qkv_proj, tuple(qkv), reorder)
+                attn.o_proj = ChosenLinear(attn.o_proj, tuple(o), reorder)
             if isinstance(mlp, LlamaMLP) and type(mlp.gate_up_proj) is nn.Linear:
-                mlp.gate_up_proj = ChosenLinear(mlp.gate_up_proj, tuple(gate_up))
-                mlp.down_proj = ChosenLinear(mlp.down_proj, tuple(down))
+                mlp.gate_up_proj = ChosenLinear(mlp.gate_up_proj, tuple(gate_up), reorder)
+                mlp.down_proj = ChosenLinear(mlp.down_proj, tuple(down), reorder)
                 mlp.modes = modes
         if "lm_head" in choice:
             self.head_backends = list(choice["lm_head"])  # type: ignore[call-overload]
-            if "onednn" in self.head_backends:
+            if reorder and "onednn" in self.head_backends:
                 self.head_onednn_chunks = onednn_head_chunks(self.lm_head_weight)
 
     def enable_greedy_screen(self) -> None:
