@@ -136,19 +136,17 @@ def _transposed_mlp(
 
 
 def _linear_candidates(
-    weight: torch.Tensor, rows: int, generator: torch.Generator
+    weight: torch.Tensor, reordered: torch.Tensor, rows: int, generator: torch.Generator
 ) -> dict[str, Callable[[], object]]:
     x = torch.randn(rows, weight.shape[1], generator=generator)
-    reordered = onednn_weight(weight)
     return {"torch": lambda: F.linear(x, weight), "onednn": lambda: onednn_linear(x, reordered)}
 
 
 def _head_candidates(
-    weight: torch.Tensor, rows: int, generator: torch.Generator
+    weight: torch.Tensor, chunks: list[torch.Tensor], rows: int, generator: torch.Generator
 ) -> dict[str, Callable[[], object]]:
     hidden = torch.randn(rows, weight.shape[1], generator=generator)
     buffer = hidden.new_empty(rows, HEAD_CHUNK)
-    chunks = onednn_head_chunks(weight)
 
     def run(backend: str) -> Callable[[], object]:
         def maxima() -> object:
@@ -181,14 +179,18 @@ def choose_linear_backends(
             if role not in weights:
                 continue
             picks: list[str] = []
+            weight = weights[role]
+            is_head = role == "lm_head"
+            chunks = onednn_head_chunks(weight) if is_head else []
+            reordered = weight if is_head else onednn_weight(weight)
             for rows in TIMED_ROWS:
-                if role == "lm_head" and rows > timed_head_rows:
+                if is_head and rows > timed_head_rows:
                     picks.append(picks[-1])
                     continue
-                if role == "lm_head":
-                    candidates = _head_candidates(weights["lm_head"], rows, generator)
+                if is_head:
+                    candidates = _head_candidates(weight, chunks, rows, generator)
                 else:
-                    candidates = _linear_candidates(weights[role], rows, generator)
+                    candidates = _linear_candidates(weight, reordered, rows, generator)
                 timed = fastest_ms(candidates)
                 picks.append(min(timed, key=timed.__getitem__))
                 best[f"{role}@{rows}"] = timed[picks[-1]]
