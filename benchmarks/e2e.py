@@ -8,7 +8,7 @@ tighter one: prompt tokens without the LM head, at the 512-row prefill GEMM rate
 
 python -m benchmarks.e2e [--num-prompts 128] [--max-tokens 128] [--threads 2]
     [--hf-batch-sizes 32,64] [--repeats 1] [--skip-hf] [--show-progress] [--quantization int8]
-    [--greedy-screen auto|on|off] [--batch-invariant] [--linear-backend auto|torch|onednn]
+    [--greedy-screen auto|on|off] [--batch-invariant] [--linear-backend auto|torch|onednn|native]
 
 Under the AVX2 emulation: python -m benchmarks.emulate avx2 benchmarks.e2e ...
 """
@@ -93,7 +93,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--linear-backend",
-        choices=("auto", "torch", "onednn"),
+        choices=("auto", "torch", "onednn", "native"),
         default=None,
         help="vbatch's GEMM library for float32 linears (default: its own, auto)",
     )

@@ -6,7 +6,7 @@ pure decode steps.
 through one EngineCore (no client, no subprocess), so its total is the engine's share of that
 wall time and the rest is start-up and the client.
 
-python -m benchmarks.profile_e2e [--num-prompts 64] [--max-tokens 128] [--threads 2]
+python -m benchmarks.profile_e2e [--num-prompts 64] [--max-tokens 128] [--threads 2] [--linear-backend auto|torch|onednn|native]
 Under the AVX2 emulation: python -m benchmarks.emulate avx2 benchmarks.profile_e2e ...
 """
 
@@ -44,11 +44,14 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--linear-backend", choices=("auto", "torch", "onednn", "native"), default="auto"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     _, prompts = hf_prompts(args.num_prompts)
     start = time.perf_counter()
-    core = EngineCore(EngineConfig(num_threads=args.threads))
+    core = EngineCore(EngineConfig(num_threads=args.threads, linear_backend=args.linear_backend))
     init_s = time.perf_counter() - start
     timers = StepTimers()
     timers.install(core)

@@ -21,9 +21,9 @@ from vbatch.layers.linear_choice import (
     TRANSPOSED,
     ChosenLinear,
     choose_linear_backends,
+    forced_everywhere,
+    head_chunks,
     head_tiles,
-    onednn_everywhere,
-    onednn_head_chunks,
     row_class,
     settle_linears,
 )
@@ -37,7 +37,7 @@ def test_row_classes_take_the_nearest_timed_count() -> None:
     assert [row_class(n) for n in TIMED_ROWS] == list(range(len(TIMED_ROWS)))
 
 
-@pytest.mark.parametrize("backend", ["torch", "onednn"])
+@pytest.mark.parametrize("backend", ["torch", "onednn", "native"])
 @pytest.mark.parametrize("rows", [1, 3, 30, 300])
 def test_a_chosen_linear_computes_the_linear(backend: str, rows: int) -> None:
     generator = torch.Generator().manual_seed(rows)
@@ -46,23 +46,22 @@ def test_a_chosen_linear_computes_the_linear(backend: str, rows: int) -> None:
     expected = F.linear(x, linear.weight, linear.bias)
     chosen = ChosenLinear(linear, (backend,) * len(TIMED_ROWS))
     assert chosen.weight is linear.weight
-    assert (chosen.reordered is None) == (backend == "torch")
+    assert list(chosen.prepared) == ([] if backend == "torch" else [backend])
     torch.testing.assert_close(chosen(x), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(chosen(x[None])[0], expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["torch", "onednn", "onednn-reordered"])
+@pytest.mark.parametrize("backend", ["torch", "onednn", "onednn-reordered", "native-packed"])
 def test_head_tiles_cover_the_vocabulary(backend: str) -> None:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(linear_choice.HEAD_CHUNK * 2 + 5, 16, generator=generator)
     hidden = torch.randn(3, 16, generator=generator)
     buffer = hidden.new_empty(3, linear_choice.HEAD_CHUNK)
-    chunks = onednn_head_chunks(weight) if backend == "onednn-reordered" else None
+    name = backend.split("-")[0]
+    chunks = head_chunks(weight, name) if "-" in backend else None
     tiles = [
         (start, tile.clone())
-        for start, tile in head_tiles(
-            hidden, weight, buffer, backend.split("-")[0], onednn_chunks=chunks
-        )
+        for start, tile in head_tiles(hidden, weight, buffer, name, chunks=chunks)
     ]
     assert [start for start, _ in tiles] == [
         0,
@@ -88,7 +87,8 @@ def test_the_choice_is_measured_once_per_machine_and_shapes(
     assert choice["rows"] == list(TIMED_ROWS)
     for role in ("qkv", "o", "gate_up", "down", "lm_head"):
         assert len(choice[role]) == len(TIMED_ROWS)
-        assert set(choice[role]) <= {"torch", "onednn"}
+        assert set(choice[role]) <= {"torch", "onednn", "native"}
+        assert set(choice["ms"][f"{role}@1"]) == {"torch", "onednn", "native"}
     assert choice["mlp"][-1] == SEPARATE, "not transposed past 192 rows"
     assert set(choice["mlp"]) <= {SEPARATE, TRANSPOSED}
     for role_rows, timed in choice["ms"].items():
@@ -127,7 +127,7 @@ def greedy_run(core: EngineCore, prompt: list[int]) -> tuple[list[int], list[flo
 def test_the_engine_runs_alike_on_either_backend_and_says_which(tiny_model_dir: Path) -> None:
     prompt = list(range(100, 140))
     runs = {}
-    for backend in ("torch", "onednn", "auto"):
+    for backend in ("torch", "onednn", "native", "auto"):
         config = EngineConfig(
             model=str(tiny_model_dir), device="cpu", num_threads=1, linear_backend=backend
         )
@@ -141,16 +141,17 @@ def test_the_engine_runs_alike_on_either_backend_and_says_which(tiny_model_dir: 
         else:
             (note,) = notes
             assert note.startswith(
-                "linears (forced onednn" if backend == "onednn" else "linears (measured"
+                "linears (measured" if backend == "auto" else f"linears (forced {backend}"
             )
             assert type(mlp.gate_up_proj) is ChosenLinear
-        if backend == "onednn":
+        if backend in ("onednn", "native"):
             assert mlp.modes == [SEPARATE] * len(TIMED_ROWS)
-            assert mlp.down_proj.backends == ("onednn",) * len(TIMED_ROWS)
-            assert model.head_backends == ["onednn"] * len(TIMED_ROWS)
-            assert model.head_onednn_chunks is not None
+            assert mlp.down_proj.backends == (backend,) * len(TIMED_ROWS)
+            assert list(mlp.down_proj.prepared) == [backend]
+            assert model.head_backends == [backend] * len(TIMED_ROWS)
+            assert list(model.head_chunks) == [backend]
         core.shutdown()
-    for backend in ("onednn", "auto"):
+    for backend in ("onednn", "native", "auto"):
         assert runs[backend][0] == runs["torch"][0]
         assert runs[backend][1] == pytest.approx(runs["torch"][1], abs=1e-4)
 
@@ -176,20 +177,36 @@ def test_without_ram_for_copies_onednn_runs_from_the_plain_weights(
     settled = settle_linears("onednn", model, weights)
     assert settled is not None and settled[0]["reorder"] is False
     assert settled[1].endswith("oneDNN from plain weights: no RAM for copies")
-    chosen = ChosenLinear(model, ("onednn",) * len(TIMED_ROWS), reorder=False)
-    assert chosen.reordered is None
+    chosen = ChosenLinear(model, ("onednn",) * len(TIMED_ROWS), copies=False)
+    assert chosen.prepared == {}
     x = torch.randn(5, 48)
     torch.testing.assert_close(chosen(x), model(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="packed copy"):
+        ChosenLinear(model, ("native",) * len(TIMED_ROWS), copies=False)
+    settled = settle_linears("native", model, weights)
+    assert settled is not None and settled[0]["qkv"] == ["onednn"] * len(TIMED_ROWS)
 
 
-def test_onednn_everywhere_sets_every_role() -> None:
-    choice = onednn_everywhere(has_head=False)
+def test_without_ram_for_copies_native_picks_take_the_next_fastest() -> None:
+    choice = {
+        "rows": [1, 8],
+        "qkv": ["native", "torch"],
+        "ms": {"qkv@1": {"torch": 2.0, "onednn": 1.5, "native": 1.0}},
+    }
+    assert linear_choice.without_native(choice, "qkv") == ["onednn", "torch"]
+
+
+@pytest.mark.parametrize("backend", ["onednn", "native"])
+def test_forced_everywhere_sets_every_role(backend: str) -> None:
+    choice = forced_everywhere(backend, has_head=False)
     assert "lm_head" not in choice
     assert choice["mlp"] == [SEPARATE] * len(TIMED_ROWS)
     for role in ("qkv", "o", "gate_up", "down"):
-        assert choice[role] == ["onednn"] * len(TIMED_ROWS)
+        assert choice[role] == [backend] * len(TIMED_ROWS)
 
 
 def test_an_unknown_backend_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="linear_backend must be one of auto, torch, onednn"):
+    with pytest.raises(
+        ConfigError, match="linear_backend must be one of auto, torch, onednn, native"
+    ):
         EngineConfig(linear_backend="blas").validate()

@@ -825,3 +825,60 @@ def test_gelu_erf_matches_torch_exact_gelu(ops: None) -> None:
     torch.library.opcheck(torch.ops.vbatch.gelu_erf_.default, (x[:100].clone(),))
     with pytest.raises(RuntimeError, match="contiguous float32"):
         torch.ops.vbatch.gelu_erf_(x.view(2, -1).t())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"),
+    [(1, 40, 33), (7, 100, 64), (13, 576, 576), (70, 37, 1)],
+)
+def test_packed_linear_matches_float64(
+    ops: None, rows: int, out_features: int, in_features: int, bias: bool
+) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    packed = torch.ops.vbatch.pack_linear_weight(weight)
+    got = torch.ops.vbatch.packed_linear(x, packed, out_features, b)
+    want = torch.nn.functional.linear(
+        x.double(), weight.double(), None if b is None else b.double()
+    )
+    assert got.shape == (rows, out_features)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * in_features**0.5)
+
+
+def test_packed_linear_gives_each_row_the_same_bits_in_any_batch(ops: None) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(45, 96, generator=gen)
+    packed = torch.ops.vbatch.pack_linear_weight(torch.randn(200, 96, generator=gen))
+    full = torch.ops.vbatch.packed_linear(x, packed, 200, None)
+    num_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = torch.ops.vbatch.packed_linear(x, packed, 200, None)
+    finally:
+        torch.set_num_threads(num_threads)
+    assert torch.equal(serial, full)
+    for first, last in ((0, 1), (5, 6), (3, 10), (44, 45), (7, 45)):
+        assert torch.equal(
+            torch.ops.vbatch.packed_linear(x[first:last], packed, 200, None), full[first:last]
+        )
+
+
+def test_packed_linear_rejects_bad_inputs(ops: None) -> None:
+    weight = torch.randn(40, 16)
+    packed = torch.ops.vbatch.pack_linear_weight(weight)
+    op = torch.ops.vbatch.packed_linear
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.vbatch.pack_linear_weight(weight.double())
+    with pytest.raises(RuntimeError, match="x must be a 2-D float32"):
+        op(torch.randn(3, 16).double(), packed, 40, None)
+    with pytest.raises(RuntimeError, match="16 input features"):
+        op(torch.randn(3, 16), torch.ops.vbatch.pack_linear_weight(torch.randn(40, 8)), 40, None)
+    with pytest.raises(RuntimeError, match="does not match"):
+        op(torch.randn(3, 16), packed, 400, None)
+    with pytest.raises(RuntimeError, match="bias must be float32"):
+        op(torch.randn(3, 16), packed, 40, torch.randn(39))
+    torch.library.opcheck(op.default, (torch.randn(5, 16), packed, 40, torch.randn(40)))
+    torch.library.opcheck(op.default, (torch.randn(0, 16), packed, 40, None))

@@ -319,8 +319,9 @@ LinearBackendOption = Annotated[
     LinearBackend,
     typer.Option(
         "--linear-backend",
-        help="GEMM library of the float32 CPU linears and LM head: torch's (MKL) or oneDNN's. "
-        "auto: the faster per projection and row count, timed at start-up and cached.",
+        help="GEMM of the float32 CPU linears and LM head: torch's (MKL), oneDNN's or vbatch's "
+        "native packed kernel. auto: the fastest per projection and row count, timed at "
+        "start-up and cached.",
         rich_help_panel=ENGINE,
     ),
 ]

@@ -36,6 +36,7 @@ class LinearBackend(str, Enum):
     AUTO = "auto"
     TORCH = "torch"
     ONEDNN = "onednn"
+    NATIVE = "native"
 
 
 DEVICES = tuple(c.value for c in Device)
@@ -78,9 +79,10 @@ class EngineConfig:
     few candidates it cannot rule out (the same tokens as the fp32 head); False scores the whole
     vocabulary in fp32; None (auto) times both on the model's head at start-up and takes the
     faster (layers/kernel_choice.py, cached per machine). `linear_backend` picks the GEMM library
-    of the float32 CPU linears and LM head: "auto" times torch's (MKL) and oneDNN's on the
-    model's shapes at a few row counts at start-up and takes the faster per projection and row
-    count (layers/linear_choice.py, cached per machine); "torch" or "onednn" force one.
+    of the float32 CPU linears and LM head: "auto" times torch's (MKL), oneDNN's and the native
+    packed kernel on the model's shapes at a few row counts at start-up and takes the fastest per
+    projection and row count (layers/linear_choice.py, cached per machine); "torch", "onednn" or
+    "native" force one.
     `async_scheduling` launches a decode
     step that continues the last one before the last one's tokens reach the host (overlap on a
     GPU; nothing to gain on CPU). `batch_invariant` (CPU, float32, native attention) computes

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vbatch.errors import ConfigError
+from vbatch.layers import native
 from vbatch.layers.kernel_choice import cached_choice, fastest_ms
 
 # NOTE: a step's row count is timed as the nearest of these: one decode row, a few, a decode
@@ -29,14 +31,21 @@ from vbatch.layers.kernel_choice import cached_choice, fastest_ms
 TIMED_ROWS = (1, 8, 64, 512, 2048)
 CLASS_BOUNDS = (2, 24, 192, 1024)
 BACKENDS = ("torch", "onednn")
+# NOTE: vbatch::packed_linear (csrc/cpu/packed_linear.cpp), a candidate where the native
+# kernels are loaded, up to the decode batch's class: it runs only from its packed copy of the
+# weight, and over the 30 layers' own weights (not one layer's, hot in cache, as timed here) it
+# beat oneDNN 1.2-1.7x at 1-128 rows but lost 0.8x at 512 rows on the AVX2 EPYC.
+NATIVE = "native"
+MAX_NATIVE_CLASS = 2
 # NOTE: LlamaMLP's W @ x^T form, only for row counts it was written for (models/llama.py).
 TRANSPOSED = "torch-transposed"
 SEPARATE = "separate"
 MAX_TRANSPOSED_CLASS = 2
 PADDED_ROW_MULTIPLE = 8
 HEAD_CHUNK = 3072
-# NOTE: the reordered copies (about the model's size again) are made only if the model fits
-# this share of the free RAM, which leaves the rest to them and the KV cache.
+ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
+# NOTE: the prepared copies (about the model's size again per backend that needs one) are made
+# only if they fit this share of the free RAM, which leaves the rest to the KV cache.
 MAX_COPIED_SHARE = 0.5
 # NOTE: the row count oneDNN lays a reordered weight out for; it serves every row count, and a
 # layout for 64 rows ran 1-2048 rows as fast as each count's own on the AVX2 EPYC.
@@ -69,26 +78,60 @@ def onednn_weight(weight: torch.Tensor) -> torch.Tensor:
         return weight
 
 
+def native_linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [n, in_features] @ weight^T (+ bias) through vbatch::packed_linear, from
+    prepared_weight(weight, "native")."""
+    return torch.ops.vbatch.packed_linear(x, packed, out_features, bias)
+
+
+def available_backends() -> tuple[str, ...]:
+    """BACKENDS, and "native" where the vbatch:: kernels are loaded."""
+    return (*BACKENDS, NATIVE) if native.is_available() else BACKENDS
+
+
+def prepared_weight(weight: torch.Tensor, backend: str) -> torch.Tensor:
+    """`weight` as `backend` runs it: oneDNN's reordered copy, or the native kernel's panels."""
+    if backend == NATIVE:
+        if not native.is_available():
+            raise ConfigError("the native linear needs the vbatch native kernels, not loaded here")
+        return torch.ops.vbatch.pack_linear_weight(weight.detach())
+    return onednn_weight(weight)
+
+
 class ChosenLinear(nn.Linear):
     """An nn.Linear (sharing the original's parameters) run by the backend chosen for its row
-    class: `backends[row_class(rows)]`, "torch" or "onednn" (from a reordered copy of the
-    weight, made with `reorder` if any class takes oneDNN)."""
+    class: `backends[row_class(rows)]`, "torch", "onednn" or "native". With `copies`, each
+    backend other than torch runs from its own prepared copy of the weight (`prepared`); without,
+    oneDNN runs from the plain weight and "native" must not be among `backends`."""
 
-    def __init__(self, linear: nn.Linear, backends: tuple[str, ...], reorder: bool = True) -> None:
+    def __init__(self, linear: nn.Linear, backends: tuple[str, ...], copies: bool = True) -> None:
         nn.Module.__init__(self)
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.weight = linear.weight
         self.register_parameter("bias", linear.bias)
         self.backends = backends
-        self.reordered = onednn_weight(self.weight) if reorder and "onednn" in backends else None
+        if not copies and NATIVE in backends:
+            raise ValueError("the native linear runs only from its packed copy of the weight")
+        self.prepared = {
+            backend: prepared_weight(self.weight, backend)
+            for backend in dict.fromkeys(backends)
+            if copies and backend != "torch"
+        }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.backends[row_class(flat.shape[0])] == "torch":
+        backend = self.backends[row_class(flat.shape[0])]
+        if backend == "torch":
             return F.linear(x, self.weight, self.bias)
-        weight = self.weight if self.reordered is None else self.reordered
-        return onednn_linear(flat, weight, self.bias).view(*x.shape[:-1], -1)
+        weight = self.prepared.get(backend, self.weight)
+        if backend == NATIVE:
+            out = native_linear(flat, weight, self.out_features, self.bias)
+        else:
+            out = onednn_linear(flat, weight, self.bias)
+        return out.view(*x.shape[:-1], -1)
 
 
 def head_tiles(
@@ -97,20 +140,21 @@ def head_tiles(
     buffer: torch.Tensor,
     backend: str,
     in_place: bool = False,
-    onednn_chunks: list[torch.Tensor] | None = None,
+    chunks: list[torch.Tensor] | None = None,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """hidden @ weight^T, HEAD_CHUNK vocab rows at a time: (first vocab id, [n, chunk] tile).
     torch's tiles are written into `buffer`: its first columns, which the next tile overwrites,
-    or with `in_place` (buffer [n, vocab]) the tile's own columns; oneDNN's are fresh tensors,
-    from `onednn_chunks` (onednn_head_chunks of weight) when given. A GEMM over one chunk keeps
-    its output tile in cache."""
+    or with `in_place` (buffer [n, vocab]) the tile's own columns; oneDNN's and the native
+    kernel's are fresh tensors, from `chunks` (head_chunks(weight, backend); required for
+    "native", optional for oneDNN). A GEMM over one chunk keeps its output tile in cache."""
     vocab_size = weight.shape[0]
     for start in range(0, vocab_size, HEAD_CHUNK):
         end = min(start + HEAD_CHUNK, vocab_size)
-        if backend == "onednn":
-            chunk = (
-                weight[start:end] if onednn_chunks is None else onednn_chunks[start // HEAD_CHUNK]
-            )
+        if backend == NATIVE:
+            assert chunks is not None
+            yield start, native_linear(hidden, chunks[start // HEAD_CHUNK], end - start)
+        elif backend == "onednn":
+            chunk = weight[start:end] if chunks is None else chunks[start // HEAD_CHUNK]
             yield start, onednn_linear(hidden, chunk)
         else:
             tile = buffer[:, start:end] if in_place else buffer[:, : end - start]
@@ -118,10 +162,10 @@ def head_tiles(
             yield start, tile
 
 
-def onednn_head_chunks(weight: torch.Tensor) -> list[torch.Tensor]:
-    """The LM head's [vocab, hidden] weight as head_tiles' chunks, each through onednn_weight."""
+def head_chunks(weight: torch.Tensor, backend: str) -> list[torch.Tensor]:
+    """The LM head's [vocab, hidden] weight as head_tiles' chunks, each through prepared_weight."""
     return [
-        onednn_weight(weight[start : start + HEAD_CHUNK])
+        prepared_weight(weight[start : start + HEAD_CHUNK], backend)
         for start in range(0, weight.shape[0], HEAD_CHUNK)
     ]
 
@@ -136,26 +180,40 @@ def _transposed_mlp(
 
 
 def _linear_candidates(
-    weight: torch.Tensor, reordered: torch.Tensor, rows: int, generator: torch.Generator
+    weight: torch.Tensor,
+    prepared: dict[str, torch.Tensor],
+    rows: int,
+    generator: torch.Generator,
 ) -> dict[str, Callable[[], object]]:
     x = torch.randn(rows, weight.shape[1], generator=generator)
-    return {"torch": lambda: F.linear(x, weight), "onednn": lambda: onednn_linear(x, reordered)}
+    out_features = weight.shape[0]
+    candidates: dict[str, Callable[[], object]] = {
+        "torch": lambda: F.linear(x, weight),
+        "onednn": lambda: onednn_linear(x, prepared["onednn"]),
+    }
+    if NATIVE in prepared and row_class(rows) <= MAX_NATIVE_CLASS:
+        candidates[NATIVE] = lambda: native_linear(x, prepared[NATIVE], out_features)
+    return candidates
 
 
 def _head_candidates(
-    weight: torch.Tensor, chunks: list[torch.Tensor], rows: int, generator: torch.Generator
+    weight: torch.Tensor,
+    chunks: dict[str, list[torch.Tensor]],
+    rows: int,
+    generator: torch.Generator,
 ) -> dict[str, Callable[[], object]]:
     hidden = torch.randn(rows, weight.shape[1], generator=generator)
     buffer = hidden.new_empty(rows, HEAD_CHUNK)
 
     def run(backend: str) -> Callable[[], object]:
         def maxima() -> object:
-            tiles = head_tiles(hidden, weight, buffer, backend, onednn_chunks=chunks)
+            tiles = head_tiles(hidden, weight, buffer, backend, chunks=chunks.get(backend))
             return [tile.max(dim=1) for _, tile in tiles]
 
         return maxima
 
-    return {backend: run(backend) for backend in BACKENDS}
+    backends = [b for b in ("torch", *chunks) if b != NATIVE or row_class(rows) <= MAX_NATIVE_CLASS]
+    return {backend: run(backend) for backend in backends}
 
 
 def choose_linear_backends(
@@ -163,13 +221,15 @@ def choose_linear_backends(
 ) -> dict[str, Any]:
     """The fastest backend per projection and row class on this machine, from `weights`:
     "qkv", "o", "gate_up" and "down" ([out, in]) of one layer and, if given, "lm_head"
-    ([vocab, hidden]). Each projection is timed on its own; if the model has the MLP's
-    transposed form (`transposed_mlp`), it is timed as a pair and taken where it beats the two
-    GEMMs' own picks together. The LM head is timed up to `timed_head_rows` rows (a step samples
-    few rows), its last class reusing that. Cached per machine and shape set.
+    ([vocab, hidden]). The candidates are torch's GEMM, oneDNN and, where loaded, the native
+    kernel, each from its prepared copy. Each projection is timed on its own; if the model has
+    the MLP's transposed form (`transposed_mlp`), it is timed as a pair and taken where it beats
+    the two GEMMs' own picks together. The LM head is timed up to `timed_head_rows` rows (a step
+    samples few rows), its last class reusing that. Cached per machine and shape set.
 
     Returns {"rows": TIMED_ROWS, "qkv"|"o"|"gate_up"|"down"|"lm_head": [backend per class],
     "mlp": [TRANSPOSED or SEPARATE per class], "ms": ...}."""
+    backends = available_backends()
 
     def measure() -> dict[str, Any]:
         generator = torch.Generator().manual_seed(0)
@@ -181,8 +241,9 @@ def choose_linear_backends(
             picks: list[str] = []
             weight = weights[role]
             is_head = role == "lm_head"
-            chunks = onednn_head_chunks(weight) if is_head else []
-            reordered = weight if is_head else onednn_weight(weight)
+            copied = [b for b in backends if b != "torch"]
+            chunks = {b: head_chunks(weight, b) for b in copied} if is_head else {}
+            prepared = {} if is_head else {b: prepared_weight(weight, b) for b in copied}
             for rows in TIMED_ROWS:
                 if is_head and rows > timed_head_rows:
                     picks.append(picks[-1])
@@ -190,7 +251,7 @@ def choose_linear_backends(
                 if is_head:
                     candidates = _head_candidates(weight, chunks, rows, generator)
                 else:
-                    candidates = _linear_candidates(weight, reordered, rows, generator)
+                    candidates = _linear_candidates(weight, prepared, rows, generator)
                 timed = fastest_ms(candidates)
                 picks.append(min(timed, key=timed.__getitem__))
                 best[f"{role}@{rows}"] = timed[picks[-1]]
@@ -210,34 +271,61 @@ def choose_linear_backends(
         return choice
 
     shapes = {name: list(weight.shape) for name, weight in sorted(weights.items())}
-    key = {"shapes": shapes, "transposed_mlp": transposed_mlp, "rows": list(TIMED_ROWS)}
+    key = {
+        "shapes": shapes,
+        "transposed_mlp": transposed_mlp,
+        "rows": list(TIMED_ROWS),
+        "backends": list(backends),
+        "native_up_to_rows": TIMED_ROWS[MAX_NATIVE_CLASS],
+    }
     return cached_choice("linears", key, measure)  # type: ignore[dict-item]
 
 
 def settle_linears(
     backend: str, model: nn.Module, weights: dict[str, torch.Tensor], transposed_mlp: bool = True
 ) -> tuple[dict[str, Any], str] | None:
-    """The choice for `backend` ("auto" measures, "onednn" forces it; "torch" keeps the model
-    as built: None) over `weights` of `model` (none: None), and its line for the manifest. The
-    choice's "reorder" says whether oneDNN runs from reordered copies: only if `model` takes at
-    most MAX_COPIED_SHARE of the free RAM."""
+    """The choice for `backend` ("auto" measures, "onednn" or "native" forces it; "torch" keeps
+    the model as built: None) over `weights` of `model` (none: None), and its line for the
+    manifest. The choice's "reorder" says whether the backends run from prepared copies: only if
+    one copy of `model` per backend that needs one fits MAX_COPIED_SHARE of the free RAM;
+    without, the native kernel's picks fall back to the next fastest candidate."""
     if backend == "torch" or not weights:
         return None
-    if backend == "onednn":
-        choice = onednn_everywhere("lm_head" in weights)
+    if backend == NATIVE and not native.is_available():
+        raise ConfigError("linear_backend native needs the vbatch native kernels, not loaded here")
+    if backend in (NATIVE, "onednn"):
+        choice = forced_everywhere(backend, "lm_head" in weights)
     else:
         choice = choose_linear_backends(weights, transposed_mlp)
+    roles = [role for role in ROLES if role in choice]
+    copied = {b for role in roles for b in choice[role] if b != "torch"}
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    reorder = model_bytes <= psutil.virtual_memory().available * MAX_COPIED_SHARE
+    budget = psutil.virtual_memory().available * MAX_COPIED_SHARE
+    reorder = model_bytes * max(1, len(copied)) <= budget
     choice = {**choice, "reorder": reorder}
-    return choice, describe_linear_choice(choice, backend if backend == "onednn" else None)
+    if not reorder:
+        choice.update({role: without_native(choice, role) for role in roles})
+    return choice, describe_linear_choice(choice, None if backend == "auto" else backend)
 
 
-def onednn_everywhere(has_head: bool) -> dict[str, Any]:
-    """The choice that runs every linear, and the LM head if `has_head`, through oneDNN."""
+def without_native(choice: dict[str, Any], role: str) -> list[str]:
+    """`choice[role]` with each native pick replaced by the fastest other candidate timed for
+    that class (oneDNN where none was timed)."""
+    picks: list[str] = []
+    for rows, pick in zip(choice["rows"], choice[role], strict=True):
+        if pick == NATIVE:
+            timed = {b: ms for b, ms in choice.get("ms", {}).get(f"{role}@{rows}", {}).items()}
+            timed.pop(NATIVE, None)
+            pick = min(timed, key=timed.__getitem__) if timed else "onednn"
+        picks.append(pick)
+    return picks
+
+
+def forced_everywhere(backend: str, has_head: bool) -> dict[str, Any]:
+    """The choice that runs every linear, and the LM head if `has_head`, through `backend`."""
     choice: dict[str, Any] = {"rows": list(TIMED_ROWS), "mlp": [SEPARATE] * len(TIMED_ROWS)}
-    for role in ("qkv", "o", "gate_up", "down") + (("lm_head",) if has_head else ()):
-        choice[role] = ["onednn"] * len(TIMED_ROWS)
+    for role in ROLES[:4] + (("lm_head",) if has_head else ()):
+        choice[role] = [backend] * len(TIMED_ROWS)
     return choice
 
 

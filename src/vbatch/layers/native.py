@@ -57,6 +57,7 @@ def _sources(csrc_dir: Path, with_cuda: bool) -> list[Path]:
         csrc_dir / "cpu" / "advance_decode.cpp",
         csrc_dir / "cpu" / "logsumexp.cpp",
         csrc_dir / "cpu" / "encoder_attention.cpp",
+        csrc_dir / "cpu" / "packed_linear.cpp",
     ]
     if with_cuda:
         sources.append(csrc_dir / "cuda" / "paged_attention.cu")
@@ -145,6 +146,12 @@ def _register_fakes() -> None:
         slot_mapping: torch.Tensor,
     ) -> None:
         return None
+
+    @torch.library.register_fake("vbatch::packed_linear")
+    def _packed_linear_fake(
+        x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return x.new_empty(x.shape[0], out_features)
 
     @torch.library.register_fake("vbatch::rms_norm")
     def _rms_norm_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

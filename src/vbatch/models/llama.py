@@ -20,8 +20,8 @@ from vbatch.layers.linear_choice import (
     HEAD_CHUNK,
     TRANSPOSED,
     ChosenLinear,
+    head_chunks,
     head_tiles,
-    onednn_head_chunks,
     row_class,
 )
 from vbatch.layers.lora import LoraLinear
@@ -296,9 +296,9 @@ class LlamaForCausalLM(nn.Module):
         # NOTE: set by load_model under int8 quantization (quantize_linears' measured choice)
         self.quantization_choice: dict[str, object] | None = None
         # NOTE: set by use_linear_choice: the float32 CPU LM head's backend per row class, and
-        # oneDNN's reordered copies of its chunks when a class takes oneDNN.
+        # each non-torch backend's prepared copies of its chunks (layers/linear_choice.py).
         self.head_backends: list[str] | None = None
-        self.head_onednn_chunks: list[torch.Tensor] | None = None
+        self.head_chunks: dict[str, list[torch.Tensor]] = {}
 
     @property
     def long_rope_offset(self) -> int | None:
@@ -374,10 +374,10 @@ class LlamaForCausalLM(nn.Module):
         # NOTE: GEMMs over vocab chunks keep each output tile in cache; measured ~25% faster
         # than one [n, vocab_size] GEMM at n = 64-256 on CPU.
         tiles = head_tiles(
-            hidden, weight, logits, backend, in_place=True, onednn_chunks=self.head_onednn_chunks
+            hidden, weight, logits, backend, in_place=True, chunks=self.head_chunks.get(backend)
         )
         for start, tile in tiles:
-            if backend == "onednn":
+            if backend != "torch":
                 logits[:, start : start + tile.shape[1]].copy_(tile)
         return logits
 
@@ -393,19 +393,14 @@ class LlamaForCausalLM(nn.Module):
         vocab_size = weight.shape[0]
         cap = self.config.final_logit_softcapping
         buffer = hidden.new_empty(hidden.shape[0], min(LM_HEAD_CHUNK, vocab_size))
+        backend = self._head_backend(hidden.shape[0])
         tiles = (
             (
                 (start, invariant_linear(hidden, weight[start : start + LM_HEAD_CHUNK]))
                 for start in range(0, vocab_size, LM_HEAD_CHUNK)
             )
             if self.is_batch_invariant
-            else head_tiles(
-                hidden,
-                weight,
-                buffer,
-                self._head_backend(hidden.shape[0]),
-                onednn_chunks=self.head_onednn_chunks,
-            )
+            else head_tiles(hidden, weight, buffer, backend, chunks=self.head_chunks.get(backend))
         )
         for start, tile in tiles:
             if cap is not None:
@@ -447,20 +442,24 @@ class LlamaForCausalLM(nn.Module):
             list(choice[role])  # type: ignore[call-overload]
             for role in ("qkv", "o", "gate_up", "down", "mlp")
         )
-        reorder = bool(choice.get("reorder", True))
+        copies = bool(choice.get("reorder", True))
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if type(attn.qkv_proj) is nn.Linear and type(attn.o_proj) is nn.Linear:
-                attn.qkv_proj = ChosenLinear(attn.qkv_proj, tuple(qkv), reorder)
-                attn.o_proj = ChosenLinear(attn.o_proj, tuple(o), reorder)
+                attn.qkv_proj = ChosenLinear(attn.qkv_proj, tuple(qkv), copies)
+                attn.o_proj = ChosenLinear(attn.o_proj, tuple(o), copies)
             if isinstance(mlp, LlamaMLP) and type(mlp.gate_up_proj) is nn.Linear:
-                mlp.gate_up_proj = ChosenLinear(mlp.gate_up_proj, tuple(gate_up), reorder)
-                mlp.down_proj = ChosenLinear(mlp.down_proj, tuple(down), reorder)
+                mlp.gate_up_proj = ChosenLinear(mlp.gate_up_proj, tuple(gate_up), copies)
+                mlp.down_proj = ChosenLinear(mlp.down_proj, tuple(down), copies)
                 mlp.modes = modes
         if "lm_head" in choice:
             self.head_backends = list(choice["lm_head"])  # type: ignore[call-overload]
-            if reorder and "onednn" in self.head_backends:
-                self.head_onednn_chunks = onednn_head_chunks(self.lm_head_weight)
+            if copies:
+                self.head_chunks = {
+                    backend: head_chunks(self.lm_head_weight, backend)
+                    for backend in dict.fromkeys(self.head_backends)
+                    if backend != "torch"
+                }
 
     def enable_greedy_screen(self) -> None:
         """Find greedy tokens through the int8 screen (see layers/greedy_screen.py)."""
@@ -492,7 +491,7 @@ class LlamaForCausalLM(nn.Module):
         best_index = torch.zeros(num_rows, dtype=torch.int64)
         backend = self._head_backend(num_rows)
         for start, chunk in head_tiles(
-            hidden, weight, scores, backend, onednn_chunks=self.head_onednn_chunks
+            hidden, weight, scores, backend, chunks=self.head_chunks.get(backend)
         ):
             value, index = chunk.max(dim=1)
             is_better = value > best_value

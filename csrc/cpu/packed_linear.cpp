@@ -1,0 +1,182 @@
+// CPU float32 linear for decode-sized row counts: x [M, K] @ W^T, W packed once into panels.
+//
+// A panel holds kPanel = 2 * kNumLanes output columns of W as [K][kPanel], so one k step of
+// the micro-kernel loads two SIMD vectors of weights and multiplies them into kRowBlock rows'
+// accumulators (2 * kRowBlock registers). Each thread walks its own panels in order, which is
+// one sequential stream through the weights: at a decode batch every weight is read from
+// memory once per call and reused from L1/L2 for every row block, and the next panel is
+// prefetched while the first row block of the current one runs. Every output is a plain
+// k-ordered FMA chain, so a row's result does not depend on the other rows in the call.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "../vec_math.h"
+
+namespace vbatch {
+namespace {
+
+constexpr int64_t kPanel = 2 * kNumLanes;
+// NOTE: 2 * kRowBlock accumulators, two weight vectors and one broadcast fit the 16 AVX2 or
+// 32 AVX-512 vector registers.
+#if defined(__AVX512F__)
+constexpr int kRowBlock = 12;
+#else
+constexpr int kRowBlock = 6;
+#endif
+constexpr int64_t kLine = 64;
+// NOTE: the input rows one pass over the panels serves, in bytes: half of a 1 MiB L2,
+// leaving room for the panel being read.
+constexpr int64_t kRowBlockBytes = 512 * 1024;
+
+inline void prefetch_panel_row(const float* p) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  for (int64_t b = 0; b < kPanel * 4; b += kLine) {
+    _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T0);
+  }
+#else
+  (void)p;
+#endif
+}
+
+// out[r, c] = sum_k x[r, k] * panel[k, c] (+ bias[c]) for r < R, c < cols.
+template <int R>
+void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias,
+                  float* out, int64_t ldo, int64_t cols, const float* next_panel) {
+  Lanes acc0[R], acc1[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = lanes_zero();
+  for (int64_t k = 0; k < K; ++k) {
+    const Lanes w0 = lanes_load(panel + k * kPanel);
+    const Lanes w1 = lanes_load(panel + k * kPanel + kNumLanes);
+    if (next_panel != nullptr) prefetch_panel_row(next_panel + k * kPanel);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const Lanes a = lanes_set1(x[r * ldx + k]);
+      acc0[r] = lanes_fmadd(a, w0, acc0[r]);
+      acc1[r] = lanes_fmadd(a, w1, acc1[r]);
+    }
+  }
+  alignas(64) float tile[kPanel];
+  for (int r = 0; r < R; ++r) {
+    Lanes lo = acc0[r], hi = acc1[r];
+    if (bias != nullptr) {
+      lo = lanes_add(lo, lanes_load(bias));
+      hi = lanes_add(hi, lanes_load(bias + kNumLanes));
+    }
+    float* row = out + r * ldo;
+    if (cols == kPanel) {
+      lanes_store(row, lo);
+      lanes_store(row + kNumLanes, hi);
+    } else {
+      lanes_store(tile, lo);
+      lanes_store(tile + kNumLanes, hi);
+      std::copy(tile, tile + cols, row);
+    }
+  }
+}
+
+template <int R>
+void rows_tail(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias,
+               float* out, int64_t ldo, int64_t cols, const float* next_panel, int64_t rows) {
+  if constexpr (R > 1) {
+    if (rows < R) {
+      rows_tail<R - 1>(x, ldx, panel, K, bias, out, ldo, cols, next_panel, rows);
+      return;
+    }
+  }
+  micro_kernel<R>(x, ldx, panel, K, bias, out, ldo, cols, next_panel);
+}
+
+}  // namespace
+
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
+              "pack_linear_weight: weight must be a 2-D float32 CPU tensor, got ",
+              weight.sizes(), " ", weight.scalar_type());
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  at::Tensor packed = at::zeros({panels, K, kPanel}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t cols = std::min(kPanel, N - p * kPanel);
+      float* panel = dst + p * K * kPanel;
+      for (int64_t c = 0; c < cols; ++c) {
+        const float* column = src + (p * kPanel + c) * K;
+        for (int64_t k = 0; k < K; ++k) panel[k * kPanel + c] = column[k];
+      }
+    }
+  });
+  return packed;
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "packed_linear: x must be a 2-D float32 CPU tensor, got ", x.sizes());
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
+                  packed.size(2) == kPanel && packed.size(1) == x.size(1),
+              "packed_linear: packed must come from pack_linear_weight for this build and have ",
+              x.size(1), " input features, got ", packed.sizes());
+  TORCH_CHECK(out_features > (packed.size(0) - 1) * kPanel &&
+                  out_features <= packed.size(0) * kPanel,
+              "packed_linear: out_features ", out_features, " does not match ", packed.size(0),
+              " panels");
+  const float* bias_ptr = nullptr;
+  at::Tensor bias_padded;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features &&
+                    bias->scalar_type() == at::kFloat,
+                "packed_linear: bias must be float32 [", out_features, "]");
+    bias_padded = at::zeros({packed.size(0) * kPanel}, packed.options());
+    bias_padded.narrow(0, 0, out_features).copy_(*bias);
+    bias_ptr = bias_padded.data_ptr<float>();
+  }
+  const at::Tensor input = x.contiguous();
+  const int64_t M = input.size(0), K = input.size(1), panels = packed.size(0);
+  at::Tensor out = at::empty({M, out_features}, input.options());
+  if (M == 0) return out;
+  const float* xp = input.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // NOTE: rows go in blocks whose inputs stay in L2 while the thread's panels stream past them;
+  // a decode batch is one block, so its weights are read once.
+  const int64_t block_rows =
+      std::max<int64_t>(kRowBlock, kRowBlockBytes / (K * 4) / kRowBlock * kRowBlock);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
+      const int64_t m_end = std::min(M, m0 + block_rows);
+      for (int64_t p = begin; p < end; ++p) {
+        const float* panel = wp + p * K * kPanel;
+        const float* next = p + 1 < end ? panel + K * kPanel : nullptr;
+        const int64_t cols = std::min(kPanel, out_features - p * kPanel);
+        const float* panel_bias = bias_ptr == nullptr ? nullptr : bias_ptr + p * kPanel;
+        for (int64_t m = m0; m < m_end; m += kRowBlock) {
+          rows_tail<kRowBlock>(xp + m * K, K, panel, K, panel_bias,
+                               op + m * out_features + p * kPanel, out_features, cols,
+                               m == m0 ? next : nullptr, std::min<int64_t>(kRowBlock, m_end - m));
+        }
+      }
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(vbatch, m) {
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vbatch, CPU, m) {
+  m.impl("pack_linear_weight", &pack_linear_weight);
+  m.impl("packed_linear", &packed_linear);
+}
+
+}  // namespace vbatch
