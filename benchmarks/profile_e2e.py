@@ -6,7 +6,8 @@ pure decode steps.
 through one EngineCore (no client, no subprocess), so its total is the engine's share of that
 wall time and the rest is start-up and the client.
 
-python -m benchmarks.profile_e2e [--num-prompts 64] [--max-tokens 128] [--threads 2] [--linear-backend auto|torch|onednn|native]
+python -m benchmarks.profile_e2e [--num-prompts 64] [--max-tokens 128] [--threads 2]
+    [--linear-backend auto|torch|onednn|native]
 Under the AVX2 emulation: python -m benchmarks.emulate avx2 benchmarks.profile_e2e ...
 """
 

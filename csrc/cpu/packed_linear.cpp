@@ -101,16 +101,18 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  at::Tensor packed = at::zeros({panels, K, kPanel}, w.options());
+  at::Tensor packed = at::empty({panels, K, kPanel}, w.options());
   const float* src = w.data_ptr<float>();
   float* dst = packed.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t cols = std::min(kPanel, N - p * kPanel);
+      const float* rows = src + p * kPanel * K;
       float* panel = dst + p * K * kPanel;
-      for (int64_t c = 0; c < cols; ++c) {
-        const float* column = src + (p * kPanel + c) * K;
-        for (int64_t k = 0; k < K; ++k) panel[k * kPanel + c] = column[k];
+      for (int64_t k = 0; k < K; ++k) {
+        float* line = panel + k * kPanel;
+        for (int64_t c = 0; c < cols; ++c) line[c] = rows[c * K + k];
+        std::fill(line + cols, line + kPanel, 0.0f);
       }
     }
   });
