@@ -156,33 +156,55 @@ def test_the_engine_runs_alike_on_either_backend_and_says_which(tiny_model_dir: 
         assert runs[backend][1] == pytest.approx(runs["torch"][1], abs=1e-4)
 
 
-def test_without_ram_for_copies_onednn_runs_from_the_plain_weights(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_copies_are_made_only_where_the_ram_allows(monkeypatch: pytest.MonkeyPatch) -> None:
     model = nn.Linear(48, 80)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     weights = {
         "qkv": model.weight,
         "o": model.weight,
         "gate_up": model.weight,
         "down": model.weight,
     }
-    settled = settle_linears("onednn", model, weights)
-    assert settled is not None and settled[0]["reorder"] is True
+    mixed = {
+        "rows": list(TIMED_ROWS),
+        "mlp": [SEPARATE] * len(TIMED_ROWS),
+        "ms": {f"qkv@{r}": {"torch": 2.0, "onednn": 1.0, "native": 0.5} for r in TIMED_ROWS},
+        **{role: ["native", "native", "native", "onednn", "onednn"] for role in weights},
+    }
+    monkeypatch.setattr(linear_choice, "choose_linear_backends", lambda *args: mixed)
+
+    def free_ram(copies_that_fit: float) -> None:
+        class Free:
+            available = copies_that_fit * model_bytes / linear_choice.MAX_COPIED_SHARE
+
+        monkeypatch.setattr(linear_choice.psutil, "virtual_memory", lambda: Free())
+
+    free_ram(2.5)
+    settled = settle_linears("auto", model, weights)
+    assert settled is not None and settled[0]["copies"] == ["native", "onednn"]
     assert "no RAM for copies" not in settled[1]
 
-    class Tight:
-        available = 1000
-
-    monkeypatch.setattr(linear_choice.psutil, "virtual_memory", lambda: Tight())
-    settled = settle_linears("onednn", model, weights)
-    assert settled is not None and settled[0]["reorder"] is False
+    free_ram(1.5)
+    settled = settle_linears("auto", model, weights)
+    assert settled is not None and settled[0]["copies"] == ["native"]
+    assert settled[0]["qkv"] == mixed["qkv"]
     assert settled[1].endswith("oneDNN from plain weights: no RAM for copies")
-    chosen = ChosenLinear(model, ("onednn",) * len(TIMED_ROWS), copies=False)
+    chosen = ChosenLinear(model, tuple(settled[0]["qkv"]), settled[0]["copies"])
+    assert list(chosen.prepared) == ["native"]
+    for rows in (1, 600):
+        x = torch.randn(rows, 48)
+        torch.testing.assert_close(chosen(x), model(x), rtol=1e-5, atol=1e-5)
+
+    free_ram(0.5)
+    settled = settle_linears("auto", model, weights)
+    assert settled is not None and settled[0]["copies"] == []
+    assert settled[0]["qkv"] == ["onednn"] * len(TIMED_ROWS), "the next fastest timed"
+    chosen = ChosenLinear(model, tuple(settled[0]["qkv"]), settled[0]["copies"])
     assert chosen.prepared == {}
     x = torch.randn(5, 48)
     torch.testing.assert_close(chosen(x), model(x), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="packed copy"):
-        ChosenLinear(model, ("native",) * len(TIMED_ROWS), copies=False)
+        ChosenLinear(model, ("native",) * len(TIMED_ROWS), copies=())
     settled = settle_linears("native", model, weights)
     assert settled is not None and settled[0]["qkv"] == ["onednn"] * len(TIMED_ROWS)
 

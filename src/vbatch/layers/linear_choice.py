@@ -13,7 +13,7 @@ they already do between batch sizes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import psutil
@@ -102,23 +102,28 @@ def prepared_weight(weight: torch.Tensor, backend: str) -> torch.Tensor:
 
 class ChosenLinear(nn.Linear):
     """An nn.Linear (sharing the original's parameters) run by the backend chosen for its row
-    class: `backends[row_class(rows)]`, "torch", "onednn" or "native". With `copies`, each
-    backend other than torch runs from its own prepared copy of the weight (`prepared`); without,
-    oneDNN runs from the plain weight and "native" must not be among `backends`."""
+    class: `backends[row_class(rows)]`, "torch", "onednn" or "native". Each backend in `copies`
+    runs from its own prepared copy of the weight (`prepared`); oneDNN outside `copies` runs from
+    the plain weight, and "native" runs only from its copy."""
 
-    def __init__(self, linear: nn.Linear, backends: tuple[str, ...], copies: bool = True) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        backends: tuple[str, ...],
+        copies: Collection[str] = (NATIVE, "onednn"),
+    ) -> None:
         nn.Module.__init__(self)
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.weight = linear.weight
         self.register_parameter("bias", linear.bias)
         self.backends = backends
-        if not copies and NATIVE in backends:
+        if NATIVE in backends and NATIVE not in copies:
             raise ValueError("the native linear runs only from its packed copy of the weight")
         self.prepared = {
             backend: prepared_weight(self.weight, backend)
             for backend in dict.fromkeys(backends)
-            if copies and backend != "torch"
+            if backend in copies
         }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -286,9 +291,10 @@ def settle_linears(
 ) -> tuple[dict[str, Any], str] | None:
     """The choice for `backend` ("auto" measures, "onednn" or "native" forces it; "torch" keeps
     the model as built: None) over `weights` of `model` (none: None), and its line for the
-    manifest. The choice's "reorder" says whether the backends run from prepared copies: only if
-    one copy of `model` per backend that needs one fits MAX_COPIED_SHARE of the free RAM;
-    without, the native kernel's picks fall back to the next fastest candidate."""
+    manifest. The choice's "copies" lists the backends that run from prepared copies: every
+    chosen one if a copy of `model` per backend fits MAX_COPIED_SHARE of the free RAM, else the
+    native kernel's alone if one copy fits (oneDNN then runs from the plain weights), else none
+    (and the native picks fall back to the next fastest candidate timed for their class)."""
     if backend == "torch" or not weights:
         return None
     if backend == NATIVE and not native.is_available():
@@ -298,12 +304,12 @@ def settle_linears(
     else:
         choice = choose_linear_backends(weights, transposed_mlp)
     roles = [role for role in ROLES if role in choice]
-    copied = {b for role in roles for b in choice[role] if b != "torch"}
+    chosen = [b for b in (NATIVE, "onednn") if any(b in choice[role] for role in roles)]
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     budget = psutil.virtual_memory().available * MAX_COPIED_SHARE
-    reorder = model_bytes * max(1, len(copied)) <= budget
-    choice = {**choice, "reorder": reorder}
-    if not reorder:
+    copies = next((kept for kept in (chosen, chosen[:1]) if model_bytes * len(kept) <= budget), [])
+    choice = {**choice, "copies": copies}
+    if NATIVE not in copies:
         choice.update({role: without_native(choice, role) for role in roles})
     return choice, describe_linear_choice(choice, None if backend == "auto" else backend)
 
@@ -339,5 +345,7 @@ def describe_linear_choice(choice: dict[str, Any], forced: str | None) -> str:
         if role in choice and (role != "mlp" or TRANSPOSED in choice[role])
     ]
     how = f"forced {forced}" if forced else "measured"
-    plain = "" if choice.get("reorder", True) else "; oneDNN from plain weights: no RAM for copies"
+    uses_onednn = any("onednn" in choice[role] for role in ROLES if role in choice)
+    is_plain = uses_onednn and "onednn" not in choice.get("copies", ["onednn"])
+    plain = "; oneDNN from plain weights: no RAM for copies" if is_plain else ""
     return f"linears ({how}; at {rows} rows): " + ", ".join(parts) + plain

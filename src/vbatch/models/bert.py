@@ -15,7 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from vbatch.errors import ModelLoadError
-from vbatch.layers.linear_choice import ChosenLinear
+from vbatch.layers.linear_choice import NATIVE, ChosenLinear
 from vbatch.layers.native import has_fused_ops
 from vbatch.models.config import ENCODER_ARCHITECTURES
 from vbatch.models.loader import weight_files
@@ -128,16 +128,16 @@ class EncoderModel(nn.Module):
     def use_linear_choice(self, choice: dict[str, Any]) -> None:
         """Run the linears by layers/linear_choice.py's per-row-class choice, measured without
         the decoder MLP's transposed form."""
-        qkv, reorder = tuple(choice["qkv"]), bool(choice.get("reorder", True))
+        qkv, copies = tuple(choice["qkv"]), list(choice.get("copies", (NATIVE, "onednn")))
         for layer in self.encoder.layer:
             attn = layer.attention
             for name in ("query", "key", "value"):
-                setattr(attn.self, name, ChosenLinear(getattr(attn.self, name), qkv, reorder))
-            attn.output.dense = ChosenLinear(attn.output.dense, tuple(choice["o"]), reorder)
+                setattr(attn.self, name, ChosenLinear(getattr(attn.self, name), qkv, copies))
+            attn.output.dense = ChosenLinear(attn.output.dense, tuple(choice["o"]), copies)
             layer.intermediate.dense = ChosenLinear(
-                layer.intermediate.dense, tuple(choice["gate_up"]), reorder
+                layer.intermediate.dense, tuple(choice["gate_up"]), copies
             )
-            layer.output.dense = ChosenLinear(layer.output.dense, tuple(choice["down"]), reorder)
+            layer.output.dense = ChosenLinear(layer.output.dense, tuple(choice["down"]), copies)
 
     @staticmethod
     def native_attention(dtype: torch.dtype, device: torch.device) -> bool:

@@ -18,6 +18,7 @@ from vbatch.layers.batch_invariant import invariant_linear
 from vbatch.layers.greedy_screen import Int8GreedyScreen
 from vbatch.layers.linear_choice import (
     HEAD_CHUNK,
+    NATIVE,
     TRANSPOSED,
     ChosenLinear,
     head_chunks,
@@ -442,7 +443,7 @@ class LlamaForCausalLM(nn.Module):
             list(choice[role])  # type: ignore[call-overload]
             for role in ("qkv", "o", "gate_up", "down", "mlp")
         )
-        copies = bool(choice.get("reorder", True))
+        copies = list(choice.get("copies", (NATIVE, "onednn")))  # type: ignore[call-overload]
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if type(attn.qkv_proj) is nn.Linear and type(attn.o_proj) is nn.Linear:
@@ -454,12 +455,11 @@ class LlamaForCausalLM(nn.Module):
                 mlp.modes = modes
         if "lm_head" in choice:
             self.head_backends = list(choice["lm_head"])  # type: ignore[call-overload]
-            if copies:
-                self.head_chunks = {
-                    backend: head_chunks(self.lm_head_weight, backend)
-                    for backend in dict.fromkeys(self.head_backends)
-                    if backend != "torch"
-                }
+            self.head_chunks = {
+                backend: head_chunks(self.lm_head_weight, backend)
+                for backend in dict.fromkeys(self.head_backends)
+                if backend in copies
+            }
 
     def enable_greedy_screen(self) -> None:
         """Find greedy tokens through the int8 screen (see layers/greedy_screen.py)."""
