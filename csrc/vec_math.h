@@ -85,35 +85,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// acc[d] += sum_j p[j] * rows[j * row_stride + d] for d < n: each SIMD chunk of acc stays in a
-// register while every row adds into it.
-inline void add_weighted_rows(float* acc, const float* p, const float* rows, int64_t num_rows,
-                              int64_t row_stride, int64_t n) {
-  int64_t d = 0;
-#if defined(__AVX512F__)
-  for (; d + 16 <= n; d += 16) {
-    __m512 sum = _mm512_loadu_ps(acc + d);
-    for (int64_t j = 0; j < num_rows; ++j) {
-      sum = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(rows + j * row_stride + d), sum);
-    }
-    _mm512_storeu_ps(acc + d, sum);
-  }
-#elif defined(__AVX2__)
-  for (; d + 8 <= n; d += 8) {
-    __m256 sum = _mm256_loadu_ps(acc + d);
-    for (int64_t j = 0; j < num_rows; ++j) {
-      sum = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(rows + j * row_stride + d), sum);
-    }
-    _mm256_storeu_ps(acc + d, sum);
-  }
-#endif
-  for (; d < n; ++d) {
-    float sum = acc[d];
-    for (int64_t j = 0; j < num_rows; ++j) sum += p[j] * rows[j * row_stride + d];
-    acc[d] = sum;
-  }
-}
-
 // A vector of float32 lanes: one zmm (16 lanes) under AVX-512, one ymm (8) under AVX2 with FMA,
 // else an array of 8 that `omp simd` vectorises. The tiled prefill kernel keeps one query token
 // per lane.
@@ -255,6 +226,100 @@ inline Lanes lanes_softcap(Lanes x, float cap) {
   lanes_store(buf, x);
   softcap_scores(buf, kNumLanes, cap);
   return lanes_load(buf);
+}
+
+// out[g * out_stride] = dot(q + g * q_stride, k, n) for g < G, each summed exactly as dot()
+// sums it, with k read once for all G: the query heads of one GQA group score one key row.
+template <int G>
+inline void dot_group(const float* q, int64_t q_stride, const float* k, int64_t n, float* out,
+                      int64_t out_stride) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  if (n >= 8 && n % 8 == 0) {
+    __m256 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 key = _mm256_loadu_ps(k + i);
+      for (int g = 0; g < G; ++g) {
+        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * q_stride + i), key, acc[g]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[g]), _mm256_extractf128_ps(acc[g], 1));
+      half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+      half = _mm_add_ss(half, _mm_movehdup_ps(half));
+      out[g * out_stride] = _mm_cvtss_f32(half);
+    }
+    return;
+  }
+#endif
+  for (int g = 0; g < G; ++g) out[g * out_stride] = dot(q + g * q_stride, k, n);
+}
+
+// dot_group for a group size known only at run time.
+inline void dot_heads(int64_t group, const float* q, int64_t q_stride, const float* k, int64_t n,
+                      float* out, int64_t out_stride) {
+  switch (group) {
+    case 1: return dot_group<1>(q, q_stride, k, n, out, out_stride);
+    case 2: return dot_group<2>(q, q_stride, k, n, out, out_stride);
+    case 3: return dot_group<3>(q, q_stride, k, n, out, out_stride);
+    case 4: return dot_group<4>(q, q_stride, k, n, out, out_stride);
+    case 5: return dot_group<5>(q, q_stride, k, n, out, out_stride);
+    case 6: return dot_group<6>(q, q_stride, k, n, out, out_stride);
+    case 7: return dot_group<7>(q, q_stride, k, n, out, out_stride);
+    case 8: return dot_group<8>(q, q_stride, k, n, out, out_stride);
+    default:
+      for (int64_t g = 0; g < group; ++g) out[g * out_stride] = dot(q + g * q_stride, k, n);
+  }
+}
+
+// acc[d] += sum_j p[j] * rows[j * row_stride + d] for d < n, each d summed over j in order.
+// Up to kMaxWeightedChunks SIMD chunks of acc stay in registers while the rows stream past, so
+// their FMA chains run side by side (one chunk at a time, each row waited on the last FMA's
+// latency: 8x slower on AVX2 at head_dim 64).
+constexpr int kMaxWeightedChunks = 8;
+
+template <int C>
+inline void add_weighted_row_chunks(float* acc, const float* p, const float* rows,
+                                    int64_t num_rows, int64_t row_stride) {
+  Lanes sum[C];
+  for (int c = 0; c < C; ++c) sum[c] = lanes_load(acc + c * kNumLanes);
+  for (int64_t j = 0; j < num_rows; ++j) {
+    const Lanes w = lanes_set1(p[j]);
+    const float* row = rows + j * row_stride;
+    for (int c = 0; c < C; ++c) sum[c] = lanes_fmadd(w, lanes_load(row + c * kNumLanes), sum[c]);
+  }
+  for (int c = 0; c < C; ++c) lanes_store(acc + c * kNumLanes, sum[c]);
+}
+
+template <int C>
+inline void add_weighted_row_tail(float* acc, const float* p, const float* rows,
+                                  int64_t num_rows, int64_t row_stride, int chunks) {
+  if constexpr (C > 1) {
+    if (chunks < C) {
+      add_weighted_row_tail<C - 1>(acc, p, rows, num_rows, row_stride, chunks);
+      return;
+    }
+  }
+  add_weighted_row_chunks<C>(acc, p, rows, num_rows, row_stride);
+}
+
+inline void add_weighted_rows(float* acc, const float* p, const float* rows, int64_t num_rows,
+                              int64_t row_stride, int64_t n) {
+  constexpr int64_t kGroup = kMaxWeightedChunks * kNumLanes;
+  int64_t d = 0;
+  for (; d + kGroup <= n; d += kGroup) {
+    add_weighted_row_chunks<kMaxWeightedChunks>(acc + d, p, rows + d, num_rows, row_stride);
+  }
+  const int chunks = static_cast<int>((n - d) / kNumLanes);
+  if (chunks > 0) {
+    add_weighted_row_tail<kMaxWeightedChunks - 1>(acc + d, p, rows + d, num_rows, row_stride,
+                                                  chunks);
+  }
+  for (d += chunks * kNumLanes; d < n; ++d) {
+    float sum = acc[d];
+    for (int64_t j = 0; j < num_rows; ++j) sum += p[j] * rows[j * row_stride + d];
+    acc[d] = sum;
+  }
 }
 
 }  // namespace vbatch

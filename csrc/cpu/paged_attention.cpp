@@ -182,9 +182,10 @@ void per_token_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
             prefetch_row(v_data + next + j * row_stride, row_stride);
           }
           const float* k_row = k_rows + j * row_stride;
-          for (int64_t h = 0; h < num_heads; ++h) {
-            const float* q_h = q_buf.data() + h * head_dim;
-            scores[h * block_size + j] = dot(q_h, k_row + (h / group) * head_dim, head_dim);
+          for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+            dot_heads(group, q_buf.data() + kv * group * head_dim, head_dim,
+                      k_row + kv * head_dim, head_dim, scores.data() + kv * group * block_size + j,
+                      block_size);
           }
         }
         if (rule.softcap > 0.0f) {
