@@ -4,7 +4,8 @@ torch's CPU GEMM (MKL in the x86-64 builds) and oneDNN's inner product rank diff
 different CPUs: on an AVX2-only AMD EPYC oneDNN ran SmolLM2's MLP and LM-head GEMMs 1.5-2.4x
 faster than MKL at 2 threads, while on an AVX-512 Xeon MKL was up to 2x faster at some decode
 shapes, and MKL's W @ x^T form (LlamaMLP's transposed path) won there at 16-128 rows but lost
-5-9x at one row on the EPYC. So the engine times the candidates on the model's own shapes at a
+5-9x at one row on the EPYC, where vbatch's own packed kernel (csrc/cpu/packed_linear.cpp) beat
+both at decode row counts. So the engine times the candidates on the model's own shapes at a
 few row counts and keeps, per projection and row class, the fastest; the decision is cached per
 machine (layers/kernel_choice.py). Every candidate computes the same float32 products; the
 libraries sum them in another order, so logits can differ in the last bits between choices, as
@@ -34,7 +35,7 @@ BACKENDS = ("torch", "onednn")
 # NOTE: vbatch::packed_linear (csrc/cpu/packed_linear.cpp), a candidate where the native
 # kernels are loaded, up to the decode batch's class: it runs only from its packed copy of the
 # weight, and over the 30 layers' own weights (not one layer's, hot in cache, as timed here) it
-# beat oneDNN 1.2-1.7x at 1-128 rows but lost 0.8x at 512 rows on the AVX2 EPYC.
+# beat oneDNN 1.1-1.7x at 1-128 rows but lost 0.8x at 512 rows on the AVX2 EPYC.
 NATIVE = "native"
 MAX_NATIVE_CLASS = 2
 # NOTE: LlamaMLP's W @ x^T form, only for row counts it was written for (models/llama.py).
