@@ -13,6 +13,7 @@ TORCH_LIBRARY(vbatch, m) {
       "Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("gelu_erf_(Tensor(a!) x) -> ()");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def(
       "rotary_embedding(Tensor positions, Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from vbatch.config import EngineConfig
+from vbatch.engine import kv_cache
 from vbatch.engine.kv_cache import (
     allocate_kv_cache,
     count_kv_blocks,
@@ -61,6 +62,23 @@ def test_block_count_follows_the_budget(tiny_model_dir: Path) -> None:
     tiny = dataclasses.replace(base, kv_cache_memory_gb=block_bytes / 1024**3)
     with pytest.raises(ConfigError, match=r"fewer than 2 blocks.*--kv-cache-memory"):
         count_kv_blocks(tiny, CPU, block_bytes)
+
+
+def test_the_cpu_budget_leaves_out_the_ram_reserved_for_later_copies(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    block_bytes = 1024**2
+    gib = 1024**3
+
+    class Free:
+        available = 6 * gib
+
+    monkeypatch.setattr(kv_cache.psutil, "virtual_memory", lambda: Free())
+    base = EngineConfig(model=str(tiny_model_dir), device="cpu")
+    assert count_kv_blocks(base, CPU, block_bytes) == 1536
+    assert count_kv_blocks(base, CPU, block_bytes, reserved_bytes=2 * gib) == 1024
+    with pytest.raises(ConfigError, match="fewer than 2 blocks"):
+        count_kv_blocks(base, CPU, block_bytes, reserved_bytes=7 * gib)
 
 
 def test_allocated_cache_has_a_pair_per_layer(tiny_model_dir: Path) -> None:

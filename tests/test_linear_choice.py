@@ -46,9 +46,28 @@ def test_a_chosen_linear_computes_the_linear(backend: str, rows: int) -> None:
     expected = F.linear(x, linear.weight, linear.bias)
     chosen = ChosenLinear(linear, (backend,) * len(TIMED_ROWS))
     assert chosen.weight is linear.weight
-    assert list(chosen.prepared) == ([] if backend == "torch" else [backend])
+    assert chosen.prepared == {}
     torch.testing.assert_close(chosen(x), expected, rtol=1e-5, atol=1e-5)
+    assert list(chosen.prepared) == ([] if backend == "torch" else [backend])
     torch.testing.assert_close(chosen(x[None])[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_copy_is_made_at_its_class_first_call_and_counted_until_then() -> None:
+    linear = nn.Linear(48, 80)
+    weight_bytes = linear.weight.numel() * linear.weight.element_size()
+    backends = ("native", "native", "native", "onednn", "torch")
+    chosen = ChosenLinear(linear, backends, copies=("native", "onednn"))
+    assert chosen.prepared == {} and chosen.pending_copy_bytes() == 2 * weight_bytes
+    for rows, made in ((1, ["native"]), (30, ["native"]), (5000, ["native"])):
+        x = torch.randn(rows, 48)
+        torch.testing.assert_close(chosen(x), linear(x), rtol=1e-5, atol=1e-5)
+        assert list(chosen.prepared) == made
+    assert chosen.pending_copy_bytes() == weight_bytes
+    native_copy = chosen.prepared["native"]
+    x = torch.randn(600, 48)
+    torch.testing.assert_close(chosen(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert sorted(chosen.prepared) == ["native", "onednn"] and chosen.pending_copy_bytes() == 0
+    assert chosen.prepared["native"] is native_copy, "a copy is made once"
 
 
 @pytest.mark.parametrize("backend", ["torch", "onednn", "onednn-reordered", "native-packed"])
@@ -190,19 +209,19 @@ def test_copies_are_made_only_where_the_ram_allows(monkeypatch: pytest.MonkeyPat
     assert settled[0]["qkv"] == mixed["qkv"]
     assert settled[1].endswith("oneDNN from plain weights: no RAM for copies")
     chosen = ChosenLinear(model, tuple(settled[0]["qkv"]), settled[0]["copies"])
-    assert list(chosen.prepared) == ["native"]
     for rows in (1, 600):
         x = torch.randn(rows, 48)
         torch.testing.assert_close(chosen(x), model(x), rtol=1e-5, atol=1e-5)
+    assert list(chosen.prepared) == ["native"]
 
     free_ram(0.5)
     settled = settle_linears("auto", model, weights)
     assert settled is not None and settled[0]["copies"] == []
     assert settled[0]["qkv"] == ["onednn"] * len(TIMED_ROWS), "the next fastest timed"
     chosen = ChosenLinear(model, tuple(settled[0]["qkv"]), settled[0]["copies"])
-    assert chosen.prepared == {}
     x = torch.randn(5, 48)
     torch.testing.assert_close(chosen(x), model(x), rtol=1e-5, atol=1e-5)
+    assert chosen.prepared == {} and chosen.pending_copy_bytes() == 0
     with pytest.raises(ValueError, match="packed copy"):
         ChosenLinear(model, ("native",) * len(TIMED_ROWS), copies=())
     settled = settle_linears("native", model, weights)

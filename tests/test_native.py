@@ -827,6 +827,33 @@ def test_gelu_erf_matches_torch_exact_gelu(ops: None) -> None:
         torch.ops.vbatch.gelu_erf_(x.view(2, -1).t())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_float64_on_the_halves_of_a_fused_output(
+    ops: None, dtype: torch.dtype
+) -> None:
+    generator = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(300, 2 * 1537, generator=generator) * 6
+    gate_up[0, :40] = torch.linspace(-100.0, 100.0, 40)
+    gate_up = gate_up.to(dtype)
+    gate, up = gate_up.split(1537, dim=-1)
+    got = torch.ops.vbatch.silu_mul(gate, up)
+    want = torch.nn.functional.silu(gate.double()) * up.double()
+    assert got.shape == gate.shape and got.is_contiguous() and got.dtype == dtype
+    tolerance = {"rtol": 2e-6, "atol": 1e-6} if dtype == torch.float32 else {}
+    torch.testing.assert_close(got, want.to(dtype), **tolerance)
+    transposed = gate_up.t().contiguous()
+    torch.testing.assert_close(
+        torch.ops.vbatch.silu_mul(transposed[:1537], transposed[1537:]), got.t()
+    )
+    torch.library.opcheck(torch.ops.vbatch.silu_mul.default, (gate[:9], up[:9]))
+    with pytest.raises(RuntimeError, match="one shape with contiguous rows"):
+        torch.ops.vbatch.silu_mul(gate, up[:, :-1])
+    with pytest.raises(RuntimeError, match="one shape with contiguous rows"):
+        torch.ops.vbatch.silu_mul(gate.t(), up.t())
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        torch.ops.vbatch.silu_mul(gate, up.float() if dtype != torch.float32 else up.double())
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(
     ("rows", "out_features", "in_features"),

@@ -51,9 +51,12 @@ def kv_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtyp
     return per_token * block_size * dtype.itemsize
 
 
-def count_kv_blocks(config: EngineConfig, device: torch.device, block_bytes: int) -> int:
+def count_kv_blocks(
+    config: EngineConfig, device: torch.device, block_bytes: int, reserved_bytes: int = 0
+) -> int:
     """The blocks the configured budget holds: a fixed count, a memory size, the GPU's spare
-    memory under gpu_memory_utilization, or on CPU the smaller of 2 GiB and 1/4 of free RAM."""
+    memory under gpu_memory_utilization, or on CPU the smaller of 2 GiB and 1/4 of the free RAM
+    left after `reserved_bytes` (what the model allocates later: its weights' prepared copies)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if config.kv_cache_memory_gb is not None:
@@ -64,7 +67,7 @@ def count_kv_blocks(config: EngineConfig, device: torch.device, block_bytes: int
         # NOTE: keep 10% of the utilisation budget for activations and sampler buffers.
         budget = (total * config.gpu_memory_utilization - used) * 0.9
     else:
-        available = psutil.virtual_memory().available
+        available = max(psutil.virtual_memory().available - reserved_bytes, 0)
         budget = min(DEFAULT_CPU_KV_CACHE_GB * 1024**3, available * 0.25)
     num_blocks = int(budget // block_bytes)
     if num_blocks < 2:

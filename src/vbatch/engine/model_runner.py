@@ -39,7 +39,7 @@ from vbatch.layers.greedy_screen import (
     choose_greedy_screen,
     describe_screen_choice,
 )
-from vbatch.layers.linear_choice import settle_linears
+from vbatch.layers.linear_choice import ChosenLinear, settle_linears
 from vbatch.layers.native import has_fused_ops
 from vbatch.layers.quantization import WORTHWHILE_SPEEDUP, describe_int8_choice
 from vbatch.lora.slots import LoraSlots
@@ -141,7 +141,14 @@ class ModelRunner:
             self.lora = LoraSlots(self.model, model_config, config.max_loras, config.max_lora_rank)
         progress("sizing KV cache")
         self.block_bytes = kv_block_bytes(model_config, self.block_size, self.kv_cache_dtype)
-        self.num_kv_blocks = count_kv_blocks(config, self.device, self.block_bytes)
+        pending_copies = sum(
+            module.pending_copy_bytes()
+            for module in self.model.modules()
+            if isinstance(module, ChosenLinear)
+        )
+        self.num_kv_blocks = count_kv_blocks(
+            config, self.device, self.block_bytes, reserved_bytes=pending_copies
+        )
         self.pad_block = self.num_kv_blocks
         # NOTE: the torch backend's padded decode gather reads slots past a context, which must
         # then be finite; the native ops never do, so their cache skips touching every page.

@@ -32,12 +32,11 @@ from vbatch.layers.kernel_choice import cached_choice, fastest_ms
 TIMED_ROWS = (1, 8, 64, 512, 2048)
 CLASS_BOUNDS = (2, 24, 192, 1024)
 BACKENDS = ("torch", "onednn")
-# NOTE: vbatch::packed_linear (csrc/cpu/packed_linear.cpp), a candidate where the native
-# kernels are loaded, up to the decode batch's class: it runs only from its packed copy of the
-# weight, and over the 30 layers' own weights (not one layer's, hot in cache, as timed here) it
-# beat oneDNN 1.1-1.7x at 1-128 rows but lost 0.8x at 512 rows on the AVX2 EPYC.
+# NOTE: vbatch::packed_linear (csrc/cpu/packed_linear.cpp), a candidate in every row class
+# where the native kernels are loaded; it runs only from its packed copy of the weight. Over the
+# 30 layers' own weights on the quiet AVX2 EPYC it beat oneDNN 1.3x at 64 rows and 1.13-1.15x
+# at 512 and 2048 (at load 1-2 an earlier run had it losing 0.8x at 512).
 NATIVE = "native"
-MAX_NATIVE_CLASS = 2
 # NOTE: LlamaMLP's W @ x^T form, only for row counts it was written for (models/llama.py).
 TRANSPOSED = "torch-transposed"
 SEPARATE = "separate"
@@ -104,8 +103,9 @@ def prepared_weight(weight: torch.Tensor, backend: str) -> torch.Tensor:
 class ChosenLinear(nn.Linear):
     """An nn.Linear (sharing the original's parameters) run by the backend chosen for its row
     class: `backends[row_class(rows)]`, "torch", "onednn" or "native". Each backend in `copies`
-    runs from its own prepared copy of the weight (`prepared`); oneDNN outside `copies` runs from
-    the plain weight, and "native" runs only from its copy."""
+    runs from its own prepared copy of the weight (`prepared`), made at its first call, so a job
+    whose steps never reach a class pays neither the time nor the RAM of that class's copy;
+    oneDNN outside `copies` runs from the plain weight, and "native" runs only from its copy."""
 
     def __init__(
         self,
@@ -121,18 +121,30 @@ class ChosenLinear(nn.Linear):
         self.backends = backends
         if NATIVE in backends and NATIVE not in copies:
             raise ValueError("the native linear runs only from its packed copy of the weight")
-        self.prepared = {
-            backend: prepared_weight(self.weight, backend)
-            for backend in dict.fromkeys(backends)
-            if backend in copies
-        }
+        self.copied = frozenset(backend for backend in backends if backend in copies)
+        self.prepared: dict[str, torch.Tensor] = {}
+
+    def pending_copy_bytes(self) -> int:
+        """The bytes of the prepared copies not made yet (each about the weight's size)."""
+        weight_bytes = self.weight.numel() * self.weight.element_size()
+        return weight_bytes * len(self.copied - self.prepared.keys())
+
+    def backend_weight(self, backend: str) -> torch.Tensor:
+        """The weight `backend` runs from: its prepared copy (made now if this is its first
+        call) or the plain weight."""
+        if backend not in self.copied:
+            return self.weight
+        prepared = self.prepared.get(backend)
+        if prepared is None:
+            prepared = self.prepared[backend] = prepared_weight(self.weight, backend)
+        return prepared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         backend = self.backends[row_class(flat.shape[0])]
         if backend == "torch":
             return F.linear(x, self.weight, self.bias)
-        weight = self.prepared.get(backend, self.weight)
+        weight = self.backend_weight(backend)
         if backend == NATIVE:
             out = native_linear(flat, weight, self.out_features, self.bias)
         else:
@@ -197,7 +209,7 @@ def _linear_candidates(
         "torch": lambda: F.linear(x, weight),
         "onednn": lambda: onednn_linear(x, prepared["onednn"]),
     }
-    if NATIVE in prepared and row_class(rows) <= MAX_NATIVE_CLASS:
+    if NATIVE in prepared:
         candidates[NATIVE] = lambda: native_linear(x, prepared[NATIVE], out_features)
     return candidates
 
@@ -218,8 +230,7 @@ def _head_candidates(
 
         return maxima
 
-    backends = [b for b in ("torch", *chunks) if b != NATIVE or row_class(rows) <= MAX_NATIVE_CLASS]
-    return {backend: run(backend) for backend in backends}
+    return {backend: run(backend) for backend in ("torch", *chunks)}
 
 
 def choose_linear_backends(
@@ -282,7 +293,7 @@ def choose_linear_backends(
         "transposed_mlp": transposed_mlp,
         "rows": list(TIMED_ROWS),
         "backends": list(backends),
-        "native_up_to_rows": TIMED_ROWS[MAX_NATIVE_CLASS],
+        "native_in_every_class": True,
     }
     return cached_choice("linears", key, measure)  # type: ignore[dict-item]
 

@@ -192,6 +192,10 @@ def _register_fakes() -> None:
     ) -> None:
         return None
 
+    @torch.library.register_fake("vbatch::silu_mul")
+    def _silu_mul_fake(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return gate.new_empty(gate.shape)
+
     @torch.library.register_fake("vbatch::gelu_erf_")
     def _gelu_erf_fake(x: torch.Tensor) -> None:
         return None
