@@ -35,7 +35,7 @@ from benchmarks.workload import make_messages, write_jsonl
 def run_cli(in_path: Path, out_path: Path, args: argparse.Namespace) -> dict[str, float]:
     """Time one `vbatch run`; token counts come from the output rows' usage fields."""
     cmd = [
-        sys.executable, "-m", "vbatch.cli", "run", str(in_path), "-o", str(out_path),
+        sys.executable, "-m", "vbatch", "run", str(in_path), "-o", str(out_path),
         "--max-tokens", str(args.max_tokens), "--temperature", "0",
         "--num-threads", str(args.threads), "--overwrite",
     ]  # fmt: skip

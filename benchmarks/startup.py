@@ -56,7 +56,7 @@ def main() -> None:
         run = [
             sys.executable,
             "-m",
-            "vbatch.cli",
+            "vbatch",
             "run",
             str(row),
             "-o",

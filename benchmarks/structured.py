@@ -241,7 +241,7 @@ def run_job(workdir: Path, rows: Path, extra: list[str]) -> tuple[float, list[in
     """One `vbatch run` over `rows`, the int8 greedy screen off: (wall seconds, each row's
     completion tokens in input order)."""
     out = workdir / f"out-{rows.stem}.jsonl"
-    cmd = [sys.executable, "-m", "vbatch.cli", "run", str(rows), "-o", str(out), "--overwrite"]
+    cmd = [sys.executable, "-m", "vbatch", "run", str(rows), "-o", str(out), "--overwrite"]
     cmd += ["--max-tokens", str(ARGS.e2e_max_tokens), "--num-threads", str(ARGS.threads), "-q"]
     cmd += ["--no-greedy-screen", "--ordered"]
     if ARGS.model:

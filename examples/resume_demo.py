@@ -17,7 +17,7 @@ INPUT = Path(__file__).with_name("prompts.jsonl")
 
 def vbatch(*args: str) -> list[str]:
     print(f"$ vbatch {shlex.join(args)}", flush=True)
-    return [sys.executable, "-m", "vbatch.cli", *args]
+    return [sys.executable, "-m", "vbatch", *args]
 
 
 def wait_for_commit(job: subprocess.Popen[bytes], metrics: Path) -> None:

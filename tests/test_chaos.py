@@ -39,7 +39,7 @@ def make_input(path: Path) -> Path:
 
 
 def vbatch(*args: str) -> list[str]:
-    return [sys.executable, "-m", "vbatch.cli", *args]
+    return [sys.executable, "-m", "vbatch", *args]
 
 
 def start(args: list[str], cwd: Path) -> subprocess.Popen[str]:

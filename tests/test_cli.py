@@ -304,7 +304,7 @@ def test_quiet_job_prints_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
         ["resume", "out.jsonl", "-q"],
     ):
         proc = subprocess.run(
-            [sys.executable, "-m", "vbatch.cli", *args],
+            [sys.executable, "-m", "vbatch", *args],
             cwd=tmp_path,
             capture_output=True,
             text=True,
@@ -350,7 +350,7 @@ def test_real_model_chat_job_end_to_end(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "vbatch.cli",
+            "vbatch",
             "run",
             "chats.jsonl",
             "-o",
@@ -396,7 +396,7 @@ def test_real_model_chat_job_end_to_end(tmp_path: Path) -> None:
     assert all(0 < r["completion_tokens"] <= 12 and r["prompt_tokens"] > 5 for r in out.values())
     assert "Paris" in out["capital"]["text"]
     status = subprocess.run(
-        [sys.executable, "-m", "vbatch.cli", "status", "out.parquet", "--json"],
+        [sys.executable, "-m", "vbatch", "status", "out.parquet", "--json"],
         cwd=tmp_path,
         capture_output=True,
         text=True,

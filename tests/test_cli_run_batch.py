@@ -29,7 +29,7 @@ def test_run_batch_runs_an_openai_batch_file_as_vbatch_run(
     args = ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "--model", str(tiny_model_dir)]
     args += ["--num-threads", "1", "--response-role", "assistant", "-q"]
     proc = subprocess.run(
-        [sys.executable, "-m", "vbatch.cli", *args],
+        [sys.executable, "-m", "vbatch", *args],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -101,7 +101,7 @@ def test_a_bad_data_parallel_size_is_a_config_error(size: object) -> None:
 
 def vbatch(cwd: Path, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "vbatch.cli", *args],
+        [sys.executable, "-m", "vbatch", *args],
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

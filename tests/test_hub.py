@@ -220,7 +220,7 @@ def test_a_job_runs_a_sharded_bf16_model_by_hub_id(
     write_jsonl(tmp_path / "in.jsonl", rows)
 
     def vbatch(*args: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "vbatch.cli", *args, "-q"]
+        command = [sys.executable, "-m", "vbatch", *args, "-q"]
         return subprocess.run(
             command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
         )

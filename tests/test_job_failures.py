@@ -146,7 +146,7 @@ def test_corrupt_gzip_input_is_one_line(tmp_path: Path) -> None:
     path = tmp_path / "in.jsonl.gz"
     path.write_bytes(bytes(compressed))
     proc = subprocess.run(
-        [sys.executable, "-m", "vbatch.cli", "run", str(path), "-o", str(tmp_path / "o.jsonl")],
+        [sys.executable, "-m", "vbatch", "run", str(path), "-o", str(tmp_path / "o.jsonl")],
         env=standin_env(),
         capture_output=True,
         text=True,

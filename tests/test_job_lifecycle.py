@@ -41,7 +41,7 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC_DIR, os.environ.get("PYT
 
 
 def vbatch(*args: str) -> list[str]:
-    return [sys.executable, "-m", "vbatch.cli", *args]
+    return [sys.executable, "-m", "vbatch", *args]
 
 
 def start(args: list[str], cwd: Path) -> subprocess.Popen[str]:

@@ -45,7 +45,7 @@ def job_dir(
 
 
 def vbatch(*args: str) -> list[str]:
-    return [sys.executable, "-m", "vbatch.cli", *args]
+    return [sys.executable, "-m", "vbatch", *args]
 
 
 def test_job_with_three_adapters_matches_peft_and_resumes_once(

@@ -151,7 +151,7 @@ def test_a_killed_shard_resumes_exactly_once_and_merges(
     make_input(tmp_path / "in.jsonl", num_rows)
     slurm = {"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "2"}
     args = [
-        sys.executable, "-m", "vbatch.cli", "run", "in.jsonl", "-o", "out.jsonl",
+        sys.executable, "-m", "vbatch", "run", "in.jsonl", "-o", "out.jsonl",
         "--model", str(tiny_model_dir), "--max-tokens", "4", "--num-threads", "1",
         "--max-num-seqs", "2", "--commit-every-rows", "2", "--shard", "auto", "-q",
     ]  # fmt: skip

@@ -55,7 +55,7 @@ def start_cli(tmp: Path, model: Path, *extra: str, num_rows: int = 200) -> subpr
         tmp / "in.jsonl", [{"id": f"r{i}", "prompt": f"item {i} is"} for i in range(num_rows)]
     )
     args = [
-        sys.executable, "-m", "vbatch.cli", "run", "in.jsonl", "-o", "out.jsonl",
+        sys.executable, "-m", "vbatch", "run", "in.jsonl", "-o", "out.jsonl",
         "--model", str(model), "--max-tokens", "16", "--max-num-seqs", "4",
         "--commit-every-rows", "2", "--log-interval", "1", "--drain-timeout", "20",
         "--ray", *extra,

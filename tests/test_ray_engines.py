@@ -262,7 +262,7 @@ def test_driver_killed_or_stopped_mid_job_then_resume_with_ray_is_exactly_once(
     write_jsonl(tmp_path / "in.jsonl", make_rows())
     env = {**os.environ, "RAY_ADDRESS": ""}
     args = [
-        sys.executable, "-m", "vbatch.cli", "run", "in.jsonl", "-o", "out.parquet",
+        sys.executable, "-m", "vbatch", "run", "in.jsonl", "-o", "out.parquet",
         "--model", str(tiny_model_dir), "--max-tokens", "12", "--max-num-seqs", "8",
         "--commit-every-rows", "4", "-q",
         "--ray", "--ray-address", ray_address, "--replicas", "2", "--cpus-per-replica", "1",
@@ -278,7 +278,7 @@ def test_driver_killed_or_stopped_mid_job_then_resume_with_ray_is_exactly_once(
     proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=TIMEOUT_S)
     assert proc.returncode == exit_code, f"the job did not end by the signal: {stderr}"
-    resume = [sys.executable, "-m", "vbatch.cli", "resume", "out.parquet", "-q"]
+    resume = [sys.executable, "-m", "vbatch", "resume", "out.parquet", "-q"]
     done = subprocess.run(
         [*resume, "--ray-address", ray_address],
         cwd=tmp_path,
@@ -332,7 +332,7 @@ def test_a_busy_foreign_cluster_is_named_with_its_free_resources(
     ray.get(holder.ping.remote())
     write_jsonl(tmp_path / "in.jsonl", make_rows()[:20])
     args = [
-        sys.executable, "-m", "vbatch.cli", "run", "in.jsonl", "-o", "out.jsonl",
+        sys.executable, "-m", "vbatch", "run", "in.jsonl", "-o", "out.jsonl",
         "--model", str(tiny_model_dir), "--max-tokens", "4", "--log-interval", "1",
         "--ray", "--ray-address", ray_address, "--replicas", "1",
     ]  # fmt: skip

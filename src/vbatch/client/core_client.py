@@ -12,13 +12,12 @@ import queue
 import re
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -32,6 +31,7 @@ from vbatch.config import (
     CorePlacement,
     EngineConfig,
 )
+from vbatch.engine.preload import adopt_preloaded, main_module_hidden, spawn_context
 from vbatch.errors import EngineDeadError, EngineStartupError, VbatchError
 from vbatch.protocol import (
     Abort,
@@ -567,46 +567,20 @@ def _spawn_core(
     ipc_dir: str,
     placement: CorePlacement | None,
 ) -> Any:
+    """The core's process: the CLI's preloaded one where there is one (engine/preload.py) and no
+    placement (which must come before torch's import), else a new spawn."""
+    args = (config, input_addr, output_addr, os.getpid(), ipc_dir, placement)
+    if placement is None:
+        adopted = adopt_preloaded(args)
+        if adopted is not None:
+            return adopted
     from vbatch.engine.core_process import run_engine_core
 
-    # NOTE: OpenMP threads that spin at barriers stall each other once the machine has other work
-    # (docs/performance.md: 24 rows, 128-164 s spinning, 22-24 s passive, on the busy 2-core
-    # machine), so the core inherits a passive wait unless the user chose a policy.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    ctx = multiprocessing.get_context("spawn")
-    proc = ctx.Process(
-        target=run_engine_core,
-        args=(config, input_addr, output_addr, os.getpid(), ipc_dir, placement),
-        name="vbatch-engine-core",
-        daemon=True,
-    )
-    with _main_module_hidden():
+    ctx = spawn_context()
+    proc = ctx.Process(target=run_engine_core, args=args, name="vbatch-engine-core", daemon=True)
+    with main_module_hidden():
         proc.start()
     return proc
-
-
-@contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
-    """Start a spawn child that does not run the parent's main module again.
-
-    The core's target and arguments are vbatch's own, so the child needs nothing from the user's
-    script; without its main module it neither runs an unguarded script's top level a second time
-    nor pays for importing it (the CLI's own modules, before the core's torch import).
-    """
-    # NOTE: multiprocessing's spawn reads __main__'s __spec__ and __file__ in Process.start()
-    # to tell the child what to import as __mp_main__; with neither it imports nothing.
-    main = sys.modules["__main__"]
-    saved = {
-        name: main.__dict__[name] for name in ("__spec__", "__file__") if name in main.__dict__
-    }
-    main.__dict__.pop("__file__", None)
-    main.__dict__["__spec__"] = None
-    try:
-        yield
-    finally:
-        main.__dict__.update(saved)
-        if "__spec__" not in saved:
-            main.__dict__.pop("__spec__", None)
 
 
 def _bind(sock: zmq.Socket, ipc_dir: str, name: str) -> str:

@@ -1,5 +1,5 @@
-"""The native vbatch:: ops (paged attention, fused RMSNorm and rotary, the greedy screen, the
-decode-batch advance), built from csrc/ on use."""
+"""The native vbatch:: ops (paged attention, fused RMSNorm, rotary and SwiGLU, the greedy screen,
+the decode-batch advance, the packed linear), built from csrc/ on use."""
 
 from __future__ import annotations
 

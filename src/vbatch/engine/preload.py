@@ -1,0 +1,138 @@
+"""An engine-core process spawned before its job is known, so that its torch import overlaps the
+CLI's own start-up (its imports, option checks and input scan); the first single core the
+process then starts adopts it and sends it the arguments of run_engine_core.
+
+This module stays light (no torch, zmq or msgspec): the CLI's entry imports it first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+_OWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_JOIN_S = 5.0
+
+_lock = threading.Lock()
+_preloaded: tuple[Any, Connection] | None = None
+
+
+def spawn_context() -> Any:
+    """The spawn context, with the environment every engine core starts under."""
+    # NOTE: OpenMP threads that spin at barriers stall each other once the machine has other work
+    # (docs/performance.md: 24 rows, 128-164 s spinning, 22-24 s passive, on the busy 2-core
+    # machine), so the core inherits a passive wait unless the user chose a policy.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return multiprocessing.get_context("spawn")
+
+
+@contextlib.contextmanager
+def own_signals_blocked() -> Iterator[None]:
+    """SIGINT and SIGTERM blocked in this thread, so a child started here inherits them blocked
+    and a group-wide signal cannot kill it before it ignores them."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _OWN_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+@contextlib.contextmanager
+def main_module_hidden() -> Iterator[None]:
+    """Start a spawn child that does not run the parent's main module again.
+
+    The core's target and arguments are vbatch's own, so the child needs nothing from the user's
+    script; without its main module it neither runs an unguarded script's top level a second time
+    nor pays for importing it (the CLI's own modules, before the core's torch import).
+    """
+    # NOTE: multiprocessing's spawn reads __main__'s __spec__ and __file__ in Process.start()
+    # to tell the child what to import as __mp_main__; with neither it imports nothing.
+    main = sys.modules["__main__"]
+    saved = {
+        name: main.__dict__[name] for name in ("__spec__", "__file__") if name in main.__dict__
+    }
+    main.__dict__.pop("__file__", None)
+    main.__dict__["__spec__"] = None
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
+        if "__spec__" not in saved:
+            main.__dict__.pop("__spec__", None)
+
+
+def preload_core() -> None:
+    """Spawn an engine-core process now; it imports torch and the engine, then waits."""
+    global _preloaded
+    ctx = spawn_context()
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(
+        target=_run_preloaded, args=(reader,), name="vbatch-engine-core", daemon=True
+    )
+    with own_signals_blocked(), main_module_hidden():
+        proc.start()
+    reader.close()
+    with _lock:
+        _preloaded = (proc, writer)
+
+
+def adopt_preloaded(args: tuple[Any, ...]) -> Any | None:
+    """The preloaded core, now running run_engine_core(*args), or None where there is none (or
+    it died: then the caller spawns its own, whose failure is reported as usual)."""
+    global _preloaded
+    with _lock:
+        taken, _preloaded = _preloaded, None
+    if taken is None:
+        return None
+    proc, writer = taken
+    try:
+        writer.send(args)
+    except OSError:
+        proc.join(_JOIN_S)
+        return None
+    finally:
+        writer.close()
+    return proc
+
+
+def discard_preloaded() -> None:
+    """Kill a preloaded core that no job adopted; it holds nothing yet (no file, no socket), and
+    would otherwise finish its torch import before it saw its pipe closed."""
+    global _preloaded
+    with _lock:
+        taken, _preloaded = _preloaded, None
+    if taken is None:
+        return
+    proc, writer = taken
+    writer.close()
+    proc.kill()
+    proc.join()
+
+
+def _run_preloaded(conn: Connection) -> None:
+    """Process entry: ignore the parent's signals, import the engine, then run the core with the
+    arguments sent on `conn`; exit at once if the parent closes it unused (or dies)."""
+    for signum in _OWN_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _OWN_SIGNALS)
+    importlib.import_module("vbatch.engine.encoder_core")
+    try:
+        args = conn.recv()
+    except (EOFError, OSError):
+        os._exit(0)
+    conn.close()
+    from vbatch.engine.core_process import run_engine_core
+
+    run_engine_core(*args)
