@@ -17,6 +17,7 @@ from vbatch.client.core_client import EngineCoreClient
 from vbatch.config import EngineConfig
 from vbatch.engine import preload
 from vbatch.engine.preload import discard_preloaded, preload_core
+from vbatch.engine_sets.factory import open_engine_set
 from vbatch.protocol import AddRequest, pack_token_ids
 from vbatch.sampling_params import SamplingParams
 
@@ -107,3 +108,15 @@ def test_a_failing_command_reports_its_error_through_the_preloading_entry(
     )
     assert proc.returncode != 0 and "missing.jsonl" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_data_parallel_set_frees_the_preloaded_core_at_once(tiny_model_dir: Path) -> None:
+    preload_core()
+    proc = preload._preloaded[0]  # type: ignore[index]
+    engines = open_engine_set(
+        str(tiny_model_dir), data_parallel_size=2, device="cpu", num_threads=2
+    )
+    try:
+        assert preload._preloaded is None and not proc.is_alive()
+    finally:
+        engines.shutdown()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from vbatch.engine.preload import discard_preloaded
 from vbatch.engine_sets.base import EngineSet, RaySettings, require_ray
 
 
@@ -19,11 +20,14 @@ def open_engine_set(
     should_stop: Callable[[], bool] | None = None,
     **engine_args: Any,
 ) -> EngineSet:
-    """Ray replicas with `ray`, else one `LLM` over `data_parallel_size` local cores.
+    """Ray replicas with `ray`, else one `LLM` over `data_parallel_size` local cores. Either of
+    the first two frees the CPU of a core the CLI preloaded (engine/preload.py): none adopts it.
 
     `on_notice` takes lines worth showing the user (which Ray cluster is used, replicas waiting
     for resources); `should_stop` is polled while a start-up that `starts_briefly` says waits
     only in short polls, which then raises StartupCancelled."""
+    if ray is not None or data_parallel_size > 1:
+        discard_preloaded()
     if ray is not None:
         require_ray()
         from vbatch.engine_sets.ray import RayEngines
