@@ -816,12 +816,13 @@ def test_encoder_attention_rejects_bad_inputs(ops: None) -> None:
     torch.library.opcheck(torch.ops.vbatch.encoder_attention.default, (q, k, v, starts, 0.5))
 
 
-def test_gelu_erf_matches_torch_exact_gelu(ops: None) -> None:
+def test_gelu_erf_matches_exact_gelu_in_float64(ops: None) -> None:
+    # The reference is float64: torch's own float32 gelu is off by up to 1.2e-6 on AVX-512.
     x = torch.cat([torch.linspace(-12.0, 12.0, 100_003), torch.randn(70_001) * 3])
-    want = torch.nn.functional.gelu(x)
+    want = torch.nn.functional.gelu(x.double())
     got = x.clone()
     torch.ops.vbatch.gelu_erf_(got)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     torch.library.opcheck(torch.ops.vbatch.gelu_erf_.default, (x[:100].clone(),))
     with pytest.raises(RuntimeError, match="contiguous float32"):
         torch.ops.vbatch.gelu_erf_(x.view(2, -1).t())
