@@ -1,8 +1,10 @@
-"""The environment the engine core is spawned with."""
+"""The environment the engine core is spawned with: OpenMP waits chosen by the machine's load."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,15 +12,32 @@ import pytest
 
 from vbatch.client.core_client import EngineCoreClient
 from vbatch.config import EngineConfig
+from vbatch.engine import openmp_waits
+
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", openmp_waits.WAITS_NOTE_VARIABLE)
 
 
 @pytest.fixture
 def no_policy() -> Iterator[None]:
-    saved = os.environ.pop("OMP_WAIT_POLICY", None)
+    saved = {name: os.environ.pop(name, None) for name in WAIT_VARIABLES}
     yield
-    os.environ.pop("OMP_WAIT_POLICY", None)
-    if saved is not None:
-        os.environ["OMP_WAIT_POLICY"] = saved
+    for name, value in saved.items():
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
+
+
+@pytest.fixture
+def busy_cpus() -> Iterator[None]:
+    """A CPU-bound process on every CPU this process may use."""
+    count = len(os.sched_getaffinity(0))
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
 
 
 def core_environ(pid: int) -> dict[str, str]:
@@ -26,15 +45,63 @@ def core_environ(pid: int) -> dict[str, str]:
     return dict(entry.decode().split("=", 1) for entry in entries if b"=" in entry)
 
 
-@pytest.mark.parametrize("chosen", [None, "ACTIVE"])
-def test_core_threads_wait_passively_unless_the_user_chose(
-    chosen: str | None, no_policy: None, tiny_model_dir: Path
+def start_core(model_dir: Path) -> tuple[EngineCoreClient, dict[str, str]]:
+    client = EngineCoreClient(EngineConfig(model=str(model_dir), device="cpu", num_threads=1))
+    assert client.pid is not None
+    return client, core_environ(client.pid)
+
+
+@pytest.mark.parametrize(
+    "chosen", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "500"}], ids=["policy", "spins"]
+)
+def test_the_users_openmp_waits_reach_the_core_unchanged(
+    chosen: dict[str, str], no_policy: None, tiny_model_dir: Path
 ) -> None:
-    if chosen is not None:
-        os.environ["OMP_WAIT_POLICY"] = chosen
-    client = EngineCoreClient(EngineConfig(model=str(tiny_model_dir), device="cpu", num_threads=1))
+    os.environ.update(chosen)
+    client, environ = start_core(tiny_model_dir)
     try:
-        assert client.pid is not None
-        assert core_environ(client.pid)["OMP_WAIT_POLICY"] == (chosen or "PASSIVE")
+        assert {name: environ.get(name) for name in WAIT_VARIABLES} == {
+            name: chosen.get(name) for name in WAIT_VARIABLES
+        }
+        assert client.info is not None
+        (note,) = [n for n in client.info.kernels if n.startswith("OpenMP waits")]
+        ((name, value),) = chosen.items()
+        assert note == f"OpenMP waits: the environment's ({name}={value})"
     finally:
         client.shutdown()
+
+
+def test_core_threads_sleep_at_once_on_a_busy_machine(
+    no_policy: None, busy_cpus: None, tiny_model_dir: Path
+) -> None:
+    client, environ = start_core(tiny_model_dir)
+    try:
+        assert environ["OMP_WAIT_POLICY"] == "PASSIVE"
+        assert "GOMP_SPINCOUNT" not in environ
+        assert environ[openmp_waits.WAITS_NOTE_VARIABLE].startswith("sleep at once")
+        assert client.info is not None
+        assert f"OpenMP waits: {environ[openmp_waits.WAITS_NOTE_VARIABLE]}" in client.info.kernels
+    finally:
+        client.shutdown()
+    assert not any(name in os.environ for name in WAIT_VARIABLES)
+
+
+def test_waits_follow_the_idle_cpus_measured(
+    no_policy: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(openmp_waits, "idle_cpus", lambda: 1.9)
+    spinning = openmp_waits.openmp_waits(2)
+    assert spinning["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert spinning["GOMP_SPINCOUNT"] == str(openmp_waits.SPIN_COUNT)
+    assert spinning[openmp_waits.WAITS_NOTE_VARIABLE].startswith("spin 10000, then sleep (1.9 CPUs")
+    assert "GOMP_SPINCOUNT" not in openmp_waits.openmp_waits(4)
+    monkeypatch.setattr(openmp_waits, "idle_cpus", lambda: None)
+    assert openmp_waits.openmp_waits(1)[openmp_waits.WAITS_NOTE_VARIABLE].startswith(
+        "sleep at once (unknown CPUs idle"
+    )
+
+
+def test_idle_cpus_reads_the_machine(busy_cpus: None) -> None:
+    idle = openmp_waits.idle_cpus(0.2)
+    assert idle is not None
+    assert idle < len(os.sched_getaffinity(0)) - 0.5

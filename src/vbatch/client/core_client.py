@@ -31,6 +31,7 @@ from vbatch.config import (
     CorePlacement,
     EngineConfig,
 )
+from vbatch.engine.openmp_waits import core_environment
 from vbatch.engine.preload import adopt_preloaded, main_module_hidden, spawn_context
 from vbatch.errors import EngineDeadError, EngineStartupError, VbatchError
 from vbatch.protocol import (
@@ -578,7 +579,7 @@ def _spawn_core(
 
     ctx = spawn_context()
     proc = ctx.Process(target=run_engine_core, args=args, name="vbatch-engine-core", daemon=True)
-    with main_module_hidden():
+    with main_module_hidden(), core_environment(config.num_threads):
         proc.start()
     return proc
 

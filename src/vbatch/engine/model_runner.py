@@ -26,6 +26,7 @@ from vbatch.engine.kv_cache import (
     select_dtype,
     select_kv_cache_dtype,
 )
+from vbatch.engine.openmp_waits import describe_openmp_waits
 from vbatch.engine.sampler import Sampler, SamplerOutput
 from vbatch.engine.sampling_metadata import SamplingMetadata, free_generators
 from vbatch.engine.sequence import Sequence
@@ -109,6 +110,8 @@ class ModelRunner:
         # NOTE: the kernels chosen, as text for the manifest and dashboard, and any warning.
         self.kernel_notes: list[str] = []
         self.kernel_warnings: list[str] = []
+        if self.device.type == "cpu":
+            self.kernel_notes.append(describe_openmp_waits())
         choice = self.model.quantization_choice
         if choice and "backend" in choice:
             self.kernel_notes.append(describe_int8_choice(choice))

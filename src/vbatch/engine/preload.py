@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
+from vbatch.engine.openmp_waits import core_environment
+
 _OWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _JOIN_S = 5.0
 
@@ -26,11 +28,7 @@ _preloaded: tuple[Any, Connection] | None = None
 
 
 def spawn_context() -> Any:
-    """The spawn context, with the environment every engine core starts under."""
-    # NOTE: OpenMP threads that spin at barriers stall each other once the machine has other work
-    # (docs/performance.md: 24 rows, 128-164 s spinning, 22-24 s passive, on the busy 2-core
-    # machine), so the core inherits a passive wait unless the user chose a policy.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    """The start method of every engine core: spawned, not forked."""
     return multiprocessing.get_context("spawn")
 
 
@@ -80,7 +78,7 @@ def preload_core() -> None:
     proc = ctx.Process(
         target=_run_preloaded, args=(reader,), name="vbatch-engine-core", daemon=True
     )
-    with own_signals_blocked(), main_module_hidden():
+    with own_signals_blocked(), main_module_hidden(), core_environment(None):
         proc.start()
     reader.close()
     with _lock:

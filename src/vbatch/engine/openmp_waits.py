@@ -1,0 +1,101 @@
+"""The OpenMP wait settings an engine core is spawned with, chosen by the load on the machine at
+the spawn, and their description for the manifest and the dashboard.
+
+This module stays light (no torch): the CLI's entry imports it before spawning the core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+
+# NOTE: libgomp reads these when torch loads it, so a core's are fixed when it is spawned.
+_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+WAITS_NOTE_VARIABLE = "VBATCH_OPENMP_WAITS"
+# NOTE: about 0.1 ms of spinning, which covers the gaps between a step's parallel regions
+# (docs/performance.md: the AVX-512 EPYC's quiet 64-prompt job, 32.3 s sleeping at once,
+# 26.7-29.9 s spinning first; with one other busy process, 48 s against 66 s).
+SPIN_COUNT = 10_000
+_IDLE_WINDOW_S = 0.03
+_IDLE_MARGIN = 0.5
+
+
+def idle_cpus(window_s: float = _IDLE_WINDOW_S) -> float | None:
+    """How many of the CPUs this process may run on were idle over the next `window_s` seconds
+    (from /proc/stat), or None where that cannot be read."""
+    try:
+        cpus = {f"cpu{n}" for n in os.sched_getaffinity(0)}
+        before = _idle_ticks(cpus)
+        start = time.monotonic()
+        time.sleep(window_s)
+        after = _idle_ticks(cpus)
+        elapsed = time.monotonic() - start
+    except (AttributeError, OSError, ValueError, IndexError):
+        return None
+    return (after - before) / os.sysconf("SC_CLK_TCK") / elapsed
+
+
+def _idle_ticks(cpus: set[str]) -> int:
+    """Idle and I/O-wait ticks summed over `cpus`."""
+    total = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            fields = line.split()
+            if fields and fields[0] in cpus:
+                total += int(fields[4]) + int(fields[5])
+    return total
+
+
+def openmp_waits(threads: int | None) -> dict[str, str]:
+    """The OpenMP wait settings an engine core with `threads` threads starts under.
+
+    Nothing where the user set either variable. Otherwise its threads spin briefly at a barrier
+    before they sleep when the machine has an idle CPU for each of them, and sleep at once when it
+    has not: a spinning thread whose partner is descheduled burns the CPU the partner needs
+    (docs/performance.md: 24 rows took 128-164 s spinning, 22-24 s passive, on a busy 2-core
+    machine), while waking a sleeping one costs an idle machine 15% of a job.
+    """
+    if any(name in os.environ for name in _WAIT_VARIABLES):
+        return {}
+    wanted = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+    idle = idle_cpus()
+    waits = {"OMP_WAIT_POLICY": "PASSIVE"}
+    if idle is not None and idle >= wanted - _IDLE_MARGIN:
+        waits["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
+        waits[WAITS_NOTE_VARIABLE] = (
+            f"spin {SPIN_COUNT}, then sleep ({idle:.1f} CPUs idle at start, {wanted} threads)"
+        )
+    else:
+        seen = "unknown" if idle is None else f"{idle:.1f}"
+        waits[WAITS_NOTE_VARIABLE] = f"sleep at once ({seen} CPUs idle at start, {wanted} threads)"
+    return waits
+
+
+def describe_openmp_waits() -> str:
+    """The engine core's OpenMP waits, for the manifest's and the dashboard's kernel notes."""
+    ours = os.environ.get(WAITS_NOTE_VARIABLE)
+    if ours:
+        return f"OpenMP waits: {ours}"
+    chosen = ", ".join(
+        f"{name}={os.environ[name]}" for name in _WAIT_VARIABLES if name in os.environ
+    )
+    return f"OpenMP waits: the environment's ({chosen or 'libgomp defaults'})"
+
+
+@contextlib.contextmanager
+def core_environment(threads: int | None) -> Iterator[None]:
+    """This process's environment, while a core is spawned here, with the core's OpenMP waits
+    (`openmp_waits`); restored afterwards."""
+    waits = openmp_waits(threads)
+    saved = {name: os.environ.get(name) for name in waits}
+    os.environ.update(waits)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
