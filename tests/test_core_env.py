@@ -12,7 +12,7 @@ import pytest
 
 from vbatch.client.core_client import EngineCoreClient
 from vbatch.config import EngineConfig
-from vbatch.engine import openmp_waits
+from vbatch.engine import openmp_waits, preload
 
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", openmp_waits.WAITS_NOTE_VARIABLE)
 
@@ -105,3 +105,15 @@ def test_idle_cpus_reads_the_machine(busy_cpus: None) -> None:
     idle = openmp_waits.idle_cpus(0.2)
     assert idle is not None
     assert idle < len(os.sched_getaffinity(0)) - 0.5
+
+
+def test_the_preloaded_core_gets_its_waits_at_its_spawn(no_policy: None, busy_cpus: None) -> None:
+    preload.preload_core()
+    proc = preload._preloaded[0]  # type: ignore[index]
+    try:
+        environ = core_environ(proc.pid)
+        assert environ["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in environ
+        assert environ[openmp_waits.WAITS_NOTE_VARIABLE].startswith("sleep at once")
+    finally:
+        preload.discard_preloaded()
+    assert not any(name in os.environ for name in WAIT_VARIABLES)
