@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -86,25 +87,45 @@ def test_core_threads_sleep_at_once_on_a_busy_machine(
     assert not any(name in os.environ for name in WAIT_VARIABLES)
 
 
-def test_waits_follow_the_idle_cpus_measured(
+def test_waits_follow_the_free_cpus_measured(
     no_policy: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(openmp_waits, "idle_cpus", lambda: 1.9)
+    monkeypatch.setattr(openmp_waits, "free_cpus", lambda: 1.9)
     spinning = openmp_waits.openmp_waits(2)
     assert spinning["OMP_WAIT_POLICY"] == "PASSIVE"
     assert spinning["GOMP_SPINCOUNT"] == str(openmp_waits.SPIN_COUNT)
-    assert spinning[openmp_waits.WAITS_NOTE_VARIABLE].startswith("spin 10000, then sleep (1.9 CPUs")
+    note = spinning[openmp_waits.WAITS_NOTE_VARIABLE]
+    assert note.startswith("spin 10000, then sleep (1.9 CPUs free")
     assert "GOMP_SPINCOUNT" not in openmp_waits.openmp_waits(4)
-    monkeypatch.setattr(openmp_waits, "idle_cpus", lambda: None)
+    monkeypatch.setattr(openmp_waits, "free_cpus", lambda: None)
     assert openmp_waits.openmp_waits(1)[openmp_waits.WAITS_NOTE_VARIABLE].startswith(
-        "sleep at once (unknown CPUs idle"
+        "sleep at once (unknown CPUs free"
     )
 
 
-def test_idle_cpus_reads_the_machine(busy_cpus: None) -> None:
-    idle = openmp_waits.idle_cpus(0.2)
-    assert idle is not None
-    assert idle < len(os.sched_getaffinity(0)) - 0.5
+def test_free_cpus_reads_the_machine(busy_cpus: None) -> None:
+    free = openmp_waits.free_cpus(0.2)
+    assert free is not None
+    assert free < len(os.sched_getaffinity(0)) - 0.5
+
+
+def test_free_cpus_counts_this_process_as_free() -> None:
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    worker = threading.Thread(target=spin)
+    worker.start()
+    try:
+        busy_here = openmp_waits.free_cpus(0.2)
+    finally:
+        stop.set()
+        worker.join()
+    quiet = openmp_waits.free_cpus(0.2)
+    assert busy_here is not None and quiet is not None
+    assert abs(busy_here - quiet) < 0.5
 
 
 def test_the_preloaded_core_gets_its_waits_at_its_spawn(no_policy: None, busy_cpus: None) -> None:

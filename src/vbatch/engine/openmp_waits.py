@@ -18,23 +18,25 @@ WAITS_NOTE_VARIABLE = "VBATCH_OPENMP_WAITS"
 # (docs/performance.md: the AVX-512 EPYC's quiet 64-prompt job, 32.3 s sleeping at once,
 # 26.7-29.9 s spinning first; with one other busy process, 48 s against 66 s).
 SPIN_COUNT = 10_000
-_IDLE_WINDOW_S = 0.03
-_IDLE_MARGIN = 0.5
+_WINDOW_S = 0.03
+_MARGIN = 0.5
 
 
-def idle_cpus(window_s: float = _IDLE_WINDOW_S) -> float | None:
-    """How many of the CPUs this process may run on were idle over the next `window_s` seconds
-    (from /proc/stat), or None where that cannot be read."""
+def free_cpus(window_s: float = _WINDOW_S) -> float | None:
+    """How many of the CPUs this process may run on were free for a core over the next
+    `window_s` seconds, or None where /proc/stat cannot be read: idle, or running this process,
+    whose start-up work (imports, the input scan, in other threads) ends as its job begins."""
     try:
         cpus = {f"cpu{n}" for n in os.sched_getaffinity(0)}
-        before = _idle_ticks(cpus)
+        before, own_before = _idle_ticks(cpus), time.process_time()
         start = time.monotonic()
         time.sleep(window_s)
-        after = _idle_ticks(cpus)
+        after, own_after = _idle_ticks(cpus), time.process_time()
         elapsed = time.monotonic() - start
     except (AttributeError, OSError, ValueError, IndexError):
         return None
-    return (after - before) / os.sysconf("SC_CLK_TCK") / elapsed
+    idle = (after - before) / os.sysconf("SC_CLK_TCK")
+    return (idle + own_after - own_before) / elapsed
 
 
 def _idle_ticks(cpus: set[str]) -> int:
@@ -52,7 +54,7 @@ def openmp_waits(threads: int | None) -> dict[str, str]:
     """The OpenMP wait settings an engine core with `threads` threads starts under.
 
     Nothing where the user set either variable. Otherwise its threads spin briefly at a barrier
-    before they sleep when the machine has an idle CPU for each of them, and sleep at once when it
+    before they sleep when the machine has a free CPU for each of them, and sleep at once when it
     has not: a spinning thread whose partner is descheduled burns the CPU the partner needs
     (docs/performance.md: 24 rows took 128-164 s spinning, 22-24 s passive, on a busy 2-core
     machine), while waking a sleeping one costs an idle machine 15% of a job.
@@ -60,16 +62,16 @@ def openmp_waits(threads: int | None) -> dict[str, str]:
     if any(name in os.environ for name in _WAIT_VARIABLES):
         return {}
     wanted = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
-    idle = idle_cpus()
+    free = free_cpus()
     waits = {"OMP_WAIT_POLICY": "PASSIVE"}
-    if idle is not None and idle >= wanted - _IDLE_MARGIN:
+    if free is not None and free >= wanted - _MARGIN:
         waits["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
         waits[WAITS_NOTE_VARIABLE] = (
-            f"spin {SPIN_COUNT}, then sleep ({idle:.1f} CPUs idle at start, {wanted} threads)"
+            f"spin {SPIN_COUNT}, then sleep ({free:.1f} CPUs free at start, {wanted} threads)"
         )
     else:
-        seen = "unknown" if idle is None else f"{idle:.1f}"
-        waits[WAITS_NOTE_VARIABLE] = f"sleep at once ({seen} CPUs idle at start, {wanted} threads)"
+        seen = "unknown" if free is None else f"{free:.1f}"
+        waits[WAITS_NOTE_VARIABLE] = f"sleep at once ({seen} CPUs free at start, {wanted} threads)"
     return waits
 
 
