@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -128,10 +129,20 @@ def test_free_cpus_counts_this_process_as_free() -> None:
     assert abs(busy_here - quiet) < 0.5
 
 
+def exec_done(pid: int, timeout_s: float = 60.0) -> None:
+    """Wait until a just-spawned child runs its own program: before its exec, /proc shows the
+    environment this process started with."""
+    deadline = time.monotonic() + timeout_s
+    while b"spawn_main" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+        assert time.monotonic() < deadline, "the spawned core never ran its own program"
+        time.sleep(0.01)
+
+
 def test_the_preloaded_core_gets_its_waits_at_its_spawn(no_policy: None, busy_cpus: None) -> None:
     preload.preload_core()
     proc = preload._preloaded[0]  # type: ignore[index]
     try:
+        exec_done(proc.pid)
         environ = core_environ(proc.pid)
         assert environ["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in environ
         assert environ[openmp_waits.WAITS_NOTE_VARIABLE].startswith("sleep at once")
