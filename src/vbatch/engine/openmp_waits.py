@@ -24,8 +24,9 @@ _MARGIN = 0.5
 
 def free_cpus(window_s: float = _WINDOW_S) -> float | None:
     """How many of the CPUs this process may run on were free for a core over the next
-    `window_s` seconds, or None where /proc/stat cannot be read: idle, or running this process,
-    whose start-up work (imports, the input scan, in other threads) ends as its job begins."""
+    `window_s` seconds (None where /proc/stat cannot be read). Free is idle, or running this
+    process, whose start-up work (imports, the input scan, in other threads) ends as its job
+    begins."""
     try:
         cpus = {f"cpu{n}" for n in os.sched_getaffinity(0)}
         before, own_before = _idle_ticks(cpus), time.process_time()
