@@ -110,7 +110,10 @@ def test_free_cpus_reads_the_machine(busy_cpus: None) -> None:
     assert free < len(os.sched_getaffinity(0)) - 0.5
 
 
-def test_free_cpus_counts_this_process_as_free() -> None:
+def test_free_cpus_counts_this_process_as_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE: with no idle time read, what free_cpus reports is this process's own CPU time, so
+    # other work on the machine (another test worker) cannot move the result.
+    monkeypatch.setattr(openmp_waits, "_idle_ticks", lambda cpus: 0)
     stop = threading.Event()
 
     def spin() -> None:
@@ -124,9 +127,7 @@ def test_free_cpus_counts_this_process_as_free() -> None:
     finally:
         stop.set()
         worker.join()
-    quiet = openmp_waits.free_cpus(0.2)
-    assert busy_here is not None and quiet is not None
-    assert abs(busy_here - quiet) < 0.5
+    assert busy_here is not None and 0.2 < busy_here <= 1.1
 
 
 def exec_done(pid: int, timeout_s: float = 60.0) -> None:
