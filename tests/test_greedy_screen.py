@@ -152,6 +152,25 @@ def test_opcheck(ops: None) -> None:
     )
 
 
+def test_the_int8_head_matches_torch_and_its_norms_bound_the_exact_ones(ops: None) -> None:
+    weight = random_head(3000, 96, seed=4)
+    weight[5] = 0.0
+    weight[6, 7] = 1e3  # one outlier: the row's other values quantize to zero
+    screen = Int8GreedyScreen(weight)
+    scales = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    values = torch.round(weight / scales[:, None]).clamp(-127, 127)
+    assert torch.equal(screen.weight_scales, scales)
+    assert torch.equal(screen.q_weight, values.to(torch.int8))
+    residual = weight.double() - scales.double()[:, None] * values.double()
+    for bound, exact in [
+        (screen.residual_norms, residual.norm(dim=1)),
+        (screen.weight_norms, weight.double().norm(dim=1)),
+    ]:
+        assert (bound.double() >= exact).all()
+        assert (bound.double() <= exact * (1 + 2e-3) + 1e-30).all()
+    torch.library.opcheck(torch.ops.vbatch.int8_quantize_head.default, (weight,))
+
+
 def test_unavailable_without_float32_cpu() -> None:
     assert not can_use_greedy_screen(torch.device("cpu"), torch.bfloat16)
     assert not can_use_greedy_screen(torch.device("meta"), torch.float32)

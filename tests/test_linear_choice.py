@@ -15,6 +15,7 @@ from vbatch.config import EngineConfig
 from vbatch.engine.core import EngineCore
 from vbatch.errors import ConfigError
 from vbatch.layers import linear_choice
+from vbatch.layers.greedy_screen import can_use_greedy_screen
 from vbatch.layers.linear_choice import (
     SEPARATE,
     TIMED_ROWS,
@@ -173,6 +174,37 @@ def test_the_engine_runs_alike_on_either_backend_and_says_which(tiny_model_dir: 
     for backend in ("onednn", "native", "auto"):
         assert runs[backend][0] == runs["torch"][0]
         assert runs[backend][1] == pytest.approx(runs["torch"][1], abs=1e-4)
+
+
+def test_the_lm_heads_copy_is_made_at_its_first_call(tiny_model_dir: Path) -> None:
+    """Under the int8 screen a greedy job never scores the whole vocabulary, so it never pays
+    for the head's packed copy; a job that needs logits makes it then, once."""
+    if not can_use_greedy_screen(torch.device("cpu"), torch.float32):
+        pytest.skip("needs the native kernels and torch's int8 GEMM")
+    config = EngineConfig(
+        model=str(tiny_model_dir),
+        num_threads=1,
+        num_kv_blocks=16,
+        linear_backend="native",
+        greedy_screen=True,
+    )
+    core = EngineCore(config)
+    model = core.runner.model
+    head = model.lm_head_weight
+    assert model.head_copies == {"native"}
+    assert model.pending_copy_bytes() == head.numel() * head.element_size()
+    prompt = pack_token_ids(list(range(100, 120)))
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    core.add_request(AddRequest("greedy", prompt, greedy))
+    while core.has_unfinished():
+        core.step()
+    assert model.head_chunks == {} and model.pending_copy_bytes() > 0
+    greedy_run(core, list(range(100, 120)))
+    assert list(model.head_chunks) == ["native"] and model.pending_copy_bytes() == 0
+    chunks = model.head_chunks["native"]
+    greedy_run(core, list(range(100, 120)))
+    assert model.head_chunks["native"] is chunks
+    core.shutdown()
 
 
 def test_copies_are_made_only_where_the_ram_allows(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,6 +17,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -168,6 +169,54 @@ std::tuple<at::Tensor, at::Tensor> int8_greedy_screen_cpu(
   return {candidates, counts};
 }
 
+// The smallest float32 not below the non-negative `x`.
+inline float round_up_to_float(double x) {
+  const float down = static_cast<float>(x);
+  return static_cast<double>(down) < x ? std::nextafter(down, std::numeric_limits<float>::infinity())
+                                       : down;
+}
+
+// weight [vocab, hidden] float32 -> the screen's int8 head in one pass over it: q [vocab,
+// hidden] int8 with w ~ scale * q (scale = max|w| / 127 per row, q = w / scale rounded to
+// nearest even, as torch.round), and per row float32 scales, |w - scale * q| and |w| (2-norms
+// summed in float64, where w - scale * q is exact, then rounded up to float32).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> int8_quantize_head_cpu(
+    const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "int8_quantize_head: weight must be a contiguous [vocab, hidden] float32");
+  const int64_t vocab = weight.size(0), hidden = weight.size(1);
+  at::Tensor q = at::empty({vocab, hidden}, weight.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({vocab}, weight.options());
+  at::Tensor residual_norms = at::empty({vocab}, weight.options());
+  at::Tensor weight_norms = at::empty({vocab}, weight.options());
+  const float* w = weight.const_data_ptr<float>();
+  int8_t* q_data = q.mutable_data_ptr<int8_t>();
+  float* scale_data = scales.mutable_data_ptr<float>();
+  float* residual_data = residual_norms.mutable_data_ptr<float>();
+  float* norm_data = weight_norms.mutable_data_ptr<float>();
+  at::parallel_for(0, vocab, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t v = begin; v < end; ++v) {
+      const float* row = w + v * hidden;
+      float max_abs = 0.0f;
+      for (int64_t d = 0; d < hidden; ++d) max_abs = std::max(max_abs, std::fabs(row[d]));
+      const float scale = std::max(max_abs / 127.0f, std::numeric_limits<float>::min());
+      double residual_sq = 0.0, norm_sq = 0.0;
+      for (int64_t d = 0; d < hidden; ++d) {
+        const float value = std::clamp(std::nearbyint(row[d] / scale), -127.0f, 127.0f);
+        q_data[v * hidden + d] = static_cast<int8_t>(value);
+        const double residual =
+            static_cast<double>(row[d]) - static_cast<double>(scale) * static_cast<double>(value);
+        residual_sq += residual * residual;
+        norm_sq += static_cast<double>(row[d]) * static_cast<double>(row[d]);
+      }
+      scale_data[v] = scale;
+      residual_data[v] = round_up_to_float(std::sqrt(residual_sq));
+      norm_data[v] = round_up_to_float(std::sqrt(norm_sq));
+    }
+  });
+  return {q, scales, residual_norms, weight_norms};
+}
+
 }  // namespace
 }  // namespace vbatch
 
@@ -176,8 +225,10 @@ TORCH_LIBRARY_FRAGMENT(vbatch, m) {
       "int8_greedy_screen(Tensor q_hidden, Tensor q_weight, Tensor row_params, "
       "Tensor weight_scales, Tensor residual_norms, Tensor weight_norms, int chunk_size, "
       "int max_candidates) -> (Tensor, Tensor)");
+  m.def("int8_quantize_head(Tensor weight) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(vbatch, CPU, m) {
   m.impl("int8_greedy_screen", &vbatch::int8_greedy_screen_cpu);
+  m.impl("int8_quantize_head", &vbatch::int8_quantize_head_cpu);
 }

@@ -144,7 +144,7 @@ class ModelRunner:
             self.lora = LoraSlots(self.model, model_config, config.max_loras, config.max_lora_rank)
         progress("sizing KV cache")
         self.block_bytes = kv_block_bytes(model_config, self.block_size, self.kv_cache_dtype)
-        pending_copies = sum(
+        pending_copies = self.model.pending_copy_bytes() + sum(
             module.pending_copy_bytes()
             for module in self.model.modules()
             if isinstance(module, ChosenLinear)

@@ -221,6 +221,14 @@ def _register_fakes() -> None:
         candidates = q_hidden.new_empty(num_rows, max_candidates, dtype=torch.int64)
         return candidates, q_hidden.new_empty(num_rows, dtype=torch.int64)
 
+    @torch.library.register_fake("vbatch::int8_quantize_head")
+    def _int8_quantize_head_fake(
+        weight: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        vocab = weight.shape[0]
+        q_weight = weight.new_empty(weight.shape, dtype=torch.int8)
+        return q_weight, weight.new_empty(vocab), weight.new_empty(vocab), weight.new_empty(vocab)
+
 
 def try_build_and_load(csrc_dir: Path, root: Path, with_cuda: bool) -> bool:
     """build_and_load that logs a one-line notice and returns False instead of raising."""

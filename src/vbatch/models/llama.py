@@ -305,9 +305,12 @@ class LlamaForCausalLM(nn.Module):
         self.is_batch_invariant = False
         # NOTE: set by load_model under int8 quantization (quantize_linears' measured choice)
         self.quantization_choice: dict[str, object] | None = None
-        # NOTE: set by use_linear_choice: the float32 CPU LM head's backend per row class, and
-        # each non-torch backend's prepared copies of its chunks (layers/linear_choice.py).
+        # NOTE: set by use_linear_choice: the float32 CPU LM head's backend per row class, the
+        # backends that run from prepared copies of its chunks (layers/linear_choice.py), and
+        # those copies, each made at its backend's first call (a greedy job under the int8
+        # screen may never make one).
         self.head_backends: list[str] | None = None
+        self.head_copies: frozenset[str] = frozenset()
         self.head_chunks: dict[str, list[torch.Tensor]] = {}
 
     @property
@@ -384,7 +387,7 @@ class LlamaForCausalLM(nn.Module):
         # NOTE: GEMMs over vocab chunks keep each output tile in cache; measured ~25% faster
         # than one [n, vocab_size] GEMM at n = 64-256 on CPU.
         tiles = head_tiles(
-            hidden, weight, logits, backend, in_place=True, chunks=self.head_chunks.get(backend)
+            hidden, weight, logits, backend, in_place=True, chunks=self._head_chunks(backend)
         )
         for start, tile in tiles:
             if backend != "torch":
@@ -410,7 +413,7 @@ class LlamaForCausalLM(nn.Module):
                 for start in range(0, vocab_size, LM_HEAD_CHUNK)
             )
             if self.is_batch_invariant
-            else head_tiles(hidden, weight, buffer, backend, chunks=self.head_chunks.get(backend))
+            else head_tiles(hidden, weight, buffer, backend, chunks=self._head_chunks(backend))
         )
         for start, tile in tiles:
             if cap is not None:
@@ -464,11 +467,23 @@ class LlamaForCausalLM(nn.Module):
                 mlp.modes = modes
         if "lm_head" in choice:
             self.head_backends = list(choice["lm_head"])  # type: ignore[call-overload]
-            self.head_chunks = {
-                backend: head_chunks(self.lm_head_weight, backend)
-                for backend in dict.fromkeys(self.head_backends)
-                if backend in copies
-            }
+            self.head_copies = frozenset(self.head_backends).intersection(copies)
+
+    def pending_copy_bytes(self) -> int:
+        """The bytes of the LM head's prepared copies not made yet (each about its size)."""
+        weight = self.lm_head_weight
+        weight_bytes = weight.numel() * weight.element_size()
+        return weight_bytes * len(self.head_copies - self.head_chunks.keys())
+
+    def _head_chunks(self, backend: str) -> list[torch.Tensor] | None:
+        """`backend`'s prepared chunks of the LM head (made now if this is its first call), or
+        None where it runs from the plain weight."""
+        if backend not in self.head_copies:
+            return None
+        chunks = self.head_chunks.get(backend)
+        if chunks is None:
+            chunks = self.head_chunks[backend] = head_chunks(self.lm_head_weight, backend)
+        return chunks
 
     def enable_greedy_screen(self) -> None:
         """Find greedy tokens through the int8 screen (see layers/greedy_screen.py)."""
@@ -500,7 +515,7 @@ class LlamaForCausalLM(nn.Module):
         best_index = torch.zeros(num_rows, dtype=torch.int64)
         backend = self._head_backend(num_rows)
         for start, chunk in head_tiles(
-            hidden, weight, scores, backend, chunks=self.head_chunks.get(backend)
+            hidden, weight, scores, backend, chunks=self._head_chunks(backend)
         ):
             value, index = chunk.max(dim=1)
             is_better = value > best_value
