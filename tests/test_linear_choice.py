@@ -219,7 +219,10 @@ def test_copies_are_made_only_where_the_ram_allows(monkeypatch: pytest.MonkeyPat
     mixed = {
         "rows": list(TIMED_ROWS),
         "mlp": [SEPARATE] * len(TIMED_ROWS),
-        "ms": {f"qkv@{r}": {"torch": 2.0, "onednn": 1.0, "native": 0.5} for r in TIMED_ROWS},
+        "ms": {
+            f"qkv@{r}": {"torch": 2.0, "onednn": 1.0 if r < 512 else 0.5, "native": 0.5 + r // 512}
+            for r in TIMED_ROWS
+        },
         **{role: ["native", "native", "native", "onednn", "onednn"] for role in weights},
     }
     monkeypatch.setattr(linear_choice, "choose_linear_backends", lambda *args: mixed)
@@ -258,6 +261,41 @@ def test_copies_are_made_only_where_the_ram_allows(monkeypatch: pytest.MonkeyPat
         ChosenLinear(model, ("native",) * len(TIMED_ROWS), copies=())
     settled = settle_linears("native", model, weights)
     assert settled is not None and settled[0]["qkv"] == ["onednn"] * len(TIMED_ROWS)
+
+
+def test_a_projection_takes_a_second_copy_only_where_it_gains_enough() -> None:
+    gain = linear_choice.SECOND_COPY_GAIN
+    choice = {
+        "rows": [1, 8, 64, 512, 2048],
+        "gate_up": ["native", "native", "native", "onednn", "onednn"],
+        "lm_head": ["native", "native", "onednn", "onednn", "onednn"],
+        "o": ["torch", "native", "native", "onednn", "onednn"],
+        "ms": {
+            "gate_up@1": {"torch": 3.0, "onednn": 2.0, "native": 1.0},
+            "gate_up@8": {"torch": 3.0, "onednn": 2.0, "native": 1.0},
+            "gate_up@64": {"torch": 3.0, "onednn": 2.0, "native": 1.0},
+            "gate_up@512": {"torch": 9.0, "onednn": 5.0, "native": 5.0 * gain * 0.99},
+            "gate_up@2048": {"torch": 9.0, "onednn": 5.0, "native": 5.0 * gain * 1.01},
+            "lm_head@1": {"torch": 3.0, "onednn": 2.0, "native": 1.0},
+            "lm_head@8": {"torch": 3.0, "onednn": 2.0, "native": 1.0},
+            "lm_head@64": {"torch": 3.0, "onednn": 1.0, "native": 1.05},
+            "o@1": {"torch": 1.0, "onednn": 2.0, "native": 1.5},
+            "o@8": {"torch": 3.0, "onednn": 3.0, "native": 2.0},
+            "o@64": {"torch": 3.0, "onednn": 2.2, "native": 2.0},
+            "o@512": {"torch": 9.0, "onednn": 2.0, "native": 6.0},
+            "o@2048": {"torch": 9.0, "onednn": 2.0, "native": 6.0},
+        },
+    }
+    picks = {
+        role: linear_choice.one_copy_picks(choice, role) for role in ("gate_up", "lm_head", "o")
+    }
+    assert picks["gate_up"] == ["native", "native", "native", "native", "onednn"]
+    assert picks["lm_head"] == ["native"] * 5, "untimed classes follow the last timed one"
+    # NOTE: here oneDNN loses least overall (2.5 against 6), so the native kernel keeps the
+    # classes where it is more than SECOND_COPY_GAIN faster, and torch needs no copy.
+    assert picks["o"] == ["torch", "native", "onednn", "onednn", "onednn"]
+    one_backend = {**choice, "gate_up": ["native"] * 5}
+    assert linear_choice.one_copy_picks(one_backend, "gate_up") == ["native"] * 5
 
 
 def test_without_ram_for_copies_native_picks_take_the_next_fastest() -> None:

@@ -47,6 +47,13 @@ ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
 # NOTE: the prepared copies (about the model's size again per backend that needs one) are made
 # only if they fit this share of the free RAM, which leaves the rest to the KV cache.
 MAX_COPIED_SHARE = 0.5
+# NOTE: a projection runs from one prepared copy; a second backend's copy is made only for the
+# classes where it beats the first by this factor. Each copy is the projection's weights again
+# in fresh memory, and on a VM fresh pages can cost ~30 us each to fault in: on the AVX-512 EPYC
+# (Zen 4) oneDNN led the packed kernel by 2-10% at 512 and 2048 rows, and taking it there (a
+# second copy, made at the first prefill) made the 64-prompt e2e job 41.5-42.3 s against
+# 35.0-35.4 s with the packed kernel alone (6.8 against 2 s of system CPU).
+SECOND_COPY_GAIN = 1.15
 # NOTE: the row count oneDNN lays a reordered weight out for; it serves every row count, and a
 # layout for 64 rows ran 1-2048 rows as fast as each count's own on the AVX2 EPYC.
 PACKED_FOR_ROWS = 64
@@ -301,8 +308,9 @@ def choose_linear_backends(
 def settle_linears(
     backend: str, model: nn.Module, weights: dict[str, torch.Tensor], transposed_mlp: bool = True
 ) -> tuple[dict[str, Any], str] | None:
-    """The choice for `backend` ("auto" measures, "onednn" or "native" forces it; "torch" keeps
-    the model as built: None) over `weights` of `model` (none: None), and its line for the
+    """The choice for `backend` ("auto" measures, then keeps each projection to one prepared
+    copy where a second gains little: one_copy_picks; "onednn" or "native" forces it; "torch"
+    keeps the model as built: None) over `weights` of `model` (none: None), and its line for the
     manifest. The choice's "copies" lists the backends that run from prepared copies: every
     chosen one if a copy of `model` per backend fits MAX_COPIED_SHARE of the free RAM, else the
     native kernel's alone if one copy fits (oneDNN then runs from the plain weights), else none
@@ -316,6 +324,8 @@ def settle_linears(
     else:
         choice = choose_linear_backends(weights, transposed_mlp)
     roles = [role for role in ROLES if role in choice]
+    if backend == "auto":
+        choice = {**choice, **{role: one_copy_picks(choice, role) for role in roles}}
     chosen = [b for b in (NATIVE, "onednn") if any(b in choice[role] for role in roles)]
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     budget = psutil.virtual_memory().available * MAX_COPIED_SHARE
@@ -324,6 +334,31 @@ def settle_linears(
     if NATIVE not in copies:
         choice.update({role: without_native(choice, role) for role in roles})
     return choice, describe_linear_choice(choice, None if backend == "auto" else backend)
+
+
+def one_copy_picks(choice: dict[str, Any], role: str) -> list[str]:
+    """`choice[role]` with its classes that run from a prepared copy run by one backend: the
+    one that loses least, summed over those classes relative to each class's fastest; another
+    keeps a class only where it is SECOND_COPY_GAIN faster. Classes past the last timed one
+    (the LM head's) follow it."""
+    picks = list(choice[role])
+    timed = [choice.get("ms", {}).get(f"{role}@{rows}") for rows in choice["rows"]]
+    copied = [i for i, pick in enumerate(picks) if pick != "torch" and timed[i] is not None]
+    backends = {picks[i] for i in copied}
+    if len(backends) < 2:
+        return picks
+
+    def loss(backend: str) -> float:
+        return sum(timed[i][backend] / timed[i][picks[i]] for i in copied)  # type: ignore[index]
+
+    main = min(sorted(backends), key=loss)
+    for i, pick in enumerate(picks):
+        ms = timed[i]
+        if ms is None:
+            picks[i] = picks[i - 1] if i > 0 and pick != "torch" else pick
+        elif pick not in ("torch", main) and ms[main] <= ms[pick] * SECOND_COPY_GAIN:
+            picks[i] = main
+    return picks
 
 
 def without_native(choice: dict[str, Any], role: str) -> list[str]:
