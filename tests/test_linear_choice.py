@@ -298,6 +298,30 @@ def test_a_projection_takes_a_second_copy_only_where_it_gains_enough() -> None:
     assert linear_choice.one_copy_picks(one_backend, "gate_up") == ["native"] * 5
 
 
+def test_an_encoder_keeps_the_fastest_backend_per_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its steps are long prefills, so the copy for 512 and 2048 rows is the one it makes."""
+    model = nn.Linear(48, 80)
+    weights = dict.fromkeys(("qkv", "o", "gate_up", "down"), model.weight)
+    fast_small = {"torch": 3.0, "onednn": 2.0, "native": 1.0}
+    fast_large = {"torch": 9.0, "onednn": 5.0, "native": 5.25}
+    measured = {
+        "rows": list(TIMED_ROWS),
+        "mlp": [SEPARATE] * len(TIMED_ROWS),
+        "ms": {
+            f"{role}@{rows}": fast_small if rows < 512 else fast_large
+            for role in weights
+            for rows in TIMED_ROWS
+        },
+        **{role: ["native", "native", "native", "onednn", "onednn"] for role in weights},
+    }
+    monkeypatch.setattr(linear_choice, "choose_linear_backends", lambda *args: measured)
+    engine = settle_linears("auto", model, weights)
+    encoder = settle_linears("auto", model, weights, transposed_mlp=False, one_copy=False)
+    assert engine is not None and encoder is not None
+    assert engine[0]["gate_up"] == ["native"] * len(TIMED_ROWS)
+    assert encoder[0]["gate_up"] == measured["gate_up"]
+
+
 def test_without_ram_for_copies_native_picks_take_the_next_fastest() -> None:
     choice = {
         "rows": [1, 8],

@@ -80,6 +80,8 @@ class EncoderCore:
                 self.model,
                 self.model.linear_weights(),
                 transposed_mlp=False,
+                # NOTE: an encoder's steps are long prefills, so one class's copy serves nearly all.
+                one_copy=False,
             )
             if settled is not None:
                 self.model.use_linear_choice(settled[0])

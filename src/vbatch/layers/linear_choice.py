@@ -306,15 +306,21 @@ def choose_linear_backends(
 
 
 def settle_linears(
-    backend: str, model: nn.Module, weights: dict[str, torch.Tensor], transposed_mlp: bool = True
+    backend: str,
+    model: nn.Module,
+    weights: dict[str, torch.Tensor],
+    transposed_mlp: bool = True,
+    one_copy: bool = True,
 ) -> tuple[dict[str, Any], str] | None:
-    """The choice for `backend` ("auto" measures, then keeps each projection to one prepared
-    copy where a second gains little: one_copy_picks; "onednn" or "native" forces it; "torch"
-    keeps the model as built: None) over `weights` of `model` (none: None), and its line for the
-    manifest. The choice's "copies" lists the backends that run from prepared copies: every
-    chosen one if a copy of `model` per backend fits MAX_COPIED_SHARE of the free RAM, else the
-    native kernel's alone if one copy fits (oneDNN then runs from the plain weights), else none
-    (and the native picks fall back to the next fastest candidate timed for their class)."""
+    """The choice for `backend` ("auto" measures, then with `one_copy` keeps each projection to
+    one prepared copy where a second gains little: one_copy_picks, for an engine whose steps
+    range from one row to full prefills; "onednn" or "native" forces it; "torch" keeps the model
+    as built: None) over `weights` of `model` (none: None), and its line for the manifest.
+
+    The choice's "copies" lists the backends that run from prepared copies: every chosen one if
+    a copy of `model` per backend fits MAX_COPIED_SHARE of the free RAM, else the native
+    kernel's alone if one copy fits (oneDNN then runs from the plain weights), else none (and
+    the native picks fall back to the next fastest candidate timed for their class)."""
     if backend == "torch" or not weights:
         return None
     if backend == NATIVE and not native.is_available():
@@ -324,7 +330,7 @@ def settle_linears(
     else:
         choice = choose_linear_backends(weights, transposed_mlp)
     roles = [role for role in ROLES if role in choice]
-    if backend == "auto":
+    if backend == "auto" and one_copy:
         choice = {**choice, **{role: one_copy_picks(choice, role) for role in roles}}
     chosen = [b for b in (NATIVE, "onednn") if any(b in choice[role] for role in roles)]
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
