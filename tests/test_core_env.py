@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,10 +47,28 @@ def core_environ(pid: int) -> dict[str, str]:
     return dict(entry.decode().split("=", 1) for entry in entries if b"=" in entry)
 
 
-def start_core(model_dir: Path) -> tuple[EngineCoreClient, dict[str, str]]:
+def start_core(model_dir: Path) -> tuple[EngineCoreClient, dict[str, str], str]:
+    """A core on the tiny model: its client, the environment it was exec'd with, and the OpenMP
+    waits it reports (its note, which it reads from its own environment)."""
     client = EngineCoreClient(EngineConfig(model=str(model_dir), device="cpu", num_threads=1))
-    assert client.pid is not None
-    return client, core_environ(client.pid)
+    assert client.pid is not None and client.info is not None
+    (note,) = [n for n in client.info.kernels if n.startswith("OpenMP waits")]
+    return client, core_environ(client.pid), note
+
+
+@pytest.fixture
+def spawn_environments(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, str | None]]:
+    """The wait variables in this process's environment at each process start: a core's are
+    passed to it, never set here, where another thread may be forking at the same moment."""
+    seen: list[dict[str, str | None]] = []
+    start = multiprocessing.process.BaseProcess.start
+
+    def recording_start(process: multiprocessing.process.BaseProcess) -> None:
+        seen.append({name: os.environ.get(name) for name in WAIT_VARIABLES})
+        start(process)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", recording_start)
+    return seen
 
 
 @pytest.mark.parametrize(
@@ -60,13 +78,11 @@ def test_the_users_openmp_waits_reach_the_core_unchanged(
     chosen: dict[str, str], no_policy: None, tiny_model_dir: Path
 ) -> None:
     os.environ.update(chosen)
-    client, environ = start_core(tiny_model_dir)
+    client, environ, note = start_core(tiny_model_dir)
     try:
         assert {name: environ.get(name) for name in WAIT_VARIABLES} == {
             name: chosen.get(name) for name in WAIT_VARIABLES
         }
-        assert client.info is not None
-        (note,) = [n for n in client.info.kernels if n.startswith("OpenMP waits")]
         ((name, value),) = chosen.items()
         assert note == f"OpenMP waits: the environment's ({name}={value})"
     finally:
@@ -74,17 +90,20 @@ def test_the_users_openmp_waits_reach_the_core_unchanged(
 
 
 def test_core_threads_sleep_at_once_on_a_busy_machine(
-    no_policy: None, busy_cpus: None, tiny_model_dir: Path
+    no_policy: None,
+    busy_cpus: None,
+    spawn_environments: list[dict[str, str | None]],
+    tiny_model_dir: Path,
 ) -> None:
-    client, environ = start_core(tiny_model_dir)
+    client, environ, note = start_core(tiny_model_dir)
     try:
-        assert environ["OMP_WAIT_POLICY"] == "PASSIVE"
-        assert "GOMP_SPINCOUNT" not in environ
-        assert environ[openmp_waits.WAITS_NOTE_VARIABLE].startswith("sleep at once")
-        assert client.info is not None
-        assert f"OpenMP waits: {environ[openmp_waits.WAITS_NOTE_VARIABLE]}" in client.info.kernels
+        assert note.startswith("OpenMP waits: sleep at once")
+        assert not any(name in environ for name in WAIT_VARIABLES), "set in the core, not here"
     finally:
         client.shutdown()
+    assert spawn_environments and all(
+        value is None for seen in spawn_environments for value in seen.values()
+    )
     assert not any(name in os.environ for name in WAIT_VARIABLES)
 
 
@@ -130,23 +149,20 @@ def test_free_cpus_counts_this_process_as_free(monkeypatch: pytest.MonkeyPatch) 
     assert busy_here is not None and 0.2 < busy_here <= 1.1
 
 
-def exec_done(pid: int, timeout_s: float = 60.0) -> None:
-    """Wait until a just-spawned child runs its own program: before its exec, /proc shows the
-    environment this process started with."""
-    deadline = time.monotonic() + timeout_s
-    while b"spawn_main" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-        assert time.monotonic() < deadline, "the spawned core never ran its own program"
-        time.sleep(0.01)
-
-
-def test_the_preloaded_core_gets_its_waits_at_its_spawn(no_policy: None, busy_cpus: None) -> None:
+def test_the_preloaded_core_gets_its_waits_at_its_spawn(
+    no_policy: None,
+    busy_cpus: None,
+    spawn_environments: list[dict[str, str | None]],
+    tiny_model_dir: Path,
+) -> None:
     preload.preload_core()
-    proc = preload._preloaded[0]  # type: ignore[index]
+    preloaded = preload._preloaded[0]  # type: ignore[index]
     try:
-        exec_done(proc.pid)
-        environ = core_environ(proc.pid)
-        assert environ["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in environ
-        assert environ[openmp_waits.WAITS_NOTE_VARIABLE].startswith("sleep at once")
+        client, _, note = start_core(tiny_model_dir)
+        assert client.pid == preloaded.pid, "the job adopted the preloaded core"
+        client.shutdown()
     finally:
         preload.discard_preloaded()
+    assert note.startswith("OpenMP waits: sleep at once")
+    assert all(value is None for seen in spawn_environments for value in seen.values())
     assert not any(name in os.environ for name in WAIT_VARIABLES)

@@ -31,7 +31,7 @@ from vbatch.config import (
     CorePlacement,
     EngineConfig,
 )
-from vbatch.engine.openmp_waits import core_environment
+from vbatch.engine.openmp_waits import openmp_waits
 from vbatch.engine.preload import adopt_preloaded, main_module_hidden, spawn_context
 from vbatch.errors import EngineDeadError, EngineStartupError, VbatchError
 from vbatch.protocol import (
@@ -578,8 +578,11 @@ def _spawn_core(
     from vbatch.engine.core_process import run_engine_core
 
     ctx = spawn_context()
-    proc = ctx.Process(target=run_engine_core, args=args, name="vbatch-engine-core", daemon=True)
-    with main_module_hidden(), core_environment(config.num_threads):
+    waits = openmp_waits(config.num_threads)
+    proc = ctx.Process(
+        target=run_engine_core, args=(*args, waits), name="vbatch-engine-core", daemon=True
+    )
+    with main_module_hidden():
         proc.start()
     return proc
 

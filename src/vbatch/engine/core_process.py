@@ -25,6 +25,7 @@ from typing import Any
 import zmq
 
 from vbatch.config import FIRST_STEP_FACTOR, SLOW_STEP_FACTOR, CorePlacement, EngineConfig
+from vbatch.engine.openmp_waits import set_core_waits
 from vbatch.errors import VbatchError
 from vbatch.protocol import (
     Abort,
@@ -69,12 +70,17 @@ def run_engine_core(
     parent_pid: int,
     ipc_dir: str | None = None,
     placement: CorePlacement | None = None,
+    waits: dict[str, str] | None = None,
 ) -> None:
     """Process entry: connect to the client, start the engine, serve requests until Shutdown.
 
     `ipc_dir`, the client's socket directory, is removed here if the client dies first.
-    `placement` (one core of several) is applied first, before torch is imported.
+    `waits` (engine/openmp_waits.py) and `placement` (one core of several) are applied first,
+    before torch is imported; a preloaded core, which imported it already, took its waits at
+    its own spawn.
     """
+    if waits:
+        set_core_waits(waits)
     if placement is not None:
         apply_placement(placement)
     # NOTE: the client spawns the core with SIGINT and SIGTERM blocked, so neither can kill it

@@ -6,10 +6,8 @@ This module stays light (no torch): the CLI's entry imports it before spawning t
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from collections.abc import Iterator
 
 # NOTE: libgomp reads these when torch loads it, so a core's are fixed when it is spawned.
 _WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
@@ -87,18 +85,9 @@ def describe_openmp_waits() -> str:
     return f"OpenMP waits: the environment's ({chosen or 'libgomp defaults'})"
 
 
-@contextlib.contextmanager
-def core_environment(threads: int | None) -> Iterator[None]:
-    """This process's environment, while a core is spawned here, with the core's OpenMP waits
-    (`openmp_waits`); restored afterwards."""
-    waits = openmp_waits(threads)
-    saved = {name: os.environ.get(name) for name in waits}
+def set_core_waits(waits: dict[str, str]) -> None:
+    """In a just-spawned core, before torch loads libgomp: take the waits its spawner chose
+    (`openmp_waits`). The spawner passes them as an argument rather than through its own
+    environment, which another thread may be forking from at the time (`-dp` spawns its cores
+    from one thread each)."""
     os.environ.update(waits)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
-from vbatch.engine.openmp_waits import core_environment
+from vbatch.engine.openmp_waits import openmp_waits, set_core_waits
 
 _OWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _JOIN_S = 5.0
@@ -76,9 +76,12 @@ def preload_core() -> None:
     ctx = spawn_context()
     reader, writer = ctx.Pipe(duplex=False)
     proc = ctx.Process(
-        target=_run_preloaded, args=(reader,), name="vbatch-engine-core", daemon=True
+        target=_run_preloaded,
+        args=(reader, openmp_waits(None)),
+        name="vbatch-engine-core",
+        daemon=True,
     )
-    with own_signals_blocked(), main_module_hidden(), core_environment(None):
+    with own_signals_blocked(), main_module_hidden():
         proc.start()
     reader.close()
     with _lock:
@@ -118,9 +121,11 @@ def discard_preloaded() -> None:
     proc.join()
 
 
-def _run_preloaded(conn: Connection) -> None:
-    """Process entry: ignore the parent's signals, import the engine, then run the core with the
-    arguments sent on `conn`; exit at once if the parent closes it unused (or dies)."""
+def _run_preloaded(conn: Connection, waits: dict[str, str]) -> None:
+    """Process entry: ignore the parent's signals, take the OpenMP `waits`, import the engine,
+    then run the core with the arguments sent on `conn`; exit at once if the parent closes it
+    unused (or dies)."""
+    set_core_waits(waits)
     for signum in _OWN_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
