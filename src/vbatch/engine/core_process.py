@@ -26,6 +26,7 @@ import zmq
 
 from vbatch.config import FIRST_STEP_FACTOR, SLOW_STEP_FACTOR, CorePlacement, EngineConfig
 from vbatch.engine.openmp_waits import set_core_waits
+from vbatch.engine.startup_gc import pause_collection, resume_collection
 from vbatch.errors import VbatchError
 from vbatch.protocol import (
     Abort,
@@ -77,8 +78,9 @@ def run_engine_core(
     `ipc_dir`, the client's socket directory, is removed here if the client dies first.
     `waits` (engine/openmp_waits.py) and `placement` (one core of several) are applied first,
     before torch is imported; a preloaded core, which imported it already, took its waits at
-    its own spawn.
+    its own spawn. The garbage collector pauses until the engine is built (engine/startup_gc.py).
     """
+    pause_collection()
     if waits:
         set_core_waits(waits)
     if placement is not None:
@@ -230,6 +232,7 @@ def _serve(config: EngineConfig, in_q: queue.Queue, out_q: queue.Queue, watchdog
         return 1
     info = core.info
     out_q.put(info)
+    resume_collection()
     import torch
 
     try:

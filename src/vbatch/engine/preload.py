@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from vbatch.engine.openmp_waits import openmp_waits, set_core_waits
+from vbatch.engine.startup_gc import pause_collection
 
 _OWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _JOIN_S = 5.0
@@ -125,6 +126,7 @@ def _run_preloaded(conn: Connection, waits: dict[str, str]) -> None:
     """Process entry: ignore the parent's signals, take the OpenMP `waits`, import the engine,
     then run the core with the arguments sent on `conn`; exit at once if the parent closes it
     unused (or dies)."""
+    pause_collection()
     set_core_waits(waits)
     for signum in _OWN_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
