@@ -3,7 +3,10 @@ CLI's own imports for the commands that run one core (engine/preload.py)."""
 
 from __future__ import annotations
 
+import atexit
+import os
 import sys
+import threading
 
 from vbatch.engine.preload import discard_preloaded, preload_core
 
@@ -26,8 +29,38 @@ def main() -> None:
         from vbatch.cli import main as cli_main
 
         cli_main()
+    except SystemExit as e:
+        exit_now(e.code)
     finally:
         discard_preloaded()
+
+
+def exit_now(code: int | str | None) -> None:
+    """End the command with `code` as sys.exit would, less the interpreter's teardown.
+
+    By the time a command returns, its job has closed every file and engine it opened. What is
+    left is the teardown of ~600 modules, which took 0.11-0.15 s of a 3 s one-row job (mostly
+    the collector's passes). The exit hooks still run (logging, multiprocessing, Ray), and the
+    standard streams are flushed; with a non-daemon thread still running, the exit is the usual
+    one, which waits for it.
+    """
+    if any(not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        raise SystemExit(code)
+    discard_preloaded()
+    atexit._run_exitfuncs()
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:
+        print(code, file=sys.stderr)
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            status = status or 1
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,68 @@
+"""The command's exit (vbatch/__main__.py): sys.exit's status and effects, without the
+interpreter's teardown."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "stderr"),
+    [("None", 0, ""), ("0", 0, ""), ("3", 3, ""), ("'no input'", 1, "no input\n")],
+)
+def test_exit_now_ends_with_sys_exit_status(code: str, status: int, stderr: str) -> None:
+    done = run_python(f"from vbatch.__main__ import exit_now; exit_now({code})")
+    assert (done.returncode, done.stderr) == (status, stderr)
+
+
+def test_exit_now_runs_exit_hooks_and_flushes_unterminated_output(tmp_path: Path) -> None:
+    marker = tmp_path / "hook-ran"
+    done = run_python(
+        "import atexit, pathlib, sys\n"
+        "from vbatch.__main__ import exit_now\n"
+        f"atexit.register(pathlib.Path({str(marker)!r}).write_text, 'yes')\n"
+        "sys.stdout.write('partial line, no newline')\n"
+        "sys.stderr.write('err without newline')\n"
+        "exit_now(0)\n"
+    )
+    assert done.returncode == 0
+    assert marker.read_text() == "yes"
+    assert done.stdout == "partial line, no newline"
+    assert done.stderr == "err without newline"
+
+
+def test_exit_now_waits_for_a_running_non_daemon_thread(tmp_path: Path) -> None:
+    marker = tmp_path / "thread-finished"
+    done = run_python(
+        "import pathlib, threading, time\n"
+        "from vbatch.__main__ import exit_now\n"
+        "def work():\n"
+        "    time.sleep(0.5)\n"
+        f"    pathlib.Path({str(marker)!r}).write_text('done')\n"
+        "threading.Thread(target=work).start()\n"
+        "exit_now(5)\n"
+    )
+    assert done.returncode == 5
+    assert marker.read_text() == "done"
+
+
+def test_the_command_line_exits_with_its_status() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "vbatch", "no-such-command"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "No such command" in done.stderr
