@@ -35,7 +35,11 @@ namespace {
 template <typename cache_t>
 inline void widen(const cache_t* values, int64_t n, float* dst) {
   if constexpr (std::is_same_v<cache_t, float>) {
-    std::copy_n(values, n, dst);
+    // NOTE: rows are short (a head, 64-128 floats), and a memmove call per row cost more than
+    // the copy.
+    int64_t i = 0;
+    for (; i + kNumLanes <= n; i += kNumLanes) lanes_store(dst + i, lanes_load(values + i));
+    for (; i < n; ++i) dst[i] = values[i];
   } else {
     int64_t i = 0;
 #if defined(__AVX512F__)
@@ -563,6 +567,19 @@ struct Tile {
   int64_t context_len;  // keys the tile's last row sees
 };
 
+// Consecutive tiles of one sequence and KV head, [begin, end) in the tile list, attended in
+// order by one thread: each tile's context is the last one's plus its own rows, so most of the
+// K/V it reads is still in that core's L2.
+struct TileRun {
+  int64_t begin;
+  int64_t end;
+  int64_t work;  // keys summed over the run's tiles
+};
+
+// Tiles per run: enough for the L2 reuse, few enough that one long prompt still makes many
+// runs to share among threads.
+constexpr int64_t kTilesPerRun = 4;
+
 // The score a masked key gets in the tiled kernel: finite, so that a lane whose every key in a
 // step is masked (before its sliding window starts) keeps a finite running max; its weight
 // exp(kMaskedScore - max) underflows to ~0 as soon as the lane sees a real key.
@@ -570,13 +587,21 @@ constexpr float kMaskedScore = -1e30f;
 
 // Online-softmax step of one query head's tile over kNumLanes keys, all in registers.
 // q_t: [head_dim, kNumLanes] (scaled), o_t: [head_dim, kNumLanes] unnormalised output; k_rows
-// and v_rows: kNumLanes rows of head_dim floats, `stride` apart. With `seen_from` given, key j
-// is seen only by lanes [seen_from[j], seen_to[j]); softcap > 0 caps the scores.
-// running_max and running_sum: kNumLanes floats each, carried from step to step.
+// and v_rows: kNumLanes rows of head_dim floats, `stride` apart. D > 0 fixes head_dim and the
+// stride to D at compile time, so that the keys' 16 rows are one base address plus constant
+// offsets (a runtime stride needed a register per row, and the spilled ones went through vector
+// registers on every load). With `seen_from` given, key j is seen only by lanes [seen_from[j],
+// seen_to[j]); softcap > 0 caps the scores. running_max and running_sum: kNumLanes floats each,
+// carried from step to step.
+template <int64_t D>
 inline void tile_step(const float* q_t, float* o_t, float* running_max, float* running_sum,
                       const float* k_rows, const float* v_rows, int64_t stride,
                       int64_t head_dim, float softcap, const int64_t* seen_from,
                       const int64_t* seen_to) {
+  if constexpr (D > 0) {
+    head_dim = D;
+    stride = D;
+  }
   Lanes s[kNumLanes];
 #pragma GCC unroll 16
   for (int64_t j = 0; j < kNumLanes; ++j) s[j] = lanes_zero();
@@ -611,7 +636,26 @@ inline void tile_step(const float* q_t, float* o_t, float* running_max, float* r
     block_sum = lanes_add(block_sum, s[j]);
   }
   lanes_store(running_sum, lanes_fmadd(lanes_load(running_sum), correction, block_sum));
-  for (int64_t d = 0; d < head_dim; ++d) {
+  // NOTE: four output dims at a time: each is a chain of kNumLanes dependent FMAs, and one
+  // chain alone waits on the FMA latency at every step.
+  int64_t d = 0;
+  for (; d + 4 <= head_dim; d += 4) {
+    Lanes o[4];
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < 4; ++i) {
+      o[i] = lanes_mul(lanes_load(o_t + (d + i) * kNumLanes), correction);
+    }
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < kNumLanes; ++j) {
+#pragma GCC unroll 4
+      for (int64_t i = 0; i < 4; ++i) {
+        o[i] = lanes_fmadd(lanes_set1(v_rows[j * stride + d + i]), s[j], o[i]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < 4; ++i) lanes_store(o_t + (d + i) * kNumLanes, o[i]);
+  }
+  for (; d < head_dim; ++d) {
     Lanes o = lanes_mul(lanes_load(o_t + d * kNumLanes), correction);
 #pragma GCC unroll 16
     for (int64_t j = 0; j < kNumLanes; ++j) {
@@ -625,16 +669,18 @@ inline void tile_step(const float* q_t, float* o_t, float* running_max, float* r
 // tile's tokens and the group's heads. Keys come straight from a float32 cache when a step's
 // keys share a block, else they are copied (widened, zero-padded) into a scratch block. No slot
 // outside the context, or before the tile's first query's window, is read.
-template <typename scalar_t, typename cache_t>
-void tiled_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
-                          const at::Tensor& v_cache, const std::vector<Tile>& tiles,
-                          const int32_t* block_tables, int64_t max_num_blocks,
-                          const ScoreRule& rule, at::Tensor& out) {
-  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
-  if (num_tiles == 0) return;
+template <int64_t D, typename scalar_t, typename cache_t>
+void tiled_attention_run(const at::Tensor& q, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache, const std::vector<Tile>& tiles,
+                         const std::vector<TileRun>& runs, const int32_t* block_tables,
+                         int64_t max_num_blocks, const ScoreRule& rule, at::Tensor& out) {
+  const int64_t num_runs = static_cast<int64_t>(runs.size());
   const auto [num_heads, head_dim, block_size, num_kv_heads, group, q_token_stride,
               q_head_stride, row_stride, block_stride] = attention_shape(q, k_cache);
-  const bool is_direct = std::is_same_v<cache_t, float> && block_size % kNumLanes == 0;
+  // NOTE: with a compile-time head_dim, every step's rows are copied: the copy costs less than
+  // the runtime stride of reading them in place.
+  const bool is_direct =
+      D == 0 && std::is_same_v<cache_t, float> && block_size % kNumLanes == 0;
   const scalar_t* q_data = q.const_data_ptr<scalar_t>();
   const cache_t* k_data = k_cache.const_data_ptr<cache_t>();
   const cache_t* v_data = v_cache.const_data_ptr<cache_t>();
@@ -653,98 +699,124 @@ void tiled_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
     int64_t seen_from[kNumLanes], seen_to[kNumLanes];
 
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_tiles; ++i) {
-      const Tile& tile = tiles[i];
-      const int32_t* block_table = block_tables + tile.seq * max_num_blocks;
-      // NOTE: lane l holds the query at position first_pos + l; padding lanes stay zero.
-      const int64_t first_pos = tile.context_len - tile.num_rows;
-      std::fill(q_t.begin(), q_t.end(), 0.0f);
-      std::fill(o_t.begin(), o_t.end(), 0.0f);
-      std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(running_sum.begin(), running_sum.end(), 0.0f);
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t h = tile.kv_head * group + g;
-        float* q_head = q_t.data() + g * head_dim * kNumLanes;
-        for (int64_t l = 0; l < tile.num_rows; ++l) {
-          const scalar_t* q_row =
-              q_data + (tile.first_row + l) * q_token_stride + h * q_head_stride;
-          for (int64_t d = 0; d < head_dim; ++d) {
-            q_head[d * kNumLanes + l] = static_cast<float>(q_row[d]) * scale;
-          }
-        }
-      }
-
-      // NOTE: steps stay kNumLanes-aligned (a float32 cache is read in place); with a window
-      // they start at lane 0's first key, and a later lane's earlier keys are masked.
-      const int64_t first_key = window_start(first_pos + 1, rule.window);
-      for (int64_t start = first_key - first_key % kNumLanes; start < tile.context_len;
-           start += kNumLanes) {
-        const int64_t num_keys = std::min(kNumLanes, tile.context_len - start);
-        const float* k_rows;
-        const float* v_rows;
-        int64_t stride;
-        // NOTE: keys before lane 0's window are no lane's; they are zeros, never read.
-        if (is_direct && num_keys == kNumLanes && start >= first_key) {
-          const int64_t offset = block_table[start / block_size] * block_stride +
-                                 (start % block_size) * row_stride + tile.kv_head * head_dim;
-          k_rows = reinterpret_cast<const float*>(k_data + offset);
-          v_rows = reinterpret_cast<const float*>(v_data + offset);
-          stride = row_stride;
-        } else {
-          for (int64_t j = 0; j < kNumLanes; ++j) {
-            float* k_dst = k_buf.data() + j * head_dim;
-            float* v_dst = v_buf.data() + j * head_dim;
-            if (j < num_keys && start + j >= first_key) {
-              const int64_t pos = start + j;
-              const int64_t offset = block_table[pos / block_size] * block_stride +
-                                     (pos % block_size) * row_stride + tile.kv_head * head_dim;
-              widen(k_data + offset, head_dim, k_dst);
-              widen(v_data + offset, head_dim, v_dst);
-            } else {
-              std::fill_n(k_dst, head_dim, 0.0f);
-              std::fill_n(v_dst, head_dim, 0.0f);
+    for (int64_t r = 0; r < num_runs; ++r) {
+      for (int64_t i = runs[r].begin; i < runs[r].end; ++i) {
+        const Tile& tile = tiles[i];
+        const int32_t* block_table = block_tables + tile.seq * max_num_blocks;
+        // NOTE: lane l holds the query at position first_pos + l; padding lanes stay zero.
+        const int64_t first_pos = tile.context_len - tile.num_rows;
+        std::fill(q_t.begin(), q_t.end(), 0.0f);
+        std::fill(o_t.begin(), o_t.end(), 0.0f);
+        std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
+        std::fill(running_sum.begin(), running_sum.end(), 0.0f);
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t h = tile.kv_head * group + g;
+          float* q_head = q_t.data() + g * head_dim * kNumLanes;
+          for (int64_t l = 0; l < tile.num_rows; ++l) {
+            const scalar_t* q_row =
+                q_data + (tile.first_row + l) * q_token_stride + h * q_head_stride;
+            for (int64_t d = 0; d < head_dim; ++d) {
+              q_head[d * kNumLanes + l] = static_cast<float>(q_row[d]) * scale;
             }
           }
-          k_rows = k_buf.data();
-          v_rows = v_buf.data();
-          stride = head_dim;
         }
-        // NOTE: only steps reaching past the tile's first position need the causal mask, and
-        // only steps before its last lane's window start need the window's.
-        const bool is_masked =
-            start + kNumLanes - 1 > first_pos ||
-            (rule.window > 0 && start < first_pos + kNumLanes - rule.window);
-        if (is_masked) {
-          // Key start + j is seen by lanes l with start + j <= first_pos + l (causal) and
-          // first_pos + l - window < start + j (window).
-          for (int64_t j = 0; j < kNumLanes; ++j) {
-            seen_from[j] = std::clamp<int64_t>(start + j - first_pos, 0, kNumLanes);
-            seen_to[j] = rule.window > 0 ? std::clamp<int64_t>(start + j - first_pos + rule.window,
-                                                               0, kNumLanes)
-                                         : kNumLanes;
+
+        // NOTE: steps stay kNumLanes-aligned (a float32 cache is read in place); with a window
+        // they start at lane 0's first key, and a later lane's earlier keys are masked.
+        const int64_t first_key = window_start(first_pos + 1, rule.window);
+        for (int64_t start = first_key - first_key % kNumLanes; start < tile.context_len;
+             start += kNumLanes) {
+          const int64_t num_keys = std::min(kNumLanes, tile.context_len - start);
+          const float* k_rows;
+          const float* v_rows;
+          int64_t stride;
+          // NOTE: keys before lane 0's window are no lane's; they are zeros, never read.
+          if (is_direct && num_keys == kNumLanes && start >= first_key) {
+            const int64_t offset = block_table[start / block_size] * block_stride +
+                                   (start % block_size) * row_stride + tile.kv_head * head_dim;
+            k_rows = reinterpret_cast<const float*>(k_data + offset);
+            v_rows = reinterpret_cast<const float*>(v_data + offset);
+            stride = row_stride;
+          } else {
+            int64_t block = start / block_size, block_row = start % block_size;
+            for (int64_t j = 0; j < kNumLanes; ++j, ++block_row) {
+              if (block_row == block_size) {
+                ++block;
+                block_row = 0;
+              }
+              float* k_dst = k_buf.data() + j * head_dim;
+              float* v_dst = v_buf.data() + j * head_dim;
+              if (j < num_keys && start + j >= first_key) {
+                const int64_t offset = block_table[block] * block_stride + block_row * row_stride +
+                                       tile.kv_head * head_dim;
+                widen(k_data + offset, head_dim, k_dst);
+                widen(v_data + offset, head_dim, v_dst);
+              } else {
+                std::fill_n(k_dst, head_dim, 0.0f);
+                std::fill_n(v_dst, head_dim, 0.0f);
+              }
+            }
+            k_rows = k_buf.data();
+            v_rows = v_buf.data();
+            stride = head_dim;
+          }
+          // NOTE: only steps reaching past the tile's first position need the causal mask, and
+          // only steps before its last lane's window start need the window's.
+          const bool is_masked =
+              start + kNumLanes - 1 > first_pos ||
+              (rule.window > 0 && start < first_pos + kNumLanes - rule.window);
+          if (is_masked) {
+            // Key start + j is seen by lanes l with start + j <= first_pos + l (causal) and
+            // first_pos + l - window < start + j (window).
+            for (int64_t j = 0; j < kNumLanes; ++j) {
+              seen_from[j] = std::clamp<int64_t>(start + j - first_pos, 0, kNumLanes);
+              seen_to[j] = rule.window > 0
+                               ? std::clamp<int64_t>(start + j - first_pos + rule.window, 0,
+                                                     kNumLanes)
+                               : kNumLanes;
+            }
+          }
+          for (int64_t g = 0; g < group; ++g) {
+            tile_step<D>(q_t.data() + g * head_dim * kNumLanes,
+                         o_t.data() + g * head_dim * kNumLanes, running_max.data() + g * kNumLanes,
+                         running_sum.data() + g * kNumLanes, k_rows, v_rows, stride, head_dim,
+                         rule.softcap, is_masked ? seen_from : nullptr, seen_to);
           }
         }
-        for (int64_t g = 0; g < group; ++g) {
-          tile_step(q_t.data() + g * head_dim * kNumLanes, o_t.data() + g * head_dim * kNumLanes,
-                    running_max.data() + g * kNumLanes, running_sum.data() + g * kNumLanes,
-                    k_rows, v_rows, stride, head_dim, rule.softcap,
-                    is_masked ? seen_from : nullptr, seen_to);
-        }
-      }
 
-      for (int64_t g = 0; g < group; ++g) {
-        const float* sums = running_sum.data() + g * kNumLanes;
-        const float* o_head = o_t.data() + g * head_dim * kNumLanes;
-        const int64_t h = tile.kv_head * group + g;
-        for (int64_t l = 0; l < tile.num_rows; ++l) {
-          const float inv_sum = 1.0f / sums[l];
-          scalar_t* out_row = out_data + ((tile.first_row + l) * num_heads + h) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) {
-            out_row[d] = static_cast<scalar_t>(o_head[d * kNumLanes + l] * inv_sum);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* sums = running_sum.data() + g * kNumLanes;
+          const float* o_head = o_t.data() + g * head_dim * kNumLanes;
+          const int64_t h = tile.kv_head * group + g;
+          for (int64_t l = 0; l < tile.num_rows; ++l) {
+            const float inv_sum = 1.0f / sums[l];
+            scalar_t* out_row = out_data + ((tile.first_row + l) * num_heads + h) * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) {
+              out_row[d] = static_cast<scalar_t>(o_head[d * kNumLanes + l] * inv_sum);
+            }
           }
         }
       }
     }
+  }
+}
+
+// Attends every tile (see tiled_attention_run), with the head dim fixed at compile time where
+// it is a common one.
+template <typename scalar_t, typename cache_t>
+void tiled_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const std::vector<Tile>& tiles,
+                          const std::vector<TileRun>& runs, const int32_t* block_tables,
+                          int64_t max_num_blocks, const ScoreRule& rule, at::Tensor& out) {
+  if (runs.empty()) return;
+  const auto run = [&](auto head_dim) {
+    tiled_attention_run<decltype(head_dim)::value, scalar_t, cache_t>(
+        q, k_cache, v_cache, tiles, runs, block_tables, max_num_blocks, rule, out);
+  };
+  switch (q.size(2)) {
+    case 64: return run(std::integral_constant<int64_t, 64>{});
+    case 128: return run(std::integral_constant<int64_t, 128>{});
+    default: return run(std::integral_constant<int64_t, 0>{});
   }
 }
 
@@ -776,6 +848,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
               "query_start_loc must run from 0 to num_tokens");
   std::vector<int64_t> token_seq(num_tokens), tokens;
   std::vector<Tile> tiles;
+  std::vector<TileRun> runs;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t query_len = starts[seq + 1] - starts[seq];
     TORCH_CHECK(query_len >= 0 && query_len <= lens[seq],
@@ -793,31 +866,36 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
       for (int64_t token = starts[seq]; token < starts[seq + 1]; ++token) tokens.push_back(token);
       continue;
     }
-    for (int64_t first = 0; first < query_len; first += kNumLanes) {
-      const int64_t num_rows = std::min(kNumLanes, query_len - first);
-      const int64_t context_len = lens[seq] - query_len + first + num_rows;
-      for (int64_t kv_head = 0; kv_head < k_cache.size(2); ++kv_head) {
+    for (int64_t kv_head = 0; kv_head < k_cache.size(2); ++kv_head) {
+      for (int64_t first = 0; first < query_len; first += kNumLanes) {
+        const int64_t num_rows = std::min(kNumLanes, query_len - first);
+        const int64_t context_len = lens[seq] - query_len + first + num_rows;
+        const int64_t index = static_cast<int64_t>(tiles.size());
         tiles.push_back({seq, starts[seq] + first, num_rows, kv_head, context_len});
+        if (first % (kTilesPerRun * kNumLanes) == 0) {
+          runs.push_back({index, index, 0});
+        }
+        runs.back().end = index + 1;
+        runs.back().work += context_len;
       }
     }
   }
-  // NOTE: the longest contexts first, so the dynamic schedule ends on short items.
-  std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) {
-    return a.context_len > b.context_len;
-  });
+  // NOTE: the most work first, so the dynamic schedule ends on short items.
+  std::stable_sort(runs.begin(), runs.end(),
+                   [](const TileRun& a, const TileRun& b) { return a.work > b.work; });
 
   at::Tensor out = at::empty(q.sizes(), q.options());
   const bool is_widened = q.scalar_type() != k_cache.scalar_type();
   VBATCH_DISPATCH_KV_TYPES(k_cache.scalar_type(), "paged_attention_cpu", [&] {
     using cache_t = scalar_t;
     if (is_widened) {
-      tiled_attention_impl<float, cache_t>(q, k_cache, v_cache, tiles, tables, max_num_blocks,
-                                           rule, out);
+      tiled_attention_impl<float, cache_t>(q, k_cache, v_cache, tiles, runs, tables,
+                                           max_num_blocks, rule, out);
       decode_attention<float, cache_t>(q, k_cache, v_cache, tokens, token_seq, starts, lens,
                                        tables, max_num_blocks, rule, out);
     } else {
-      tiled_attention_impl<cache_t, cache_t>(q, k_cache, v_cache, tiles, tables, max_num_blocks,
-                                             rule, out);
+      tiled_attention_impl<cache_t, cache_t>(q, k_cache, v_cache, tiles, runs, tables,
+                                             max_num_blocks, rule, out);
       decode_attention<cache_t, cache_t>(q, k_cache, v_cache, tokens, token_seq, starts, lens,
                                          tables, max_num_blocks, rule, out);
     }
