@@ -71,6 +71,26 @@ def test_a_copy_is_made_at_its_class_first_call_and_counted_until_then() -> None
     assert chosen.prepared["native"] is native_copy, "a copy is made once"
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_swiglu_projection_gives_silu_mul_and_its_plain_output(bias: bool) -> None:
+    """Packed for SwiGLU, a gate/up projection's native classes give silu(gate) * up in one pass,
+    and its plain output where asked (the columns put back), with the bits of the plain
+    packing; other classes give no one-pass result."""
+    linear = nn.Linear(48, 2 * 37, bias=bias)
+    backends = ("native", "native", "torch", "native", "onednn")
+    plain = ChosenLinear(linear, backends)
+    chosen = ChosenLinear(linear, backends, swiglu_size=37)
+    for rows in (1, 5, 600):
+        x = torch.randn(rows, 48)
+        want = plain(x)
+        assert torch.equal(chosen(x), want)
+        assert torch.equal(chosen.swiglu(x), torch.ops.vbatch.silu_mul(*want.split(37, dim=-1)))
+        assert chosen.swiglu(x[None]).shape == (1, rows, 37)
+    assert list(chosen.prepared) == ["native"]
+    assert chosen.swiglu(torch.randn(30, 48)) is None
+    assert chosen.swiglu(torch.randn(3000, 48)) is None
+
+
 @pytest.mark.parametrize("backend", ["torch", "onednn", "onednn-reordered", "native-packed"])
 def test_head_tiles_cover_the_vocabulary(backend: str) -> None:
     generator = torch.Generator().manual_seed(0)

@@ -894,6 +894,43 @@ def test_packed_linear_gives_each_row_the_same_bits_in_any_batch(ops: None) -> N
         )
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    ("rows", "intermediate", "in_features"),
+    [(1, 8, 9), (5, 37, 20), (13, 1536, 576), (64, 100, 64), (70, 16, 1), (600, 48, 40)],
+)
+def test_packed_swiglu_gives_the_bits_of_packed_linear_then_silu_mul(
+    ops: None, rows: int, intermediate: int, in_features: int, bias: bool
+) -> None:
+    gen = torch.Generator().manual_seed(intermediate)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(2 * intermediate, in_features, generator=gen)
+    b = torch.randn(2 * intermediate, generator=gen) if bias else None
+    gate_up = torch.ops.vbatch.packed_linear(
+        x, torch.ops.vbatch.pack_linear_weight(weight), 2 * intermediate, b
+    )
+    want = torch.ops.vbatch.silu_mul(*gate_up.split(intermediate, dim=-1))
+    packed = torch.ops.vbatch.pack_swiglu_weight(weight)
+    got = torch.ops.vbatch.packed_swiglu(x, packed, intermediate, b)
+    assert got.shape == (rows, intermediate)
+    assert torch.equal(got, want)
+    torch.library.opcheck(torch.ops.vbatch.packed_swiglu.default, (x[:3], packed, intermediate, b))
+
+
+def test_packed_swiglu_rejects_bad_inputs(ops: None) -> None:
+    packed = torch.ops.vbatch.pack_swiglu_weight(torch.randn(80, 16))
+    op = torch.ops.vbatch.packed_swiglu
+    with pytest.raises(RuntimeError, match="gate rows then"):
+        torch.ops.vbatch.pack_swiglu_weight(torch.randn(81, 16))
+    with pytest.raises(RuntimeError, match="packed must come from this build's packing"):
+        op(torch.randn(3, 8), packed, 40, None)
+    with pytest.raises(RuntimeError, match="does not match"):
+        op(torch.randn(3, 16), packed, 400, None)
+    with pytest.raises(RuntimeError, match="bias must be float32"):
+        op(torch.randn(3, 16), packed, 40, torch.randn(40))
+    assert op(torch.randn(0, 16), packed, 40, None).shape == (0, 40)
+
+
 def test_packed_linear_rejects_bad_inputs(ops: None) -> None:
     weight = torch.randn(40, 16)
     packed = torch.ops.vbatch.pack_linear_weight(weight)

@@ -198,8 +198,8 @@ void silu_mul_impl(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out
       scalar_t* o_row = o + r * cols;
 #pragma omp simd
       for (int64_t c = 0; c < cols; ++c) {
-        const float x = static_cast<float>(g_row[c]);
-        o_row[c] = static_cast<scalar_t>(x / (1.0f + fast_exp(-x)) * static_cast<float>(u_row[c]));
+        o_row[c] = static_cast<scalar_t>(
+            silu_times(static_cast<float>(g_row[c]), static_cast<float>(u_row[c])));
       }
     }
   });

@@ -7,6 +7,12 @@
 // memory once per call and reused from L1/L2 for every row block, and the next panel is
 // prefetched while the first row block of the current one runs. Every output is a plain
 // k-ordered FMA chain, so a row's result does not depend on the other rows in the call.
+//
+// A gated MLP's gate/up projection can be packed for SwiGLU (pack_swiglu_weight): panel p holds
+// gate columns [p * kNumLanes, (p + 1) * kNumLanes) in its first half and the same up columns
+// in its second, and packed_swiglu writes silu(gate) * up straight from the accumulators: the
+// same bits as packed_linear then vbatch::silu_mul, without writing and rereading the [M, 2I]
+// gate/up output.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -43,8 +49,9 @@ inline void prefetch_panel_row(const float* p) {
 #endif
 }
 
-// out[r, c] = sum_k x[r, k] * panel[k, c] (+ bias[c]) for r < R, c < cols.
-template <int R>
+// out[r, c] = sum_k x[r, k] * panel[k, c] (+ bias[c]) for r < R, c < cols; with kSwiglu,
+// out[r, c] = silu_times(gate, up) of panel columns c and kNumLanes + c, for c < cols.
+template <int R, bool kSwiglu>
 void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias,
                   float* out, int64_t ldo, int64_t cols, const float* next_panel) {
   Lanes acc0[R], acc1[R];
@@ -69,7 +76,14 @@ void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t K, co
       hi = lanes_add(hi, lanes_load(bias + kNumLanes));
     }
     float* row = out + r * ldo;
-    if (cols == kPanel) {
+    if constexpr (kSwiglu) {
+      lanes_store(tile, lo);
+      lanes_store(tile + kNumLanes, hi);
+      alignas(64) float act[kNumLanes];
+#pragma omp simd
+      for (int64_t c = 0; c < kNumLanes; ++c) act[c] = silu_times(tile[c], tile[kNumLanes + c]);
+      std::copy(act, act + cols, row);
+    } else if (cols == kPanel) {
       lanes_store(row, lo);
       lanes_store(row + kNumLanes, hi);
     } else {
@@ -80,16 +94,90 @@ void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t K, co
   }
 }
 
-template <int R>
+template <int R, bool kSwiglu>
 void rows_tail(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias,
                float* out, int64_t ldo, int64_t cols, const float* next_panel, int64_t rows) {
   if constexpr (R > 1) {
     if (rows < R) {
-      rows_tail<R - 1>(x, ldx, panel, K, bias, out, ldo, cols, next_panel, rows);
+      rows_tail<R - 1, kSwiglu>(x, ldx, panel, K, bias, out, ldo, cols, next_panel, rows);
       return;
     }
   }
-  micro_kernel<R>(x, ldx, panel, K, bias, out, ldo, cols, next_panel);
+  micro_kernel<R, kSwiglu>(x, ldx, panel, K, bias, out, ldo, cols, next_panel);
+}
+
+// Packs the rows of `weight` [rows, K] into [panels, K, kPanel]: panel column c of panel p is
+// weight row source_row(p, c), or zeros where that is -1.
+template <typename F>
+at::Tensor pack_panels(const at::Tensor& weight, int64_t panels, F source_row) {
+  const at::Tensor w = weight.contiguous();
+  const int64_t K = w.size(1);
+  at::Tensor packed = at::empty({panels, K, kPanel}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const float* rows[kPanel];
+      for (int64_t c = 0; c < kPanel; ++c) {
+        const int64_t row = source_row(p, c);
+        rows[c] = row < 0 ? nullptr : src + row * K;
+      }
+      float* panel = dst + p * K * kPanel;
+      for (int64_t k = 0; k < K; ++k) {
+        float* line = panel + k * kPanel;
+        for (int64_t c = 0; c < kPanel; ++c) line[c] = rows[c] == nullptr ? 0.0f : rows[c][k];
+      }
+    }
+  });
+  return packed;
+}
+
+// x [M, K] through the packed panels into out [M, ldo]: panel p's columns go to out columns
+// p * cols_per_panel on, at most `limit` columns in all.
+template <bool kSwiglu>
+void run_panels(const at::Tensor& input, const at::Tensor& packed, const float* bias_ptr,
+                float* op, int64_t ldo, int64_t cols_per_panel, int64_t limit) {
+  const int64_t M = input.size(0), K = input.size(1), panels = packed.size(0);
+  const float* xp = input.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  // NOTE: rows go in blocks whose inputs stay in L2 while the thread's panels stream past them;
+  // a decode batch is one block, so its weights are read once.
+  const int64_t block_rows =
+      std::max<int64_t>(kRowBlock, kRowBlockBytes / (K * 4) / kRowBlock * kRowBlock);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
+      const int64_t m_end = std::min(M, m0 + block_rows);
+      for (int64_t p = begin; p < end; ++p) {
+        const float* panel = wp + p * K * kPanel;
+        const float* next = p + 1 < end ? panel + K * kPanel : nullptr;
+        const int64_t cols = std::min(cols_per_panel, limit - p * cols_per_panel);
+        const float* panel_bias = bias_ptr == nullptr ? nullptr : bias_ptr + p * kPanel;
+        for (int64_t m = m0; m < m_end; m += kRowBlock) {
+          rows_tail<kRowBlock, kSwiglu>(xp + m * K, K, panel, K, panel_bias,
+                                        op + m * ldo + p * cols_per_panel, ldo, cols,
+                                        m == m0 ? next : nullptr,
+                                        std::min<int64_t>(kRowBlock, m_end - m));
+        }
+      }
+    }
+  });
+}
+
+void check_input(const at::Tensor& x, const at::Tensor& packed, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), op,
+              ": x must be a 2-D float32 CPU tensor, got ", x.sizes());
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
+                  packed.size(2) == kPanel && packed.size(1) == x.size(1),
+              op, ": packed must come from this build's packing and have ", x.size(1),
+              " input features, got ", packed.sizes());
+}
+
+// The SwiGLU panel column c of panel p: gate row p * kNumLanes + c, or up row
+// intermediate + p * kNumLanes + c - kNumLanes; -1 past the intermediate size.
+int64_t swiglu_row(int64_t p, int64_t c, int64_t intermediate) {
+  const int64_t col = p * kNumLanes + c % kNumLanes;
+  if (col >= intermediate) return -1;
+  return c < kNumLanes ? col : intermediate + col;
 }
 
 }  // namespace
@@ -98,35 +186,29 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
               "pack_linear_weight: weight must be a 2-D float32 CPU tensor, got ",
               weight.sizes(), " ", weight.scalar_type());
-  const at::Tensor w = weight.contiguous();
-  const int64_t N = w.size(0), K = w.size(1);
-  const int64_t panels = (N + kPanel - 1) / kPanel;
-  at::Tensor packed = at::empty({panels, K, kPanel}, w.options());
-  const float* src = w.data_ptr<float>();
-  float* dst = packed.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t cols = std::min(kPanel, N - p * kPanel);
-      const float* rows = src + p * kPanel * K;
-      float* panel = dst + p * K * kPanel;
-      for (int64_t k = 0; k < K; ++k) {
-        float* line = panel + k * kPanel;
-        for (int64_t c = 0; c < cols; ++c) line[c] = rows[c * K + k];
-        std::fill(line + cols, line + kPanel, 0.0f);
-      }
-    }
+  const int64_t N = weight.size(0);
+  return pack_panels(weight, (N + kPanel - 1) / kPanel, [N](int64_t p, int64_t c) {
+    const int64_t row = p * kPanel + c;
+    return row < N ? row : int64_t{-1};
   });
-  return packed;
+}
+
+at::Tensor pack_swiglu_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat &&
+                  weight.device().is_cpu() && weight.size(0) % 2 == 0,
+              "pack_swiglu_weight: weight must be a 2-D float32 CPU tensor with gate rows then "
+              "as many up rows, got ",
+              weight.sizes(), " ", weight.scalar_type());
+  const int64_t intermediate = weight.size(0) / 2;
+  return pack_panels(weight, (intermediate + kNumLanes - 1) / kNumLanes,
+                     [intermediate](int64_t p, int64_t c) {
+                       return swiglu_row(p, c, intermediate);
+                     });
 }
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "packed_linear: x must be a 2-D float32 CPU tensor, got ", x.sizes());
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
-                  packed.size(2) == kPanel && packed.size(1) == x.size(1),
-              "packed_linear: packed must come from pack_linear_weight for this build and have ",
-              x.size(1), " input features, got ", packed.sizes());
+  check_input(x, packed, "packed_linear");
   TORCH_CHECK(out_features > (packed.size(0) - 1) * kPanel &&
                   out_features <= packed.size(0) * kPanel,
               "packed_linear: out_features ", out_features, " does not match ", packed.size(0),
@@ -142,43 +224,60 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
     bias_ptr = bias_padded.data_ptr<float>();
   }
   const at::Tensor input = x.contiguous();
-  const int64_t M = input.size(0), K = input.size(1), panels = packed.size(0);
-  at::Tensor out = at::empty({M, out_features}, input.options());
-  if (M == 0) return out;
-  const float* xp = input.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  // NOTE: rows go in blocks whose inputs stay in L2 while the thread's panels stream past them;
-  // a decode batch is one block, so its weights are read once.
-  const int64_t block_rows =
-      std::max<int64_t>(kRowBlock, kRowBlockBytes / (K * 4) / kRowBlock * kRowBlock);
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
-      const int64_t m_end = std::min(M, m0 + block_rows);
-      for (int64_t p = begin; p < end; ++p) {
-        const float* panel = wp + p * K * kPanel;
-        const float* next = p + 1 < end ? panel + K * kPanel : nullptr;
-        const int64_t cols = std::min(kPanel, out_features - p * kPanel);
-        const float* panel_bias = bias_ptr == nullptr ? nullptr : bias_ptr + p * kPanel;
-        for (int64_t m = m0; m < m_end; m += kRowBlock) {
-          rows_tail<kRowBlock>(xp + m * K, K, panel, K, panel_bias,
-                               op + m * out_features + p * kPanel, out_features, cols,
-                               m == m0 ? next : nullptr, std::min<int64_t>(kRowBlock, m_end - m));
-        }
+  at::Tensor out = at::empty({input.size(0), out_features}, input.options());
+  if (input.size(0) > 0) {
+    run_panels<false>(input, packed, bias_ptr, out.data_ptr<float>(), out_features, kPanel,
+                      out_features);
+  }
+  return out;
+}
+
+at::Tensor packed_swiglu(const at::Tensor& x, const at::Tensor& packed, int64_t intermediate,
+                         const std::optional<at::Tensor>& bias) {
+  check_input(x, packed, "packed_swiglu");
+  TORCH_CHECK(intermediate > (packed.size(0) - 1) * kNumLanes &&
+                  intermediate <= packed.size(0) * kNumLanes,
+              "packed_swiglu: intermediate size ", intermediate, " does not match ",
+              packed.size(0), " panels");
+  const float* bias_ptr = nullptr;
+  at::Tensor bias_panels;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == 2 * intermediate &&
+                    bias->scalar_type() == at::kFloat,
+                "packed_swiglu: bias must be float32 [", 2 * intermediate, "]");
+    bias_panels = at::zeros({packed.size(0) * kPanel}, packed.options());
+    const at::Tensor b = bias->contiguous();
+    const float* src = b.data_ptr<float>();
+    float* dst = bias_panels.data_ptr<float>();
+    for (int64_t p = 0; p < packed.size(0); ++p) {
+      for (int64_t c = 0; c < kPanel; ++c) {
+        const int64_t row = swiglu_row(p, c, intermediate);
+        if (row >= 0) dst[p * kPanel + c] = src[row];
       }
     }
-  });
+    bias_ptr = bias_panels.data_ptr<float>();
+  }
+  const at::Tensor input = x.contiguous();
+  at::Tensor out = at::empty({input.size(0), intermediate}, input.options());
+  if (input.size(0) > 0) {
+    run_panels<true>(input, packed, bias_ptr, out.data_ptr<float>(), intermediate, kNumLanes,
+                     intermediate);
+  }
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(vbatch, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None) -> Tensor");
+  m.def("pack_swiglu_weight(Tensor weight) -> Tensor");
+  m.def("packed_swiglu(Tensor x, Tensor packed, int intermediate, Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vbatch, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("packed_linear", &packed_linear);
+  m.impl("pack_swiglu_weight", &pack_swiglu_weight);
+  m.impl("packed_swiglu", &packed_swiglu);
 }
 
 }  // namespace vbatch

@@ -93,6 +93,15 @@ def native_linear(
     return torch.ops.vbatch.packed_linear(x, packed, out_features, bias)
 
 
+def native_swiglu(
+    x: torch.Tensor, packed: torch.Tensor, intermediate: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """silu(gate) * up of x [n, in_features] through a gate/up projection (gate rows, then as
+    many up rows) packed by vbatch::pack_swiglu_weight: the bits of native_linear then
+    vbatch::silu_mul, without the [n, 2 * intermediate] gate/up output."""
+    return torch.ops.vbatch.packed_swiglu(x, packed, intermediate, bias)
+
+
 def available_backends() -> tuple[str, ...]:
     """BACKENDS, and "native" where the vbatch:: kernels are loaded."""
     return (*BACKENDS, NATIVE) if native.is_available() else BACKENDS
@@ -112,13 +121,18 @@ class ChosenLinear(nn.Linear):
     class: `backends[row_class(rows)]`, "torch", "onednn" or "native". Each backend in `copies`
     runs from its own prepared copy of the weight (`prepared`), made at its first call, so a job
     whose steps never reach a class pays neither the time nor the RAM of that class's copy;
-    oneDNN outside `copies` runs from the plain weight, and "native" runs only from its copy."""
+    oneDNN outside `copies` runs from the plain weight, and "native" runs only from its copy.
+
+    With `swiglu_size` (a gated MLP's gate/up projection: gate rows, then as many up rows), the
+    native copy is packed for vbatch::packed_swiglu, and `swiglu` returns silu(gate) * up in one
+    pass where the row class runs natively; `forward` still returns the plain gate/up output."""
 
     def __init__(
         self,
         linear: nn.Linear,
         backends: tuple[str, ...],
         copies: Collection[str] = (NATIVE, "onednn"),
+        swiglu_size: int | None = None,
     ) -> None:
         nn.Module.__init__(self)
         self.in_features = linear.in_features
@@ -130,6 +144,7 @@ class ChosenLinear(nn.Linear):
             raise ValueError("the native linear runs only from its packed copy of the weight")
         self.copied = frozenset(backend for backend in backends if backend in copies)
         self.prepared: dict[str, torch.Tensor] = {}
+        self.swiglu_size = swiglu_size
 
     def pending_copy_bytes(self) -> int:
         """The bytes of the prepared copies not made yet (each about the weight's size)."""
@@ -143,7 +158,11 @@ class ChosenLinear(nn.Linear):
             return self.weight
         prepared = self.prepared.get(backend)
         if prepared is None:
-            prepared = self.prepared[backend] = prepared_weight(self.weight, backend)
+            if backend == NATIVE and self.swiglu_size is not None:
+                prepared = torch.ops.vbatch.pack_swiglu_weight(self.weight.detach())
+            else:
+                prepared = prepared_weight(self.weight, backend)
+            self.prepared[backend] = prepared
         return prepared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,11 +171,35 @@ class ChosenLinear(nn.Linear):
         if backend == "torch":
             return F.linear(x, self.weight, self.bias)
         weight = self.backend_weight(backend)
-        if backend == NATIVE:
+        if backend == NATIVE and self.swiglu_size is not None:
+            out = self._unpacked_swiglu_linear(flat, weight)
+        elif backend == NATIVE:
             out = native_linear(flat, weight, self.out_features, self.bias)
         else:
             out = onednn_linear(flat, weight, self.bias)
         return out.view(*x.shape[:-1], -1)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up in one pass where x's row class runs the native kernel from a SwiGLU
+        packing; None elsewhere."""
+        flat = x.reshape(-1, self.in_features)
+        if self.swiglu_size is None or self.backends[row_class(flat.shape[0])] != NATIVE:
+            return None
+        act = native_swiglu(flat, self.backend_weight(NATIVE), self.swiglu_size, self.bias)
+        return act.view(*x.shape[:-1], -1)
+
+    def _unpacked_swiglu_linear(self, flat: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """The plain gate/up output from the SwiGLU packing: each panel's gate and up columns
+        put back in place (the bias added after, as the kernel adds it: one add per output)."""
+        assert self.swiglu_size is not None
+        num_panels, _, panel = packed.shape
+        lanes = panel // 2
+        out = native_linear(flat, packed, num_panels * panel)
+        halves = (
+            out.view(-1, num_panels, 2, lanes).transpose(1, 2).reshape(-1, 2, num_panels * lanes)
+        )
+        plain = halves[:, :, : self.swiglu_size].reshape(-1, self.out_features)
+        return plain if self.bias is None else plain.add_(self.bias)
 
 
 def head_tiles(

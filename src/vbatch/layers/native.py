@@ -153,6 +153,12 @@ def _register_fakes() -> None:
     ) -> torch.Tensor:
         return x.new_empty(x.shape[0], out_features)
 
+    @torch.library.register_fake("vbatch::packed_swiglu")
+    def _packed_swiglu_fake(
+        x: torch.Tensor, packed: torch.Tensor, intermediate: int, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return x.new_empty(x.shape[0], intermediate)
+
     @torch.library.register_fake("vbatch::rms_norm")
     def _rms_norm_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return x.new_empty(x.shape)

@@ -120,7 +120,8 @@ def _norm_heads(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 
 class LlamaMLP(nn.Module):
     """A gated MLP (SwiGLU; GeGLU for Gemma) with gate and up fused into one projection; with
-    `use_native_ops`, SwiGLU's silu(gate) * up is one pass (vbatch::silu_mul)."""
+    `use_native_ops`, SwiGLU's silu(gate) * up is one pass (vbatch::silu_mul), and where the
+    projection runs the native packed kernel, part of the GEMM (vbatch::packed_swiglu)."""
 
     def __init__(self, config: ModelConfig, use_native_ops: bool = False) -> None:
         super().__init__()
@@ -147,11 +148,17 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._transposes(x):
             return self._forward_transposed(x)
+        if self.gate_up_lora is None and isinstance(self.gate_up_proj, ChosenLinear):
+            act = self.gate_up_proj.swiglu(x)
+            if act is not None:
+                return self._down(act)
         gate_up = self.gate_up_proj(x)
         if self.gate_up_lora is not None:
             self.gate_up_lora.add_to(gate_up, x)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        act = self._gated(gate, up)
+        return self._down(self._gated(gate, up))
+
+    def _down(self, act: torch.Tensor) -> torch.Tensor:
         out = self.down_proj(act)
         if self.down_lora is not None:
             self.down_lora.add_to(out, act)
@@ -462,7 +469,12 @@ class LlamaForCausalLM(nn.Module):
                 attn.qkv_proj = ChosenLinear(attn.qkv_proj, tuple(qkv), copies)
                 attn.o_proj = ChosenLinear(attn.o_proj, tuple(o), copies)
             if isinstance(mlp, LlamaMLP) and type(mlp.gate_up_proj) is nn.Linear:
-                mlp.gate_up_proj = ChosenLinear(mlp.gate_up_proj, tuple(gate_up), copies)
+                mlp.gate_up_proj = ChosenLinear(
+                    mlp.gate_up_proj,
+                    tuple(gate_up),
+                    copies,
+                    swiglu_size=mlp.intermediate_size if mlp.fused_silu else None,
+                )
                 mlp.down_proj = ChosenLinear(mlp.down_proj, tuple(down), copies)
                 mlp.modes = modes
         if "lm_head" in choice:
