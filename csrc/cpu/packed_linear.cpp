@@ -172,12 +172,39 @@ void check_input(const at::Tensor& x, const at::Tensor& packed, const char* op) 
               " input features, got ", packed.sizes());
 }
 
+// The plain panel column c of panel p: row p * kPanel + c of N rows, or -1 past them.
+int64_t plain_row(int64_t p, int64_t c, int64_t N) {
+  const int64_t row = p * kPanel + c;
+  return row < N ? row : -1;
+}
+
 // The SwiGLU panel column c of panel p: gate row p * kNumLanes + c, or up row
 // intermediate + p * kNumLanes + c - kNumLanes; -1 past the intermediate size.
 int64_t swiglu_row(int64_t p, int64_t c, int64_t intermediate) {
   const int64_t col = p * kNumLanes + c % kNumLanes;
   if (col >= intermediate) return -1;
   return c < kNumLanes ? col : intermediate + col;
+}
+
+// `bias` [size] float32 laid out as the panels' columns (zeros where source_row gives -1), or an
+// undefined tensor without a bias.
+template <typename F>
+at::Tensor bias_in_panels(const std::optional<at::Tensor>& bias, int64_t size, int64_t panels,
+                          F source_row, const char* op) {
+  if (!bias.has_value() || !bias->defined()) return {};
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == size && bias->scalar_type() == at::kFloat, op,
+              ": bias must be float32 [", size, "]");
+  at::Tensor out = at::zeros({panels * kPanel}, bias->options());
+  const at::Tensor b = bias->contiguous();
+  const float* src = b.const_data_ptr<float>();
+  float* dst = out.mutable_data_ptr<float>();
+  for (int64_t p = 0; p < panels; ++p) {
+    for (int64_t c = 0; c < kPanel; ++c) {
+      const int64_t row = source_row(p, c);
+      if (row >= 0) dst[p * kPanel + c] = src[row];
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -187,10 +214,8 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
               "pack_linear_weight: weight must be a 2-D float32 CPU tensor, got ",
               weight.sizes(), " ", weight.scalar_type());
   const int64_t N = weight.size(0);
-  return pack_panels(weight, (N + kPanel - 1) / kPanel, [N](int64_t p, int64_t c) {
-    const int64_t row = p * kPanel + c;
-    return row < N ? row : int64_t{-1};
-  });
+  return pack_panels(weight, (N + kPanel - 1) / kPanel,
+                     [N](int64_t p, int64_t c) { return plain_row(p, c, N); });
 }
 
 at::Tensor pack_swiglu_weight(const at::Tensor& weight) {
@@ -213,21 +238,16 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
                   out_features <= packed.size(0) * kPanel,
               "packed_linear: out_features ", out_features, " does not match ", packed.size(0),
               " panels");
-  const float* bias_ptr = nullptr;
-  at::Tensor bias_padded;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features &&
-                    bias->scalar_type() == at::kFloat,
-                "packed_linear: bias must be float32 [", out_features, "]");
-    bias_padded = at::zeros({packed.size(0) * kPanel}, packed.options());
-    bias_padded.narrow(0, 0, out_features).copy_(*bias);
-    bias_ptr = bias_padded.data_ptr<float>();
-  }
+  const at::Tensor bias_panels = bias_in_panels(
+      bias, out_features, packed.size(0),
+      [out_features](int64_t p, int64_t c) { return plain_row(p, c, out_features); },
+      "packed_linear");
   const at::Tensor input = x.contiguous();
   at::Tensor out = at::empty({input.size(0), out_features}, input.options());
   if (input.size(0) > 0) {
-    run_panels<false>(input, packed, bias_ptr, out.data_ptr<float>(), out_features, kPanel,
-                      out_features);
+    run_panels<false>(input, packed,
+                      bias_panels.defined() ? bias_panels.const_data_ptr<float>() : nullptr,
+                      out.data_ptr<float>(), out_features, kPanel, out_features);
   }
   return out;
 }
@@ -239,29 +259,16 @@ at::Tensor packed_swiglu(const at::Tensor& x, const at::Tensor& packed, int64_t 
                   intermediate <= packed.size(0) * kNumLanes,
               "packed_swiglu: intermediate size ", intermediate, " does not match ",
               packed.size(0), " panels");
-  const float* bias_ptr = nullptr;
-  at::Tensor bias_panels;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == 2 * intermediate &&
-                    bias->scalar_type() == at::kFloat,
-                "packed_swiglu: bias must be float32 [", 2 * intermediate, "]");
-    bias_panels = at::zeros({packed.size(0) * kPanel}, packed.options());
-    const at::Tensor b = bias->contiguous();
-    const float* src = b.data_ptr<float>();
-    float* dst = bias_panels.data_ptr<float>();
-    for (int64_t p = 0; p < packed.size(0); ++p) {
-      for (int64_t c = 0; c < kPanel; ++c) {
-        const int64_t row = swiglu_row(p, c, intermediate);
-        if (row >= 0) dst[p * kPanel + c] = src[row];
-      }
-    }
-    bias_ptr = bias_panels.data_ptr<float>();
-  }
+  const at::Tensor bias_panels = bias_in_panels(
+      bias, 2 * intermediate, packed.size(0),
+      [intermediate](int64_t p, int64_t c) { return swiglu_row(p, c, intermediate); },
+      "packed_swiglu");
   const at::Tensor input = x.contiguous();
   at::Tensor out = at::empty({input.size(0), intermediate}, input.options());
   if (input.size(0) > 0) {
-    run_panels<true>(input, packed, bias_ptr, out.data_ptr<float>(), intermediate, kNumLanes,
-                     intermediate);
+    run_panels<true>(input, packed,
+                     bias_panels.defined() ? bias_panels.const_data_ptr<float>() : nullptr,
+                     out.data_ptr<float>(), intermediate, kNumLanes, intermediate);
   }
   return out;
 }
