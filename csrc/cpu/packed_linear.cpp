@@ -132,14 +132,19 @@ at::Tensor pack_panels(const at::Tensor& weight, int64_t panels, F source_row) {
   return packed;
 }
 
-// x [M, K] through the packed panels into out [M, ldo]: panel p's columns go to out columns
-// p * cols_per_panel on, at most `limit` columns in all.
+// x [M, K] through the packed panels: out [M, ldo], panel p's columns going to out columns
+// p * cols_per_panel on; bias_panels (undefined: none) is laid out as the panels' columns.
 template <bool kSwiglu>
-void run_panels(const at::Tensor& input, const at::Tensor& packed, const float* bias_ptr,
-                float* op, int64_t ldo, int64_t cols_per_panel, int64_t limit) {
+at::Tensor run_panels(const at::Tensor& x, const at::Tensor& packed,
+                      const at::Tensor& bias_panels, int64_t ldo, int64_t cols_per_panel) {
+  const at::Tensor input = x.contiguous();
+  at::Tensor out = at::empty({input.size(0), ldo}, input.options());
   const int64_t M = input.size(0), K = input.size(1), panels = packed.size(0);
+  if (M == 0) return out;
   const float* xp = input.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
+  const float* bias_ptr = bias_panels.defined() ? bias_panels.const_data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
   // NOTE: rows go in blocks whose inputs stay in L2 while the thread's panels stream past them;
   // a decode batch is one block, so its weights are read once.
   const int64_t block_rows =
@@ -150,7 +155,7 @@ void run_panels(const at::Tensor& input, const at::Tensor& packed, const float* 
       for (int64_t p = begin; p < end; ++p) {
         const float* panel = wp + p * K * kPanel;
         const float* next = p + 1 < end ? panel + K * kPanel : nullptr;
-        const int64_t cols = std::min(cols_per_panel, limit - p * cols_per_panel);
+        const int64_t cols = std::min(cols_per_panel, ldo - p * cols_per_panel);
         const float* panel_bias = bias_ptr == nullptr ? nullptr : bias_ptr + p * kPanel;
         for (int64_t m = m0; m < m_end; m += kRowBlock) {
           rows_tail<kRowBlock, kSwiglu>(xp + m * K, K, panel, K, panel_bias,
@@ -161,6 +166,7 @@ void run_panels(const at::Tensor& input, const at::Tensor& packed, const float* 
       }
     }
   });
+  return out;
 }
 
 void check_input(const at::Tensor& x, const at::Tensor& packed, const char* op) {
@@ -242,14 +248,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
       bias, out_features, packed.size(0),
       [out_features](int64_t p, int64_t c) { return plain_row(p, c, out_features); },
       "packed_linear");
-  const at::Tensor input = x.contiguous();
-  at::Tensor out = at::empty({input.size(0), out_features}, input.options());
-  if (input.size(0) > 0) {
-    run_panels<false>(input, packed,
-                      bias_panels.defined() ? bias_panels.const_data_ptr<float>() : nullptr,
-                      out.data_ptr<float>(), out_features, kPanel, out_features);
-  }
-  return out;
+  return run_panels<false>(x, packed, bias_panels, out_features, kPanel);
 }
 
 at::Tensor packed_swiglu(const at::Tensor& x, const at::Tensor& packed, int64_t intermediate,
@@ -263,14 +262,7 @@ at::Tensor packed_swiglu(const at::Tensor& x, const at::Tensor& packed, int64_t 
       bias, 2 * intermediate, packed.size(0),
       [intermediate](int64_t p, int64_t c) { return swiglu_row(p, c, intermediate); },
       "packed_swiglu");
-  const at::Tensor input = x.contiguous();
-  at::Tensor out = at::empty({input.size(0), intermediate}, input.options());
-  if (input.size(0) > 0) {
-    run_panels<true>(input, packed,
-                     bias_panels.defined() ? bias_panels.const_data_ptr<float>() : nullptr,
-                     out.data_ptr<float>(), intermediate, kNumLanes, intermediate);
-  }
-  return out;
+  return run_panels<true>(x, packed, bias_panels, intermediate, kNumLanes);
 }
 
 TORCH_LIBRARY_FRAGMENT(vbatch, m) {
