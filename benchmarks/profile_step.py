@@ -22,6 +22,7 @@ import torch
 from benchmarks.gemm_bound import flops_per_token, model_gemm_rate
 from vbatch.config import KV_CACHE_DTYPES, EngineConfig
 from vbatch.engine.core import EngineCore
+from vbatch.layers.linear_choice import ChosenLinear
 from vbatch.models.llama import LlamaMLP
 from vbatch.protocol import AddRequest, pack_token_ids
 from vbatch.sampling_params import SamplingParams
@@ -50,6 +51,9 @@ class StepTimers:
         for module in runner.model.modules():
             if isinstance(module, torch.nn.Linear):
                 module.forward = self.timed("gemm", module.forward)
+                if isinstance(module, ChosenLinear):
+                    # NOTE: a SwiGLU packing's fused activation (vbatch::packed_swiglu).
+                    module.swiglu = self.timed("gemm", module.swiglu)
             elif isinstance(module, LlamaMLP):
                 # NOTE: its two GEMMs as W @ x^T bypass Linear.forward; SiLU-and-mul rides along.
                 module._forward_transposed = self.timed("gemm", module._forward_transposed)

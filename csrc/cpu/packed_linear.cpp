@@ -49,18 +49,34 @@ inline void prefetch_panel_row(const float* p) {
 #endif
 }
 
+// The next panel's rows [first, first + count) that a row block asks for while it reads its own
+// K rows, spread evenly over them (panel null: none). A panel's row blocks split the next panel
+// in proportion to their rows, so it arrives at the rate the whole panel is computed.
+struct Prefetch {
+  const float* panel;
+  int64_t first;
+  int64_t count;
+};
+
 // out[r, c] = sum_k x[r, k] * panel[k, c] (+ bias[c]) for r < R, c < cols; with kSwiglu,
 // out[r, c] = silu_times(gate, up) of panel columns c and kNumLanes + c, for c < cols.
 template <int R, bool kSwiglu>
 void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias,
-                  float* out, int64_t ldo, int64_t cols, const float* next_panel) {
+                  float* out, int64_t ldo, int64_t cols, const Prefetch& prefetch) {
   Lanes acc0[R], acc1[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = lanes_zero();
+  const float* ahead = prefetch.panel == nullptr ? nullptr : prefetch.panel + prefetch.first * kPanel;
+  int64_t credit = 0;
   for (int64_t k = 0; k < K; ++k) {
     const Lanes w0 = lanes_load(panel + k * kPanel);
     const Lanes w1 = lanes_load(panel + k * kPanel + kNumLanes);
-    if (next_panel != nullptr) prefetch_panel_row(next_panel + k * kPanel);
+    credit += prefetch.count;
+    if (ahead != nullptr && credit >= K) {
+      credit -= K;
+      prefetch_panel_row(ahead);
+      ahead += kPanel;
+    }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const Lanes a = lanes_set1(x[r * ldx + k]);
@@ -96,14 +112,14 @@ void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t K, co
 
 template <int R, bool kSwiglu>
 void rows_tail(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias,
-               float* out, int64_t ldo, int64_t cols, const float* next_panel, int64_t rows) {
+               float* out, int64_t ldo, int64_t cols, const Prefetch& prefetch, int64_t rows) {
   if constexpr (R > 1) {
     if (rows < R) {
-      rows_tail<R - 1, kSwiglu>(x, ldx, panel, K, bias, out, ldo, cols, next_panel, rows);
+      rows_tail<R - 1, kSwiglu>(x, ldx, panel, K, bias, out, ldo, cols, prefetch, rows);
       return;
     }
   }
-  micro_kernel<R, kSwiglu>(x, ldx, panel, K, bias, out, ldo, cols, next_panel);
+  micro_kernel<R, kSwiglu>(x, ldx, panel, K, bias, out, ldo, cols, prefetch);
 }
 
 // Packs the rows of `weight` [rows, K] into [panels, K, kPanel]: panel column c of panel p is
@@ -158,10 +174,12 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& packed,
         const int64_t cols = std::min(cols_per_panel, ldo - p * cols_per_panel);
         const float* panel_bias = bias_ptr == nullptr ? nullptr : bias_ptr + p * kPanel;
         for (int64_t m = m0; m < m_end; m += kRowBlock) {
+          const int64_t rows = std::min<int64_t>(kRowBlock, m_end - m);
+          const int64_t first = K * (m - m0) / (m_end - m0);
+          const int64_t last = K * (m - m0 + rows) / (m_end - m0);
           rows_tail<kRowBlock, kSwiglu>(xp + m * K, K, panel, K, panel_bias,
                                         op + m * ldo + p * cols_per_panel, ldo, cols,
-                                        m == m0 ? next : nullptr,
-                                        std::min<int64_t>(kRowBlock, m_end - m));
+                                        Prefetch{next, first, last - first}, rows);
         }
       }
     }
