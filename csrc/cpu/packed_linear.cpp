@@ -66,7 +66,8 @@ void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t K, co
   Lanes acc0[R], acc1[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = lanes_zero();
-  const float* ahead = prefetch.panel == nullptr ? nullptr : prefetch.panel + prefetch.first * kPanel;
+  const float* ahead =
+      prefetch.panel == nullptr ? nullptr : prefetch.panel + prefetch.first * kPanel;
   int64_t credit = 0;
   for (int64_t k = 0; k < K; ++k) {
     const Lanes w0 = lanes_load(panel + k * kPanel);
