@@ -368,6 +368,7 @@ class EngineCore:
             self._num_failed_steps = 0
             if self._suspects and not self._suspects & self.requests.keys():
                 self._end_retries()
+            self.runner.packed_store.flush()
         return outputs
 
     def _retry_apart(self, seqs: list[Sequence]) -> EngineOutputs:
@@ -520,6 +521,7 @@ class EngineCore:
         self._ahead = None
         self.grammars.shutdown()
         self.runner.grammar_masks.shutdown()
+        self.runner.packed_store.close()
 
 
 def _kv_window(sliding_windows: tuple[int | None, ...]) -> int | None:

@@ -42,6 +42,7 @@ from vbatch.layers.greedy_screen import (
 )
 from vbatch.layers.linear_choice import ChosenLinear, settle_linears
 from vbatch.layers.native import has_fused_ops
+from vbatch.layers.packed_store import PackedStore, store_path
 from vbatch.layers.quantization import WORTHWHILE_SPEEDUP, describe_int8_choice
 from vbatch.lora.slots import LoraSlots
 from vbatch.models.config import ModelConfig
@@ -121,9 +122,13 @@ class ModelRunner:
                     f"this CPU: {describe_int8_choice(choice)}"
                 )
         has_lm_head = model_config.head == "lm"
+        # NOTE: the native kernel's packed weights, mapped from disk where an earlier core wrote
+        # them (layers/packed_store.py).
+        self.packed_store = PackedStore(None)
         if config.batch_invariant:
             self._make_batch_invariant(model_config)
         elif self.device.type == "cpu" and self.dtype == torch.float32:
+            self.packed_store = PackedStore(store_path(resolved.weights_hash, self.dtype))
             self._choose_linears(config.linear_backend, has_lm_head, progress)
         screenable = has_lm_head and can_use_greedy_screen(self.device, self.dtype)
         if config.greedy_screen is not False and screenable and not config.batch_invariant:
@@ -382,7 +387,7 @@ class ModelRunner:
         weights = self.model.linear_weights(with_head=has_lm_head)
         settled = settle_linears(backend, self.model, weights)
         if settled is not None:
-            self.model.use_linear_choice(settled[0])
+            self.model.use_linear_choice(settled[0], self.packed_store)
             self.kernel_notes.append(settled[1])
 
     def _make_batch_invariant(self, model_config: ModelConfig) -> None:

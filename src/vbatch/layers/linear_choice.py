@@ -25,11 +25,14 @@ from torch import nn
 from vbatch.errors import ConfigError
 from vbatch.layers import native
 from vbatch.layers.kernel_choice import cached_choice, fastest_ms
+from vbatch.layers.packed_store import PackedStore
 
 # NOTE: a step's row count is timed as the nearest of these: one decode row, a few, a decode
 # batch, a prefill chunk, a full prefill step (the default max_num_batched_tokens; an
 # encoder's usual step). Bounds are the geometric middles.
 TIMED_ROWS = (1, 8, 64, 512, 2048)
+# NOTE: output columns at which a mapped native copy is checked against its weight.
+PROBED_COLUMNS = 16
 CLASS_BOUNDS = (2, 24, 192, 1024)
 BACKENDS = ("torch", "onednn")
 # NOTE: vbatch::packed_linear (csrc/cpu/packed_linear.cpp), a candidate in every row class
@@ -125,7 +128,10 @@ class ChosenLinear(nn.Linear):
 
     With `swiglu_size` (a gated MLP's gate/up projection: gate rows, then as many up rows), the
     native copy is packed for vbatch::packed_swiglu, and `swiglu` returns silu(gate) * up in one
-    pass where the row class runs natively; `forward` still returns the plain gate/up output."""
+    pass where the row class runs natively; `forward` still returns the plain gate/up output.
+
+    With a `store`, the native copy comes from it under `name` (mapped from disk where the
+    store's file has it and it computes this layer, layers/packed_store.py)."""
 
     def __init__(
         self,
@@ -133,6 +139,8 @@ class ChosenLinear(nn.Linear):
         backends: tuple[str, ...],
         copies: Collection[str] = (NATIVE, "onednn"),
         swiglu_size: int | None = None,
+        store: PackedStore | None = None,
+        name: str = "",
     ) -> None:
         nn.Module.__init__(self)
         self.in_features = linear.in_features
@@ -145,6 +153,8 @@ class ChosenLinear(nn.Linear):
         self.copied = frozenset(backend for backend in backends if backend in copies)
         self.prepared: dict[str, torch.Tensor] = {}
         self.swiglu_size = swiglu_size
+        self.store = store
+        self.name = name
 
     def pending_copy_bytes(self) -> int:
         """The bytes of the prepared copies not made yet (each about the weight's size)."""
@@ -158,12 +168,44 @@ class ChosenLinear(nn.Linear):
             return self.weight
         prepared = self.prepared.get(backend)
         if prepared is None:
-            if backend == NATIVE and self.swiglu_size is not None:
-                prepared = torch.ops.vbatch.pack_swiglu_weight(self.weight.detach())
-            else:
+            if backend != NATIVE:
                 prepared = prepared_weight(self.weight, backend)
+            elif self.store is None:
+                prepared = self._pack(self.weight)
+            else:
+                prepared = self.store.packed(
+                    self.name, self.weight, self._pack, self._computes_this_layer
+                )
             self.prepared[backend] = prepared
         return prepared
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.swiglu_size is not None:
+            return torch.ops.vbatch.pack_swiglu_weight(weight.detach())
+        return prepared_weight(weight, NATIVE)
+
+    def _computes_this_layer(self, packed: torch.Tensor) -> bool:
+        """Whether the native copy `packed` gives this layer's output (bias aside) for one
+        random row, checked at PROBED_COLUMNS of its columns: a copy of other weights, or in
+        another layout, does not."""
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(1, self.in_features, generator=generator)
+        num_columns = self.swiglu_size or self.out_features
+        columns = torch.randint(num_columns, (PROBED_COLUMNS,), generator=generator)
+        with torch.no_grad():
+            try:
+                if self.swiglu_size is not None:
+                    got = native_swiglu(x, packed, self.swiglu_size)[0, columns]
+                    gate = x @ self.weight[columns].t()
+                    up = x @ self.weight[columns + self.swiglu_size].t()
+                    expected = (F.silu(gate) * up)[0]
+                else:
+                    got = native_linear(x, packed, self.out_features)[0, columns]
+                    expected = (x @ self.weight[columns].t())[0]
+            except RuntimeError:
+                return False
+        tolerance = 1e-4 * float(expected.abs().max()) + 1e-6
+        return bool((got - expected).abs().max() <= tolerance)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

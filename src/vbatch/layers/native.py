@@ -263,6 +263,16 @@ def is_available() -> bool:
     return True
 
 
+@functools.cache
+def library_key() -> str | None:
+    """The build key of the loaded library (what its packed weight layout depends on), None
+    where none is loaded."""
+    csrc_dir = find_csrc_dir()
+    if csrc_dir is None or not is_available():
+        return None
+    return build_key(csrc_dir, torch.cuda.is_available() and torch.version.cuda is not None)
+
+
 def has_fused_ops(device: torch.device) -> bool:
     """Whether the fused norm and rotary ops serve `device` (CPU kernels only, so far)."""
     return device.type == "cpu" and is_available()

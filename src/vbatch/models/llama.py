@@ -28,6 +28,7 @@ from vbatch.layers.linear_choice import (
 from vbatch.layers.lora import LoraLinear
 from vbatch.layers.native import has_fused_ops
 from vbatch.layers.norm import RMSNorm
+from vbatch.layers.packed_store import PackedStore
 from vbatch.layers.quantization import has_int8_kernels, quantize_linears
 from vbatch.layers.rotary import RotaryBatch, RotaryEmbedding
 from vbatch.models.config import ModelConfig
@@ -455,27 +456,39 @@ class LlamaForCausalLM(nn.Module):
                 return weights
         return {}
 
-    def use_linear_choice(self, choice: dict[str, object]) -> None:
+    def use_linear_choice(
+        self, choice: dict[str, object], store: PackedStore | None = None
+    ) -> None:
         """Run the float32 linears (and the LM head, if chosen) by layers/linear_choice.py's
-        per-row-class choice; layers with other linears or an MoE block keep theirs."""
+        per-row-class choice; layers with other linears or an MoE block keep theirs. Their native
+        copies come from `store` where one is given (layers/packed_store.py)."""
         qkv, o, gate_up, down, modes = (
             list(choice[role])  # type: ignore[call-overload]
             for role in ("qkv", "o", "gate_up", "down", "mlp")
         )
         copies = list(choice.get("copies", (NATIVE, "onednn")))  # type: ignore[call-overload]
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             if type(attn.qkv_proj) is nn.Linear and type(attn.o_proj) is nn.Linear:
-                attn.qkv_proj = ChosenLinear(attn.qkv_proj, tuple(qkv), copies)
-                attn.o_proj = ChosenLinear(attn.o_proj, tuple(o), copies)
+                attn.qkv_proj = ChosenLinear(
+                    attn.qkv_proj, tuple(qkv), copies, store=store, name=f"layers.{i}.qkv"
+                )
+                attn.o_proj = ChosenLinear(
+                    attn.o_proj, tuple(o), copies, store=store, name=f"layers.{i}.o"
+                )
             if isinstance(mlp, LlamaMLP) and type(mlp.gate_up_proj) is nn.Linear:
+                swiglu_size = mlp.intermediate_size if mlp.fused_silu else None
                 mlp.gate_up_proj = ChosenLinear(
                     mlp.gate_up_proj,
                     tuple(gate_up),
                     copies,
-                    swiglu_size=mlp.intermediate_size if mlp.fused_silu else None,
+                    swiglu_size=swiglu_size,
+                    store=store,
+                    name=f"layers.{i}.gate_up{'.swiglu' if swiglu_size else ''}",
                 )
-                mlp.down_proj = ChosenLinear(mlp.down_proj, tuple(down), copies)
+                mlp.down_proj = ChosenLinear(
+                    mlp.down_proj, tuple(down), copies, store=store, name=f"layers.{i}.down"
+                )
                 mlp.modes = modes
         if "lm_head" in choice:
             self.head_backends = list(choice["lm_head"])  # type: ignore[call-overload]

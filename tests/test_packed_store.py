@@ -1,0 +1,124 @@
+"""The packed-weight store: a later core maps the native copies an earlier one wrote, gets the
+same results, and packs afresh from a file it cannot trust."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from vbatch.config import EngineConfig
+from vbatch.engine.core import EngineCore
+from vbatch.layers import native, packed_store
+from vbatch.layers.packed_store import PackedStore, store_path, write_safetensors
+from vbatch.protocol import AddRequest, pack_token_ids
+from vbatch.sampling_params import SamplingParams
+
+PROMPT = list(range(100, 140))
+
+
+@pytest.fixture()
+def store_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    if not native.is_available():
+        pytest.skip("needs the native kernels")
+    monkeypatch.setattr(packed_store, "store_root", lambda: tmp_path)
+    return tmp_path
+
+
+def run(model_dir: Path) -> tuple[list[int], list[float], PackedStore]:
+    """A greedy run with logprobs on a fresh core whose linears run natively; its store once
+    the core has shut down (any write finished)."""
+    config = EngineConfig(
+        model=str(model_dir), num_threads=1, num_kv_blocks=16, linear_backend="native"
+    )
+    core = EngineCore(config)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    core.add_request(AddRequest("r", pack_token_ids(PROMPT), params))
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    while core.has_unfinished():
+        out = core.step()
+        tokens += out.token_ids
+        assert out.logprobs is not None
+        logprobs += [lp.logprob for lp in out.logprobs if lp is not None]
+    core.shutdown()
+    return tokens, logprobs, core.runner.packed_store
+
+
+def test_a_later_core_maps_the_copies_an_earlier_one_wrote(
+    store_root: Path, tiny_model_dir: Path
+) -> None:
+    tokens, logprobs, first = run(tiny_model_dir)
+    assert first.num_mapped == 0
+    (path,) = store_root.glob("*.safetensors")
+    assert path == first.path
+    again_tokens, again_logprobs, second = run(tiny_model_dir)
+    # NOTE: four linears a layer (qkv, o, gate/up, down), two layers.
+    assert second.num_mapped == 8
+    assert again_tokens == tokens and again_logprobs == logprobs
+    assert list(store_root.iterdir()) == [path]
+
+
+def test_a_corrupt_file_is_packed_afresh_and_written_again(
+    store_root: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tokens, logprobs, first = run(tiny_model_dir)
+    assert first.path is not None
+    first.path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with caplog.at_level(logging.WARNING, logger="vbatch.layers.packed_store"):
+        again_tokens, again_logprobs, second = run(tiny_model_dir)
+    assert "ignoring the packed-weight cache" in caplog.text
+    assert second.num_mapped == 0
+    assert again_tokens == tokens and again_logprobs == logprobs
+    assert run(tiny_model_dir)[2].num_mapped == 8
+
+
+def test_copies_that_do_not_compute_their_layer_are_not_used(
+    store_root: Path, tiny_model_dir: Path
+) -> None:
+    """A file under the right name whose tensors have the right shapes but other values (as a
+    stale or mixed-up cache would): every copy fails its check and is packed afresh."""
+    tokens, logprobs, first = run(tiny_model_dir)
+    assert first.path is not None
+    mapped = PackedStore(first.path)._mapped
+    assert len(mapped) == 8
+    generator = torch.Generator().manual_seed(0)
+    write_safetensors(
+        first.path,
+        {name: torch.randn(t.shape, generator=generator) for name, t in mapped.items()},
+    )
+    again_tokens, again_logprobs, second = run(tiny_model_dir)
+    assert second.num_mapped == 0
+    assert again_tokens == tokens and again_logprobs == logprobs
+
+
+def test_the_path_tracks_the_weights_the_library_and_the_model_code(
+    store_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = store_path("a" * 64, torch.float32)
+    assert base is not None and base.parent == store_root
+    assert store_path("b" * 64, torch.float32) != base
+    assert store_path("a" * 64, torch.bfloat16) != base
+    monkeypatch.setattr(packed_store, "models_source_digest", lambda: "other code")
+    assert store_path("a" * 64, torch.float32) != base
+    monkeypatch.setattr(native, "library_key", lambda: None)
+    assert store_path("a" * 64, torch.float32) is None
+
+
+def test_a_cache_that_cannot_be_written_costs_one_warning(
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    if not native.is_available():
+        pytest.skip("needs the native kernels")
+    blocked = tmp_path / "a-file-where-the-directory-should-be"
+    blocked.write_text("")
+    monkeypatch.setattr(packed_store, "store_root", lambda: blocked)
+    with caplog.at_level(logging.WARNING, logger="vbatch.layers.packed_store"):
+        tokens, _, store = run(tiny_model_dir)
+    assert tokens and store.path is None
+    assert caplog.text.count("could not write the packed-weight cache") == 1
