@@ -12,11 +12,16 @@ import torch
 from vbatch.config import EngineConfig
 from vbatch.engine.core import EngineCore
 from vbatch.layers import native, packed_store
+from vbatch.layers.greedy_screen import HEAD_NAMES, can_use_greedy_screen
 from vbatch.layers.packed_store import PackedStore, store_path, write_safetensors
 from vbatch.protocol import AddRequest, pack_token_ids
 from vbatch.sampling_params import SamplingParams
 
 PROMPT = list(range(100, 140))
+# NOTE: the tiny model's two layers, four linears each.
+LINEARS = {
+    f"layers.{i}.{name}" for i in range(2) for name in ("qkv", "o", "gate_up.swiglu", "down")
+}
 
 
 @pytest.fixture()
@@ -27,11 +32,16 @@ def store_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def run(model_dir: Path) -> tuple[list[int], list[float], PackedStore]:
-    """A greedy run with logprobs on a fresh core whose linears run natively; its store once
-    the core has shut down (any write finished)."""
+def run(model_dir: Path, screen: bool = False) -> tuple[list[int], list[float], PackedStore]:
+    """A greedy run with logprobs on a fresh core whose linears run natively (and greedy tokens
+    come from the int8 screen with `screen`); its store once the core has shut down (any write
+    finished)."""
     config = EngineConfig(
-        model=str(model_dir), num_threads=1, num_kv_blocks=16, linear_backend="native"
+        model=str(model_dir),
+        num_threads=1,
+        num_kv_blocks=16,
+        linear_backend="native",
+        greedy_screen=screen,
     )
     core = EngineCore(config)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -51,14 +61,34 @@ def test_a_later_core_maps_the_copies_an_earlier_one_wrote(
     store_root: Path, tiny_model_dir: Path
 ) -> None:
     tokens, logprobs, first = run(tiny_model_dir)
-    assert first.num_mapped == 0
+    assert not first.mapped_names
     (path,) = store_root.glob("*.safetensors")
     assert path == first.path
     again_tokens, again_logprobs, second = run(tiny_model_dir)
-    # NOTE: four linears a layer (qkv, o, gate/up, down), two layers.
-    assert second.num_mapped == 8
+    assert second.mapped_names >= LINEARS
     assert again_tokens == tokens and again_logprobs == logprobs
     assert list(store_root.iterdir()) == [path]
+
+
+def test_the_int8_screens_head_is_kept_and_checked_too(
+    store_root: Path, tiny_model_dir: Path
+) -> None:
+    if not can_use_greedy_screen(torch.device("cpu"), torch.float32):
+        pytest.skip("needs torch's int8 GEMM")
+    tokens, _, first = run(tiny_model_dir, screen=True)
+    assert first.path is not None and not first.mapped_names
+    again_tokens, _, second = run(tiny_model_dir, screen=True)
+    assert second.mapped_names == LINEARS | set(HEAD_NAMES)
+    assert again_tokens == tokens
+    # NOTE: copies, written beside the file and renamed over it, as the store does: rewriting a
+    # mapped file in place would pull the pages from under its mappings.
+    tensors = {name: t.clone() for name, t in PackedStore(first.path)._mapped.items()}
+    tensors[HEAD_NAMES[0]].neg_()
+    write_safetensors(store_root / "replacement", tensors)
+    (store_root / "replacement").replace(first.path)
+    third_tokens, _, third = run(tiny_model_dir, screen=True)
+    assert third.mapped_names == LINEARS
+    assert third_tokens == tokens
 
 
 def test_a_corrupt_file_is_packed_afresh_and_written_again(
@@ -70,9 +100,9 @@ def test_a_corrupt_file_is_packed_afresh_and_written_again(
     with caplog.at_level(logging.WARNING, logger="vbatch.layers.packed_store"):
         again_tokens, again_logprobs, second = run(tiny_model_dir)
     assert "ignoring the packed-weight cache" in caplog.text
-    assert second.num_mapped == 0
+    assert not second.mapped_names
     assert again_tokens == tokens and again_logprobs == logprobs
-    assert run(tiny_model_dir)[2].num_mapped == 8
+    assert run(tiny_model_dir)[2].mapped_names >= LINEARS
 
 
 def test_copies_that_do_not_compute_their_layer_are_not_used(
@@ -86,11 +116,12 @@ def test_copies_that_do_not_compute_their_layer_are_not_used(
     assert len(mapped) == 8
     generator = torch.Generator().manual_seed(0)
     write_safetensors(
-        first.path,
+        store_root / "replacement",
         {name: torch.randn(t.shape, generator=generator) for name, t in mapped.items()},
     )
+    (store_root / "replacement").replace(first.path)
     again_tokens, again_logprobs, second = run(tiny_model_dir)
-    assert second.num_mapped == 0
+    assert not second.mapped_names
     assert again_tokens == tokens and again_logprobs == logprobs
 
 

@@ -143,7 +143,7 @@ class ModelRunner:
                 use_screen = True
                 self.kernel_notes.append(describe_screen_choice({}, True))
             if use_screen:
-                self.model.enable_greedy_screen()
+                self.model.enable_greedy_screen(self.packed_store)
         self.lora: LoraSlots | None = None
         if config.enable_lora:
             self.lora = LoraSlots(self.model, model_config, config.max_loras, config.max_lora_rank)

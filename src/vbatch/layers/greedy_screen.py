@@ -23,6 +23,7 @@ import torch
 
 from vbatch.layers import native
 from vbatch.layers.kernel_choice import cached_choice, fastest_ms
+from vbatch.layers.packed_store import PackedStore
 from vbatch.layers.quantization import has_int8_kernels
 
 SCREEN_CHUNK = 4096  # vocab rows per int8 GEMM: its int32 tile stays in cache
@@ -32,6 +33,9 @@ BOUND_SLACK = 1.0 + 1e-5  # covers rounding in the kernel's own bound arithmetic
 NORM_SLACK = 1.0 + 1e-3  # covers the rounding of the head's norms and of their scaling here
 INT8_MAX = 127
 TIMED_BATCHES = (1, 32)
+# NOTE: the int8 head's names in a model's PackedStore, and the rows a mapped one is checked at.
+HEAD_NAMES = ("lm_head.int8", "lm_head.int8_scales", "lm_head.residual_norms", "lm_head.norms")
+PROBED_ROWS = 16
 
 
 def _round_up(x: torch.Tensor) -> torch.Tensor:
@@ -47,6 +51,20 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     row_scales = scales.to(x.dtype)[:, None]
     values = torch.round(x / row_scales).clamp_(-INT8_MAX, INT8_MAX)
     return scales, values, x - row_scales * values
+
+
+def _is_int8_head_of(parts: tuple[torch.Tensor, ...], weight: torch.Tensor) -> bool:
+    """Whether `parts` are int8_quantize_head(weight): their shapes and dtypes, and their values
+    at PROBED_ROWS rows quantized again here."""
+    q_weight, *norms = parts
+    vocab = weight.shape[0]
+    if q_weight.dtype != torch.int8 or q_weight.shape != weight.shape:
+        return False
+    if any(t.dtype != torch.float32 or t.shape != (vocab,) for t in norms):
+        return False
+    rows = torch.randint(vocab, (PROBED_ROWS,), generator=torch.Generator().manual_seed(0))
+    expected = torch.ops.vbatch.int8_quantize_head(weight[rows].contiguous())
+    return all(torch.equal(got[rows], want) for got, want in zip(parts, expected, strict=True))
 
 
 def can_use_greedy_screen(device: torch.device, dtype: torch.dtype) -> bool:
@@ -66,14 +84,22 @@ class Int8GreedyScreen:
     and weight_norms[v] >= |weight[v]| (2-norms, rounded up); `weight` is the fp32 head itself.
     """
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, store: PackedStore | None = None) -> None:
         assert weight.dtype == torch.float32 and weight.device.type == "cpu"
         self.weight = weight
         # NOTE: one native pass (the torch ops this replaces took ~0.25 s at start-up for a
-        # 49152-row head); its norms are float64 sums rounded up, which NORM_SLACK covers.
-        q_weight, scales, residual_norms, weight_norms = torch.ops.vbatch.int8_quantize_head(
-            weight.detach()
-        )
+        # 49152-row head; the pass itself ~0.07 s, which a `store` saves); its norms are
+        # float64 sums rounded up, which NORM_SLACK covers.
+        head = weight.detach()
+        if store is None:
+            parts = torch.ops.vbatch.int8_quantize_head(head)
+        else:
+            parts = store.tensors(
+                HEAD_NAMES,
+                lambda: torch.ops.vbatch.int8_quantize_head(head),
+                lambda mapped: _is_int8_head_of(mapped, head),
+            )
+        q_weight, scales, residual_norms, weight_norms = parts
         self.q_weight = q_weight
         self.weight_scales = scales
         self.residual_norms = residual_norms * NORM_SLACK

@@ -173,8 +173,10 @@ class ChosenLinear(nn.Linear):
             elif self.store is None:
                 prepared = self._pack(self.weight)
             else:
-                prepared = self.store.packed(
-                    self.name, self.weight, self._pack, self._computes_this_layer
+                (prepared,) = self.store.tensors(
+                    (self.name,),
+                    lambda: (self._pack(self.weight),),
+                    lambda mapped: self._computes_this_layer(mapped[0]),
                 )
             self.prepared[backend] = prepared
         return prepared

@@ -1,4 +1,5 @@
-"""PackedStore: the native kernel's packed weight copies of one model, kept on disk and mapped.
+"""PackedStore: the native kernel's packed weight copies of one model (and the int8 greedy
+screen's head), kept on disk and mapped.
 
 Packing a 135M model's linears into the native kernel's panels costs ~0.3 s of a job's first
 step (most of it page faults on 425 MB of fresh memory). The store keeps those copies in one
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 STORE_VERSION = 1
 STORE_DIR = "packed"
 HEADER_ALIGN = 8
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.int8: "I8"}
 
 
 def models_source_digest() -> str:
@@ -77,7 +79,7 @@ class PackedStore:
         self._made: dict[str, torch.Tensor] = {}
         self._writer: threading.Thread | None = None
         self._lock = threading.Lock()
-        self.num_mapped = 0
+        self.mapped_names: set[str] = set()
         if path is not None and path.is_file():
             self._map(path)
 
@@ -89,24 +91,24 @@ class PackedStore:
             logger.warning("ignoring the packed-weight cache %s (%s); packing afresh", path, e)
             self._mapped = {}
 
-    def packed(
+    def tensors(
         self,
-        name: str,
-        weight: torch.Tensor,
-        pack: Callable[[torch.Tensor], torch.Tensor],
-        matches: Callable[[torch.Tensor], bool],
-    ) -> torch.Tensor:
-        """The packed copy `name` of `weight`: the file's if `matches` accepts it, else
-        pack(weight), kept to be written back."""
-        mapped = self._mapped.get(name)
-        if mapped is not None and mapped.dtype == torch.float32 and matches(mapped):
-            self.num_mapped += 1
-            return mapped
-        copy = pack(weight.detach())
+        names: tuple[str, ...],
+        make: Callable[[], tuple[torch.Tensor, ...]],
+        matches: Callable[[tuple[torch.Tensor, ...]], bool],
+    ) -> tuple[torch.Tensor, ...]:
+        """The prepared tensors `names`: the file's if it has them all and `matches` accepts
+        them, else make(), kept to be written back."""
+        mapped = tuple(self._mapped.get(name) for name in names)
+        if all(t is not None for t in mapped) and matches(mapped):  # type: ignore[arg-type]
+            self.mapped_names.update(names)
+            return mapped  # type: ignore[return-value]
+        made = tuple(t.contiguous() for t in make())
         with self._lock:
-            self._mapped.pop(name, None)
-            self._made[name] = copy
-        return copy
+            for name, tensor in zip(names, made, strict=True):
+                self._mapped.pop(name, None)
+                self._made[name] = tensor
+        return made
 
     def flush(self) -> None:
         """Write the file again in the background if copies were made here since the last
@@ -150,14 +152,14 @@ class PackedStore:
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """float32 `tensors` as a safetensors file, written straight from their memory."""
+    """float32 and int8 `tensors` as a safetensors file, written straight from their memory."""
     header: dict[str, object] = {}
     offset = 0
     for name, tensor in tensors.items():
-        assert tensor.dtype == torch.float32 and tensor.is_contiguous()
+        assert tensor.dtype in SAFETENSORS_DTYPES and tensor.is_contiguous()
         size = tensor.numel() * tensor.element_size()
         header[name] = {
-            "dtype": "F32",
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
             "shape": list(tensor.shape),
             "data_offsets": [offset, offset + size],
         }

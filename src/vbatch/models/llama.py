@@ -510,9 +510,10 @@ class LlamaForCausalLM(nn.Module):
             chunks = self.head_chunks[backend] = head_chunks(self.lm_head_weight, backend)
         return chunks
 
-    def enable_greedy_screen(self) -> None:
-        """Find greedy tokens through the int8 screen (see layers/greedy_screen.py)."""
-        self.greedy_screen = Int8GreedyScreen(self.lm_head_weight)
+    def enable_greedy_screen(self, store: PackedStore | None = None) -> None:
+        """Find greedy tokens through the int8 screen (see layers/greedy_screen.py), its int8
+        head from `store` where one is given."""
+        self.greedy_screen = Int8GreedyScreen(self.lm_head_weight, store)
 
     def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n] int64 argmax token ids, the first on ties, as
