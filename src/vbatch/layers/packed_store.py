@@ -6,9 +6,10 @@ step (most of it page faults on 425 MB of fresh memory). The store keeps those c
 safetensors file per model under the cache directory, keyed by the weights, the loaded native
 library (its layout depends on the CPU's vector width) and the model code that loads them. A later
 core maps the file (read-only, shared with every core on the machine through the page cache)
-instead of packing, and checks each mapped copy against its weight with a one-row product before
-it uses it. Copies made in a core are written back by a background thread (a temporary file,
-then a rename), so the job never waits on the disk.
+instead of packing, and checks each mapped copy against its weight before it uses it (a linear's
+by a one-row product, the int8 head by quantizing a few rows again). Copies made in a core are
+written back by a background thread (a temporary file, then a rename), so the job never waits on
+the disk.
 """
 
 from __future__ import annotations
