@@ -1,6 +1,6 @@
 """Helpers shared by several test modules: a shared real engine for jobs, a Qwen3-style chat
 template, JSONL files, process exits, a Hugging Face hub cache laid out as `hf download` leaves
-it."""
+it, a greedy run on an engine core."""
 
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ from typing import Any
 
 import orjson
 import psutil
+
+from vbatch.engine.core import EngineCore
+from vbatch.protocol import AddRequest, pack_token_ids
+from vbatch.sampling_params import SamplingParams
 
 # NOTE: Qwen3's chat template, cut to what it does with plain messages: the history drops
 # earlier answers' thinking, and the generation prompt opens an empty think block when
@@ -103,3 +107,17 @@ def add_to_hub_cache(
         (repo / "refs").mkdir(exist_ok=True)
         (repo / "refs" / ref).write_text(commit)
     return snapshot
+
+
+def greedy_run(core: EngineCore, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """12 greedy tokens of `prompt` on `core`, and their logprobs."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    assert core.add_request(AddRequest("r", pack_token_ids(prompt), params)) == []
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    while core.has_unfinished():
+        out = core.step()
+        tokens += out.token_ids
+        assert out.logprobs is not None
+        logprobs += [lp.logprob for lp in out.logprobs if lp is not None]
+    return tokens, logprobs

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import greedy_run
 from torch import nn
 
 from vbatch.config import EngineConfig
@@ -149,19 +150,6 @@ def test_the_choice_is_measured_once_per_machine_and_shapes(
     assert choose_linear_backends(weights) == choice
     with pytest.raises(AssertionError, match="measured again"):
         choose_linear_backends({**weights, "o": torch.randn(32, 96)})
-
-
-def greedy_run(core: EngineCore, prompt: list[int]) -> tuple[list[int], list[float]]:
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
-    assert core.add_request(AddRequest("r", pack_token_ids(prompt), params)) == []
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    while core.has_unfinished():
-        out = core.step()
-        tokens += out.token_ids
-        assert out.logprobs is not None
-        logprobs += [lp.logprob for lp in out.logprobs if lp is not None]
-    return tokens, logprobs
 
 
 def test_the_engine_runs_alike_on_either_backend_and_says_which(tiny_model_dir: Path) -> None:

@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import greedy_run
 
 from vbatch.config import EngineConfig
 from vbatch.engine.core import EngineCore
 from vbatch.layers import native, packed_store
 from vbatch.layers.greedy_screen import HEAD_NAMES, can_use_greedy_screen
 from vbatch.layers.packed_store import PackedStore, store_path, write_safetensors
-from vbatch.protocol import AddRequest, pack_token_ids
-from vbatch.sampling_params import SamplingParams
 
 PROMPT = list(range(100, 140))
 # NOTE: the tiny model's two layers, four linears each.
@@ -44,15 +43,7 @@ def run(model_dir: Path, screen: bool = False) -> tuple[list[int], list[float], 
         greedy_screen=screen,
     )
     core = EngineCore(config)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
-    core.add_request(AddRequest("r", pack_token_ids(PROMPT), params))
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    while core.has_unfinished():
-        out = core.step()
-        tokens += out.token_ids
-        assert out.logprobs is not None
-        logprobs += [lp.logprob for lp in out.logprobs if lp is not None]
+    tokens, logprobs = greedy_run(core, PROMPT)
     core.shutdown()
     return tokens, logprobs, core.runner.packed_store
 
