@@ -1,6 +1,6 @@
 """Helpers shared by several test modules: a shared real engine for jobs, a Qwen3-style chat
 template, JSONL files, process exits, a Hugging Face hub cache laid out as `hf download` leaves
-it, a greedy run on an engine core."""
+it, a tiny core on the native linears and a greedy run on it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 import psutil
 
+from vbatch.config import EngineConfig
 from vbatch.engine.core import EngineCore
 from vbatch.protocol import AddRequest, pack_token_ids
 from vbatch.sampling_params import SamplingParams
@@ -107,6 +108,19 @@ def add_to_hub_cache(
         (repo / "refs").mkdir(exist_ok=True)
         (repo / "refs" / ref).write_text(commit)
     return snapshot
+
+
+def native_core(model_dir: Path, greedy_screen: bool) -> EngineCore:
+    """A one-thread core over `model_dir` whose linears all run the native packed kernel, with
+    the int8 greedy screen on or off."""
+    config = EngineConfig(
+        model=str(model_dir),
+        num_threads=1,
+        num_kv_blocks=16,
+        linear_backend="native",
+        greedy_screen=greedy_screen,
+    )
+    return EngineCore(config)
 
 
 def greedy_run(core: EngineCore, prompt: list[int]) -> tuple[list[int], list[float]]:

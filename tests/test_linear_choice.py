@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import greedy_run
+from helpers import greedy_run, native_core
 from torch import nn
 
 from vbatch.config import EngineConfig
@@ -189,14 +189,7 @@ def test_the_lm_heads_copy_is_made_at_its_first_call(tiny_model_dir: Path) -> No
     for the head's packed copy; a job that needs logits makes it then, once."""
     if not can_use_greedy_screen(torch.device("cpu"), torch.float32):
         pytest.skip("needs the native kernels and torch's int8 GEMM")
-    config = EngineConfig(
-        model=str(tiny_model_dir),
-        num_threads=1,
-        num_kv_blocks=16,
-        linear_backend="native",
-        greedy_screen=True,
-    )
-    core = EngineCore(config)
+    core = native_core(tiny_model_dir, greedy_screen=True)
     model = core.runner.model
     head = model.lm_head_weight
     assert model.head_copies == {"native"}

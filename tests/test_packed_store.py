@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import greedy_run
+from helpers import greedy_run, native_core
 
-from vbatch.config import EngineConfig
-from vbatch.engine.core import EngineCore
 from vbatch.layers import native, packed_store
 from vbatch.layers.greedy_screen import HEAD_NAMES, can_use_greedy_screen
 from vbatch.layers.packed_store import PackedStore, store_path, write_safetensors
@@ -35,14 +33,7 @@ def run(model_dir: Path, screen: bool = False) -> tuple[list[int], list[float], 
     """A greedy run with logprobs on a fresh core whose linears run natively (and greedy tokens
     come from the int8 screen with `screen`); its store once the core has shut down (any write
     finished)."""
-    config = EngineConfig(
-        model=str(model_dir),
-        num_threads=1,
-        num_kv_blocks=16,
-        linear_backend="native",
-        greedy_screen=screen,
-    )
-    core = EngineCore(config)
+    core = native_core(model_dir, greedy_screen=screen)
     tokens, logprobs = greedy_run(core, PROMPT)
     core.shutdown()
     return tokens, logprobs, core.runner.packed_store

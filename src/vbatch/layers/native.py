@@ -256,8 +256,7 @@ def is_available() -> bool:
     if csrc_dir is None:
         logger.warning("vbatch native kernels unavailable: csrc sources not found")
         return False
-    with_cuda = torch.cuda.is_available() and torch.version.cuda is not None
-    if not try_build_and_load(csrc_dir, cache_dir(), with_cuda):
+    if not try_build_and_load(csrc_dir, cache_dir(), _with_cuda()):
         return False
     _register_fakes()
     return True
@@ -270,7 +269,12 @@ def library_key() -> str | None:
     csrc_dir = find_csrc_dir()
     if csrc_dir is None or not is_available():
         return None
-    return build_key(csrc_dir, torch.cuda.is_available() and torch.version.cuda is not None)
+    return build_key(csrc_dir, _with_cuda())
+
+
+def _with_cuda() -> bool:
+    """Whether the library is built with its CUDA kernels (a CUDA build of torch, a GPU)."""
+    return torch.cuda.is_available() and torch.version.cuda is not None
 
 
 def has_fused_ops(device: torch.device) -> bool:
