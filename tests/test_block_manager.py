@@ -20,6 +20,8 @@ def check_invariants(bm: BlockManager, live_seqs: list[Sequence]) -> None:
     assert len(free) == len(bm.free_block_ids)
     assert not free & cached_free
     occurrences = [0] * bm.num_blocks
+    for block_id in bm.pinned:
+        occurrences[block_id] += 1
     for seq in live_seqs:
         assert seq.block_table[: seq.num_dropped_blocks] == [NULL_BLOCK] * seq.num_dropped_blocks
         for block_id in seq.block_table[seq.num_dropped_blocks :]:
@@ -50,6 +52,16 @@ def admit(bm: BlockManager, seq: Sequence) -> None:
     num_new = seq.num_tokens - len(cached_blocks) * bm.block_size
     assert bm.can_allocate(num_new, cached_blocks)
     bm.allocate(seq, num_new, cached_blocks)
+
+
+def admit_sharing(bm: BlockManager, seq: Sequence) -> tuple[int, int]:
+    """admit() with the head of a cached block after the whole ones; returns the partial hit."""
+    cached_blocks = bm.match_prefix(seq)
+    partial = bm.match_partial(seq, cached_blocks)
+    num_new = seq.num_tokens - len(cached_blocks) * bm.block_size - partial[1]
+    assert bm.can_allocate(num_new, cached_blocks, partial)
+    bm.allocate(seq, num_new, cached_blocks, partial)
+    return partial
 
 
 def compute_all(bm: BlockManager, seq: Sequence) -> None:
@@ -358,3 +370,99 @@ def test_table_rows_grow_and_are_reused_zeroed() -> None:
     admit(bm, short)
     assert bm.tables_version > version
     check_invariants(bm, [*seqs[1::2], short])
+
+
+def test_a_prefix_ending_inside_a_block_copies_the_head_of_a_cached_block() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    admit(bm, a)
+    compute_all(bm, a)
+    source = a.block_table[1]
+    b = make_seq([1, 2, 3, 4, 5, 6, 0, 0, 0, 0])
+    assert admit_sharing(bm, b) == (source, 2)
+    assert b.block_table[0] == a.block_table[0] and b.block_table[1] != a.block_table[1]
+    assert b.num_computed_tokens == b.num_cached_tokens == 6
+    assert bm.num_prefix_hits == 6
+    assert bm.take_copies() == [(source, b.block_table[1], 2)]
+    assert bm.take_copies() == []
+    check_invariants(bm, [a, b])
+    # NOTE: the pin holds the source when its seq is gone, until the step has copied it.
+    bm.free(a)
+    assert bm.ref_counts[source] == 1 and source not in bm.cached_free_block_ids
+    bm.unpin()
+    assert source in bm.cached_free_block_ids and not bm.pinned
+    check_invariants(bm, [b])
+
+
+def test_a_partial_hit_takes_the_longest_head_and_never_the_last_token() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4)
+    for prompt in ([1, 2, 3, 4, 5, 9, 9, 9, 0], [1, 2, 3, 4, 5, 6, 7, 8, 0]):
+        seq = make_seq(prompt)
+        admit(bm, seq)
+        compute_all(bm, seq)
+    longest = bm.hash_to_block[hash_block(hash_block(ROOT_HASH, [1, 2, 3, 4]), [5, 6, 7, 8])]
+    assert bm.match_partial(make_seq([1, 2, 3, 4, 5, 6, 7, 0, 0]), [bm.tables[1, 0]]) == (
+        longest,
+        3,
+    )
+    last_is_the_next = make_seq([1, 2, 3, 4, 5, 6, 7, 8])
+    assert admit_sharing(bm, last_is_the_next) == (longest, 3)
+    assert last_is_the_next.num_computed_tokens == 7
+    assert bm.match_partial(
+        make_seq([1, 2, 3, 4, 6]), bm.match_prefix(make_seq([1, 2, 3, 4, 6]))
+    ) == (
+        -1,
+        0,
+    )
+
+
+def test_a_partial_hit_needs_the_same_prefix_and_the_same_adapter() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 0])
+    admit(bm, a)
+    compute_all(bm, a)
+    other_head = make_seq([9, 2, 3, 4, 5, 6, 0])
+    assert admit_sharing(bm, other_head) == (-1, 0) and other_head.num_computed_tokens == 0
+    assert admit_sharing(bm, make_seq([1, 2, 3, 0])) == (a.block_table[0], 3)
+    adapted = Sequence("r", [1, 2, 3, 0], SamplingParams(), lora_id=1)
+    assert admit_sharing(bm, adapted) == (-1, 0)
+
+
+def test_an_evicted_block_is_no_partial_hit() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = make_seq([1, 2, 3, 4, 5])
+    admit(bm, a)
+    compute_all(bm, a)
+    cached = a.block_table[0]
+    bm.free(a)
+    filler = make_seq(list(range(100, 116)))
+    admit(bm, filler)
+    bm.free(filler)
+    assert bm.block_hashes[cached] is None
+    assert admit_sharing(bm, make_seq([1, 2, 3, 9])) == (-1, 0)
+    assert not bm._partial and not bm._partial_keys
+
+
+def test_a_pinned_source_counts_against_the_pool_and_is_not_evicted() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = make_seq([1, 2, 3, 4, 5])
+    admit(bm, a)
+    compute_all(bm, a)
+    source = a.block_table[0]
+    bm.free(a)
+    b = make_seq([1, 2, 3, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8])
+    partial = bm.match_partial(b, [])
+    assert partial == (source, 3)
+    assert not bm.can_allocate(b.num_tokens - 3, [], partial), "3 blocks and the source: 4 + 1"
+    b = make_seq([1, 2, 3, 8, 8, 8, 8, 8, 8, 8, 8, 8])
+    assert admit_sharing(bm, b) == (source, 3)
+    assert source not in b.block_table and bm.num_free_blocks == 0
+    check_invariants(bm, [b])
+
+
+def test_a_sliding_window_shares_whole_blocks_only() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4, sliding_window=8)
+    a = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 0])
+    admit(bm, a)
+    compute_all(bm, a)
+    assert admit_sharing(bm, make_seq([1, 2, 3, 4, 5, 6, 0])) == (-1, 0)

@@ -59,6 +59,8 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
     for seq in sched.running:
         for block_id in seq.block_table[seq.num_dropped_blocks :]:
             ref_counts[block_id] += 1
+    for block_id in bm.pinned:
+        ref_counts[block_id] += 1
     assert ref_counts == bm.ref_counts
     for seq in sched.waiting:
         assert seq.block_table == [] and seq.num_computed_tokens == 0
@@ -137,7 +139,7 @@ def test_budget_and_invariants_hold_on_a_random_workload() -> None:
         rng = random.Random(1)
         seqs = []
         for i in range(40):
-            prefix = shared[: rng.choice([0, 8, 24])]
+            prefix = shared[: rng.choice([0, 6, 8, 23, 24])]
             prompt = prefix + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 30))]
             n = rng.choice([1, 1, 3])
             params = SamplingParams(n=n, max_tokens=rng.randrange(1, 20))
@@ -432,6 +434,23 @@ def test_prefix_cache_hit_skips_the_shared_blocks() -> None:
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (18 + 14, 12)
     assert stats.num_generation_tokens == 4 and stats.num_prompt_tokens == 18 + 2
     assert a.num_cached_tokens == 0
+
+
+def test_a_prefix_ending_inside_a_block_is_copied_not_computed() -> None:
+    sched = make_scheduler()
+    prompt = list(range(3, 13))
+    a = add(sched, "a", prompt, max_tokens=2)
+    out, _ = step(sched)
+    source = a.block_table[1]
+    assert out.kv_copies == []
+    run_to_end(sched)
+    b = add(sched, "b", [*prompt[:6], 99, 98], max_tokens=2)
+    out, _ = step(sched)
+    assert out.seqs == [b] and out.num_new_tokens == [2]
+    assert out.kv_copies == [(source, b.block_table[1], 2)]
+    assert b.num_cached_tokens == 6 and not sched.block_manager.pinned
+    run_to_end(sched)
+    assert sched.stats().prefix_cache_hits == 6
 
 
 def test_samples_of_one_request_share_the_prompt_blocks() -> None:

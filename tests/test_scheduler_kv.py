@@ -76,6 +76,7 @@ class FakeModel:
         self.gathered = GatheredBlockTables()
         self.decode = DecodeBatch(self._advance)
         self.num_advanced = 0
+        self.num_copies = 0
 
     @staticmethod
     def _advance(host: HostBatch, token_ids: list[int]) -> None:
@@ -83,7 +84,16 @@ class FakeModel:
         host.int64s[: host.num_tokens] = token_ids
 
     def launch(self, out: SchedulerOutput) -> list[int]:
-        """The step's writes and samples, made now (as the device runs steps in launch order)."""
+        """The step's copies, writes and samples, made now (as the device runs steps in launch
+        order)."""
+        for source, dest, n in out.kv_copies:
+            assert self.block_manager.block_hashes[source] is not None, (
+                "a copy from no cached block"
+            )
+            assert 0 < n < BLOCK_SIZE
+            start = source * BLOCK_SIZE
+            self.kv[dest * BLOCK_SIZE : dest * BLOCK_SIZE + n] = self.kv[start : start + n]
+            self.num_copies += 1
         kept = self.decode.host
         host = build_host_batch(out, BLOCK_SIZE, self.gathered, self.decode)
         self.num_advanced += host is kept
@@ -257,6 +267,7 @@ def run_engine_loop(seed: int, is_async: bool, window: int | None = None) -> dic
         "aborted": sum(seq.finish_reason == FinishReason.ABORT for seq in seqs),
         "stopped": sum(seq.finish_reason == FinishReason.STOP for seq in seqs),
         "dropped": model.num_dropped,
+        "copies": model.num_copies,
     }
 
 
@@ -273,3 +284,4 @@ def test_every_computed_position_has_the_kv_of_its_own_prefix(
     assert totals["advanced"] > 1000 and totals["preemptions"] > 300
     assert totals["prefix_hits"] > 5000 and totals["aborted"] > 20 and totals["stopped"] > 200
     assert (totals["dropped"] > 1000) == (window is not None)
+    assert (totals["copies"] > 100) == (window is None), totals["copies"]

@@ -46,7 +46,8 @@ def root_hash(seq: Sequence) -> BlockHash:
 
 
 class BlockManager:
-    """Hands out KV blocks to sequences and shares full blocks between equal prefixes.
+    """Hands out KV blocks to sequences and shares full blocks between equal prefixes, and the
+    leading tokens of a cached block with a prefix that ends inside a block (match_partial).
 
     Invariants: every block is in exactly one of {in use (ref > 0), cached-free (ref == 0, hashed,
     in the LRU), free (ref == 0, unhashed, in the free list)}; a hashed block holds the K/V of
@@ -55,7 +56,11 @@ class BlockManager:
     hashed. The first `_num_registered[seq_id]` blocks of a seq holding blocks are hashed, or
     equal to hashed ones. Prefix counters count tokens. A seq holding blocks owns row
     `seq.block_row` of `tables`, which holds its block table and then zeros; free rows are zero;
-    `tables_version` changes whenever `tables` does.
+    `tables_version` changes whenever `tables` does. `_partial` maps the parent hash and leading
+    tokens (1 to block_size - 1 of them) of hashed blocks to one such block, each key listed in
+    `_partial_keys` of the block it maps to. A block in `pinned` holds one reference more than
+    block tables do, for a copy in `pending_copies` (source, destination, tokens) that the next
+    step runs before its forward pass.
 
     With `sliding_window` W (set only when every layer of the model has a window of at most
     W), a seq's leading blocks that end before position `num_computed_tokens - W` are needed by
@@ -83,6 +88,12 @@ class BlockManager:
         self.block_hashes: list[BlockHash | None] = [None] * num_blocks
         self.hash_to_block: dict[BlockHash, int] = {}
         self._num_registered: dict[int, int] = {}  # seq_id -> leading blocks cache_full_blocks saw
+        # NOTE: a sliding window drops leading blocks by count, which assumes whole-block hits.
+        self.shares_partial_blocks = enable_prefix_caching and sliding_window is None
+        self._partial: dict[bytes, int] = {}
+        self._partial_keys: dict[int, list[bytes]] = {}
+        self.pinned: list[int] = []
+        self.pending_copies: list[tuple[int, int, int]] = []
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
         # NOTE: the runner gathers a step's block tables from these rows with one numpy call
@@ -124,6 +135,31 @@ class BlockManager:
             block_ids.append(block_id)
         return block_ids
 
+    def match_partial(self, seq: Sequence, cached_blocks: SequenceOf[int]) -> tuple[int, int]:
+        """(a cached block, n): its first n tokens are the longest run of `seq`'s tokens after
+        `cached_blocks` (from match_prefix) that a cached block starts with, after the same
+        prefix; (-1, 0) if none. The last token is never a hit, as in match_prefix."""
+        if not self.shares_partial_blocks or not self._partial:
+            return -1, 0
+        bs = self.block_size
+        num_blocks = len(cached_blocks)
+        start = num_blocks * bs
+        limit = min(bs - 1, len(seq.token_ids) - 1 - start)
+        if limit <= 0:
+            return -1, 0
+        parent = (
+            self.full_block_hashes(seq, num_blocks)[num_blocks - 1]
+            if num_blocks
+            else root_hash(seq)
+        )
+        packed = array("q", seq.token_ids[start : start + limit]).tobytes()
+        partial = self._partial
+        for num_tokens in range(limit, 0, -1):
+            block_id = partial.get(parent + packed[: 8 * num_tokens])
+            if block_id is not None:
+                return block_id, num_tokens
+        return -1, 0
+
     def uncached_prompt_hashes(
         self, seq: Sequence, cached_blocks: SequenceOf[int], limit: int | None = None
     ) -> list[BlockHash]:
@@ -158,24 +194,41 @@ class BlockManager:
             return 0
         return (num_computed_tokens - window) // self.block_size
 
-    def can_allocate(self, num_new_tokens: int, cached_blocks: SequenceOf[int] = ()) -> bool:
-        """Whether a new seq reusing `cached_blocks` can get blocks for `num_new_tokens` more."""
-        num_needed = -(-num_new_tokens // self.block_size)
+    def can_allocate(
+        self,
+        num_new_tokens: int,
+        cached_blocks: SequenceOf[int] = (),
+        partial: tuple[int, int] = (-1, 0),
+    ) -> bool:
+        """Whether a new seq reusing `cached_blocks` and `partial` (from match_partial) can get
+        blocks for `num_new_tokens` more."""
+        source, num_partial = partial
+        num_needed = -(-(num_partial + num_new_tokens) // self.block_size)
         num_skipped = self.num_out_of_window(len(cached_blocks) * self.block_size)
         num_revived = sum(1 for b in cached_blocks[num_skipped:] if self.ref_counts[b] == 0)
+        if num_partial and self.ref_counts[source] == 0:
+            num_revived += 1
         return num_needed + num_revived <= self.num_free_blocks
 
     def allocate(
-        self, seq: Sequence, num_new_tokens: int, cached_blocks: SequenceOf[int] = ()
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        cached_blocks: SequenceOf[int] = (),
+        partial: tuple[int, int] = (-1, 0),
     ) -> None:
         """Admit `seq`: share `cached_blocks` (from match_prefix), then add blocks for the rest;
-        cached blocks already out of the sliding window are not taken (NULL_BLOCK instead)."""
+        cached blocks already out of the sliding window are not taken (NULL_BLOCK instead).
+        With `partial` (source, n) from match_partial, the first added block is to get the
+        source's first n tokens' K/V by a copy in `pending_copies`, the source pinned till then,
+        and `num_new_tokens` count from after them."""
         assert not seq.block_table and seq.num_computed_tokens == 0 and seq.block_row < 0
         if not self.free_rows:
             num_rows = len(self.tables)
             self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
             self.free_rows = list(range(2 * num_rows - 1, num_rows - 1, -1))
         seq.block_row = self.free_rows.pop()
+        source, num_partial = partial
         num_cached_tokens = len(cached_blocks) * self.block_size
         num_skipped = self.num_out_of_window(num_cached_tokens)
         ref_counts = self.ref_counts
@@ -187,6 +240,12 @@ class BlockManager:
         seq.block_table.extend(cached_blocks[num_skipped:])
         seq.num_dropped_blocks = num_skipped
         self._mirror(seq, 0)
+        if num_partial:
+            if ref_counts[source] == 0:
+                del self.cached_free_block_ids[source]
+            ref_counts[source] += 1
+            self.pinned.append(source)
+            num_cached_tokens += num_partial
         seq.num_computed_tokens = num_cached_tokens
         if seq.num_preemptions == 0:
             # NOTE: a re-admission's hits are the seq's own blocks, output tokens included.
@@ -197,6 +256,22 @@ class BlockManager:
             self.num_prefix_hits += num_cached_tokens
         is_allocated = self.append_slots(seq, num_new_tokens)
         assert is_allocated, "allocate() without a successful can_allocate()"
+        if num_partial:
+            self.pending_copies.append((source, seq.block_table[len(cached_blocks)], num_partial))
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """The copies allocate() asked for since the last call; the step that admitted their
+        seqs runs them before its forward pass."""
+        copies = self.pending_copies
+        self.pending_copies = []
+        return copies
+
+    def unpin(self) -> None:
+        """Drop the references that kept the sources of taken copies; call once the step
+        running them is launched (copies on a device queue before any later write)."""
+        if self.pinned:
+            self._release(self.pinned)
+            self.pinned = []
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow the block table to hold num_computed_tokens + num_new_tokens; False if no room."""
@@ -316,7 +391,23 @@ class BlockManager:
                 block_id = seq.block_table[i]
                 block_hashes[block_id] = block_hash
                 hash_to_block[block_hash] = block_id
+                if self.shares_partial_blocks:
+                    self._index_partial(seq, i, hashes[i - 1] if i else root_hash(seq), block_id)
         self._num_registered[seq_id] = stop
+
+    def _index_partial(self, seq: Sequence, index: int, parent: BlockHash, block_id: int) -> None:
+        """Key `block_id`, block `index` of `seq` just hashed, by its parent and each run of its
+        leading tokens that no other cached block is keyed by."""
+        bs = self.block_size
+        packed = array("q", seq.token_ids[index * bs : (index + 1) * bs - 1]).tobytes()
+        partial = self._partial
+        keys = []
+        for stop in range(8, len(packed) + 1, 8):
+            key = parent + packed[:stop]
+            if partial.setdefault(key, block_id) == block_id:
+                keys.append(key)
+        if keys:
+            self._partial_keys[block_id] = keys
 
     def _mirror(self, seq: Sequence, start: int) -> None:
         """Copy seq.block_table[start:] into its row of `tables`."""
@@ -343,5 +434,7 @@ class BlockManager:
             block_id, _ = self.cached_free_block_ids.popitem(last=False)
             del self.hash_to_block[self.block_hashes[block_id]]
             self.block_hashes[block_id] = None
+            for key in self._partial_keys.pop(block_id, ()):
+                del self._partial[key]
         self.ref_counts[block_id] = 1
         return block_id

@@ -332,6 +332,8 @@ class ModelRunner:
         return token_ids, logprobs
 
     def _launch(self, out: SchedulerOutput) -> SamplerOutput | None:
+        if out.kv_copies:
+            self._copy_kv(out.kv_copies)
         inputs = self.prepare(out)
         if self.lora is not None:
             self.lora.prepare(out)
@@ -364,6 +366,13 @@ class ModelRunner:
             return SamplerOutput.of_token_ids(self.model.greedy_token_ids(hidden))
         logits = self.model.compute_logits(hidden, out=self._logits_buffer(len(sampling_seqs)))
         return self._sample(logits, sampling, mask)
+
+    def _copy_kv(self, copies: list[tuple[int, int, int]]) -> None:
+        """Copy the first n token slots of block `source` to block `dest` in every layer."""
+        for source, dest, n in copies:
+            for k_cache, v_cache in self.kv_caches:
+                k_cache[dest, :n] = k_cache[source, :n]
+                v_cache[dest, :n] = v_cache[source, :n]
 
     def _sample(
         self, logits: torch.Tensor, sampling: SamplingMetadata, mask: StepMask | None

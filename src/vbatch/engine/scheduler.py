@@ -147,6 +147,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
+        self.block_manager.unpin()
         budget = self.config.max_num_batched_tokens
         seqs: list[Sequence] = []
         num_new_tokens: list[int] = []
@@ -192,6 +193,7 @@ class Scheduler:
             block_rows=block_rows,
             block_tables_version=self.block_manager.tables_version,
             continues_step=continues_step,
+            kv_copies=self.block_manager.take_copies(),
         )
         self._last_output = out
         return out
@@ -252,6 +254,8 @@ class Scheduler:
         logprobs: list[TokenLogprobs | None] | None = None,
     ) -> StepUpdate:
         """Apply one step: `sampled_token_ids` align with out's sampling seqs, in batch order."""
+        if out.kv_copies:
+            self.block_manager.unpin()
         applied = self._applier.apply(out, sampled_token_ids, logprobs, len(self.running))
         if self.config.sliding_window is not None:
             # NOTE: in a decode step only the seqs opening a block release (each does once in
@@ -393,14 +397,15 @@ class Scheduler:
             cached_blocks = block_manager.match_prefix(seq)
             if self._claims.is_computing_next(seq, cached_blocks):
                 break
-            num_uncomputed = seq.num_tokens - len(cached_blocks) * block_size
+            partial = block_manager.match_partial(seq, cached_blocks)
+            num_uncomputed = seq.num_tokens - len(cached_blocks) * block_size - partial[1]
             num_new = num_uncomputed if num_uncomputed < budget else budget
-            if not block_manager.can_allocate(num_new, cached_blocks):
+            if not block_manager.can_allocate(num_new, cached_blocks, partial):
                 break
             del waiting[position]
             if active_loras is not None and seq.lora_id:
                 active_loras.add(seq.lora_id)
-            block_manager.allocate(seq, num_new, cached_blocks)
+            block_manager.allocate(seq, num_new, cached_blocks, partial)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if is_sharing_prompts:

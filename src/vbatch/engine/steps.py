@@ -21,7 +21,9 @@ class SchedulerOutput:
     fixed at construction, so it stays right after update() has moved the seqs on. When
     `block_tables` is set, seq i's block table is row `block_rows[i]` of it (the BlockManager's
     rows, unchanged while `block_tables_version` is); an output built by hand leaves it None and
-    the runner reads the seqs' lists. `step_id` is unique to this output.
+    the runner reads the seqs' lists. `step_id` is unique to this output. `kv_copies` lists
+    (source block, destination block, n): the first n token slots' K/V of every layer to copy
+    before the forward pass (BlockManager.match_partial).
 
     Continuing decode steps (the fast path every part below refers to): `continues_step`, when
     not -1, is the step_id of the previous output, whose seqs these are, in the same order, each
@@ -49,6 +51,7 @@ class SchedulerOutput:
     block_rows: list[int] = field(default_factory=list)
     block_tables_version: int = -1  # the BlockManager's tables_version when this was built
     continues_step: int = -1
+    kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
     step_id: int = field(default_factory=lambda: next(_step_ids))
 
     def __post_init__(self) -> None:
