@@ -3,8 +3,10 @@
 Writes the throughput workload to JSONL, times `vbatch run IN -o OUT --max-tokens N
 --temperature 0`, then HF `generate` at each batch size asked for (its best one is the baseline),
 and prints vbatch/HF and bound/achieved wall time, where the bound is the sum over requests of
-(prompt + output tokens) x FLOPs/token divided by the GEMM rate measured in this run (and a
-tighter one: prompt tokens without the LM head, at the 512-row prefill GEMM rate).
+(prompt + output tokens) x FLOPs/token divided by the GEMM rate (and a tighter one: prompt
+tokens without the LM head, at the 512-row prefill GEMM rate). The rates are measured right
+before each round, since a shared host's speed moves between minutes; each round's wall is
+divided by its own bounds, and the ratios' medians are printed.
 
 python -m benchmarks.e2e [--num-prompts 128] [--max-tokens 128] [--threads 2]
     [--hf-batch-sizes 32,64] [--repeats 1] [--skip-hf] [--show-progress] [--quantization int8]
@@ -64,6 +66,26 @@ def run_cli(in_path: Path, out_path: Path, args: argparse.Namespace) -> dict[str
     return {"wall_s": wall, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
 
 
+def gemm_bounds(
+    ours: dict[str, float],
+    rates: tuple[float, float, float],
+    body_flops: float,
+    head_flops: float,
+) -> tuple[float, float]:
+    """(GEMM bound, tighter bound) in seconds for a run's token counts at `rates` (GFLOP/s of
+    the layers at 64 rows, the LM head at 64 rows, the layers at 512 rows)."""
+    body_rate, head_rate, prefill_rate = rates
+    gemm_gflops = (body_flops + head_flops) / (body_flops / body_rate + head_flops / head_rate)
+    num_tokens = ours["prompt_tokens"] + ours["output_tokens"]
+    bound_s = num_tokens * (body_flops + head_flops) / (gemm_gflops * 1e9)
+    # NOTE: tighter: prompt tokens skip the LM head and run as 512-row GEMMs, outputs at batch 64.
+    tight_s = (
+        ours["prompt_tokens"] * body_flops / prefill_rate
+        + ours["output_tokens"] * (body_flops / body_rate + head_flops / head_rate)
+    ) / 1e9
+    return bound_s, tight_s
+
+
 def hf_prompts(num_prompts: int) -> tuple[str, list[list[int]]]:
     from transformers import AutoTokenizer
 
@@ -106,27 +128,30 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    body_rate, head_rate = model_gemm_rate(64, repeats=5)
-    prefill_rate, _ = model_gemm_rate(512, repeats=5)
     body_flops, head_flops = flops_per_token()
-    gemm_gflops = (body_flops + head_flops) / (body_flops / body_rate + head_flops / head_rate)
     print(
         f"workload: {args.num_prompts} chat prompts, max_tokens={args.max_tokens}, greedy, "
-        f"threads={args.threads}; GEMM rate {gemm_gflops:.0f} GFLOP/s at decode shapes"
+        f"threads={args.threads}"
     )
     batch_sizes = [] if args.skip_hf else [int(x) for x in args.hf_batch_sizes.split(",")]
     hf_dir, prompts = hf_prompts(args.num_prompts) if batch_sizes else ("", [])
     walls: list[float] = []
+    bounds: list[tuple[float, float]] = []
     hf_rates: dict[int, list[float]] = {b: [] for b in batch_sizes}
     ours: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         in_path = write_jsonl(Path(tmp) / "workload.jsonl", args.num_prompts)
         for round_index in range(args.repeats):
+            rates = (*model_gemm_rate(64, repeats=5), model_gemm_rate(512, repeats=5)[0])
             ours = run_cli(in_path, Path(tmp) / "out.jsonl", args)
             walls.append(ours["wall_s"])
+            bounds.append(gemm_bounds(ours, rates, body_flops, head_flops))
             print(
                 f"[round {round_index + 1}] vbatch run: {ours['wall_s']:.1f} s, "
-                f"{ours['output_tokens'] / ours['wall_s']:.1f} output tok/s",
+                f"{ours['output_tokens'] / ours['wall_s']:.1f} output tok/s; GEMM rates "
+                f"{rates[0]:.0f}/{rates[1]:.0f}/{rates[2]:.0f} GFLOP/s (layers at 64 rows, LM "
+                f"head, layers at 512 rows): bound {bounds[-1][0]:.1f} s, tighter "
+                f"{bounds[-1][1]:.1f} s",
                 flush=True,
             )
             for batch_size in batch_sizes:
@@ -138,19 +163,17 @@ def main() -> None:
                     flush=True,
                 )
     wall = statistics.median(walls)
-    num_tokens = ours["prompt_tokens"] + ours["output_tokens"]
-    bound_s = num_tokens * (body_flops + head_flops) / (gemm_gflops * 1e9)
-    # NOTE: tighter: prompt tokens skip the LM head and run as 512-row GEMMs, outputs at batch 64.
-    tight_s = (
-        ours["prompt_tokens"] * body_flops / prefill_rate
-        + ours["output_tokens"] * (body_flops / body_rate + head_flops / head_rate)
-    ) / 1e9
+    bound_s = statistics.median(b[0] for b in bounds)
+    tight_s = statistics.median(b[1] for b in bounds)
+    ratio = statistics.median(w / b[0] for w, b in zip(walls, bounds, strict=True))
+    tight_ratio = statistics.median(w / b[1] for w, b in zip(walls, bounds, strict=True))
     ours_tok_s = ours["output_tokens"] / wall
     print(
         f"vbatch run (median of {args.repeats}): {wall:.1f} s, {ours['prompt_tokens']} prompt + "
         f"{ours['output_tokens']} output tokens, {ours_tok_s:.1f} output tok/s; "
-        f"GEMM bound {bound_s:.1f} s, wall/bound = {wall / bound_s:.2f} "
-        f"(tighter bound {tight_s:.1f} s, wall/tighter = {wall / tight_s:.2f})"
+        f"GEMM bound {bound_s:.1f} s, wall/bound = {ratio:.2f} "
+        f"(tighter bound {tight_s:.1f} s, wall/tighter = {tight_ratio:.2f}; medians over rounds "
+        "of each round's wall over its own bounds)"
     )
     if not batch_sizes:
         return
