@@ -147,13 +147,15 @@ def main() -> None:
     )
     off = run(prompts, args, caching=False)
     on = run(prompts, args, caching=True)
-    cacheable = shared // on["block_size"] * on["block_size"]
-    num_skipped = sum(c >= cacheable for c in on["cached"])
+    whole_blocks = shared // on["block_size"] * on["block_size"]
+    num_skipped = sum(c >= shared for c in on["cached"])
+    num_blocks_skipped = sum(c >= whole_blocks for c in on["cached"])
     fraction = num_skipped / len(prompts)
     print(
-        f"prefix caching on: {num_skipped}/{len(prompts)} requests ({fraction:.0%}) skipped "
-        f"their {cacheable} cacheable shared tokens; prefix_cache_hits {on['hits']} of "
-        f"{on['queries']} queried tokens ({on['hits'] / max(on['queries'], 1):.0%})"
+        f"prefix caching on: {num_skipped}/{len(prompts)} requests ({fraction:.0%}) skipped all "
+        f"{shared} shared tokens ({num_blocks_skipped} at least its {whole_blocks} in whole "
+        f"blocks); prefix_cache_hits {on['hits']} of {on['queries']} queried tokens "
+        f"({on['hits'] / max(on['queries'], 1):.0%})"
     )
     print(
         f"wall time: off {off['wall_s']:.1f} s, on {on['wall_s']:.1f} s, "
