@@ -428,13 +428,19 @@ def test_a_partial_hit_needs_the_same_prefix_and_the_same_adapter() -> None:
     assert admit_sharing(bm, adapted) == (-1, 0)
 
 
+def cached_and_freed(bm: BlockManager, prompt: list[int]) -> int:
+    """Run `prompt` through `bm` and free it; returns its first block, now cached-free."""
+    seq = make_seq(prompt)
+    admit(bm, seq)
+    compute_all(bm, seq)
+    first = seq.block_table[0]
+    bm.free(seq)
+    return first
+
+
 def test_an_evicted_block_is_no_partial_hit() -> None:
     bm = BlockManager(num_blocks=4, block_size=4)
-    a = make_seq([1, 2, 3, 4, 5])
-    admit(bm, a)
-    compute_all(bm, a)
-    cached = a.block_table[0]
-    bm.free(a)
+    cached = cached_and_freed(bm, [1, 2, 3, 4, 5])
     filler = make_seq(list(range(100, 116)))
     admit(bm, filler)
     bm.free(filler)
@@ -445,11 +451,7 @@ def test_an_evicted_block_is_no_partial_hit() -> None:
 
 def test_a_pinned_source_counts_against_the_pool_and_is_not_evicted() -> None:
     bm = BlockManager(num_blocks=4, block_size=4)
-    a = make_seq([1, 2, 3, 4, 5])
-    admit(bm, a)
-    compute_all(bm, a)
-    source = a.block_table[0]
-    bm.free(a)
+    source = cached_and_freed(bm, [1, 2, 3, 4, 5])
     b = make_seq([1, 2, 3, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8])
     partial = bm.match_partial(b, [])
     assert partial == (source, 3)
