@@ -147,6 +147,8 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
+        # NOTE: update() unpins after a step with copies; a step that failed before its update
+        # leaves its pins to here, after which no copy of it can run.
         self.block_manager.unpin()
         budget = self.config.max_num_batched_tokens
         seqs: list[Sequence] = []
