@@ -115,7 +115,7 @@ def test_waits_follow_the_free_cpus_measured(
     assert spinning["OMP_WAIT_POLICY"] == "PASSIVE"
     assert spinning["GOMP_SPINCOUNT"] == str(openmp_waits.SPIN_COUNT)
     note = spinning[openmp_waits.WAITS_NOTE_VARIABLE]
-    assert note.startswith("spin 10000, then sleep (1.9 CPUs free")
+    assert note.startswith(f"spin {openmp_waits.SPIN_COUNT}, then sleep (1.9 CPUs free")
     assert "GOMP_SPINCOUNT" not in openmp_waits.openmp_waits(4)
     monkeypatch.setattr(openmp_waits, "free_cpus", lambda: None)
     assert openmp_waits.openmp_waits(1)[openmp_waits.WAITS_NOTE_VARIABLE].startswith(
@@ -132,7 +132,7 @@ def test_free_cpus_reads_the_machine(busy_cpus: None) -> None:
 def test_free_cpus_counts_this_process_as_free(monkeypatch: pytest.MonkeyPatch) -> None:
     # NOTE: with no idle time read, what free_cpus reports is this process's own CPU time, so
     # other work on the machine (another test worker) cannot move the result.
-    monkeypatch.setattr(openmp_waits, "_idle_ticks", lambda cpus: 0)
+    monkeypatch.setattr(openmp_waits, "idle_ticks", lambda cpus: 0)
     stop = threading.Event()
 
     def spin() -> None:

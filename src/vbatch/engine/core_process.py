@@ -25,6 +25,7 @@ from typing import Any
 import zmq
 
 from vbatch.config import FIRST_STEP_FACTOR, SLOW_STEP_FACTOR, CorePlacement, EngineConfig
+from vbatch.engine.cpu_share import CpuShare, shares_cpus
 from vbatch.engine.openmp_waits import set_core_waits
 from vbatch.engine.startup_gc import pause_collection, resume_collection
 from vbatch.errors import VbatchError
@@ -146,7 +147,8 @@ class _Watchdog:
     Every PARENT_POLL_S it checks the parent (gone: remove the IPC directory, exit), re-arms the
     dead-man alarm, and, once the busy loop runs, sends a Heartbeat about every second with the
     age of the loop's current iteration (`beat()` marks each iteration's start), the CPU time
-    used in it, and the step limit sized from the steps measured so far (`record_step`).
+    used in it, and the step limit sized from the steps measured so far (`record_step`); and it
+    samples the load on the core's CPUs for `share` where it has one (engine/cpu_share.py).
     """
 
     def __init__(
@@ -164,6 +166,7 @@ class _Watchdog:
         self.alarm_s = config.startup_timeout_s + _ALARM_MARGIN_S
         self.loop_start: float | None = None
         self.resumed_at = 0.0
+        self.share: CpuShare | None = None
         self._lock = threading.Lock()
 
     def start(self) -> None:
@@ -201,6 +204,9 @@ class _Watchdog:
             if now - last_tick > PARENT_POLL_S + _STALL_S:
                 self.resumed_at = now
             last_tick = now
+            share = self.share
+            if share is not None:
+                share.sample()
             loop_start = self.loop_start
             if loop_start is not None and now - last_beat >= self.interval_s:
                 last_beat = now
@@ -235,10 +241,22 @@ def _serve(config: EngineConfig, in_q: queue.Queue, out_q: queue.Queue, watchdog
     resume_collection()
     import torch
 
+    threads = torch.get_num_threads()
+    share = None
+    if shares_cpus(threads, info.device.partition(":")[0], config.batch_invariant):
+        share = CpuShare(threads, os.sched_getaffinity(0), torch.set_num_threads)
+        watchdog.share = share
     try:
         # NOTE: one inference-mode guard for the whole loop, not one per step (~15 µs each).
         with torch.inference_mode():
-            _busy_loop(core, in_q, out_q, watchdog.beat, watchdog.record_step)
+            _busy_loop(
+                core,
+                in_q,
+                out_q,
+                watchdog.beat,
+                watchdog.record_step,
+                share.apply if share is not None else lambda: None,
+            )
     except BaseException as e:
         out_q.put(EngineError(message=_describe(e), traceback=traceback.format_exc()))
         return 1
@@ -269,12 +287,13 @@ def _busy_loop(
     out_q: queue.Queue,
     beat: Callable[[], None] = lambda: None,
     record_step: Callable[[float, int], None] = lambda seconds, num_tokens: None,
+    set_threads: Callable[[], None] = lambda: None,
 ) -> None:
     """Drain inputs (aborts land before the next step's outputs), step, push compact outputs.
 
     Blocks on the input queue only while the engine has no unfinished request. `beat()` marks
     the start of every iteration, for the heartbeat's loop age; `record_step` gets each step's
-    time and scheduled tokens.
+    time and scheduled tokens; `set_threads()` runs before each step (engine/cpu_share.py).
     """
     busy_time = 0.0
     last_stats = 0.0
@@ -298,6 +317,7 @@ def _busy_loop(
                     out_q.put(EngineOutputs(finished=finished, timestamp=time.time()))
                 return
         if core.has_unfinished():
+            set_threads()
             start = time.perf_counter()
             outputs = core.step()
             seconds = time.perf_counter() - start

@@ -14,8 +14,8 @@ import msgspec
 import torch
 
 from vbatch.config import EngineConfig
+from vbatch.engine.cpu_share import cpu_notes
 from vbatch.engine.kv_cache import select_device, select_dtype
-from vbatch.engine.openmp_waits import describe_openmp_waits
 from vbatch.engine.pooling import PoolingJob, float32_bytes
 from vbatch.layers.linear_choice import settle_linears
 from vbatch.models.bert import EncoderConfig, load_encoder
@@ -71,7 +71,7 @@ class EncoderCore:
         self.model = load_encoder(resolved.hf_dir, self.device, dtype)
         kernels: list[str] = []
         if self.device.type == "cpu":
-            kernels.append(describe_openmp_waits())
+            kernels += cpu_notes(torch.get_num_threads(), config.batch_invariant)
         if self.device.type == "cpu" and dtype == torch.float32:
             if config.linear_backend == "auto":
                 progress("choosing kernels")

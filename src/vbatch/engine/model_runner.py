@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from vbatch.config import EngineConfig
+from vbatch.engine.cpu_share import cpu_notes
 from vbatch.engine.cuda_graphs import DecodeGraphRunner
 from vbatch.engine.grammar import GrammarMasks, StepMask
 from vbatch.engine.input_batch import (
@@ -26,7 +27,6 @@ from vbatch.engine.kv_cache import (
     select_dtype,
     select_kv_cache_dtype,
 )
-from vbatch.engine.openmp_waits import describe_openmp_waits
 from vbatch.engine.sampler import Sampler, SamplerOutput
 from vbatch.engine.sampling_metadata import SamplingMetadata, free_generators
 from vbatch.engine.sequence import Sequence
@@ -112,7 +112,7 @@ class ModelRunner:
         self.kernel_notes: list[str] = []
         self.kernel_warnings: list[str] = []
         if self.device.type == "cpu":
-            self.kernel_notes.append(describe_openmp_waits())
+            self.kernel_notes += cpu_notes(torch.get_num_threads(), config.batch_invariant)
         choice = self.model.quantization_choice
         if choice and "backend" in choice:
             self.kernel_notes.append(describe_int8_choice(choice))

@@ -12,10 +12,12 @@ import time
 # NOTE: libgomp reads these when torch loads it, so a core's are fixed when it is spawned.
 _WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 WAITS_NOTE_VARIABLE = "VBATCH_OPENMP_WAITS"
-# NOTE: about 0.1 ms of spinning, which covers the gaps between a step's parallel regions
-# (docs/performance.md: the AVX-512 EPYC's quiet 64-prompt job, 32.3 s sleeping at once,
-# 26.7-29.9 s spinning first; with one other busy process, 48 s against 66 s).
-SPIN_COUNT = 10_000
+# NOTE: libgomp's own default without a policy, about 3 ms of spinning, which also covers a
+# step's serial Python between parallel regions (docs/performance.md: the AVX-512 EPYC's quiet
+# 64-prompt job through the CLI, 29.7 s median of 4 rotated rounds against 33.2 s spinning 0.1 ms
+# and 30.8 s spinning 1 ms). Load that arrives after the spawn makes the core drop to one thread
+# (engine/cpu_share.py), which then waits at no barrier.
+SPIN_COUNT = 300_000
 _WINDOW_S = 0.03
 _MARGIN = 0.5
 
@@ -27,10 +29,10 @@ def free_cpus(window_s: float = _WINDOW_S) -> float | None:
     begins."""
     try:
         cpus = {f"cpu{n}" for n in os.sched_getaffinity(0)}
-        before, own_before = _idle_ticks(cpus), time.process_time()
+        before, own_before = idle_ticks(cpus), time.process_time()
         start = time.monotonic()
         time.sleep(window_s)
-        after, own_after = _idle_ticks(cpus), time.process_time()
+        after, own_after = idle_ticks(cpus), time.process_time()
         elapsed = time.monotonic() - start
     except (AttributeError, OSError, ValueError, IndexError):
         return None
@@ -38,7 +40,7 @@ def free_cpus(window_s: float = _WINDOW_S) -> float | None:
     return (idle + own_after - own_before) / elapsed
 
 
-def _idle_ticks(cpus: set[str]) -> int:
+def idle_ticks(cpus: set[str]) -> int:
     """Idle and I/O-wait ticks summed over `cpus`."""
     total = 0
     with open("/proc/stat") as f:
