@@ -64,7 +64,7 @@ def test_a_quiet_machine_keeps_every_thread() -> None:
     readings = Readings()
     share, applied = fake_share(readings)
     assert run_ticks(share, readings, [2.0, 1.9, 1.6, 2.0, 1.7]) == [2] * 5
-    assert applied == [] and share.num_switches == 0
+    assert applied == []
 
 
 def test_sustained_load_drops_to_one_thread_and_its_end_gives_them_back() -> None:
@@ -76,7 +76,7 @@ def test_sustained_load_drops_to_one_thread_and_its_end_gives_them_back() -> Non
     # NOTE: at one thread with the other process still there, the core alone is free to it.
     assert run_ticks(share, readings, [1.0, 1.0, 2.0, 2.0, 2.0, 1.0, 2.0]) == [1] * 7
     assert run_ticks(share, readings, [2.0, 2.0, 1.9]) == [1, 1, 2]
-    assert applied == [1, 2] and share.num_switches == 2
+    assert applied == [1, 2]
 
 
 def test_samples_closer_than_the_interval_are_skipped() -> None:

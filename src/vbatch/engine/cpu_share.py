@@ -35,9 +35,14 @@ QUIET_SAMPLES = 4
 
 def shares_cpus(threads: int, device_type: str, batch_invariant: bool) -> bool:
     """Whether a core with these settings gives up threads under contention: a CPU core of two
-    threads or more, unless it is batch-invariant (whose oneDNN linears are not checked at other
-    thread counts)."""
-    return device_type == "cpu" and threads >= 2 and not batch_invariant
+    threads or more on a system that reports CPU affinity, unless it is batch-invariant (whose
+    oneDNN linears are not checked at other thread counts)."""
+    return (
+        device_type == "cpu"
+        and threads >= 2
+        and not batch_invariant
+        and hasattr(os, "sched_getaffinity")
+    )
 
 
 def cpu_notes(threads: int, batch_invariant: bool) -> list[str]:
@@ -68,7 +73,6 @@ class CpuShare:
     ) -> None:
         self.threads = threads
         self.wanted = threads
-        self.num_switches = 0
         self._applied = threads
         self._set_threads = set_threads
         names = {f"cpu{n}" for n in cpus}
@@ -107,5 +111,4 @@ class CpuShare:
             return
         self._set_threads(wanted)
         self._applied = wanted
-        self.num_switches += 1
         logger.info("engine core: %d thread(s) (other processes' load on its CPUs)", wanted)
