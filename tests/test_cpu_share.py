@@ -41,8 +41,7 @@ def fake_share(readings: Readings, threads: int = 2) -> tuple[CpuShare, list[int
         threads,
         {0, 1},
         applied.append,
-        read_idle=lambda: readings.idle,
-        read_own=lambda: readings.own,
+        read=lambda: (readings.idle, readings.own),
         clock=lambda: readings.now,
     )
     share.sample()
@@ -90,10 +89,10 @@ def test_samples_closer_than_the_interval_are_skipped() -> None:
 
 
 def test_unreadable_counters_change_nothing() -> None:
-    def unreadable() -> float:
+    def unreadable() -> tuple[float, float]:
         raise OSError("no /proc here")
 
-    share = CpuShare(2, {0, 1}, lambda n: None, read_idle=unreadable)
+    share = CpuShare(2, {0, 1}, lambda n: None, read=unreadable)
     for _ in range(3):
         share.sample()
     assert share.wanted == 2

@@ -22,7 +22,7 @@ import os
 import time
 from collections.abc import Callable
 
-from vbatch.engine.openmp_waits import describe_openmp_waits, idle_ticks
+from vbatch.engine.openmp_waits import cpu_seconds, describe_openmp_waits
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +58,8 @@ class CpuShare:
     """Samples how much of a core's CPUs is free to it (`sample`, from its watchdog thread) and
     sets the thread count of its next step (`apply`, from its busy loop).
 
-    Free is the CPUs' idle time plus the core's own CPU time, per second, over the last
-    SAMPLE_S. Invariant: `wanted` is `threads` or 1.
+    Free is the CPUs' idle time plus the core's own CPU time (openmp_waits.cpu_seconds), per
+    second, over the last SAMPLE_S. Invariant: `wanted` is `threads` or 1.
     """
 
     def __init__(
@@ -67,8 +67,7 @@ class CpuShare:
         threads: int,
         cpus: set[int],
         set_threads: Callable[[int], None],
-        read_idle: Callable[[], float] | None = None,
-        read_own: Callable[[], float] | None = None,
+        read: Callable[[], tuple[float, float]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.threads = threads
@@ -76,9 +75,7 @@ class CpuShare:
         self._applied = threads
         self._set_threads = set_threads
         names = {f"cpu{n}" for n in cpus}
-        ticks_per_s = os.sysconf("SC_CLK_TCK")
-        self._read_idle = read_idle or (lambda: idle_ticks(names) / ticks_per_s)
-        self._read_own = read_own or time.process_time
+        self._read = read or (lambda: cpu_seconds(names))
         self._clock = clock
         self._last: tuple[float, float, float] | None = None
         self._busy = 0
@@ -90,7 +87,7 @@ class CpuShare:
         if self._last is not None and now - self._last[0] < SAMPLE_S:
             return
         try:
-            reading = (now, self._read_idle(), self._read_own())
+            reading = (now, *self._read())
         except (OSError, ValueError, IndexError):
             return
         last, self._last = self._last, reading

@@ -29,15 +29,20 @@ def free_cpus(window_s: float = _WINDOW_S) -> float | None:
     begins."""
     try:
         cpus = {f"cpu{n}" for n in os.sched_getaffinity(0)}
-        before, own_before = idle_ticks(cpus), time.process_time()
+        idle_before, own_before = cpu_seconds(cpus)
         start = time.monotonic()
         time.sleep(window_s)
-        after, own_after = idle_ticks(cpus), time.process_time()
+        idle_after, own_after = cpu_seconds(cpus)
         elapsed = time.monotonic() - start
     except (AttributeError, OSError, ValueError, IndexError):
         return None
-    idle = (after - before) / os.sysconf("SC_CLK_TCK")
-    return (idle + own_after - own_before) / elapsed
+    return (idle_after - idle_before + own_after - own_before) / elapsed
+
+
+def cpu_seconds(cpus: set[str]) -> tuple[float, float]:
+    """(idle seconds summed over `cpus`, this process's CPU seconds) so far: the free CPU time
+    over an interval is the difference of two readings."""
+    return idle_ticks(cpus) / os.sysconf("SC_CLK_TCK"), time.process_time()
 
 
 def idle_ticks(cpus: set[str]) -> int:
