@@ -104,7 +104,7 @@ def test_which_cores_share_and_what_they_report() -> None:
     assert not shares_cpus(2, "cuda", batch_invariant=False)
     assert not shares_cpus(4, "cpu", batch_invariant=True)
     assert cpu_notes(2, batch_invariant=False)[-1].startswith("threads: 2, one while")
-    assert len(cpu_notes(1, batch_invariant=False)) == 1
+    assert not any(note.startswith("threads") for note in cpu_notes(1, batch_invariant=False))
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ import zmq
 
 from vbatch.config import FIRST_STEP_FACTOR, SLOW_STEP_FACTOR, CorePlacement, EngineConfig
 from vbatch.engine.cpu_share import CpuShare, shares_cpus
+from vbatch.engine.heap import keep_freed_memory
 from vbatch.engine.openmp_waits import set_core_waits
 from vbatch.engine.startup_gc import pause_collection, resume_collection
 from vbatch.errors import VbatchError
@@ -79,9 +80,11 @@ def run_engine_core(
     `ipc_dir`, the client's socket directory, is removed here if the client dies first.
     `waits` (engine/openmp_waits.py) and `placement` (one core of several) are applied first,
     before torch is imported; a preloaded core, which imported it already, took its waits at
-    its own spawn. The garbage collector pauses until the engine is built (engine/startup_gc.py).
+    its own spawn. The garbage collector pauses until the engine is built (engine/startup_gc.py),
+    and the heap keeps what a step frees for the next (engine/heap.py).
     """
     pause_collection()
+    keep_freed_memory()
     if waits:
         set_core_waits(waits)
     if placement is not None:

@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import Callable
 
+from vbatch.engine.heap import describe_heap
 from vbatch.engine.openmp_waits import cpu_seconds, describe_openmp_waits
 
 logger = logging.getLogger(__name__)
@@ -46,9 +47,9 @@ def shares_cpus(threads: int, device_type: str, batch_invariant: bool) -> bool:
 
 
 def cpu_notes(threads: int, batch_invariant: bool) -> list[str]:
-    """A CPU core's kernel notes for the manifest and the dashboard: its OpenMP waits and, where
-    it shares its CPUs, its thread count."""
-    notes = [describe_openmp_waits()]
+    """A CPU core's kernel notes for the manifest and the dashboard: its OpenMP waits, its heap
+    (engine/heap.py) and, where it shares its CPUs, its thread count."""
+    notes = [describe_openmp_waits(), describe_heap()]
     if shares_cpus(threads, "cpu", batch_invariant):
         notes.append(f"threads: {threads}, one while other processes want these CPUs")
     return notes
