@@ -66,3 +66,25 @@ def test_the_command_line_exits_with_its_status() -> None:
     )
     assert done.returncode == 2
     assert "No such command" in done.stderr
+
+
+@pytest.mark.parametrize(("preset", "seen"), [(None, "1"), ("4", "4")], ids=["ours", "users"])
+def test_the_command_runs_numpys_blas_on_one_thread_unless_told_otherwise(
+    preset: str | None, seen: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if preset is None:
+        monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OPENBLAS_NUM_THREADS", preset)
+    done = run_python(
+        "import atexit, os, sys\n"
+        "atexit.register(lambda: print(os.environ.get('OPENBLAS_NUM_THREADS')))\n"
+        "sys.argv = ['vbatch', '--version']\n"
+        "from vbatch.__main__ import main\n"
+        "print('numpy loaded before main:', 'numpy' in sys.modules)\n"
+        "main()\n"
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "numpy loaded before main: False"
+    assert lines[-1] == seen
