@@ -5,9 +5,9 @@ alone is 12.6 MB). glibc serves such blocks from fresh mappings, or from the hea
 back to the system as soon as its free top passes a threshold that it sizes by the blocks freed
 so far, so which steps get their memory back depends on what ran before them. In the CLI's core
 on the AVX-512 EPYC (Zen 4), two of the 64-prompt e2e job's prefill steps page-faulted 180-190k
-times each against ~30k in process, and the job took 0.96 million minor faults and 2.6 s of
-system CPU; with fixed thresholds, 0.36 million and 1.4 s, the rest being the KV cache's first
-touches (docs/performance.md).
+times each against ~30k in process, and the job took 0.38-0.96 million minor faults and
+1.7-3.2 s of system CPU across runs; with fixed thresholds, 0.36 million and 1.3-1.7 s in every
+run, the rest being the KV cache's first touches (docs/performance.md).
 
 This module stays light (no torch): the core applies it before it builds the engine.
 """
