@@ -1,5 +1,6 @@
-"""The packed-weight store: a later core maps the native copies an earlier one wrote, gets the
-same results, and packs afresh from a file it cannot trust."""
+"""The packed-weight store: a later core maps the native copies and the fused float32
+projections an earlier one wrote, gets the same results, and packs or copies afresh from a file
+it cannot trust."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import greedy_run, native_core
+from safetensors import safe_open
 
 from vbatch.layers import native, packed_store
 from vbatch.layers.greedy_screen import HEAD_NAMES, can_use_greedy_screen
@@ -18,6 +20,11 @@ PROMPT = list(range(100, 140))
 # NOTE: the tiny model's two layers, four linears each.
 LINEARS = {
     f"layers.{i}.{name}" for i in range(2) for name in ("qkv", "o", "gate_up.swiglu", "down")
+}
+FUSED = {
+    f"fp32.layers.{i}.{name}.weight"
+    for i in range(2)
+    for name in ("self_attn.qkv_proj", "mlp.gate_up_proj")
 }
 
 
@@ -60,7 +67,7 @@ def test_the_int8_screens_head_is_kept_and_checked_too(
     tokens, _, first = run(tiny_model_dir, screen=True)
     assert first.path is not None and not first.mapped_names
     again_tokens, _, second = run(tiny_model_dir, screen=True)
-    assert second.mapped_names == LINEARS | set(HEAD_NAMES)
+    assert second.mapped_names == LINEARS | FUSED | set(HEAD_NAMES)
     assert again_tokens == tokens
     # NOTE: copies, written beside the file and renamed over it, as the store does: rewriting a
     # mapped file in place would pull the pages from under its mappings.
@@ -69,7 +76,7 @@ def test_the_int8_screens_head_is_kept_and_checked_too(
     write_safetensors(store_root / "replacement", tensors)
     (store_root / "replacement").replace(first.path)
     third_tokens, _, third = run(tiny_model_dir, screen=True)
-    assert third.mapped_names == LINEARS
+    assert third.mapped_names == LINEARS | FUSED
     assert third_tokens == tokens
 
 
@@ -95,7 +102,7 @@ def test_copies_that_do_not_compute_their_layer_are_not_used(
     tokens, logprobs, first = run(tiny_model_dir)
     assert first.path is not None
     mapped = PackedStore(first.path)._mapped
-    assert len(mapped) == 8
+    assert mapped.keys() == LINEARS | FUSED
     generator = torch.Generator().manual_seed(0)
     write_safetensors(
         store_root / "replacement",
@@ -105,6 +112,63 @@ def test_copies_that_do_not_compute_their_layer_are_not_used(
     again_tokens, again_logprobs, second = run(tiny_model_dir)
     assert not second.mapped_names
     assert again_tokens == tokens and again_logprobs == logprobs
+
+
+def fused_checkpoint_weights(model_dir: Path, layer: int) -> dict[str, torch.Tensor]:
+    """Layer `layer`'s fused projections as the checkpoint's parts give them, by store name."""
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        part = lambda name: f.get_tensor(f"model.layers.{layer}.{name}.weight")  # noqa: E731
+        qkv = [part(f"self_attn.{p}_proj") for p in "qkv"]
+        gate_up = [part(f"mlp.{p}_proj") for p in ("gate", "up")]
+    return {
+        f"fp32.layers.{layer}.self_attn.qkv_proj.weight": torch.cat(qkv),
+        f"fp32.layers.{layer}.mlp.gate_up_proj.weight": torch.cat(gate_up),
+    }
+
+
+def test_the_fused_projections_are_the_stores_mapped_copies(
+    store_root: Path, tiny_model_dir: Path
+) -> None:
+    first = native_core(tiny_model_dir, greedy_screen=False)
+    greedy_run(first, PROMPT)
+    first.shutdown()
+    core = native_core(tiny_model_dir, greedy_screen=False)
+    store = core.runner.packed_store
+    assert store.mapped_names >= FUSED
+    layer = core.runner.model.layers[1]
+    weights = {
+        "fp32.layers.1.self_attn.qkv_proj.weight": layer.self_attn.qkv_proj.weight,
+        "fp32.layers.1.mlp.gate_up_proj.weight": layer.mlp.gate_up_proj.weight,
+    }
+    for name, expected in fused_checkpoint_weights(tiny_model_dir, 1).items():
+        assert weights[name].data_ptr() == store._mapped[name].data_ptr()
+        assert torch.equal(weights[name], expected)
+    core.shutdown()
+
+
+@pytest.mark.parametrize("row", ["first", "middle", "last"])
+def test_a_fused_copy_that_differs_from_a_part_is_copied_afresh(
+    store_root: Path, tiny_model_dir: Path, row: str
+) -> None:
+    """One row of the stored qkv projection changed, at a row of a part (here v_proj's) that
+    the load checks: that projection is assembled from the checkpoint again, the others mapped."""
+    tokens, logprobs, first = run(tiny_model_dir)
+    assert first.path is not None
+    tensors = {name: t.clone() for name, t in PackedStore(first.path)._mapped.items()}
+    name = "fp32.layers.0.self_attn.qkv_proj.weight"
+    with safe_open(str(tiny_model_dir / "model.safetensors"), framework="pt") as f:
+        v_rows = f.get_slice("model.layers.0.self_attn.v_proj.weight").get_shape()[0]
+    v_start = tensors[name].shape[0] - v_rows
+    tensors[name][v_start + {"first": 0, "middle": v_rows // 2, "last": v_rows - 1}[row]] += 1.0
+    write_safetensors(store_root / "replacement", tensors)
+    (store_root / "replacement").replace(first.path)
+    core = native_core(tiny_model_dir, greedy_screen=False)
+    assert core.runner.packed_store.mapped_names >= FUSED - {name}
+    assert name not in core.runner.packed_store.mapped_names
+    weight = core.runner.model.layers[0].self_attn.qkv_proj.weight
+    assert torch.equal(weight, fused_checkpoint_weights(tiny_model_dir, 0)[name])
+    assert greedy_run(core, PROMPT) == (tokens, logprobs)
+    core.shutdown()
 
 
 def test_the_path_tracks_the_weights_the_library_and_the_model_code(

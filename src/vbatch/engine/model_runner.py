@@ -99,6 +99,11 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
+        # NOTE: the native kernel's packed weights and the fused float32 projections, mapped
+        # from disk where an earlier core wrote them (layers/packed_store.py).
+        self.packed_store = PackedStore(None)
+        if not config.batch_invariant and self.device.type == "cpu" and self.dtype == torch.float32:
+            self.packed_store = PackedStore(store_path(resolved.weights_hash, self.dtype))
         progress("loading model")
         self.model = load_model(
             resolved,
@@ -107,6 +112,7 @@ class ModelRunner:
             self.attn_backend,
             model_config,
             config.quantization,
+            self.packed_store,
         )
         # NOTE: the kernels chosen, as text for the manifest and dashboard, and any warning.
         self.kernel_notes: list[str] = []
@@ -122,13 +128,9 @@ class ModelRunner:
                     f"this CPU: {describe_int8_choice(choice)}"
                 )
         has_lm_head = model_config.head == "lm"
-        # NOTE: the native kernel's packed weights, mapped from disk where an earlier core wrote
-        # them (layers/packed_store.py).
-        self.packed_store = PackedStore(None)
         if config.batch_invariant:
             self._make_batch_invariant(model_config)
         elif self.device.type == "cpu" and self.dtype == torch.float32:
-            self.packed_store = PackedStore(store_path(resolved.weights_hash, self.dtype))
             self._choose_linears(config.linear_backend, has_lm_head, progress)
         screenable = has_lm_head and can_use_greedy_screen(self.device, self.dtype)
         if config.greedy_screen is not False and screenable and not config.batch_invariant:

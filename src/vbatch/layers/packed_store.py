@@ -1,5 +1,6 @@
 """PackedStore: the native kernel's packed weight copies of one model (and the int8 greedy
-screen's head), kept on disk and mapped.
+screen's head, and the float32 projections the decoder fuses from several checkpoint tensors),
+kept on disk and mapped.
 
 Packing a 135M model's linears into the native kernel's panels costs ~0.3 s of a job's first
 step (most of it page faults on 425 MB of fresh memory). The store keeps those copies in one
@@ -7,7 +8,8 @@ safetensors file per model under the cache directory, keyed by the weights, the 
 library (its layout depends on the CPU's vector width) and the model code that loads them. A later
 core maps the file (read-only, shared with every core on the machine through the page cache)
 instead of packing, and checks each mapped copy against its weight before it uses it (a linear's
-by a one-row product, the int8 head by quantizing a few rows again). Copies made in a core are
+by a one-row product, the int8 head by quantizing a few rows again, a fused projection by rows
+of each checkpoint part). Copies made in a core are
 written back by a background thread (a temporary file, then a rename), so the job never waits on
 the disk.
 """

@@ -557,12 +557,15 @@ def load_model(
     attn_backend: AttentionBackend,
     config: ModelConfig | None = None,
     quantization: str | None = None,
+    store: PackedStore | None = None,
 ) -> LlamaForCausalLM:
     """Build the model from an HF directory, reading safetensors straight onto `device`.
 
     Shard by shard and one tensor at a time, each cast to `dtype` as it is copied into its
     parameter (a bf16 or fp16 checkpoint widens to float32 on CPU), so loading holds the model
-    plus one checkpoint tensor.
+    plus one checkpoint tensor. A CPU parameter that the file holds whole is the file's mapped
+    tensor (see takes_whole); with a `store`, one fused from several (qkv_proj, gate_up_proj) is
+    its copy in the store where an earlier core wrote it (see fused_from_store).
 
     The fused native ops come with the native attention backend, where they serve `device`.
     `quantization="int8"` swaps the decoder layers' linears (not the LM head) for int8 ones.
@@ -577,6 +580,7 @@ def load_model(
     _materialize(llm, device, dtype)
     params = dict(llm.named_parameters())
     num_loaded = dict.fromkeys(params, 0)
+    fused_parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for path in weight_files(hf_dir):
         try:
             with safe_open(str(path), framework="pt", device=str(device)) as f:
@@ -600,10 +604,16 @@ def load_model(
                             f"{path}: tensor {hf_name} has shape {tuple(tensor.shape)}, "
                             f"expected {tuple(rows.shape)}"
                         )
-                    rows.copy_(tensor)
+                    if store is not None and stores_fused(target, tensor, param):
+                        fused_parts.setdefault(target.name, []).append((target.row_start, tensor))
+                    else:
+                        rows.copy_(tensor)
                     num_loaded[target.name] += tensor.numel()
         except (OSError, RuntimeError) as e:
             raise ModelLoadError(f"cannot read weights {path}: {e}") from e
+    if store is not None:
+        for name, parts in fused_parts.items():
+            params[name].data = fused_from_store(store, name, params[name].data, parts)
     missing = [name for name, param in params.items() if num_loaded[name] != param.numel()]
     if missing:
         raise ModelLoadError(f"model in {hf_dir} lacks weights for {', '.join(missing[:5])}")
@@ -630,6 +640,54 @@ def takes_whole(target: Target, tensor: torch.Tensor, param: torch.Tensor) -> bo
         and tensor.dtype == param.dtype
         and tensor.shape == param.shape
     )
+
+
+def stores_fused(target: Target, tensor: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether a checkpoint tensor that is part of a fused parameter can come through the store:
+    a dense model's float32 CPU parameter (the store keeps float32 and int8)."""
+    return (
+        target.expert is None
+        and param.device.type == "cpu"
+        and param.dtype == torch.float32
+        and tensor.device.type == "cpu"
+    )
+
+
+def fused_from_store(
+    store: PackedStore,
+    name: str,
+    empty: torch.Tensor,
+    parts: list[tuple[int, torch.Tensor]],
+) -> torch.Tensor:
+    """The fused parameter `name` assembled from its checkpoint `parts` (first row, tensor): the
+    store's copy, mapped from its file, where the file has it and it holds each part (checked
+    at each part's first, middle and last rows), else the parts copied into `empty` now and
+    kept for the store to write back.
+
+    Measured on the AVX-512 EPYC: copying SmolLM2's fused projections put 279 MB of fresh
+    memory (~68k page faults) into a core's start-up, and on a VM whose host backs the guest's
+    memory lazily each such fault cost up to ~25 us; a mapped copy is read from the page cache,
+    which every core on the machine shares, and a job whose linears run from packed copies reads
+    only the checked rows of it.
+    """
+
+    def make() -> tuple[torch.Tensor]:
+        for row_start, part in parts:
+            empty[row_start : row_start + part.shape[0]].copy_(part)
+        return (empty,)
+
+    def holds_parts(mapped: tuple[torch.Tensor, ...]) -> bool:
+        (stored,) = mapped
+        if stored.shape != empty.shape or stored.dtype != empty.dtype:
+            return False
+        for row_start, part in parts:
+            for row in sorted({0, part.shape[0] // 2, part.shape[0] - 1}):
+                if not torch.equal(stored[row_start + row], part[row].to(stored.dtype)):
+                    return False
+        return True
+
+    (weight,) = store.tensors((f"fp32.{name}",), make, holds_parts)
+    return weight
 
 
 def _materialize(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
