@@ -117,12 +117,11 @@ def test_copies_that_do_not_compute_their_layer_are_not_used(
 def fused_checkpoint_weights(model_dir: Path, layer: int) -> dict[str, torch.Tensor]:
     """Layer `layer`'s fused projections as the checkpoint's parts give them, by store name."""
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
-        part = lambda name: f.get_tensor(f"model.layers.{layer}.{name}.weight")  # noqa: E731
-        qkv = [part(f"self_attn.{p}_proj") for p in "qkv"]
-        gate_up = [part(f"mlp.{p}_proj") for p in ("gate", "up")]
+        qkv = [f.get_tensor(f"model.layers.{layer}.self_attn.{p}_proj.weight") for p in "qkv"]
+        mlp = [f.get_tensor(f"model.layers.{layer}.mlp.{p}_proj.weight") for p in ("gate", "up")]
     return {
         f"fp32.layers.{layer}.self_attn.qkv_proj.weight": torch.cat(qkv),
-        f"fp32.layers.{layer}.mlp.gate_up_proj.weight": torch.cat(gate_up),
+        f"fp32.layers.{layer}.mlp.gate_up_proj.weight": torch.cat(mlp),
     }
 
 

@@ -604,7 +604,7 @@ def load_model(
                             f"{path}: tensor {hf_name} has shape {tuple(tensor.shape)}, "
                             f"expected {tuple(rows.shape)}"
                         )
-                    if store is not None and stores_fused(target, tensor, param):
+                    if store is not None and stores_fused(target, param):
                         fused_parts.setdefault(target.name, []).append((target.row_start, tensor))
                     else:
                         rows.copy_(tensor)
@@ -642,15 +642,10 @@ def takes_whole(target: Target, tensor: torch.Tensor, param: torch.Tensor) -> bo
     )
 
 
-def stores_fused(target: Target, tensor: torch.Tensor, param: torch.Tensor) -> bool:
+def stores_fused(target: Target, param: torch.Tensor) -> bool:
     """Whether a checkpoint tensor that is part of a fused parameter can come through the store:
     a dense model's float32 CPU parameter (the store keeps float32 and int8)."""
-    return (
-        target.expert is None
-        and param.device.type == "cpu"
-        and param.dtype == torch.float32
-        and tensor.device.type == "cpu"
-    )
+    return target.expert is None and param.device.type == "cpu" and param.dtype == torch.float32
 
 
 def fused_from_store(
