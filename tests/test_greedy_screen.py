@@ -13,7 +13,7 @@ import torch
 from vbatch.config import EngineConfig
 from vbatch.engine import model_runner
 from vbatch.engine.core import EngineCore
-from vbatch.layers import greedy_screen
+from vbatch.layers import greedy_screen, kernel_choice
 from vbatch.layers.greedy_screen import (
     SCREEN_CHUNK,
     Int8GreedyScreen,
@@ -190,6 +190,13 @@ def test_the_screen_choice_is_measured_once_per_machine_and_cached(
         raise AssertionError("measured again")
 
     monkeypatch.setattr(greedy_screen, "fastest_ms", no_timing)
+    assert choose_greedy_screen(weight, fp32_argmax(weight)) == choice
+    # NOTE: another build of the native kernels is timed again.
+    this_build = kernel_choice.library_key
+    monkeypatch.setattr(kernel_choice, "library_key", lambda: "another build")
+    with pytest.raises(AssertionError, match="measured again"):
+        choose_greedy_screen(weight, fp32_argmax(weight))
+    monkeypatch.setattr(kernel_choice, "library_key", this_build)
     assert choose_greedy_screen(weight, fp32_argmax(weight)) == choice
     # NOTE: under another ISA switch (the AVX2 emulation) the choice is another machine's.
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")

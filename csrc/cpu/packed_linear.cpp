@@ -28,9 +28,11 @@ namespace {
 
 constexpr int64_t kPanel = 2 * kNumLanes;
 // NOTE: 2 * kRowBlock accumulators, two weight vectors and one broadcast fit the 16 AVX2 or
-// 32 AVX-512 vector registers.
+// 32 AVX-512 vector registers. On the AVX-512 EPYC (Zen 4), 14 rows ran SmolLM2's four
+// projections 7-8% faster than 12 at 512 and 2048 rows and 7% at 64, measured against oneDNN
+// in the same process (the same bits: each output stays one k-ordered FMA chain).
 #if defined(__AVX512F__)
-constexpr int kRowBlock = 12;
+constexpr int kRowBlock = 14;
 #else
 constexpr int kRowBlock = 6;
 #endif

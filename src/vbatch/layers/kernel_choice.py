@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from vbatch.layers.native import cache_dir, cpu_flags
+from vbatch.layers.native import cache_dir, cpu_flags, library_key
 
 # NOTE: every switch that changes which kernels torch, oneDNN, MKL, FBGEMM or csrc/ run, so an
 # emulated AVX2 run never reads a decision measured without the emulation, or the reverse.
@@ -30,8 +30,8 @@ CHOICES_VERSION = 2
 
 
 def machine_key() -> dict[str, Any]:
-    """What a timing depends on besides the shapes: the CPU, its flags, torch, the ISA switches
-    and the thread count."""
+    """What a timing depends on besides the shapes: the CPU, its flags, torch, the ISA switches,
+    the thread count and the native library's build (a changed kernel is timed again)."""
     model_name = platform.processor()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -47,6 +47,7 @@ def machine_key() -> dict[str, Any]:
         "capability": torch.backends.cpu.get_cpu_capability(),
         "switches": {name: os.environ[name] for name in ISA_SWITCHES if name in os.environ},
         "threads": torch.get_num_threads(),
+        "native": library_key(),
     }
 
 
