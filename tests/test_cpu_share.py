@@ -16,6 +16,7 @@ import torch
 from vbatch.config import EngineConfig
 from vbatch.engine.core import EngineCore
 from vbatch.engine.cpu_share import SAMPLE_S, CpuShare, cpu_notes, shares_cpus
+from vbatch.layers.linear_choice import runs_at_any_thread_count
 from vbatch.protocol import AddRequest, pack_token_ids
 from vbatch.sampling_params import SamplingParams
 
@@ -99,12 +100,22 @@ def test_unreadable_counters_change_nothing() -> None:
 
 
 def test_which_cores_share_and_what_they_report() -> None:
-    assert shares_cpus(2, "cpu", batch_invariant=False)
-    assert not shares_cpus(1, "cpu", batch_invariant=False)
-    assert not shares_cpus(2, "cuda", batch_invariant=False)
-    assert not shares_cpus(4, "cpu", batch_invariant=True)
-    assert cpu_notes(2, batch_invariant=False)[-1].startswith("threads: 2, one while")
-    assert not any(note.startswith("threads") for note in cpu_notes(1, batch_invariant=False))
+    assert shares_cpus(2, "cpu", thread_invariant=True)
+    assert not shares_cpus(1, "cpu", thread_invariant=True)
+    assert not shares_cpus(2, "cuda", thread_invariant=True)
+    assert not shares_cpus(4, "cpu", thread_invariant=False)
+    assert cpu_notes(2, thread_invariant=True)[-1].startswith("threads: 2, one while")
+    assert not any(note.startswith("threads") for note in cpu_notes(1, thread_invariant=True))
+    assert not any(note.startswith("threads") for note in cpu_notes(2, thread_invariant=False))
+
+
+def test_only_native_linears_run_alike_at_any_thread_count() -> None:
+    native = {"rows": [1, 8], "qkv": ["native", "native"], "lm_head": ["native", "native"]}
+    assert runs_at_any_thread_count({**native, "mlp": ["separate", "separate"]})
+    assert not runs_at_any_thread_count({**native, "qkv": ["torch", "native"]})
+    assert not runs_at_any_thread_count({**native, "lm_head": ["native", "onednn"]})
+    assert not runs_at_any_thread_count({**native, "mlp": ["separate", "torch-transposed"]})
+    assert not runs_at_any_thread_count({"rows": [1, 8]})
 
 
 @pytest.fixture
@@ -148,15 +159,31 @@ def generate(core: EngineCore, prompts: list[list[int]], switch_at: int | None) 
     return steps
 
 
-def test_the_thread_count_does_not_change_a_result(tiny_model_dir: Path) -> None:
+def test_the_thread_count_does_not_change_a_sharing_cores_result(tiny_model_dir: Path) -> None:
     before = torch.get_num_threads()
     prompts = [[1 + (7 * i + j) % 250 for j in range(20 + 9 * i)] for i in range(6)]
+    config = EngineConfig(model=str(tiny_model_dir), num_threads=2, seed=0, linear_backend="native")
     try:
-        core = EngineCore(EngineConfig(model=str(tiny_model_dir), num_threads=2, seed=0))
+        core = EngineCore(config)
+        assert core.thread_invariant
         two = generate(core, prompts, switch_at=None)
         torch.set_num_threads(2)
-        core = EngineCore(EngineConfig(model=str(tiny_model_dir), num_threads=2, seed=0))
-        switched = generate(core, prompts, switch_at=3)
+        switched = generate(EngineCore(config), prompts, switch_at=3)
     finally:
         torch.set_num_threads(before)
     assert switched == two
+
+
+@pytest.mark.parametrize("backend", ["torch", "onednn"])
+def test_a_core_whose_linears_depend_on_threads_keeps_its_count(
+    tiny_model_dir: Path, backend: str
+) -> None:
+    before = torch.get_num_threads()
+    try:
+        core = EngineCore(
+            EngineConfig(model=str(tiny_model_dir), num_threads=2, linear_backend=backend)
+        )
+    finally:
+        torch.set_num_threads(before)
+    assert not core.thread_invariant
+    assert not any(note.startswith("threads") for note in core.runner.kernel_notes)

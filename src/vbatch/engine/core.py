@@ -334,6 +334,11 @@ class EngineCore:
                 del num_unfinished[rid]
                 del self.requests[rid]
 
+    @property
+    def thread_invariant(self) -> bool:
+        """Whether this core's results are the same at any thread count (engine/cpu_share.py)."""
+        return self.runner.thread_invariant
+
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self.pooling.jobs) or self._ahead is not None
 

@@ -246,7 +246,7 @@ def _serve(config: EngineConfig, in_q: queue.Queue, out_q: queue.Queue, watchdog
 
     threads = torch.get_num_threads()
     share = None
-    if shares_cpus(threads, info.device.partition(":")[0], config.batch_invariant):
+    if shares_cpus(threads, info.device.partition(":")[0], core.thread_invariant):
         share = CpuShare(threads, os.sched_getaffinity(0), torch.set_num_threads)
         watchdog.share = share
     try:

@@ -34,23 +34,24 @@ BUSY_SAMPLES = 2
 QUIET_SAMPLES = 4
 
 
-def shares_cpus(threads: int, device_type: str, batch_invariant: bool) -> bool:
+def shares_cpus(threads: int, device_type: str, thread_invariant: bool) -> bool:
     """Whether a core with these settings gives up threads under contention: a CPU core of two
-    threads or more on a system that reports CPU affinity, unless it is batch-invariant (whose
-    oneDNN linears are not checked at other thread counts)."""
+    threads or more on a system that reports CPU affinity, whose results do not depend on its
+    thread count (`thread_invariant`: MKL's and oneDNN's GEMMs may split a sum across threads,
+    so only a model whose linears all run the native kernel qualifies)."""
     return (
         device_type == "cpu"
         and threads >= 2
-        and not batch_invariant
+        and thread_invariant
         and hasattr(os, "sched_getaffinity")
     )
 
 
-def cpu_notes(threads: int, batch_invariant: bool) -> list[str]:
+def cpu_notes(threads: int, thread_invariant: bool) -> list[str]:
     """A CPU core's kernel notes for the manifest and the dashboard: its OpenMP waits, its heap
     (engine/heap.py) and, where it shares its CPUs, its thread count."""
     notes = [describe_openmp_waits(), describe_heap()]
-    if shares_cpus(threads, "cpu", batch_invariant):
+    if shares_cpus(threads, "cpu", thread_invariant):
         notes.append(f"threads: {threads}, one while other processes want these CPUs")
     return notes
 

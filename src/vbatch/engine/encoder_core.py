@@ -17,7 +17,7 @@ from vbatch.config import EngineConfig
 from vbatch.engine.cpu_share import cpu_notes
 from vbatch.engine.kv_cache import select_device, select_dtype
 from vbatch.engine.pooling import PoolingJob, float32_bytes
-from vbatch.layers.linear_choice import settle_linears
+from vbatch.layers.linear_choice import runs_at_any_thread_count, settle_linears
 from vbatch.models.bert import EncoderConfig, load_encoder
 from vbatch.models.config import is_encoder_dir
 from vbatch.models.loader import resolve_model
@@ -70,8 +70,7 @@ class EncoderCore:
         progress("loading model")
         self.model = load_encoder(resolved.hf_dir, self.device, dtype)
         kernels: list[str] = []
-        if self.device.type == "cpu":
-            kernels += cpu_notes(torch.get_num_threads(), config.batch_invariant)
+        self.thread_invariant = False
         if self.device.type == "cpu" and dtype == torch.float32:
             if config.linear_backend == "auto":
                 progress("choosing kernels")
@@ -86,6 +85,9 @@ class EncoderCore:
             if settled is not None:
                 self.model.use_linear_choice(settled[0])
                 kernels.append(settled[1])
+                self.thread_invariant = runs_at_any_thread_count(settled[0])
+        if self.device.type == "cpu":
+            kernels += cpu_notes(torch.get_num_threads(), self.thread_invariant)
         self.pooling = read_pooling_config(resolved.hf_dir, "cls")
         self.hidden_size = encoder_config.hidden_size
         self.vocab_size = encoder_config.vocab_size

@@ -40,7 +40,7 @@ from vbatch.layers.greedy_screen import (
     choose_greedy_screen,
     describe_screen_choice,
 )
-from vbatch.layers.linear_choice import ChosenLinear, settle_linears
+from vbatch.layers.linear_choice import ChosenLinear, runs_at_any_thread_count, settle_linears
 from vbatch.layers.native import has_fused_ops
 from vbatch.layers.packed_store import PackedStore, store_path
 from vbatch.layers.quantization import WORTHWHILE_SPEEDUP, describe_int8_choice
@@ -117,8 +117,8 @@ class ModelRunner:
         # NOTE: the kernels chosen, as text for the manifest and dashboard, and any warning.
         self.kernel_notes: list[str] = []
         self.kernel_warnings: list[str] = []
-        if self.device.type == "cpu":
-            self.kernel_notes += cpu_notes(torch.get_num_threads(), config.batch_invariant)
+        # NOTE: set where every linear's bits are the same at any thread count (_choose_linears).
+        self.thread_invariant = False
         choice = self.model.quantization_choice
         if choice and "backend" in choice:
             self.kernel_notes.append(describe_int8_choice(choice))
@@ -149,6 +149,9 @@ class ModelRunner:
         self.lora: LoraSlots | None = None
         if config.enable_lora:
             self.lora = LoraSlots(self.model, model_config, config.max_loras, config.max_lora_rank)
+        self.thread_invariant &= self.lora is None and not any(model_config.moe_layers)
+        if self.device.type == "cpu":
+            self.kernel_notes += cpu_notes(torch.get_num_threads(), self.thread_invariant)
         progress("sizing KV cache")
         self.block_bytes = kv_block_bytes(model_config, self.block_size, self.kv_cache_dtype)
         pending_copies = self.model.pending_copy_bytes() + sum(
@@ -400,6 +403,7 @@ class ModelRunner:
         if settled is not None:
             self.model.use_linear_choice(settled[0], self.packed_store)
             self.kernel_notes.append(settled[1])
+            self.thread_invariant = runs_at_any_thread_count(settled[0])
 
     def _make_batch_invariant(self, model_config: ModelConfig) -> None:
         reasons = {

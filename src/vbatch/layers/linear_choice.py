@@ -429,6 +429,16 @@ def settle_linears(
     return choice, describe_linear_choice(choice, None if backend == "auto" else backend)
 
 
+def runs_at_any_thread_count(choice: dict[str, Any]) -> bool:
+    """Whether every linear of a settled `choice` gives the same bits at any thread count: the
+    native kernel (each output one k-ordered FMA chain on one thread) for every projection and
+    row class, and no transposed MLP (MKL's GEMMs, like oneDNN's, may split a sum across
+    threads: measured at 6 rows of a 64-wide model for MKL, one row of K = 2048 for oneDNN)."""
+    roles = [role for role in ROLES if role in choice]
+    native_everywhere = all(pick == NATIVE for role in roles for pick in choice[role])
+    return bool(roles) and native_everywhere and TRANSPOSED not in choice.get("mlp", [])
+
+
 def one_copy_picks(choice: dict[str, Any], role: str) -> list[str]:
     """`choice[role]` with its classes that run from a prepared copy run by one backend: the
     one that loses least, summed over those classes relative to each class's fastest; another
