@@ -149,7 +149,11 @@ class ModelRunner:
         self.lora: LoraSlots | None = None
         if config.enable_lora:
             self.lora = LoraSlots(self.model, model_config, config.max_loras, config.max_lora_rank)
-        self.thread_invariant &= self.lora is None and not any(model_config.moe_layers)
+        self.thread_invariant &= (
+            self.lora is None
+            and not any(model_config.moe_layers)
+            and self.attn_backend.name == "native"
+        )
         if self.device.type == "cpu":
             self.kernel_notes += cpu_notes(torch.get_num_threads(), self.thread_invariant)
         progress("sizing KV cache")
