@@ -31,10 +31,12 @@ CATEGORIES = ("gemm", "attention", "sampling", "other")
 
 
 class StepTimers:
-    """Accumulates seconds per category while installed on an EngineCore's runner."""
+    """Accumulates seconds per category while installed on an EngineCore's runner; the LM head
+    (logits, or greedy decoding's argmax) counts as `head_category`."""
 
-    def __init__(self) -> None:
+    def __init__(self, head_category: str = "gemm") -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.head_category = head_category
 
     def timed(self, category: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -57,8 +59,9 @@ class StepTimers:
             elif isinstance(module, LlamaMLP):
                 # NOTE: its two GEMMs as W @ x^T bypass Linear.forward; SiLU-and-mul rides along.
                 module._forward_transposed = self.timed("gemm", module._forward_transposed)
-        runner.model.compute_logits = self.timed("gemm", runner.model.compute_logits)
-        runner.model.greedy_token_ids = self.timed("gemm", runner.model.greedy_token_ids)
+        head = self.head_category
+        runner.model.compute_logits = self.timed(head, runner.model.compute_logits)
+        runner.model.greedy_token_ids = self.timed(head, runner.model.greedy_token_ids)
         backend = runner.attn_backend
         backend.forward = self.timed("attention", backend.forward)
         runner.sampling_metadata = self.timed("sampling", runner.sampling_metadata)
