@@ -85,7 +85,10 @@ class EncoderCore:
             if settled is not None:
                 self.model.use_linear_choice(settled[0])
                 kernels.append(settled[1])
-                self.thread_invariant = runs_at_any_thread_count(settled[0])
+                # NOTE: as for a decoder (ModelRunner): native linears and native attention.
+                linears_invariant = runs_at_any_thread_count(settled[0])
+                native_attention = self.model.native_attention(dtype, self.device)
+                self.thread_invariant = linears_invariant and native_attention
         if self.device.type == "cpu":
             kernels += cpu_notes(torch.get_num_threads(), self.thread_invariant)
         self.pooling = read_pooling_config(resolved.hf_dir, "cls")
