@@ -1,6 +1,7 @@
 // Elementwise float math written so that `#pragma omp simd` loops vectorize it (no libm calls).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -222,6 +223,84 @@ inline Lanes lanes_exp(Lanes x) {
   for (int k = 1; k < kExpPolyDegree; ++k) p = lanes_fmadd(p, r, lanes_set1(kExpPoly[k]));
   p = lanes_fmadd(lanes_mul(p, r), r, lanes_add(r, lanes_set1(1.0f)));
   return lanes_mul(p, lanes_pow2(n));
+}
+#endif
+
+// What the two-phase decode kernel needs beyond the elementwise ops: loads of a head's partial
+// last chunk, horizontal reductions, and the transposed sum of a step's per-row partial dots.
+#if defined(__AVX512F__)
+using LaneMask = __mmask16;
+
+// The first n lanes (0 <= n).
+inline LaneMask lanes_mask_first(int64_t n) {
+  return n >= kNumLanes ? static_cast<LaneMask>(0xFFFF) : static_cast<LaneMask>((1u << n) - 1);
+}
+// Masked-off lanes read as 0 and touch no memory.
+inline Lanes lanes_load_masked(const float* p, LaneMask mask) {
+  return _mm512_maskz_loadu_ps(mask, p);
+}
+inline float lanes_reduce_max(Lanes x) { return _mm512_reduce_max_ps(x); }
+inline float lanes_reduce_add(Lanes x) { return _mm512_reduce_add_ps(x); }
+// p's lanes where x is not -inf, 0 where it is.
+inline Lanes lanes_zero_where_neg_inf(Lanes x, Lanes p) {
+  const __mmask16 keep =
+      _mm512_cmp_ps_mask(x, _mm512_set1_ps(-__builtin_inff()), _CMP_NEQ_OQ);
+  return _mm512_maskz_mov_ps(keep, p);
+}
+
+// Lane j of the result is the sum of v[j]'s lanes: 16 horizontal sums for the shuffles of ~3.
+inline Lanes lanes_transpose_sum(const Lanes* v) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i) {
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512 a = pairs[2 * i], b = pairs[2 * i + 1];
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 2; ++i) {
+    const __m512 a = quads[2 * i], b = quads[2 * i + 1];
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+using LaneMask = __m256i;
+
+inline LaneMask lanes_mask_first(int64_t n) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(n, 8))),
+                            lane);
+}
+inline Lanes lanes_load_masked(const float* p, LaneMask mask) {
+  return _mm256_maskload_ps(p, mask);
+}
+inline float lanes_reduce_max(Lanes x) {
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+}
+inline float lanes_reduce_add(Lanes x) {
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+inline Lanes lanes_zero_where_neg_inf(Lanes x, Lanes p) {
+  return _mm256_and_ps(p, _mm256_cmp_ps(x, _mm256_set1_ps(-__builtin_inff()), _CMP_NEQ_OQ));
+}
+
+// Lane j of the result is the sum of v[j]'s lanes (8 vectors).
+inline Lanes lanes_transpose_sum(const Lanes* v) {
+  // NOTE: within each 128-bit half, hadd pairs up neighbours; after two rounds lane i of a half
+  // holds the half's sum for vector i (of 4), and the last step adds the two halves.
+  const __m256 low4 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 high4 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(low4, high4, 0x20),
+                       _mm256_permute2f128_ps(low4, high4, 0x31));
 }
 #endif
 

@@ -270,14 +270,21 @@ def fill_unused_slots_with_nan(batch: tuple, sliding_window: int | None = None) 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "block_size"),
-    [(SMOLLM2_HEADS, 16), ((8, 2, 128), 5), ((6, 3, 40), 1), ((4, 1, 192), 16)],
-    ids=["gqa-d64-bs16", "gqa-d128-bs5", "gqa-d40-bs1", "d192-per-token-bs16"],
+    [
+        (SMOLLM2_HEADS, 16),
+        ((8, 2, 128), 5),
+        ((6, 3, 40), 1),
+        ((6, 2, 36), 3),
+        ((4, 1, 192), 16),
+    ],
+    ids=["gqa-d64-bs16", "gqa-d128-bs5", "gqa-d40-bs1", "gqa-d36-bs3", "d192-per-token-bs16"],
 )
 def test_long_decode_contexts_match_reference(
     ops: None, cache_dtype: torch.dtype, heads: tuple[int, int, int], block_size: int
 ) -> None:
-    """Decode contexts across several of the kernel's 64-step chunks (1024 rows at block size 16,
-    64 at block size 1), reading no slot past the context; head_dim 192 takes the per-token path."""
+    """Decode contexts across several of the two-phase kernel's chunks (1024 rows), reading no
+    slot past the context: head dims that fill whole vectors or end in a partial one (40 under
+    AVX-512, 36 under both), group sizes 3 and 4; head_dim 192 takes the per-token path."""
     specs = [(1024, 1), (1025, 1), (2100, 1), (1100, 3), (65, 1), (64, 1), (200, 2), (7, 1)]
     batch = narrow_caches(make_batch(specs, heads, block_size, seed=11), cache_dtype)
     fill_unused_slots_with_nan(batch)

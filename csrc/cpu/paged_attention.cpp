@@ -3,13 +3,13 @@
 // Attention reads K/V straight from the paged cache through the block table, with an online
 // (flash style) softmax kept in float32. Decode rows and short chunks go token by token: each
 // token reads its context once, serving all query heads (GQA groups share a KV head). Under
-// AVX-512 a token reads each chunk of its context (up to 1024 rows) as two sequential streams:
-// all K rows (scores into a per-thread buffer), one softmax update, then all V rows. Long
-// prefill chunks go by tiles of kNumLanes query tokens (16 under AVX-512), one token per SIMD
-// lane, so each key the tile loads serves every token of the tile and the GQA group's heads, and
-// keys past the tile's last position are skipped (causal). A float32 model may keep a bfloat16
-// or float16 cache: rows widen to float32 a block at a time, which halves the bytes each decode
-// step streams from memory.
+// AVX-512, or AVX2 with FMA, a token reads each chunk of its context (up to 1024 rows) as two
+// sequential streams: all K rows (scores into a per-thread buffer), one softmax update, then all
+// V rows. Long prefill chunks go by tiles of kNumLanes query tokens (16 under AVX-512), one
+// token per SIMD lane, so each key the tile loads serves every token of the tile and the GQA
+// group's heads, and keys past the tile's last position are skipped (causal). A float32 model
+// may keep a bfloat16 or float16 cache: rows widen to float32 a block at a time, which halves
+// the bytes each decode step streams from memory.
 //
 // Per layer, a sliding window limits each query to its last `window` positions (the decode paths
 // start at the window; the tiled path masks per lane), and a soft cap maps every scaled score s to
@@ -245,32 +245,15 @@ void per_token_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
   }
 }
 
-#if defined(__AVX512F__)
-// Rows per step of the two-phase decode kernel: one zmm holds a head's scores for a step.
-constexpr int64_t kStepRows = 16;
-// Steps per chunk: a chunk's scores, [num_heads, kMaxChunkSteps * kStepRows] floats, stay in L2.
-constexpr int64_t kMaxChunkSteps = 64;
-
-// Lane j of the result is the sum of v[j]'s lanes: 16 horizontal sums for the shuffles of ~3.
-inline __m512 transpose_sum16(const __m512* v) {
-  __m512 pairs[8], quads[4], halves[2];
-  for (int i = 0; i < 8; ++i) {
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  }
-  for (int i = 0; i < 4; ++i) {
-    const __m512 a = pairs[2 * i], b = pairs[2 * i + 1];
-    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  for (int i = 0; i < 2; ++i) {
-    const __m512 a = quads[2 * i], b = quads[2 * i + 1];
-    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
-  }
-  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// Rows per step of the two-phase decode kernel: one vector (16 lanes under AVX-512, 8 under
+// AVX2) holds a head's scores for a step.
+constexpr int64_t kStepRows = kNumLanes;
+// Steps per chunk: a chunk's scores, [num_heads, 1024] floats, stay in L2.
+constexpr int64_t kMaxChunkSteps = 1024 / kStepRows;
+// Vector registers step_values may keep accumulators in: 16 of AVX-512's 32, 12 of AVX2's 16
+// (the rest hold the row's weights and its V chunk).
+constexpr int kAccumulators = kNumLanes == 16 ? 16 : 12;
 
 // Prefetches the cache lines of the next step, a few per row of the current one.
 // NOTE: one burst of hundreds of prefetches fills the load queue and stalls the compute that is
@@ -295,61 +278,68 @@ class LinePrefetcher {
 };
 
 // Scores of NH query heads (sharing one KV head) against one step's K rows.
-// q: [NH, NC * 16] scaled, zero past head_dim; k_rows: num_rows rows `stride` apart; masks: the
-// valid lanes of each 16-float chunk of a row; softcap > 0 caps the scores. scores: NH vectors
-// of 16, `scores_stride` apart; lanes past num_rows are -inf.
+// q: [NH, NC * kNumLanes] scaled, zero past head_dim; k_rows: num_rows rows `stride` apart;
+// masks: the valid lanes of each chunk of a row; softcap > 0 caps the scores. scores: NH vectors
+// of kStepRows, `scores_stride` apart; lanes past num_rows are -inf.
 template <int NC, int NH>
 inline void step_scores(const float* q, const float* k_rows, int64_t stride, int64_t num_rows,
-                        const __mmask16* masks, float softcap, float* scores,
+                        const LaneMask* masks, float softcap, float* scores,
                         int64_t scores_stride, LinePrefetcher& prefetcher) {
-  __m512 partial[NH][kStepRows];  // per head and row: 16 partial sums of the dot product
+  Lanes partial[NH][kStepRows];  // per head and row: a vector of partial sums of the dot product
   for (int64_t j = 0; j < kStepRows; ++j) {
-    __m512 sum[NH];
-    for (int h = 0; h < NH; ++h) sum[h] = _mm512_setzero_ps();
+    Lanes sum[NH];
+    for (int h = 0; h < NH; ++h) sum[h] = lanes_zero();
     if (j < num_rows) {
       prefetcher.advance();
       for (int c = 0; c < NC; ++c) {
-        const __m512 k = _mm512_maskz_loadu_ps(masks[c], k_rows + j * stride + c * 16);
+        const Lanes k = lanes_load_masked(k_rows + j * stride + c * kNumLanes, masks[c]);
         for (int h = 0; h < NH; ++h) {
-          sum[h] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (h * NC + c) * 16), k, sum[h]);
+          sum[h] = lanes_fmadd(lanes_load(q + (h * NC + c) * kNumLanes), k, sum[h]);
         }
       }
     }
     for (int h = 0; h < NH; ++h) partial[h][j] = sum[h];
   }
-  const __mmask16 row_mask = static_cast<__mmask16>((1u << num_rows) - 1);
-  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const float minus_inf = -std::numeric_limits<float>::infinity();
   for (int h = 0; h < NH; ++h) {
-    __m512 sums = transpose_sum16(partial[h]);
+    Lanes sums = lanes_transpose_sum(partial[h]);
     if (softcap > 0.0f) sums = lanes_softcap(sums, softcap);
-    _mm512_storeu_ps(scores + h * scores_stride, _mm512_mask_mov_ps(minus_inf, row_mask, sums));
+    lanes_store(scores + h * scores_stride, lanes_fill_from(sums, num_rows, minus_inf));
   }
 }
 
 // acc[h] = acc[h] * correction[h] + sum_j probs[h][j] * v_row[j] for NH heads sharing one KV
-// head; acc: [NH, NC * 16]; probs: NH vectors `probs_stride` apart; a null correction means 1.
+// head; acc: [NH, NC * kNumLanes]; probs: NH vectors `probs_stride` apart; a null correction
+// means 1. The chunks go in blocks whose NH x block accumulators fit in registers (one block
+// under AVX-512; under AVX2 each block reads the step's rows again, from L1).
 template <int NC, int NH>
 inline void step_values(float* acc, const float* correction, const float* probs,
                         int64_t probs_stride, const float* v_rows, int64_t stride,
-                        int64_t num_rows, const __mmask16* masks, LinePrefetcher& prefetcher) {
-  __m512 sum[NH][NC];
-  for (int h = 0; h < NH; ++h) {
-    const __m512 scale = _mm512_set1_ps(correction != nullptr ? correction[h] : 1.0f);
-    for (int c = 0; c < NC; ++c) {
-      sum[h][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (h * NC + c) * 16), scale);
+                        int64_t num_rows, const LaneMask* masks, LinePrefetcher& prefetcher) {
+  constexpr int kBlock = std::min(NC, std::max(1, kAccumulators / NH));
+  for (int first = 0; first < NC; first += kBlock) {
+    Lanes sum[NH][kBlock];
+    for (int h = 0; h < NH; ++h) {
+      const Lanes scale = lanes_set1(correction != nullptr ? correction[h] : 1.0f);
+      for (int c = 0; c < kBlock && first + c < NC; ++c) {
+        sum[h][c] = lanes_mul(lanes_load(acc + (h * NC + first + c) * kNumLanes), scale);
+      }
     }
-  }
-  for (int64_t j = 0; j < num_rows; ++j) {
-    prefetcher.advance();
-    __m512 p[NH];
-    for (int h = 0; h < NH; ++h) p[h] = _mm512_set1_ps(probs[h * probs_stride + j]);
-    for (int c = 0; c < NC; ++c) {
-      const __m512 v = _mm512_maskz_loadu_ps(masks[c], v_rows + j * stride + c * 16);
-      for (int h = 0; h < NH; ++h) sum[h][c] = _mm512_fmadd_ps(p[h], v, sum[h][c]);
+    for (int64_t j = 0; j < num_rows; ++j) {
+      if (first == 0) prefetcher.advance();
+      Lanes p[NH];
+      for (int h = 0; h < NH; ++h) p[h] = lanes_set1(probs[h * probs_stride + j]);
+      for (int c = 0; c < kBlock && first + c < NC; ++c) {
+        const Lanes v =
+            lanes_load_masked(v_rows + j * stride + (first + c) * kNumLanes, masks[first + c]);
+        for (int h = 0; h < NH; ++h) sum[h][c] = lanes_fmadd(p[h], v, sum[h][c]);
+      }
     }
-  }
-  for (int h = 0; h < NH; ++h) {
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + (h * NC + c) * 16, sum[h][c]);
+    for (int h = 0; h < NH; ++h) {
+      for (int c = 0; c < kBlock && first + c < NC; ++c) {
+        lanes_store(acc + (h * NC + first + c) * kNumLanes, sum[h][c]);
+      }
+    }
   }
 }
 
@@ -364,10 +354,10 @@ inline void with_num_heads(int num_heads, F&& fn) {
   }
 }
 
-// The decode kernel under AVX-512 for head_dim <= NC * 16. Per token and chunk of up to
-// kMaxChunkSteps steps (a step: up to kStepRows rows of one block): every K row of the chunk,
-// one softmax update per head, then every V row; each phase is one stream, prefetched a step
-// ahead. Invariant: between chunks, acc holds sum_j exp(s_j - running_max) v_j over the rows
+// The decode kernel under AVX-512 or AVX2 for head_dim <= NC * kNumLanes. Per token and chunk
+// of up to kMaxChunkSteps steps (a step: up to kStepRows rows of one block): every K row of the
+// chunk, one softmax update per head, then every V row; each phase is one stream, prefetched a
+// step ahead. Invariant: between chunks, acc holds sum_j exp(s_j - running_max) v_j over the rows
 // done and running_sum the sum of those weights.
 template <int NC, typename scalar_t, typename cache_t>
 void two_phase_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
@@ -381,21 +371,22 @@ void two_phase_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
   const auto [num_heads, head_dim, block_size, num_kv_heads, group, q_token_stride,
               q_head_stride, row_stride, block_stride] = attention_shape(q, k_cache);
   const float scale = rule.scale;
-  constexpr int64_t kPadded = NC * 16;
+  constexpr int64_t kPadded = NC * kNumLanes;
   constexpr int64_t kScoresStride = kMaxChunkSteps * kStepRows;
-  // NOTE: step_values keeps [heads, chunks] accumulators in registers; 16 of 32 at most.
-  constexpr int64_t kMaxHeadsPerCall = std::min(4, 16 / NC);
+  // NOTE: under AVX-512 step_values keeps all [heads, chunks] accumulators in registers; under
+  // AVX2 it splits the chunks into blocks instead, so that one V row serves a GQA group of 3-4.
+  constexpr int64_t kMaxHeadsPerCall = kNumLanes == 16 ? std::min(4, kAccumulators / NC) : 4;
   const int64_t num_calls_per_row =
       num_kv_heads * ((group + kMaxHeadsPerCall - 1) / kMaxHeadsPerCall);
   const scalar_t* q_data = q.const_data_ptr<scalar_t>();
   const cache_t* k_data = k_cache.const_data_ptr<cache_t>();
   const cache_t* v_data = v_cache.const_data_ptr<cache_t>();
   scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
-  __mmask16 masks[NC];
+  LaneMask masks[NC];
   for (int c = 0; c < NC; ++c) {
-    masks[c] = static_cast<__mmask16>((1u << std::clamp<int64_t>(head_dim - c * 16, 0, 16)) - 1);
+    masks[c] = lanes_mask_first(std::max<int64_t>(0, head_dim - c * kNumLanes));
   }
-  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const Lanes minus_inf = lanes_set1(-std::numeric_limits<float>::infinity());
   const int num_threads = at::get_num_threads();
 
 #pragma omp parallel num_threads(num_threads)
@@ -471,22 +462,21 @@ void two_phase_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
 
         for (int64_t h = 0; h < num_heads; ++h) {
           float* s = scores.data() + h * kScoresStride;
-          __m512 chunk_max = minus_inf;
+          Lanes chunk_max = minus_inf;
           for (int64_t t = 0; t < num_steps; ++t) {
-            chunk_max = _mm512_max_ps(chunk_max, _mm512_loadu_ps(s + t * kStepRows));
+            chunk_max = lanes_max(chunk_max, lanes_load(s + t * kStepRows));
           }
-          const float new_max = std::max(running_max[h], _mm512_reduce_max_ps(chunk_max));
+          const float new_max = std::max(running_max[h], lanes_reduce_max(chunk_max));
           correction[h] = fast_exp(running_max[h] - new_max);
-          __m512 chunk_sum = _mm512_setzero_ps();
+          Lanes chunk_sum = lanes_zero();
           for (int64_t t = 0; t < num_steps; ++t) {
-            const __m512 x = _mm512_loadu_ps(s + t * kStepRows);
-            const __mmask16 is_row = _mm512_cmp_ps_mask(x, minus_inf, _CMP_NEQ_OQ);
-            const __m512 p =
-                _mm512_maskz_mov_ps(is_row, lanes_exp(_mm512_sub_ps(x, _mm512_set1_ps(new_max))));
-            chunk_sum = _mm512_add_ps(chunk_sum, p);
-            _mm512_storeu_ps(s + t * kStepRows, p);
+            const Lanes x = lanes_load(s + t * kStepRows);
+            const Lanes p =
+                lanes_zero_where_neg_inf(x, lanes_exp(lanes_sub(x, lanes_set1(new_max))));
+            chunk_sum = lanes_add(chunk_sum, p);
+            lanes_store(s + t * kStepRows, p);
           }
-          running_sum[h] = running_sum[h] * correction[h] + _mm512_reduce_add_ps(chunk_sum);
+          running_sum[h] = running_sum[h] * correction[h] + lanes_reduce_add(chunk_sum);
           running_max[h] = new_max;
         }
 
@@ -526,24 +516,27 @@ void two_phase_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
 #endif
 
 // Attends the rows `tokens` one at a time: by two_phase_attention_impl where it applies
-// (AVX-512, head_dim <= 128), else by per_token_attention_impl.
+// (AVX-512 or AVX2 with FMA, head_dim <= 128), else by per_token_attention_impl.
 template <typename scalar_t, typename cache_t>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const std::vector<int64_t>& tokens, const std::vector<int64_t>& token_seq,
                       const int32_t* query_start_loc, const int32_t* seq_lens,
                       const int32_t* block_tables, int64_t max_num_blocks,
                       const ScoreRule& rule, at::Tensor& out) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   const int64_t head_dim = q.size(2);
   auto two_phase = [&](auto num_chunks) {
     two_phase_attention_impl<decltype(num_chunks)::value, scalar_t, cache_t>(
         q, k_cache, v_cache, tokens, token_seq, query_start_loc, seq_lens, block_tables,
         max_num_blocks, rule, out);
   };
-  if (head_dim <= 16) return two_phase(std::integral_constant<int, 1>{});
-  if (head_dim <= 32) return two_phase(std::integral_constant<int, 2>{});
-  if (head_dim <= 64) return two_phase(std::integral_constant<int, 4>{});
-  if (head_dim <= 128) return two_phase(std::integral_constant<int, 8>{});
+  if (head_dim <= kNumLanes) return two_phase(std::integral_constant<int, 1>{});
+  if (head_dim <= 2 * kNumLanes) return two_phase(std::integral_constant<int, 2>{});
+  if (head_dim <= 4 * kNumLanes) return two_phase(std::integral_constant<int, 4>{});
+  if (head_dim <= 8 * kNumLanes) return two_phase(std::integral_constant<int, 8>{});
+  if constexpr (kNumLanes == 8) {
+    if (head_dim <= 128) return two_phase(std::integral_constant<int, 16>{});
+  }
 #endif
   per_token_attention_impl<scalar_t, cache_t>(q, k_cache, v_cache, tokens, token_seq,
                                               query_start_loc, seq_lens, block_tables,
