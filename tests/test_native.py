@@ -669,6 +669,7 @@ def test_build_key_tracks_cpu_flags_and_target_isa(
 ) -> None:
     csrc_dir = native.find_csrc_dir()
     assert csrc_dir is not None
+    monkeypatch.delenv(native.MARCH_ENV, raising=False)
     key = native.build_key(csrc_dir, with_cuda=False)
     monkeypatch.setenv(native.MARCH_ENV, "haswell")
     assert native.march_flag() == "-march=haswell"
