@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 # NOTE: libgomp reads these when torch loads it, so a core's are fixed when it is spawned.
 _WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
@@ -19,6 +21,7 @@ WAITS_NOTE_VARIABLE = "VBATCH_OPENMP_WAITS"
 # (engine/cpu_share.py), which then waits at no barrier.
 SPIN_COUNT = 300_000
 _WINDOW_S = 0.03
+T = TypeVar("T")
 _MARGIN = 0.5
 
 
@@ -27,16 +30,27 @@ def free_cpus(window_s: float = _WINDOW_S) -> float | None:
     `window_s` seconds (None where /proc/stat cannot be read). Free is idle, or running this
     process, whose start-up work (imports, the input scan, in other threads) ends as its job
     begins."""
+    return free_cpus_while(lambda: time.sleep(window_s))[1]
+
+
+def free_cpus_while(work: Callable[[], T]) -> tuple[T, float | None]:
+    """work()'s result, and how many of the CPUs this process may run on were free while it ran
+    (idle, or running this process; None where /proc/stat cannot be read)."""
     try:
         cpus = {f"cpu{n}" for n in os.sched_getaffinity(0)}
         idle_before, own_before = cpu_seconds(cpus)
-        start = time.monotonic()
-        time.sleep(window_s)
-        idle_after, own_after = cpu_seconds(cpus)
-        elapsed = time.monotonic() - start
     except (AttributeError, OSError, ValueError, IndexError):
-        return None
-    return (idle_after - idle_before + own_after - own_before) / elapsed
+        return work(), None
+    start = time.monotonic()
+    result = work()
+    elapsed = time.monotonic() - start
+    try:
+        idle_after, own_after = cpu_seconds(cpus)
+    except (OSError, ValueError, IndexError):
+        return result, None
+    if elapsed <= 0:
+        return result, None
+    return result, (idle_after - idle_before + own_after - own_before) / elapsed
 
 
 def cpu_seconds(cpus: set[str]) -> tuple[float, float]:

@@ -1,8 +1,10 @@
 """Kernel defaults chosen by measurement: the candidates timed on the model's shapes, once per
-machine and shape set, the decision cached in the cache directory."""
+machine and shape set, the decision cached in the cache directory (a decision timed while other
+processes took the CPUs is timed again at the first start that finds them free)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -14,6 +16,7 @@ from typing import Any
 
 import torch
 
+from vbatch.engine.openmp_waits import free_cpus, free_cpus_while
 from vbatch.layers.native import cache_dir, cpu_flags, library_key
 
 # NOTE: every switch that changes which kernels torch, oneDNN, MKL, FBGEMM or csrc/ run, so an
@@ -26,7 +29,10 @@ ISA_SWITCHES = (
     "VBATCH_NATIVE_MARCH",
 )
 REPEATS = 5
-CHOICES_VERSION = 2
+CHOICES_VERSION = 3
+# NOTE: as engine/cpu_share.py counts it: the machine is busy for a timing when other processes
+# leave it less than its threads less half a CPU.
+LOAD_MARGIN = 0.5
 
 
 def machine_key() -> dict[str, Any]:
@@ -67,23 +73,42 @@ def fastest_ms(candidates: dict[str, Callable[[], object]]) -> dict[str, float]:
     return {name: round(min(ts), 3) for name, ts in times.items()}
 
 
+def is_busy(free: float | None) -> bool:
+    """Whether `free` CPUs (openmp_waits.free_cpus) left this process's threads short."""
+    return free is not None and free < torch.get_num_threads() - LOAD_MARGIN
+
+
+@functools.cache
+def is_quiet_now() -> bool:
+    """Whether the machine is free for this process's threads, read once per process."""
+    return not is_busy(free_cpus())
+
+
 def cached_choice(
     kind: str, shapes: dict[str, int], measure: Callable[[], dict[str, Any]]
 ) -> dict[str, Any]:
     """`measure()`'s result for this kind, machine and shape set: read from the cache, or
-    measured now and written there (best effort: an unwritable cache only costs a re-measure)."""
+    measured now and written there (best effort: an unwritable cache only costs a re-measure).
+
+    A result measured while other processes took the CPUs is written as such: it serves the
+    starts that find the machine busy too, and the first that finds it quiet measures again
+    (on a shared 2-core host, a choice timed beside another job picked a GEMM 35% slower at
+    decode rows, and kept it)."""
     key = {"kind": kind, "shapes": shapes, "machine": machine_key(), "version": CHOICES_VERSION}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir() / "kernel_choices" / f"{kind}-{digest}.json"
     try:
-        return json.loads(path.read_text())["choice"]
+        entry = json.loads(path.read_text())
+        if not (entry.get("under_load", False) and is_quiet_now()):
+            return entry["choice"]
     except (OSError, ValueError, KeyError):
         pass
-    choice = measure()
+    choice, free = free_cpus_while(measure)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": key, "choice": choice}, indent=1))
+        entry = {"key": key, "choice": choice, "under_load": is_busy(free)}
+        tmp.write_text(json.dumps(entry, indent=1))
         tmp.replace(path)
     except OSError:
         pass

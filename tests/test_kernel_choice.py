@@ -1,0 +1,76 @@
+"""kernel_choice: decisions cached per machine, and one timed under load timed again when quiet."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from vbatch.engine import openmp_waits
+from vbatch.layers import kernel_choice
+
+
+def free_while(free: float) -> Callable[[Callable[[], Any]], tuple[Any, float]]:
+    """A stand-in for openmp_waits.free_cpus_while that reports `free` CPUs."""
+    return lambda work: (work(), free)
+
+
+def test_free_cpus_while_returns_the_result_and_counts_this_process_as_free() -> None:
+    def spin() -> str:
+        end = time.process_time() + 0.3
+        while time.process_time() < end:
+            pass
+        return "done"
+
+    result, free = openmp_waits.free_cpus_while(spin)
+    assert result == "done"
+    assert free is not None
+    # NOTE: the spinning thread's own CPU counts as free; another process can take the rest.
+    assert 0.1 <= free <= len(openmp_waits.os.sched_getaffinity(0)) + 0.2
+
+
+def test_a_choice_timed_under_load_is_used_and_timed_again_at_a_quiet_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path))
+    threads = torch.get_num_threads()
+    measured: list[str] = []
+
+    def measure(label: str) -> Callable[[], dict[str, Any]]:
+        def run() -> dict[str, Any]:
+            measured.append(label)
+            return {"pick": label}
+
+        return run
+
+    monkeypatch.setattr(kernel_choice, "free_cpus_while", free_while(threads - 1.0))
+    assert kernel_choice.cached_choice("test", {"n": 1}, measure("busy")) == {"pick": "busy"}
+    (path,) = (tmp_path / "kernel_choices").glob("test-*.json")
+    assert json.loads(path.read_text())["under_load"] is True
+
+    # NOTE: a start that finds the machine busy too keeps the busy decision.
+    monkeypatch.setattr(kernel_choice, "is_quiet_now", lambda: False)
+    assert kernel_choice.cached_choice("test", {"n": 1}, measure("again")) == {"pick": "busy"}
+    assert measured == ["busy"]
+
+    monkeypatch.setattr(kernel_choice, "is_quiet_now", lambda: True)
+    monkeypatch.setattr(kernel_choice, "free_cpus_while", free_while(threads + 0.0))
+    assert kernel_choice.cached_choice("test", {"n": 1}, measure("quiet")) == {"pick": "quiet"}
+    assert json.loads(path.read_text())["under_load"] is False
+    assert kernel_choice.cached_choice("test", {"n": 1}, measure("never")) == {"pick": "quiet"}
+    assert measured == ["busy", "quiet"]
+
+
+@pytest.mark.parametrize(
+    ("free", "busy"), [(None, False), (0.4, True), (1.4, True), (1.5, False), (2.0, False)]
+)
+def test_busy_means_less_than_the_threads_less_half_a_cpu(
+    monkeypatch: pytest.MonkeyPatch, free: float | None, busy: bool
+) -> None:
+    monkeypatch.setattr(kernel_choice.torch, "get_num_threads", lambda: 2)
+    assert kernel_choice.is_busy(free) is busy
