@@ -48,6 +48,7 @@ def test_a_choice_timed_under_load_is_used_and_timed_again_at_a_quiet_start(
 
         return run
 
+    monkeypatch.setattr(kernel_choice, "LOAD_WINDOW_S", 0.0)
     monkeypatch.setattr(kernel_choice, "free_cpus_while", free_while(threads - 1.0))
     assert kernel_choice.cached_choice("test", {"n": 1}, measure("busy")) == {"pick": "busy"}
     (path,) = (tmp_path / "kernel_choices").glob("test-*.json")
@@ -74,3 +75,13 @@ def test_busy_means_less_than_the_threads_less_half_a_cpu(
 ) -> None:
     monkeypatch.setattr(kernel_choice.torch, "get_num_threads", lambda: 2)
     assert kernel_choice.is_busy(free) is busy
+
+
+def test_a_timing_too_short_to_read_the_load_is_not_judged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernel_choice, "free_cpus_while", free_while(0.0))
+    assert kernel_choice.cached_choice("short", {"n": 1}, lambda: {"pick": 1}) == {"pick": 1}
+    (path,) = (tmp_path / "kernel_choices").glob("short-*.json")
+    assert json.loads(path.read_text())["under_load"] is False

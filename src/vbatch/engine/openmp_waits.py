@@ -21,8 +21,8 @@ WAITS_NOTE_VARIABLE = "VBATCH_OPENMP_WAITS"
 # (engine/cpu_share.py), which then waits at no barrier.
 SPIN_COUNT = 300_000
 _WINDOW_S = 0.03
-T = TypeVar("T")
 _MARGIN = 0.5
+T = TypeVar("T")
 
 
 def free_cpus(window_s: float = _WINDOW_S) -> float | None:

@@ -33,6 +33,9 @@ CHOICES_VERSION = 3
 # NOTE: as engine/cpu_share.py counts it: the machine is busy for a timing when other processes
 # leave it less than its threads less half a CPU.
 LOAD_MARGIN = 0.5
+# NOTE: /proc/stat counts in ticks of 10 ms per CPU, so a reading over a shorter window is too
+# coarse to tell half a CPU apart.
+LOAD_WINDOW_S = 0.1
 
 
 def machine_key() -> dict[str, Any]:
@@ -81,7 +84,7 @@ def is_busy(free: float | None) -> bool:
 @functools.cache
 def is_quiet_now() -> bool:
     """Whether the machine is free for this process's threads, read once per process."""
-    return not is_busy(free_cpus())
+    return not is_busy(free_cpus(LOAD_WINDOW_S))
 
 
 def cached_choice(
@@ -103,11 +106,13 @@ def cached_choice(
             return entry["choice"]
     except (OSError, ValueError, KeyError):
         pass
+    start = time.monotonic()
     choice, free = free_cpus_while(measure)
+    under_load = time.monotonic() - start >= LOAD_WINDOW_S and is_busy(free)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        entry = {"key": key, "choice": choice, "under_load": is_busy(free)}
+        entry = {"key": key, "choice": choice, "under_load": under_load}
         tmp.write_text(json.dumps(entry, indent=1))
         tmp.replace(path)
     except OSError:
