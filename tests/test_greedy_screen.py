@@ -182,7 +182,7 @@ def test_the_screen_choice_is_measured_once_per_machine_and_cached(
     monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path))
     # NOTE: timed as on a quiet machine, so the cached decision is final (test_kernel_choice.py
     # covers one timed under load).
-    monkeypatch.setattr(kernel_choice, "free_cpus_while", lambda work: (work(), 64.0))
+    monkeypatch.setattr(kernel_choice, "free_cpus_while", lambda work, *_: (work(), 64.0))
     weight = random_head(8192, 64)
     choice = choose_greedy_screen(weight, fp32_argmax(weight))
     assert isinstance(choice["on"], bool) and min(choice["ms"].values()) > 0

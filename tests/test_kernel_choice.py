@@ -15,9 +15,9 @@ from vbatch.engine import openmp_waits
 from vbatch.layers import kernel_choice
 
 
-def free_while(free: float) -> Callable[[Callable[[], Any]], tuple[Any, float]]:
+def free_while(free: float) -> Callable[..., tuple[Any, float]]:
     """A stand-in for openmp_waits.free_cpus_while that reports `free` CPUs."""
-    return lambda work: (work(), free)
+    return lambda work, min_window_s=0.0: (work(), free)
 
 
 def test_free_cpus_while_returns_the_result_and_counts_this_process_as_free() -> None:
@@ -48,7 +48,6 @@ def test_a_choice_timed_under_load_is_used_and_timed_again_at_a_quiet_start(
 
         return run
 
-    monkeypatch.setattr(kernel_choice, "LOAD_WINDOW_S", 0.0)
     monkeypatch.setattr(kernel_choice, "free_cpus_while", free_while(threads - 1.0))
     assert kernel_choice.cached_choice("test", {"n": 1}, measure("busy")) == {"pick": "busy"}
     (path,) = (tmp_path / "kernel_choices").glob("test-*.json")
@@ -81,7 +80,7 @@ def test_a_timing_too_short_to_read_the_load_is_not_judged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(kernel_choice, "free_cpus_while", free_while(0.0))
+    assert openmp_waits.free_cpus_while(lambda: None, min_window_s=0.1) == (None, None)
     assert kernel_choice.cached_choice("short", {"n": 1}, lambda: {"pick": 1}) == {"pick": 1}
     (path,) = (tmp_path / "kernel_choices").glob("short-*.json")
     assert json.loads(path.read_text())["under_load"] is False

@@ -119,7 +119,7 @@ def test_the_choice_is_measured_once_per_machine_and_shapes(
     monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path))
     # NOTE: timed as on a quiet machine, so the cached decision is final (test_kernel_choice.py
     # covers one timed under load).
-    monkeypatch.setattr(kernel_choice, "free_cpus_while", lambda work: (work(), 64.0))
+    monkeypatch.setattr(kernel_choice, "free_cpus_while", lambda work, *_: (work(), 64.0))
     weights = {
         "qkv": torch.randn(96, 32),
         "o": torch.randn(32, 32),

@@ -33,9 +33,10 @@ def free_cpus(window_s: float = _WINDOW_S) -> float | None:
     return free_cpus_while(lambda: time.sleep(window_s))[1]
 
 
-def free_cpus_while(work: Callable[[], T]) -> tuple[T, float | None]:
+def free_cpus_while(work: Callable[[], T], min_window_s: float = 0.0) -> tuple[T, float | None]:
     """work()'s result, and how many of the CPUs this process may run on were free while it ran
-    (idle, or running this process; None where /proc/stat cannot be read)."""
+    (idle, or running this process; None where /proc/stat cannot be read, or where work() took
+    less than `min_window_s`: /proc/stat counts 10 ms ticks per CPU)."""
     try:
         cpus = {f"cpu{n}" for n in os.sched_getaffinity(0)}
         idle_before, own_before = cpu_seconds(cpus)
@@ -48,7 +49,7 @@ def free_cpus_while(work: Callable[[], T]) -> tuple[T, float | None]:
         idle_after, own_after = cpu_seconds(cpus)
     except (OSError, ValueError, IndexError):
         return result, None
-    if elapsed <= 0:
+    if elapsed <= 0 or elapsed < min_window_s:
         return result, None
     return result, (idle_after - idle_before + own_after - own_before) / elapsed
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from vbatch.engine.cpu_share import BUSY_MARGIN
 from vbatch.engine.openmp_waits import free_cpus, free_cpus_while
 from vbatch.layers.native import cache_dir, cpu_flags, library_key
 
@@ -30,9 +31,6 @@ ISA_SWITCHES = (
 )
 REPEATS = 5
 CHOICES_VERSION = 3
-# NOTE: as engine/cpu_share.py counts it: the machine is busy for a timing when other processes
-# leave it less than its threads less half a CPU.
-LOAD_MARGIN = 0.5
 # NOTE: /proc/stat counts in ticks of 10 ms per CPU, so a reading over a shorter window is too
 # coarse to tell half a CPU apart.
 LOAD_WINDOW_S = 0.1
@@ -77,8 +75,9 @@ def fastest_ms(candidates: dict[str, Callable[[], object]]) -> dict[str, float]:
 
 
 def is_busy(free: float | None) -> bool:
-    """Whether `free` CPUs (openmp_waits.free_cpus) left this process's threads short."""
-    return free is not None and free < torch.get_num_threads() - LOAD_MARGIN
+    """Whether `free` CPUs (openmp_waits.free_cpus) left this process's threads short, as
+    engine/cpu_share.py counts it."""
+    return free is not None and free < torch.get_num_threads() - BUSY_MARGIN
 
 
 @functools.cache
@@ -106,13 +105,11 @@ def cached_choice(
             return entry["choice"]
     except (OSError, ValueError, KeyError):
         pass
-    start = time.monotonic()
-    choice, free = free_cpus_while(measure)
-    under_load = time.monotonic() - start >= LOAD_WINDOW_S and is_busy(free)
+    choice, free = free_cpus_while(measure, LOAD_WINDOW_S)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        entry = {"key": key, "choice": choice, "under_load": under_load}
+        entry = {"key": key, "choice": choice, "under_load": is_busy(free)}
         tmp.write_text(json.dumps(entry, indent=1))
         tmp.replace(path)
     except OSError:
