@@ -43,7 +43,7 @@ def compiled(cache: GrammarCache, **spec: Any) -> Any:
     return cache.get(StructuredOutput(**spec)).result(timeout=120)
 
 
-def accepts(grammar: Any, text: str, *, complete: bool = False) -> bool:
+def accepts(grammar: Any, text: str | bytes, *, complete: bool = False) -> bool:
     matcher = xgrammar.GrammarMatcher(grammar)
     return matcher.accept_string(text) and (not complete or matcher.accept_token(EOS))
 
@@ -72,6 +72,43 @@ def test_length_bounds_leave_values_alone_and_cover_nullable_strings(cache: Gram
     assert accepts(grammar, head + ', "s": null}', complete=True)
     assert not accepts(grammar, head + ', "s": "abcd"')
     assert not accepts(grammar, head + ', "s": "a\x01')
+
+
+# NOTE: U+D800 and U+DFFF as xgrammar 0.2.9 encodes them; not UTF-8, they decode to U+FFFD x3.
+SURROGATE_BYTES = [b"\xed\xa0\x80", b"\xed\xbf\xbf"]
+UTF8_NEIGHBOURS = ["\u00e9", "\ud7ff", "\ue000", "\U0001f600"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "head", "tail"),
+    [
+        ({"json_schema": {"type": "string", "maxLength": 3}}, '"', '"'),
+        ({"json_schema": {"type": "string"}}, '"', '"'),
+        ({"json_object": True}, '{"k": "', '"}'),
+        ({"regex": ".{1,3}"}, "", ""),
+        ({"regex": '[^"]+'}, "", ""),
+        ({"grammar": 'root ::= [^\\x00-\\x1f"]+ | "!" [\\u0000-\\U0010ffff]'}, "", ""),
+    ],
+    ids=["bounded", "string", "object", "dot", "negated", "ebnf"],
+)
+def test_no_constraint_admits_a_surrogate_where_utf8_characters_pass(
+    cache: GrammarCache, spec: dict[str, Any], head: str, tail: str
+) -> None:
+    grammar = compiled(cache, **spec)
+    for char in UTF8_NEIGHBOURS:
+        assert accepts(grammar, head + char + tail, complete=True), (spec, ascii(char))
+    for raw in SURROGATE_BYTES:
+        assert not accepts(grammar, head.encode() + raw), (spec, raw)
+    if "grammar" in spec:
+        assert accepts(grammar, "!\u00e9", complete=True)
+        assert not accepts(grammar, b"!" + SURROGATE_BYTES[0])
+
+
+def test_hex_escapes_keep_their_meaning_through_the_printed_grammar(cache: GrammarCache) -> None:
+    """xgrammar prints U+001F as `\\x1f` and reads `\\x1fa` back as U+01FA."""
+    grammar = compiled(cache, grammar='root ::= "\\u001fa" [\\u001fa-b]+')
+    assert accepts(grammar, "\x1fa\x1fab", complete=True)
+    assert not accepts(grammar, "\u01fa")
 
 
 def test_strict_false_follows_json_schema_and_strict_explains_a_refusal(

@@ -167,16 +167,9 @@ class GrammarCache:
             if spec.json_schema is not None:
                 assert isinstance(spec.json_schema, str)
                 return compiler.compile_grammar(json_schema_ebnf(spec.json_schema, spec.strict))
-            if spec.json_object:
-                return compiler.compile_json_schema(
-                    '{"type": "object"}', any_whitespace=False, strict_mode=False
-                )
-            if spec.regex is not None:
-                return compiler.compile_regex(spec.regex)
             if spec.choice is not None:
                 return compiler.compile_grammar(choice_ebnf(spec.choice))
-            assert spec.grammar is not None
-            return compiler.compile_grammar(spec.grammar)
+            return compiler.compile_grammar(utf8_only(_grammar_of(spec)))
         except Exception as e:
             message = xgrammar_message(e)
             if spec.strict and "additional properties aren't allowed" in message:
@@ -220,11 +213,121 @@ def _lowest_priority() -> None:
 
 def json_schema_ebnf(schema: str, strict: bool) -> str:
     """The EBNF of a JSON schema (compact JSON), its length-bounded strings over JSON's
-    unescaped characters only (see _BOUNDED_CHARACTERS)."""
+    unescaped characters only (see _BOUNDED_CHARACTERS), every character valid UTF-8."""
     import xgrammar
 
     grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
-    return _BOUNDED_CHARACTERS.sub(_JSON_CHARACTERS, str(grammar))
+    return utf8_only(_BOUNDED_CHARACTERS.sub(_JSON_CHARACTERS, str(grammar)))
+
+
+def _grammar_of(spec: StructuredOutput) -> str:
+    """The EBNF of a json_object, regex or grammar constraint, as xgrammar prints it."""
+    import xgrammar
+
+    if spec.json_object:
+        return str(
+            xgrammar.Grammar.from_json_schema(
+                '{"type": "object"}', any_whitespace=False, strict_mode=False
+            )
+        )
+    if spec.regex is not None:
+        return str(xgrammar.Grammar.from_regex(spec.regex))
+    assert spec.grammar is not None
+    return str(xgrammar.Grammar.from_ebnf(spec.grammar))
+
+
+def utf8_only(ebnf: str) -> str:
+    """xgrammar's printed EBNF with no character class that admits a UTF-16 surrogate.
+
+    xgrammar 0.2.9 matches U+D800-U+DFFF, encoded as three bytes, wherever a class admits them
+    (`[^"]`, a regex's `.`). Those bytes are not UTF-8, so they decode to three U+FFFD and break
+    the constraint's bounds. Negated classes gain the surrogate range; positive ones lose it.
+    Every `\\xHH` escape is also written as `\\u00HH`, because xgrammar's parser reads as many
+    hex digits after `\\x` as follow, while its printer writes two.
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(ebnf):
+        if ebnf[i] not in '"[':
+            out.append(ebnf[i])
+            i += 1
+            continue
+        end = _closing(ebnf, i)
+        body = ebnf[i + 1 : end]
+        if ebnf[i] == '"':
+            out.append('"' + _HEX_ESCAPE.sub(_as_u_escape, body) + '"')
+        else:
+            out.append(_utf8_class(body))
+        i = end + 1
+    return "".join(out)
+
+
+_SURROGATES = (0xD800, 0xDFFF)
+_HEX_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|.)", re.S)
+_NAMED_ESCAPES = {"0": 0, "a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, "e": 27}
+_HEX_WIDTHS = {"x": 2, "u": 4, "U": 8}
+
+
+def _as_u_escape(match: re.Match[str]) -> str:
+    escape = match.group(1)
+    return "\\u00" + escape[1:] if escape[0] == "x" and len(escape) == 3 else match.group(0)
+
+
+def _closing(ebnf: str, start: int) -> int:
+    """The index of the quote or bracket that closes the literal or class opened at `start`."""
+    close = '"' if ebnf[start] == '"' else "]"
+    i = start + 1
+    while ebnf[i] != close:
+        i += 2 if ebnf[i] == "\\" else 1
+    return i
+
+
+def _utf8_class(body: str) -> str:
+    """A printed class body (without brackets) as a class that admits no surrogate."""
+    negated = body.startswith("^")
+    ranges: list[tuple[int, int]] = []
+    i = 1 if negated else 0
+    while i < len(body):
+        low, i = _class_char(body, i)
+        high = low
+        if i + 1 < len(body) and body[i] == "-":
+            high, i = _class_char(body, i + 1)
+        ranges.append((low, high))
+    if negated:
+        ranges.append(_SURROGATES)
+    else:
+        first, last = _SURROGATES
+        ranges = [
+            piece
+            for low, high in ranges
+            for piece in ((low, min(high, first - 1)), (max(low, last + 1), high))
+            if piece[0] <= piece[1]
+        ]
+        if not ranges:
+            return "[^\\0-\\U0010ffff]"
+    return "[" + "^" * negated + "".join(_range_text(r) for r in ranges) + "]"
+
+
+def _class_char(body: str, i: int) -> tuple[int, int]:
+    """The code point of the class element at `i` as xgrammar prints it, and the next index."""
+    if body[i] != "\\":
+        return ord(body[i]), i + 1
+    kind = body[i + 1]
+    if kind in _HEX_WIDTHS:
+        end = i + 2 + _HEX_WIDTHS[kind]
+        return int(body[i + 2 : end], 16), end
+    return _NAMED_ESCAPES.get(kind, ord(kind)), i + 2
+
+
+def _range_text(span: tuple[int, int]) -> str:
+    low, high = (_char_text(c) for c in span)
+    return low if span[0] == span[1] else f"{low}-{high}"
+
+
+def _char_text(code: int) -> str:
+    if chr(code).isascii() and chr(code).isalnum():
+        return chr(code)
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
 
 
 def new_matcher(grammar: CompiledGrammar) -> GrammarMatcher:
