@@ -84,3 +84,28 @@ def test_a_timing_too_short_to_read_the_load_is_not_judged(
     assert kernel_choice.cached_choice("short", {"n": 1}, lambda: {"pick": 1}) == {"pick": 1}
     (path,) = (tmp_path / "kernel_choices").glob("short-*.json")
     assert json.loads(path.read_text())["under_load"] is False
+
+
+def test_a_burst_of_load_shorter_than_the_timing_cannot_make_a_pick() -> None:
+    """A candidate's calls are spread over the whole timing: a burst as long as all of one
+    shape's timed calls (back to back, they had all been slow) slows at most two calls of each
+    candidate here, so every fastest time stays the quiet one."""
+    calls: list[str] = []
+    warm_ups = 6
+    burst = range(warm_ups, warm_ups + 2 * kernel_choice.REPEATS)
+
+    def candidate(name: str) -> Callable[[], None]:
+        def call() -> None:
+            calls.append(name)
+            if len(calls) - 1 in burst:
+                time.sleep(0.02)
+
+        return call
+
+    sets = {f"shape{i}": {"a": candidate(f"a{i}"), "b": candidate(f"b{i}")} for i in range(3)}
+    timed = kernel_choice.fastest_ms(sets)
+    assert len(calls) == warm_ups * (1 + kernel_choice.REPEATS)
+    assert calls[warm_ups : 2 * warm_ups] == ["a0", "b0", "a1", "b1", "a2", "b2"]
+    for by_name in timed.values():
+        assert set(by_name) == {"a", "b"}
+        assert max(by_name.values()) < 10.0, timed

@@ -175,18 +175,16 @@ def choose_greedy_screen(
     def measure() -> dict[str, object]:
         screen = Int8GreedyScreen(weight)
         generator = torch.Generator().manual_seed(0)
-        totals = {"screen": 0.0, "fp32": 0.0}
+        sets = {}
         for batch in TIMED_BATCHES:
             ids = torch.randint(weight.shape[0], (batch,), generator=generator)
             rows = weight[ids] / weight[ids].norm(dim=1, keepdim=True).clamp_min(1e-12) * 4.0
-            timed = fastest_ms(
-                {
-                    "screen": lambda rows=rows: screen.argmax(rows, fp32_argmax),
-                    "fp32": lambda rows=rows: fp32_argmax(rows),
-                }
-            )
-            for name, ms in timed.items():
-                totals[name] += ms
+            sets[str(batch)] = {
+                "screen": lambda rows=rows: screen.argmax(rows, fp32_argmax),
+                "fp32": lambda rows=rows: fp32_argmax(rows),
+            }
+        timed = fastest_ms(sets).values()
+        totals = {name: sum(ms[name] for ms in timed) for name in ("screen", "fp32")}
         return {"on": totals["screen"] < totals["fp32"], "ms": totals}
 
     shape = {"vocab": weight.shape[0], "hidden": weight.shape[1]}

@@ -30,7 +30,7 @@ ISA_SWITCHES = (
     "VBATCH_NATIVE_MARCH",
 )
 REPEATS = 5
-CHOICES_VERSION = 3
+CHOICES_VERSION = 4
 # NOTE: /proc/stat counts in ticks of 10 ms per CPU, so a reading over a shorter window is too
 # coarse to tell half a CPU apart.
 LOAD_WINDOW_S = 0.1
@@ -58,20 +58,29 @@ def machine_key() -> dict[str, Any]:
     }
 
 
-def fastest_ms(candidates: dict[str, Callable[[], object]]) -> dict[str, float]:
-    """Each candidate's fastest time in ms over REPEATS calls, the candidates interleaved after
-    one warm-up call each. The fastest, not the median: another process on the host only ever
-    adds time, and with few calls a median still carries it (measured on a shared 2-core host:
-    3-call medians picked the GEMM library that was 10-20% slower at 2048 rows)."""
-    for fn in candidates.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(REPEATS):
-        for name, fn in candidates.items():
-            start = time.perf_counter()
+def fastest_ms(sets: dict[str, dict[str, Callable[[], object]]]) -> dict[str, dict[str, float]]:
+    """Per set, each candidate's fastest time in ms over REPEATS calls: one warm-up call each,
+    then REPEATS rounds that each call every candidate of every set once, so that one
+    candidate's calls spread over the whole measurement. The fastest, not the median: another
+    process on the host only ever adds time, and with few calls a median still carries it
+    (measured on a shared 2-core host: 3-call medians picked the GEMM library that was 10-20%
+    slower at 2048 rows). Spread, not back to back: a burst of load of a few ms (the client
+    tokenizing while its core starts) had covered all 5 calls of a small shape, and the pick
+    for SmolLM2's o projection at 1 and 8 rows became a kernel 1.5-2x slower there."""
+    for candidates in sets.values():
+        for fn in candidates.values():
             fn()
-            times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: round(min(ts), 3) for name, ts in times.items()}
+    times = {key: {name: [] for name in candidates} for key, candidates in sets.items()}
+    for _ in range(REPEATS):
+        for key, candidates in sets.items():
+            for name, fn in candidates.items():
+                start = time.perf_counter()
+                fn()
+                times[key][name].append((time.perf_counter() - start) * 1e3)
+    return {
+        key: {name: round(min(ts), 3) for name, ts in by_name.items()}
+        for key, by_name in times.items()
+    }
 
 
 def is_busy(free: float | None) -> bool:

@@ -327,15 +327,21 @@ def _head_candidates(
     return {backend: run(backend) for backend in ("torch", *chunks)}
 
 
+def _in_turn(*fns: Callable[[], object]) -> Callable[[], object]:
+    """One call that runs `fns` back to back."""
+    return lambda: [fn() for fn in fns]
+
+
 def choose_linear_backends(
     weights: dict[str, torch.Tensor], transposed_mlp: bool = True, timed_head_rows: int = 64
 ) -> dict[str, Any]:
     """The fastest backend per projection and row class on this machine, from `weights`:
     "qkv", "o", "gate_up" and "down" ([out, in]) of one layer and, if given, "lm_head"
     ([vocab, hidden]). The candidates are torch's GEMM, oneDNN and, where loaded, the native
-    kernel, each from its prepared copy. Each projection is timed on its own; if the model has
-    the MLP's transposed form (`transposed_mlp`), it is timed as a pair, interleaved with the
-    two GEMMs' own picks run back to back, and taken where it beats them. The LM head is timed
+    kernel, each from its prepared copy. Every projection and class is timed in the same rounds
+    (kernel_choice.fastest_ms); if the model has the MLP's transposed form (`transposed_mlp`),
+    it is timed next as a pair, interleaved with the two GEMMs' own picks run back to back, and
+    taken where it beats them. The LM head is timed
     up to `timed_head_rows` rows (a step samples few rows), its last class reusing that. Cached
     per machine and shape set.
 
@@ -346,11 +352,9 @@ def choose_linear_backends(
     def measure() -> dict[str, Any]:
         generator = torch.Generator().manual_seed(0)
         choice: dict[str, Any] = {"rows": list(TIMED_ROWS), "ms": {}}
-        picked: dict[str, Callable[[], object]] = {}
-        for role in ("qkv", "o", "gate_up", "down", "lm_head"):
-            if role not in weights:
-                continue
-            picks: list[str] = []
+        sets: dict[str, dict[str, Callable[[], object]]] = {}
+        roles = [role for role in ("qkv", "o", "gate_up", "down", "lm_head") if role in weights]
+        for role in roles:
             weight = weights[role]
             is_head = role == "lm_head"
             copied = [b for b in backends if b != "torch"]
@@ -358,37 +362,39 @@ def choose_linear_backends(
             prepared = {} if is_head else {b: prepared_weight(weight, b) for b in copied}
             for rows in TIMED_ROWS:
                 if is_head and rows > timed_head_rows:
-                    picks.append(picks[-1])
                     continue
                 if is_head:
-                    candidates = _head_candidates(weight, chunks, rows, generator)
+                    sets[f"{role}@{rows}"] = _head_candidates(weight, chunks, rows, generator)
                 else:
-                    candidates = _linear_candidates(weight, prepared, rows, generator)
-                timed = fastest_ms(candidates)
+                    sets[f"{role}@{rows}"] = _linear_candidates(weight, prepared, rows, generator)
+        choice["ms"] = fastest_ms(sets)
+        picked: dict[str, Callable[[], object]] = {}
+        for role in roles:
+            picks: list[str] = []
+            for rows in TIMED_ROWS:
+                timed = choice["ms"].get(f"{role}@{rows}")
+                if timed is None:
+                    picks.append(picks[-1])
+                    continue
                 picks.append(min(timed, key=timed.__getitem__))
-                picked[f"{role}@{rows}"] = candidates[picks[-1]]
-                choice["ms"][f"{role}@{rows}"] = timed
+                picked[f"{role}@{rows}"] = sets[f"{role}@{rows}"][picks[-1]]
             choice[role] = picks
-        modes: list[str] = []
-        for rows in TIMED_ROWS:
-            mode = SEPARATE
-            if transposed_mlp and row_class(rows) <= MAX_TRANSPOSED_CLASS:
-                gate_up, down = picked[f"gate_up@{rows}"], picked[f"down@{rows}"]
-                # NOTE: timed against the two picks run back to back in the same rounds, so
-                # that load from another process weighs on both sides alike.
-                timed = fastest_ms(
-                    {
-                        TRANSPOSED: _transposed_mlp(
-                            weights["gate_up"], weights["down"], rows, generator
-                        ),
-                        SEPARATE: lambda gate_up=gate_up, down=down: (gate_up(), down()),
-                    }
-                )
-                choice["ms"][f"mlp@{rows}"] = timed
-                if timed[TRANSPOSED] < timed[SEPARATE]:
-                    mode = TRANSPOSED
-            modes.append(mode)
-        choice["mlp"] = modes
+        # NOTE: the transposed MLP is timed against the two picks run back to back in the same
+        # rounds, so that load from another process weighs on both sides alike.
+        pairs = {
+            f"mlp@{rows}": {
+                TRANSPOSED: _transposed_mlp(weights["gate_up"], weights["down"], rows, generator),
+                SEPARATE: _in_turn(picked[f"gate_up@{rows}"], picked[f"down@{rows}"]),
+            }
+            for rows in TIMED_ROWS
+            if transposed_mlp and row_class(rows) <= MAX_TRANSPOSED_CLASS
+        }
+        choice["ms"] |= fastest_ms(pairs)
+        choice["mlp"] = [SEPARATE] * len(TIMED_ROWS)
+        for index, rows in enumerate(TIMED_ROWS):
+            timed = choice["ms"].get(f"mlp@{rows}")
+            if timed is not None and timed[TRANSPOSED] < timed[SEPARATE]:
+                choice["mlp"][index] = TRANSPOSED
         return choice
 
     shapes = {name: list(weight.shape) for name, weight in sorted(weights.items())}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -113,16 +114,17 @@ def _time_backends(shapes: list[tuple[int, int]]) -> dict[str, object]:
     backends = [INT_MM] if has_int8_kernels() else []
     if fbgemm_is_exact():
         backends.append(FBGEMM)
-    totals = dict.fromkeys(["fp32", *backends], 0.0)
-    for out_features, in_features in shapes:
+    sets: dict[str, dict[str, Callable[[], object]]] = {}
+    for index, (out_features, in_features) in enumerate(shapes):
         weight = torch.randn(out_features, in_features) / in_features**0.5
         layers = {name: Int8DynamicLinear(weight, None, name) for name in backends}
         for batch in TIMED_BATCHES:
             x = torch.randn(batch, in_features)
             candidates = {"fp32": lambda x=x, weight=weight: F.linear(x, weight)}
             candidates |= {name: (lambda x=x, m=m: m(x)) for name, m in layers.items()}
-            for name, ms in fastest_ms(candidates).items():
-                totals[name] += ms
+            sets[f"{index}@{batch}"] = candidates
+    timed = fastest_ms(sets).values()
+    totals = {name: sum(ms[name] for ms in timed) for name in ("fp32", *backends)}
     best = min(backends, key=lambda name: totals[name])
     return {
         "backend": best,
