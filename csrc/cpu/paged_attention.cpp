@@ -630,9 +630,11 @@ inline void tile_step(const float* q_t, float* o_t, float* running_max, float* r
   }
   lanes_store(running_sum, lanes_fmadd(lanes_load(running_sum), correction, block_sum));
   // NOTE: kOutputDims output dims at a time: each is a chain of kNumLanes dependent FMAs, and
-  // one chain alone waits on the FMA latency at every step. Under AVX-512, 8 rather than 4 made
-  // the tiled kernel 5-10% faster (16 chunks of 100-250 tokens, Zen 4, 2 threads: 216-222
-  // against 231-246 ms a step); under AVX2, with half the registers, 8 was no faster.
+  // one chain alone waits on the FMA latency at every step. Each chain keeps its order, so the
+  // bits do not depend on how many go together. Under AVX-512 (Zen 4, 2 threads, 16 chunks of
+  // 100-250 tokens) 8 rather than 4 took 220-222 against 231-246 ms a step in 3 pairs, and
+  // 222-245 against 232-257 in 4 later pairs on a noisier host; under AVX2, with half the
+  // registers, 8 was no faster.
   constexpr int64_t kOutputDims = kNumLanes / 2;
   int64_t d = 0;
   for (; d + kOutputDims <= head_dim; d += kOutputDims) {
