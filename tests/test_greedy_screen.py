@@ -185,7 +185,12 @@ def test_the_screen_choice_is_measured_once_per_machine_and_cached(
     monkeypatch.setattr(kernel_choice, "free_cpus_while", lambda work, *_: (work(), 64.0))
     weight = random_head(8192, 64)
     choice = choose_greedy_screen(weight, fp32_argmax(weight))
-    assert isinstance(choice["on"], bool) and min(choice["ms"].values()) > 0
+    assert choice["batches"] == list(greedy_screen.TIMED_BATCHES)
+    assert all(isinstance(on, bool) for on in choice["on"])
+    for side in ("screen", "fp32"):
+        assert len(choice["ms"][side]) == len(choice["batches"]) and min(choice["ms"][side]) > 0
+    screen, fp32 = choice["ms"]["screen"], choice["ms"]["fp32"]
+    assert choice["on"] == [s < f for s, f in zip(screen, fp32, strict=True)]
     (cached,) = (tmp_path / "kernel_choices").glob("greedy_screen-*.json")
     assert json.loads(cached.read_text())["key"]["machine"]["capability"]
 
@@ -207,15 +212,20 @@ def test_the_screen_choice_is_measured_once_per_machine_and_cached(
         choose_greedy_screen(weight, fp32_argmax(weight))
 
 
-@pytest.mark.parametrize(("forced", "measured_on"), [(None, False), (None, True), (True, False)])
-def test_the_engine_takes_the_measured_side_unless_forced(
+@pytest.mark.parametrize(
+    ("forced", "measured_on"),
+    [(None, [False, False]), (None, [True, True]), (None, [True, False]), (True, [False, False])],
+)
+def test_the_engine_takes_the_measured_sides_unless_forced(
     ops: None,
     tiny_model_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
     forced: bool | None,
-    measured_on: bool,
+    measured_on: list[bool],
 ) -> None:
-    measured = {"on": measured_on, "ms": {"screen": 2.0, "fp32": 3.0}}
+    """Measured, the screen serves the steps whose row counts are nearest a batch it won at."""
+    ms = {"screen": [2.0, 30.0], "fp32": [3.0, 20.0]}
+    measured = {"batches": [1, 64], "on": measured_on, "ms": ms}
     calls: list[int] = []
 
     def choose(weight: torch.Tensor, fallback: object) -> dict[str, object]:
@@ -225,13 +235,32 @@ def test_the_engine_takes_the_measured_side_unless_forced(
     monkeypatch.setattr(model_runner, "choose_greedy_screen", choose)
     config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=16, greedy_screen=forced)
     core = EngineCore(config)
-    expected_on = measured_on if forced is None else forced
-    assert (core.runner.model.greedy_screen is not None) == expected_on
+    model = core.runner.model
+    sides = [True, True] if forced else measured_on
+    assert (model.greedy_screen is not None) == any(sides)
     assert len(calls) == (forced is None)
     (note,) = [n for n in core.info.kernels if n.startswith("greedy screen")]
     if forced is None:
-        side = "on" if measured_on else "off"
-        figures = "screen 2.00 ms, fp32 head 3.00 ms"
-        assert note == f"greedy screen {side} (measured at batch 1 and 32: {figures})"
+        side = {(False, False): "off", (True, True): "on"}.get(
+            tuple(measured_on), "on at batch 1, off at 64"
+        )
+        figures = "screen 2.00/30.00 ms, fp32 head 3.00/20.00 ms"
+        assert note == f"greedy screen {side} (measured at batch 1, 64: {figures})"
     else:
         assert note == "greedy screen on (forced)"
+    if model.greedy_screen is None:
+        return
+    served: list[int] = []
+    screen_argmax = model.greedy_screen.argmax
+
+    def counted(hidden: torch.Tensor, fallback: object) -> torch.Tensor:
+        served.append(hidden.shape[0])
+        return screen_argmax(hidden, fallback)
+
+    monkeypatch.setattr(model.greedy_screen, "argmax", counted)
+    hidden = torch.randn(64, model.lm_head_weight.shape[1])
+    for rows in (1, 6, 10, 40, 64):
+        expected = model._greedy_token_ids_fp32(hidden[:rows])
+        assert torch.equal(model.greedy_token_ids(hidden[:rows]), expected)
+    # NOTE: 8 is the ratio midpoint of 1 and 64.
+    assert served == ([1, 6, 10, 40, 64] if all(sides) else [1, 6])

@@ -36,9 +36,11 @@ from vbatch.layers import get_attention_backend
 from vbatch.layers.attention import AttentionMetadata
 from vbatch.layers.batch_invariant import check_row_invariance, make_batch_invariant
 from vbatch.layers.greedy_screen import (
+    ALWAYS,
     can_use_greedy_screen,
     choose_greedy_screen,
     describe_screen_choice,
+    screen_sides,
 )
 from vbatch.layers.linear_choice import ChosenLinear, runs_at_any_thread_count, settle_linears
 from vbatch.layers.native import has_fused_ops
@@ -135,17 +137,17 @@ class ModelRunner:
         screenable = has_lm_head and can_use_greedy_screen(self.device, self.dtype)
         if config.greedy_screen is not False and screenable and not config.batch_invariant:
             progress("choosing kernels")
+            sides = ALWAYS
             if config.greedy_screen is None:
                 screen = choose_greedy_screen(
                     self.model.lm_head_weight, self.model._greedy_token_ids_fp32
                 )
-                use_screen = bool(screen["on"])
+                sides = screen_sides(screen)
                 self.kernel_notes.append(describe_screen_choice(screen, None))
             else:
-                use_screen = True
                 self.kernel_notes.append(describe_screen_choice({}, True))
-            if use_screen:
-                self.model.enable_greedy_screen(self.packed_store)
+            if any(sides.on):
+                self.model.enable_greedy_screen(self.packed_store, sides)
         self.lora: LoraSlots | None = None
         if config.enable_lora:
             self.lora = LoraSlots(self.model, model_config, config.max_loras, config.max_lora_rank)

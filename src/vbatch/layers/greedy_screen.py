@@ -17,7 +17,9 @@ candidates also cover what an fp32 GEMM could round to the top.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -32,7 +34,8 @@ UNIT_ROUNDOFF = 2.0**-24
 BOUND_SLACK = 1.0 + 1e-5  # covers rounding in the kernel's own bound arithmetic
 NORM_SLACK = 1.0 + 1e-3  # covers the rounding of the head's norms and of their scaling here
 INT8_MAX = 127
-TIMED_BATCHES = (1, 32)
+# NOTE: a decode step's rows span these; under AVX2 the screen won at 1 row and lost at 64.
+TIMED_BATCHES = (1, 8, 64)
 # NOTE: the int8 head's names in a model's PackedStore, and the rows a mapped one is checked at.
 HEAD_NAMES = ("lm_head.int8", "lm_head.int8_scales", "lm_head.residual_norms", "lm_head.norms")
 PROBED_ROWS = 16
@@ -165,12 +168,43 @@ class Int8GreedyScreen:
         return token_ids
 
 
+@dataclass(frozen=True)
+class ScreenSides:
+    """Which steps the screen serves, by their row count: each timed batch decides for the row
+    counts nearest it (by ratio)."""
+
+    batches: tuple[int, ...]
+    on: tuple[bool, ...]
+
+    def serves(self, num_rows: int) -> bool:
+        ratios = [abs(math.log(max(num_rows, 1) / batch)) for batch in self.batches]
+        return self.on[ratios.index(min(ratios))]
+
+    def describe(self) -> str:
+        if all(self.on) or not any(self.on):
+            return "on" if self.on[0] else "off"
+        on = [str(b) for b, side in zip(self.batches, self.on, strict=True) if side]
+        off = [str(b) for b, side in zip(self.batches, self.on, strict=True) if not side]
+        return f"on at batch {' and '.join(on)}, off at {' and '.join(off)}"
+
+
+ALWAYS = ScreenSides((1,), (True,))
+
+
+def screen_sides(choice: dict[str, object]) -> ScreenSides:
+    """The sides of a choose_greedy_screen result."""
+    batches, on = choice["batches"], choice["on"]
+    assert isinstance(batches, list) and isinstance(on, list)
+    return ScreenSides(tuple(batches), tuple(on))
+
+
 def choose_greedy_screen(
     weight: torch.Tensor, fp32_argmax: Callable[[torch.Tensor], torch.Tensor]
 ) -> dict[str, object]:
-    """Whether the screen beats `fp32_argmax` for this [vocab, hidden] head on this machine:
-    both timed on rows with a clear winner, as a model's are, at TIMED_BATCHES (measured once per
-    machine and head shape, cached). {"on": bool, "ms": summed median ms per side}."""
+    """Where the screen beats `fp32_argmax` for this [vocab, hidden] head on this machine: both
+    timed on rows with a clear winner, as a model's are, at each of TIMED_BATCHES (measured once
+    per machine and head shape, cached). {"batches": TIMED_BATCHES, "on": [bool per batch],
+    "ms": {"screen" | "fp32": [fastest ms per batch]}}."""
 
     def measure() -> dict[str, object]:
         screen = Int8GreedyScreen(weight)
@@ -183,9 +217,12 @@ def choose_greedy_screen(
                 "screen": lambda rows=rows: screen.argmax(rows, fp32_argmax),
                 "fp32": lambda rows=rows: fp32_argmax(rows),
             }
-        timed = fastest_ms(sets).values()
-        totals = {name: sum(ms[name] for ms in timed) for name in ("screen", "fp32")}
-        return {"on": totals["screen"] < totals["fp32"], "ms": totals}
+        timed = list(fastest_ms(sets).values())
+        return {
+            "batches": list(TIMED_BATCHES),
+            "on": [ms["screen"] < ms["fp32"] for ms in timed],
+            "ms": {name: [ms[name] for ms in timed] for name in ("screen", "fp32")},
+        }
 
     shape = {"vocab": weight.shape[0], "hidden": weight.shape[1]}
     return cached_choice("greedy_screen", shape, measure)
@@ -196,8 +233,9 @@ def describe_screen_choice(choice: dict[str, object], forced: bool | None) -> st
         return f"greedy screen {'on' if forced else 'off'} (forced)"
     ms = choice["ms"]
     assert isinstance(ms, dict)
-    batches = " and ".join(map(str, TIMED_BATCHES))
+    batches = ", ".join(map(str, choice["batches"]))  # type: ignore[call-overload]
+    screen, fp32 = ("/".join(f"{t:.2f}" for t in ms[name]) for name in ("screen", "fp32"))
     return (
-        f"greedy screen {'on' if choice['on'] else 'off'} (measured at batch {batches}: "
-        f"screen {ms['screen']:.2f} ms, fp32 head {ms['fp32']:.2f} ms)"
+        f"greedy screen {screen_sides(choice).describe()} (measured at batch {batches}: "
+        f"screen {screen} ms, fp32 head {fp32} ms)"
     )

@@ -15,7 +15,7 @@ from vbatch.errors import ConfigError, ModelLoadError
 from vbatch.layers.activation import ACTIVATIONS
 from vbatch.layers.attention import AttentionBackend, AttentionMetadata
 from vbatch.layers.batch_invariant import invariant_linear
-from vbatch.layers.greedy_screen import Int8GreedyScreen
+from vbatch.layers.greedy_screen import ALWAYS, Int8GreedyScreen, ScreenSides
 from vbatch.layers.linear_choice import (
     HEAD_CHUNK,
     NATIVE,
@@ -309,6 +309,7 @@ class LlamaForCausalLM(nn.Module):
         ]
         self._embedding_multipliers: dict[torch.dtype, float] = {}
         self.greedy_screen: Int8GreedyScreen | None = None
+        self.screen_sides = ALWAYS
         # NOTE: set by make_batch_invariant: the LM head through layers/batch_invariant.py too.
         self.is_batch_invariant = False
         # NOTE: set by load_model under int8 quantization (quantize_linears' measured choice)
@@ -510,10 +511,13 @@ class LlamaForCausalLM(nn.Module):
             chunks = self.head_chunks[backend] = head_chunks(self.lm_head_weight, backend)
         return chunks
 
-    def enable_greedy_screen(self, store: PackedStore | None = None) -> None:
-        """Find greedy tokens through the int8 screen (see layers/greedy_screen.py), its int8
-        head from `store` where one is given."""
+    def enable_greedy_screen(
+        self, store: PackedStore | None = None, sides: ScreenSides = ALWAYS
+    ) -> None:
+        """Find greedy tokens through the int8 screen (see layers/greedy_screen.py) in the steps
+        whose row counts `sides` gives it, its int8 head from `store` where one is given."""
         self.greedy_screen = Int8GreedyScreen(self.lm_head_weight, store)
+        self.screen_sides = sides
 
     def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n] int64 argmax token ids, the first on ties, as
@@ -525,7 +529,7 @@ class LlamaForCausalLM(nn.Module):
         weight = self.lm_head_weight
         if hidden.device.type != "cpu" or hidden.dtype != torch.float32:
             return F.linear(hidden, weight).argmax(dim=-1)
-        if self.greedy_screen is not None:
+        if self.greedy_screen is not None and self.screen_sides.serves(hidden.shape[0]):
             return self.greedy_screen.argmax(hidden, self._greedy_token_ids_fp32)
         if self.is_batch_invariant:
             return invariant_linear(hidden, weight).argmax(dim=-1)
