@@ -209,7 +209,7 @@ def choose_greedy_screen(
     def measure() -> dict[str, object]:
         screen = Int8GreedyScreen(weight)
         generator = torch.Generator().manual_seed(0)
-        sets = {}
+        sets: dict[str, dict[str, Callable[[], object]]] = {}
         for batch in TIMED_BATCHES:
             ids = torch.randint(weight.shape[0], (batch,), generator=generator)
             rows = weight[ids] / weight[ids].norm(dim=1, keepdim=True).clamp_min(1e-12) * 4.0
@@ -231,11 +231,11 @@ def choose_greedy_screen(
 def describe_screen_choice(choice: dict[str, object], forced: bool | None) -> str:
     if forced is not None:
         return f"greedy screen {'on' if forced else 'off'} (forced)"
-    ms = choice["ms"]
-    assert isinstance(ms, dict)
-    batches = ", ".join(map(str, choice["batches"]))  # type: ignore[call-overload]
+    ms, batches = choice["ms"], choice["batches"]
+    assert isinstance(ms, dict) and isinstance(batches, list)
     screen, fp32 = ("/".join(f"{t:.2f}" for t in ms[name]) for name in ("screen", "fp32"))
     return (
-        f"greedy screen {screen_sides(choice).describe()} (measured at batch {batches}: "
+        f"greedy screen {screen_sides(choice).describe()} (measured at batch "
+        f"{', '.join(map(str, batches))}: "
         f"screen {screen} ms, fp32 head {fp32} ms)"
     )

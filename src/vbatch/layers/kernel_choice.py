@@ -64,9 +64,9 @@ def fastest_ms(sets: dict[str, dict[str, Callable[[], object]]]) -> dict[str, di
     candidate's calls spread over the whole measurement. The fastest, not the median: another
     process on the host only ever adds time, and with few calls a median still carries it
     (measured on a shared 2-core host: 3-call medians picked the GEMM library that was 10-20%
-    slower at 2048 rows). Spread, not back to back: a burst of load of a few ms (the client
-    tokenizing while its core starts) had covered all 5 calls of a small shape, and the pick
-    for SmolLM2's o projection at 1 and 8 rows became a kernel 1.5-2x slower there."""
+    slower at 2048 rows). Spread, not back to back: a burst of load of a few ms from another
+    thread or process had covered all 5 calls of a small shape, and the pick for SmolLM2's o
+    projection at 1 and 8 rows became a kernel 1.5-2x slower there."""
     for candidates in sets.values():
         for fn in candidates.values():
             fn()

@@ -341,9 +341,8 @@ def choose_linear_backends(
     kernel, each from its prepared copy. Every projection and class is timed in the same rounds
     (kernel_choice.fastest_ms); if the model has the MLP's transposed form (`transposed_mlp`),
     it is timed next as a pair, interleaved with the two GEMMs' own picks run back to back, and
-    taken where it beats them. The LM head is timed
-    up to `timed_head_rows` rows (a step samples few rows), its last class reusing that. Cached
-    per machine and shape set.
+    taken where it beats them. The LM head is timed up to `timed_head_rows` rows (a step samples
+    few rows), its last class reusing that. Cached per machine and shape set.
 
     Returns {"rows": TIMED_ROWS, "qkv"|"o"|"gate_up"|"down"|"lm_head": [backend per class],
     "mlp": [TRANSPOSED or SEPARATE per class], "ms": ...}."""
