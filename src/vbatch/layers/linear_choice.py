@@ -327,6 +327,30 @@ def _head_candidates(
     return {backend: run(backend) for backend in ("torch", *chunks)}
 
 
+def _role_sets(
+    role: str,
+    weight: torch.Tensor,
+    backends: tuple[str, ...],
+    timed_head_rows: int,
+    generator: torch.Generator,
+) -> dict[str, dict[str, Callable[[], object]]]:
+    """The candidates of one projection ("lm_head": the LM head, up to `timed_head_rows` rows)
+    per row class, keyed "role@rows"."""
+    copied = [b for b in backends if b != "torch"]
+    if role == "lm_head":
+        chunks = {b: head_chunks(weight, b) for b in copied}
+        return {
+            f"{role}@{rows}": _head_candidates(weight, chunks, rows, generator)
+            for rows in TIMED_ROWS
+            if rows <= timed_head_rows
+        }
+    prepared = {b: prepared_weight(weight, b) for b in copied}
+    return {
+        f"{role}@{rows}": _linear_candidates(weight, prepared, rows, generator)
+        for rows in TIMED_ROWS
+    }
+
+
 def _in_turn(*fns: Callable[[], object]) -> Callable[[], object]:
     """One call that runs `fns` back to back."""
     return lambda: [fn() for fn in fns]
@@ -338,11 +362,12 @@ def choose_linear_backends(
     """The fastest backend per projection and row class on this machine, from `weights`:
     "qkv", "o", "gate_up" and "down" ([out, in]) of one layer and, if given, "lm_head"
     ([vocab, hidden]). The candidates are torch's GEMM, oneDNN and, where loaded, the native
-    kernel, each from its prepared copy. Every projection and class is timed in the same rounds
-    (kernel_choice.fastest_ms); if the model has the MLP's transposed form (`transposed_mlp`),
-    it is timed next as a pair, interleaved with the two GEMMs' own picks run back to back, and
-    taken where it beats them. The LM head is timed up to `timed_head_rows` rows (a step samples
-    few rows), its last class reusing that. Cached per machine and shape set.
+    kernel, each from its prepared copy. The layer's projections at every class are timed in the
+    same rounds (kernel_choice.fastest_ms), then the LM head's classes; if the model has the
+    MLP's transposed form (`transposed_mlp`), it is timed next as a pair, interleaved with the
+    two GEMMs' own picks run back to back, and taken where it beats them. The LM head is timed
+    up to `timed_head_rows` rows (a step samples few rows), its last class reusing that. Cached
+    per machine and shape set.
 
     Returns {"rows": TIMED_ROWS, "qkv"|"o"|"gate_up"|"down"|"lm_head": [backend per class],
     "mlp": [TRANSPOSED or SEPARATE per class], "ms": ...}."""
@@ -351,33 +376,24 @@ def choose_linear_backends(
     def measure() -> dict[str, Any]:
         generator = torch.Generator().manual_seed(0)
         choice: dict[str, Any] = {"rows": list(TIMED_ROWS), "ms": {}}
-        sets: dict[str, dict[str, Callable[[], object]]] = {}
-        roles = [role for role in ("qkv", "o", "gate_up", "down", "lm_head") if role in weights]
-        for role in roles:
-            weight = weights[role]
-            is_head = role == "lm_head"
-            copied = [b for b in backends if b != "torch"]
-            chunks = {b: head_chunks(weight, b) for b in copied} if is_head else {}
-            prepared = {} if is_head else {b: prepared_weight(weight, b) for b in copied}
-            for rows in TIMED_ROWS:
-                if is_head and rows > timed_head_rows:
-                    continue
-                if is_head:
-                    sets[f"{role}@{rows}"] = _head_candidates(weight, chunks, rows, generator)
-                else:
-                    sets[f"{role}@{rows}"] = _linear_candidates(weight, prepared, rows, generator)
-        choice["ms"] = fastest_ms(sets)
         picked: dict[str, Callable[[], object]] = {}
-        for role in roles:
-            picks: list[str] = []
-            for rows in TIMED_ROWS:
-                timed = choice["ms"].get(f"{role}@{rows}")
-                if timed is None:
-                    picks.append(picks[-1])
-                    continue
-                picks.append(min(timed, key=timed.__getitem__))
-                picked[f"{role}@{rows}"] = sets[f"{role}@{rows}"][picks[-1]]
-            choice[role] = picks
+        roles = [role for role in ("qkv", "o", "gate_up", "down") if role in weights]
+        # NOTE: the LM head's copies, the largest, are timed apart from the layers' and after.
+        for group in (roles, ["lm_head"] if "lm_head" in weights else []):
+            sets: dict[str, dict[str, Callable[[], object]]] = {}
+            for role in group:
+                sets |= _role_sets(role, weights[role], backends, timed_head_rows, generator)
+            choice["ms"] |= fastest_ms(sets)
+            for role in group:
+                picks: list[str] = []
+                for rows in TIMED_ROWS:
+                    timed = choice["ms"].get(f"{role}@{rows}")
+                    if timed is None:
+                        picks.append(picks[-1])
+                        continue
+                    picks.append(min(timed, key=timed.__getitem__))
+                    picked[f"{role}@{rows}"] = sets[f"{role}@{rows}"][picks[-1]]
+                choice[role] = picks
         # NOTE: the transposed MLP is timed against the two picks run back to back in the same
         # rounds, so that load from another process weighs on both sides alike.
         pairs = {
