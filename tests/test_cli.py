@@ -17,7 +17,7 @@ import typer
 from typer.testing import CliRunner
 
 from vbatch import __version__
-from vbatch.cli import app, resume_request, run_request
+from vbatch.cli import app, parsed_params, resume_request, run_request
 from vbatch.engine_sets.base import RaySettings
 from vbatch.job.options import JOB_SAMPLING, RunOptions
 from vbatch.job.rows import ColumnOptions
@@ -213,8 +213,8 @@ def _command(name: str) -> click.Command:
 
 
 def _parsed(name: str, args: list[str]) -> dict[str, Any]:
-    """The options as the real parser hands them to the command (its `ctx.params`)."""
-    return dict(_command(name).make_context(name, list(args)).params)
+    """The options as the real parser hands them to the command."""
+    return parsed_params(_command(name).make_context(name, list(args)))
 
 
 def _at(request: Any, path: str) -> Any:
@@ -240,6 +240,30 @@ def test_every_run_option_arrives_where_it_belongs(
         assert got == expected, name
         if args:
             assert _at(default, path) != expected, f"{name}: the test value is the default"
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "paths"),
+    [
+        (
+            "run",
+            [*RUN_BASE, "--json-schema", "s.json", "--grammar", "g.ebnf", "--metrics-file", "m"],
+            {"input_path", "output_path", "json_schema", "grammar", "metrics_file"},
+        ),
+        ("resume", ["out.jsonl", "--metrics-file", "m"], {"output", "metrics_file"}),
+    ],
+)
+def test_path_options_arrive_as_paths_when_typer_leaves_them_as_str(
+    name: str, args: list[str], paths: set[str]
+) -> None:
+    """Typer before 0.29 hands click's str to `ctx.params` for a Path option (a job then
+    failed with "'str' object has no attribute 'with_name'")."""
+    ctx = _command(name).make_context(name, args)
+    assert {option for option, v in parsed_params(ctx).items() if isinstance(v, Path)} == paths
+    ctx.params.update({option: str(ctx.params[option]) for option in paths})
+    got = parsed_params(ctx)
+    assert all(isinstance(got[option], Path) for option in paths)
+    assert got == {**ctx.params, **{option: Path(ctx.params[option]) for option in paths}}
 
 
 def test_every_resume_option_arrives_where_it_belongs() -> None:

@@ -17,7 +17,7 @@ import pytest
 import typer
 from helpers import read_jsonl
 
-from vbatch.cli import app, run_request
+from vbatch.cli import app, parsed_params, run_request
 from vbatch.job.runner import start_job
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
@@ -128,7 +128,7 @@ def test_job_example_runs_as_its_command_says(
     assert (program, command) == ("vbatch", "run")
     argv = [*args, "--model", str(tiny_model_dir), *flags]
     run = typer.main.get_command(app).commands["run"]  # type: ignore[attr-defined]
-    request = run_request(run.make_context("run", argv).params)
+    request = run_request(parsed_params(run.make_context("run", argv)))
     outcome = start_job(request.spec, request.options, llm_factory=shared_llm)
     assert outcome.exit_code == 0, outcome.message
     check(workdir / "examples" / "out")

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import fields
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple, TypeVar, get_args, get_type_hints
 
 import typer
 
@@ -71,6 +71,18 @@ STRUCTURED_OPTIONS = ("json_schema", "regex", "choice", "grammar")
 SAMPLING_FIELDS = tuple(SamplingParams.__struct_fields__)
 ENGINE_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.name not in ("model", "seed"))
 RUN_OPTION_FIELDS = tuple(f.name for f in fields(RunOptions) if f.name != "display")
+
+
+def parsed_params(ctx: typer.Context) -> dict[str, Any]:
+    """The command's parsed options, each path option a Path. Typer converts the function's
+    own arguments, but before 0.29 it left `ctx.params` as click parsed them, paths as str."""
+    assert ctx.command.callback is not None
+    hints = get_type_hints(ctx.command.callback)
+    path_options = {name for name, hint in hints.items() if hint is Path or Path in get_args(hint)}
+    return {
+        name: Path(value) if name in path_options and isinstance(value, str) else value
+        for name, value in ctx.params.items()
+    }
 
 
 def run_request(params: Mapping[str, Any], defaulted: frozenset[str] = frozenset()) -> RunRequest:
@@ -332,7 +344,7 @@ def run(
         for name in ctx.params
         if (source := ctx.get_parameter_source(name)) is not None and source.name == "DEFAULT"
     )
-    request = _guarded(lambda: run_request(ctx.params, defaulted))
+    request = _guarded(lambda: run_request(parsed_params(ctx), defaulted))
     outcome = _guarded(
         lambda: start_job(request.spec, request.options, overwrite=request.overwrite)
     )
@@ -361,7 +373,7 @@ def resume(
     left out here keep the values the job started with."""
     from vbatch.job.runner import resume_job
 
-    request = resume_request(ctx.params)
+    request = resume_request(parsed_params(ctx))
     outcome = _guarded(
         lambda: resume_job(
             request.output,
