@@ -11,7 +11,7 @@ import torch
 
 from vbatch.errors import ConfigError
 from vbatch.layers import get_attention_backend
-from vbatch.layers.attention import TorchAttentionBackend
+from vbatch.layers.attention import BatchPlanner, TorchAttentionBackend
 
 
 def dense_attention(
@@ -122,6 +122,21 @@ def test_decode_only_batch_equals_one_by_one(make_attention_metadata: Callable) 
             q[i : i + 1], k[i : i + 1], v[i : i + 1], k_cache, v_cache, alone, 0.3
         )
         torch.testing.assert_close(batched[i : i + 1], out, atol=1e-6, rtol=0)
+
+
+def test_planner_splits_by_query_len_or_work(make_attention_metadata: Callable) -> None:
+    """Short: query_len <= 2, or query_len * seq_len <= 24. The short rows are built only when
+    some chunk is long, and keep batch order."""
+    planner = BatchPlanner(max_short_query_len=2, max_short_work=24)
+    query_lens, seq_lens = [1, 6, 4, 2, 5], [9, 6, 6, 30, 5]
+    tables = [[0, 1, 2], [3, 4], [5, 6], list(range(7, 15)), [15, 16]]
+    plan = planner.plan(make_attention_metadata(query_lens, seq_lens, tables, 4))
+    assert plan.long_chunks == [(1, 1, 6, 6), (4, 13, 5, 5)]
+    assert plan.short_rows is not None and plan.short_seq_lens is not None
+    assert plan.short_rows.tolist() == [0, 7, 8, 9, 10, 11, 12]
+    assert plan.short_seq_lens.tolist() == [9, 6, 30]
+    all_short = planner.plan(make_attention_metadata([1, 4], [9, 6], tables[:2], 4))
+    assert all_short.long_chunks == [] and all_short.short_rows is None
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])

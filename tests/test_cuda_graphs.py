@@ -180,7 +180,10 @@ def test_only_decode_steps_that_fit_can_run(tiny_model_dir: Path) -> None:
 
 # NOTE: float32 on CUDA too: bf16 logits tie often enough to flip a token between batch shapes.
 @pytest.mark.gpu
+@torch.inference_mode()
 def test_cuda_graph_replay_matches_eager(tiny_model_dir: Path) -> None:
+    """Under inference mode, as the engine runs: the runner's pinned staging buffers are
+    inference tensors, which cannot be written outside it."""
     runner = make_runner(
         tiny_model_dir, "native", device="cuda", dtype="float32", max_graph_batch_size=8
     )

@@ -770,7 +770,11 @@ def test_cuda_source_compiles_with_nvcc(tmp_path: Path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_matches_reference(ops: None, dtype: torch.dtype) -> None:
-    q, k, v, k_cache, v_cache, meta = make_batch(MIXED, SMOLLM2_HEADS, dtype=dtype, device="cuda")
+    """The op's rows and, past the op's limits, a chunk through SDPA, in one batch."""
+    long_chunk = (300, 260)
+    assert long_chunk[0] * long_chunk[1] > native.MAX_NATIVE_CHUNK_WORK
+    specs = [*MIXED, long_chunk]
+    q, k, v, k_cache, v_cache, meta = make_batch(specs, SMOLLM2_HEADS, dtype=dtype, device="cuda")
     out, ref = run_native_and_reference((q, k, v, k_cache, v_cache, meta))
     assert out.is_cuda and out.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import torch
 from torch import nn
@@ -102,15 +104,25 @@ class DecodeGraphRunner:
         """Captures every bucket's step, largest first, sharing one memory pool (CUDA only)."""
         assert self.use_graphs and not self._graphs
         pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.batch_sizes):
-            # NOTE: the eager warm-up builds lazy tables and library handles outside capture;
-            # every row is padding, so it writes only the pad slot.
-            self._forward(size)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+        # NOTE: a collection during capture may free CUDA objects of earlier runners (pinned
+        # buffers, graphs), and such a call invalidates the capture. A second runner built in
+        # one process failed its capture so on an H200; the collection is the likely cause.
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for size in reversed(self.batch_sizes):
+                # NOTE: the eager warm-up builds lazy tables and library handles outside
+                # capture; every row is padding, so it writes only the pad slot.
                 self._forward(size)
-            self._graphs[size] = graph
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward(size)
+                self._graphs[size] = graph
+        finally:
+            if was_enabled:
+                gc.enable()
 
     def run(
         self,

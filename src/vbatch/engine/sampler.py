@@ -109,7 +109,8 @@ def _apply_transforms(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Ten
         rows, mask = meta.allowed
         logits[rows] = logits[rows].masked_fill(~mask, -math.inf)
     if meta.banned is not None:
-        logits[meta.banned] = -math.inf
+        # NOTE: a Python scalar as index_put_'s value is copied from the host, a sync on CUDA.
+        logits.index_put_(meta.banned, logits.new_full((), -math.inf))
     return logits
 
 

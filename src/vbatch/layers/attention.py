@@ -9,6 +9,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -86,8 +89,9 @@ def write_kv_cache(
 
 @dataclass
 class BatchPlan:
-    """How one step's batch splits: sequences whose query_len is at most a backend's limit are
-    batched together (`short_*`, in batch order); longer prefill chunks run one by one."""
+    """How one step's batch splits: sequences within a backend's limits are batched together
+    (`short_*`, in batch order; built only when some chunk is long); longer prefill chunks run
+    one by one."""
 
     meta: AttentionMetadata
     seq_lens_cpu: np.ndarray  # a copy of meta's when planned
@@ -100,10 +104,13 @@ class BatchPlan:
 
 
 class BatchPlanner:
-    """Splits a batch for a backend, once per step: every layer sees the same metadata."""
+    """Splits a batch for a backend, once per step: every layer sees the same metadata. A
+    sequence is short when its query_len is at most `max_short_query_len`, or query_len *
+    seq_len (the query-key pairs it attends over) at most `max_short_work`."""
 
-    def __init__(self, max_short_query_len: int) -> None:
+    def __init__(self, max_short_query_len: int, max_short_work: int = 0) -> None:
         self.max_short_query_len = max_short_query_len
+        self.max_short_work = max_short_work
         self._plan: BatchPlan | None = None
 
     def plan(self, meta: AttentionMetadata) -> BatchPlan:
@@ -119,11 +126,13 @@ class BatchPlanner:
         start = 0
         lens = zip(meta.query_lens_cpu, meta.seq_lens_cpu.tolist(), strict=True)
         for seq_index, (query_len, seq_len) in enumerate(lens):
-            group = shorts if query_len <= self.max_short_query_len else longs
-            group.append((seq_index, start, query_len, seq_len))
+            is_short = (
+                query_len <= self.max_short_query_len or query_len * seq_len <= self.max_short_work
+            )
+            (shorts if is_short else longs).append((seq_index, start, query_len, seq_len))
             start += query_len
         plan = BatchPlan(meta, meta.seq_lens_cpu.copy(), longs)
-        if shorts:
+        if shorts and longs:
             device = meta.block_tables.device
             rows = [row for _, first, n, _ in shorts for row in range(first, first + n)]
             seq_indices = torch.tensor([short[0] for short in shorts], device=device)
@@ -198,6 +207,13 @@ def _attend(
     `mask` None means causal. A soft cap needs the scores, so it runs the eager math, which
     rounds like transformers' eager attention."""
     if softcap is None:
+        if q.is_cuda:
+            # NOTE: not cuDNN's SDPA, which builds a plan per new shape: with prompt lengths
+            # varying, it took 2-5 s of an 8192-token prefill step on an H200.
+            with sdpa_kernel(CUDA_SDPA_BACKENDS):
+                return F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+                )
         # NOTE: 4-D inputs reach the fused CPU kernel; 3-D ones fall back to the math path.
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True

@@ -29,10 +29,14 @@ CXX_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
 MARCH_ENV = "VBATCH_NATIVE_MARCH"
 CUDA_FLAGS = ("-O3",)
 BUILD_LOCK_TIMEOUT_S = 600.0
-# NOTE: on CUDA, longer prefill chunks go to SDPA (flash attention there). On CPU the op takes
-# every row and runs long chunks through its own tiled kernel: 3.3x gather + SDPA at 2 threads
-# (`python -m benchmarks.attention_kernels --case prefill`).
+# NOTE: on CUDA the op takes every chunk of at most MAX_NATIVE_QUERY_LEN queries or
+# MAX_NATIVE_CHUNK_WORK query-key pairs, and SDPA (one call per chunk) the longer ones. On an H200
+# the op ran a step of 8192 prompt tokens (prompts of 39-347 tokens) in 0.16 s where SDPA's
+# per-chunk calls took 2-5 s. On CPU the op takes every row and runs long chunks through its own
+# tiled kernel: 3.3x gather + SDPA at 2 threads (`python -m benchmarks.attention_kernels
+# --case prefill`).
 MAX_NATIVE_QUERY_LEN = 8
+MAX_NATIVE_CHUNK_WORK = 1 << 16
 
 
 def find_csrc_dir() -> Path | None:
@@ -287,15 +291,15 @@ class NativeAttentionBackend(AttentionBackend):
 
     Invariant: constructed only when is_available(); the ops read K/V straight from the cache
     through the block tables, with no gathered copy of the context. On CPU one op call serves
-    the whole batch; on CUDA, prefill chunks longer than MAX_NATIVE_QUERY_LEN run through SDPA
-    over their gathered context instead.
+    the whole batch; on CUDA, prefill chunks past MAX_NATIVE_QUERY_LEN and MAX_NATIVE_CHUNK_WORK
+    run through SDPA over their gathered context instead.
     """
 
     name = "native"
 
     def __init__(self) -> None:
         assert is_available(), "NativeAttentionBackend needs the native kernels built"
-        self._planner = BatchPlanner(max_short_query_len=MAX_NATIVE_QUERY_LEN)
+        self._planner = BatchPlanner(MAX_NATIVE_QUERY_LEN, MAX_NATIVE_CHUNK_WORK)
 
     def forward(
         self,
@@ -312,7 +316,10 @@ class NativeAttentionBackend(AttentionBackend):
         torch.ops.vbatch.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         # NOTE: the ops take 0 for "no window" and "no soft cap".
         window, cap = sliding_window or 0, softcap or 0.0
-        if meta.max_query_len <= MAX_NATIVE_QUERY_LEN or q.device.type == "cpu":
+        plan = None
+        if meta.max_query_len > MAX_NATIVE_QUERY_LEN and q.device.type != "cpu":
+            plan = self._planner.plan(meta)
+        if plan is None or not plan.long_chunks:
             # [num_tokens, num_heads, head_dim]
             return torch.ops.vbatch.paged_attention(
                 q,
@@ -326,7 +333,6 @@ class NativeAttentionBackend(AttentionBackend):
                 cap,
                 meta.prompt_chunks if q.device.type == "cpu" else None,
             )
-        plan = self._planner.plan(meta)
         out = torch.empty_like(q)
         if plan.short_rows is not None:
             out[plan.short_rows] = torch.ops.vbatch.paged_attention(
