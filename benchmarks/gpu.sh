@@ -1,36 +1,64 @@
 #!/usr/bin/env bash
-# One command for a GPU machine (< 8 minutes): the gpu tests, vbatch throughput on CUDA, and
-# vLLM offline throughput on the same prompts when vLLM is importable or installs quickly.
+# One command for a GPU machine (about 5 minutes): every gpu-marked test, a CLI job on CUDA,
+# step times with one profiled prefill step, vbatch throughput on CUDA (CUDA graphs, eager, async
+# scheduling) against HF `generate` on the same GPU, and vLLM offline on the same prompts when
+# vLLM imports.
 #   bash benchmarks/gpu.sh [NUM_PROMPTS=256] [MAX_TOKENS=128]
+# MODEL (an HF directory or .gguf file) picks the model; by default the bundled SmolLM2-135M.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 NUM_PROMPTS="${1:-256}"
 MAX_TOKENS="${2:-128}"
+MODEL_ARGS=(${MODEL:+--model "$MODEL"})
 export PYTHONPATH="${PWD}/src:${PWD}${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+PYTHON="${PYTHON:-python3}"
 
-python - <<'PY' || { echo "no usable CUDA device"; exit 1; }
+"$PYTHON" - <<'PY' || { echo "no usable CUDA device"; exit 1; }
 import torch
 assert torch.cuda.is_available()
 print(torch.cuda.get_device_name(0), "torch", torch.__version__, "cuda", torch.version.cuda)
 PY
 
+echo "== native library with its CUDA kernels"
+time timeout 300 "$PYTHON" -c "from vbatch.layers import native; print(native.is_available())"
+
 echo "== gpu tests"
-timeout 180 python -m pytest -m gpu -q -x tests/test_native.py tests/test_llama.py \
-  tests/test_model_runner.py 2>&1 | tail -5
+mapfile -t gpu_files < <(grep -l "mark.gpu" tests/test_*.py)
+timeout 240 "$PYTHON" -m pytest -m gpu -q -ra -p no:cacheprovider "${gpu_files[@]}"
 
-echo "== vbatch throughput (CUDA, bf16)"
-timeout 150 python -m benchmarks.throughput --skip-hf --num-prompts "$NUM_PROMPTS" \
-  --max-tokens "$MAX_TOKENS" --max-num-seqs 256 --max-num-batched-tokens 8192
+echo "== a CLI job on CUDA"
+out_dir="$(mktemp -d)"
+timeout 120 "$PYTHON" -m vbatch.cli run examples/prompts.jsonl -o "$out_dir/out.jsonl" \
+  --max-tokens 32 "${MODEL_ARGS[@]}" 2>&1 | tail -30
+"$PYTHON" - "$out_dir" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+rows = [json.loads(line) for line in (out / "out.jsonl").read_text().splitlines()]
+print(len(rows), "rows;", sum(r.get("error") is None for r in rows), "without error")
+manifest = next(out.rglob("manifest.json"), None)
+if manifest is not None:
+    print("kernels:", json.loads(manifest.read_text())["kernels"])
+PY
 
+echo "== step times on CUDA (decode-only steps and steps with prompt tokens), one prefill profiled"
+timeout 150 "$PYTHON" -m benchmarks.step_times --num-prompts "$NUM_PROMPTS" \
+  --max-tokens "$MAX_TOKENS" --profile-step 1 "${MODEL_ARGS[@]}"
+
+bench=(timeout 150 "$PYTHON" -m benchmarks.throughput --num-prompts "$NUM_PROMPTS"
+  --max-tokens "$MAX_TOKENS" --max-num-seqs 256 --max-num-batched-tokens 8192 --warmup
+  "${MODEL_ARGS[@]}")
+echo "== vbatch throughput (CUDA graphs) against HF generate on the GPU"
+"${bench[@]}" --hf-device cuda --hf-batch-sizes 64,256
+echo "== the same, eager"
+"${bench[@]}" --skip-hf --enforce-eager
 echo "== the same with async scheduling"
-timeout 150 python -m benchmarks.throughput --skip-hf --num-prompts "$NUM_PROMPTS" \
-  --max-tokens "$MAX_TOKENS" --max-num-seqs 256 --max-num-batched-tokens 8192 --async-scheduling
+"${bench[@]}" --skip-hf --async-scheduling
 
-echo "== vLLM offline throughput on the same prompts"
-if ! python -c "import vllm" 2>/dev/null; then
-  timeout 120 pip install -q vllm >/dev/null 2>&1 || echo "vLLM not installable here; skipped"
-fi
-python -c "import vllm" 2>/dev/null && timeout 150 python - "$NUM_PROMPTS" "$MAX_TOKENS" <<'PY'
+echo "== vLLM offline throughput on the same prompts (when vLLM imports)"
+"$PYTHON" -c "import vllm" 2>/dev/null || echo "vLLM is not installed: skipped"
+"$PYTHON" -c "import vllm" 2>/dev/null && timeout 150 "$PYTHON" - "$NUM_PROMPTS" "$MAX_TOKENS" "${MODEL:-}" <<'PY'
 import sys, time
 from transformers import AutoTokenizer
 from vllm import LLM, SamplingParams, TokensPrompt
@@ -38,7 +66,7 @@ from benchmarks.workload import make_messages
 from vbatch.models.loader import resolve_model
 
 num_prompts, max_tokens = int(sys.argv[1]), int(sys.argv[2])
-hf_dir = str(resolve_model(None).hf_dir)
+hf_dir = str(resolve_model(sys.argv[3] or None).hf_dir)
 tokenizer = AutoTokenizer.from_pretrained(hf_dir)
 prompts = []
 for messages in make_messages(num_prompts):
@@ -52,3 +80,4 @@ wall = time.perf_counter() - start
 num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
 print(f"vLLM: {num_out / wall:.1f} output tok/s, {wall:.1f} s")
 PY
+exit 0

@@ -39,9 +39,17 @@ def run_vbatch(
             attention_backend=args.attention_backend,
             quantization=getattr(args, "quantization", None),
             async_scheduling=getattr(args, "async_scheduling", False),
+            enforce_eager=getattr(args, "enforce_eager", False),
         )
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    if args.warmup:
+        # NOTE: reversed prompts share no cached prefix block with the timed ones.
+        warm = SamplingParams(temperature=0.0, max_tokens=4)
+        for i, ids in enumerate(prompts[:8]):
+            core.add_request(AddRequest(f"warm{i}", pack_token_ids(ids[::-1]), warm))
+        while core.has_unfinished():
+            core.step()
     outputs: dict[str, list[int]] = {}
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
@@ -105,27 +113,36 @@ def compare_data_parallel(
         print(f"-dp {dp}: median {median:.1f} output tok/s, {ratio:.2f}x -dp {sizes[0]}")
 
 
-def run_hf(hf_dir: str, prompts: list[list[int]], max_tokens: int, batch_size: int) -> dict:
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+def run_hf(
+    hf_dir: str, prompts: list[list[int]], max_tokens: int, batch_size: int, device: str = "cpu"
+) -> dict:
+    """HF `generate` in float32 on CPU, in bfloat16 on CUDA (after one warm-up batch there)."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device).eval()
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos])
     pad = next(iter(eos_ids))
-    tokens: list[list[int]] = []
-    start = time.perf_counter()
-    for b in range(0, len(prompts), batch_size):
-        batch = prompts[b : b + batch_size]
+
+    def generate(batch: list[list[int]], new_tokens: int) -> list[list[int]]:
         width = max(map(len, batch))
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
         with torch.inference_mode():
             out = model.generate(
                 input_ids=input_ids,
                 attention_mask=mask,
-                max_new_tokens=max_tokens,
+                max_new_tokens=new_tokens,
                 do_sample=False,
                 pad_token_id=pad,
             )
-        for row in out[:, width:].tolist():
+        return out[:, width:].tolist()
+
+    if device != "cpu":
+        generate(prompts[:batch_size], 4)
+    tokens: list[list[int]] = []
+    start = time.perf_counter()
+    for b in range(0, len(prompts), batch_size):
+        for row in generate(prompts[b : b + batch_size], max_tokens):
             cut = next((j + 1 for j, t in enumerate(row) if t in eos_ids), len(row))
             tokens.append(row[:cut])
     wall = time.perf_counter() - start
@@ -155,7 +172,12 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--hf-device", default="cpu", help="cpu (float32) or cuda (bfloat16)")
+    parser.add_argument(
+        "--warmup", action="store_true", help="run 8 short requests on the core before timing"
+    )
     parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--data-parallel-size", default=None, help="e.g. 1,2 (through LLM)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -181,14 +203,15 @@ def main() -> None:
     print(
         f"vbatch ({ours['backend']} attention): {ours['output_tok_s']:.1f} output tok/s, "
         f"{ours['prompt_tok_s']:.1f} prompt tok/s, {ours['wall_s']:.1f} s, "
-        f"median step {ours['median_step_ms']:.1f} ms"
+        f"median step {ours['median_step_ms']:.1f} ms, "
+        f"{sum(map(len, ours['tokens']))} tokens"
     )
     if args.skip_hf:
         return
     for bs in (int(x) for x in args.hf_batch_sizes.split(",")):
-        hf = run_hf(str(resolved.hf_dir), prompts, args.max_tokens, bs)
+        hf = run_hf(str(resolved.hf_dir), prompts, args.max_tokens, bs, args.hf_device)
         print(
-            f"HF generate (batch {bs}): {hf['output_tok_s']:.1f} output tok/s, "
+            f"HF generate ({args.hf_device}, batch {bs}): {hf['output_tok_s']:.1f} output tok/s, "
             f"{hf['wall_s']:.1f} s; vbatch/HF = {ours['output_tok_s'] / hf['output_tok_s']:.2f}x; "
             f"identical greedy continuations: {agreement(ours['tokens'], hf['tokens']):.0%}"
         )
