@@ -139,6 +139,21 @@ def test_planner_splits_by_query_len_or_work(make_attention_metadata: Callable) 
     assert all_short.long_chunks == [] and all_short.short_rows is None
 
 
+@pytest.mark.gpu
+def test_planning_a_cuda_batch_never_waits_for_the_gpu(make_attention_metadata: Callable) -> None:
+    planner = BatchPlanner(max_short_query_len=2, max_short_work=24)
+    tables = [[0, 1, 2], [3, 4], [5, 6]]
+    meta = make_attention_metadata([1, 6, 4], [9, 6, 6], tables, 4, "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        plan = planner.plan(meta)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert plan.short_rows is not None and plan.short_rows.is_cuda
+    assert plan.short_rows.tolist() == [0, 7, 8, 9, 10]
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
 def test_16bit_cache_widens_to_q_dtype(
     cache_dtype: torch.dtype, make_attention_metadata: Callable

@@ -255,6 +255,26 @@ def test_torch_mask_matches_xgrammars_kernel() -> None:
     assert torch.equal(got, expected) and bool(got[1].isfinite().all())
 
 
+@pytest.mark.gpu
+def test_torch_mask_on_cuda_never_waits_for_the_gpu() -> None:
+    """The host bitmask and row index reach the GPU through pinned memory, queued."""
+    from vbatch.engine.grammar import apply_bitmask_torch
+
+    generator = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (4, 1536), dtype=torch.int32, generator=generator)
+    logits = torch.randn(4, 49152, generator=generator)
+    expected = logits.clone()
+    apply_bitmask_torch(expected, bitmask, [0, 2])
+    got = logits.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        apply_bitmask_torch(got, bitmask, [0, 2])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got.cpu(), expected)
+
+
 def test_grammars_are_compiled_once_per_distinct_constraint(core: EngineCore) -> None:
     spec = {"type": "object", "properties": {"n": {"type": "integer"}}}
     first = core.grammars.get(StructuredOutput(json_schema=spec))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vbatch.engine.sampling_metadata import to_device
 from vbatch.engine.sequence import Sequence
 from vbatch.structured import EXTRA_HINT, StructuredOutput, choice_ebnf, xgrammar_message
 
@@ -408,8 +409,8 @@ def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     """xgrammar's CPU kernel in torch ops, for logits on any device: bit j of word w of a row's
     host `bitmask` allows token 32 w + j; forbidden tokens of `rows` get -inf."""
     device = logits.device
-    index = torch.tensor(rows, device=device)
-    words = bitmask[rows].to(device, non_blocking=True)
+    index = to_device(torch.tensor(rows), device)
+    words = to_device(bitmask[rows], device)
     shifts = torch.arange(32, device=device, dtype=torch.int32)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1).bool()
     forbidden = ~allowed[:, : logits.shape[1]]

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from vbatch.engine.sampling_metadata import to_device
+
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -135,12 +137,13 @@ class BatchPlanner:
         if shorts and longs:
             device = meta.block_tables.device
             rows = [row for _, first, n, _ in shorts for row in range(first, first + n)]
-            seq_indices = torch.tensor([short[0] for short in shorts], device=device)
-            plan.short_rows = torch.tensor(rows, device=device)
-            plan.short_query_start_loc = torch.tensor(
-                [0, *itertools.accumulate(short[2] for short in shorts)],
-                dtype=torch.int32,
-                device=device,
+            seq_indices = to_device(torch.tensor([short[0] for short in shorts]), device)
+            plan.short_rows = to_device(torch.tensor(rows), device)
+            plan.short_query_start_loc = to_device(
+                torch.tensor(
+                    [0, *itertools.accumulate(short[2] for short in shorts)], dtype=torch.int32
+                ),
+                device,
             )
             plan.short_block_tables = meta.block_tables.index_select(0, seq_indices)
             plan.short_seq_lens = meta.seq_lens.index_select(0, seq_indices)
