@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import itertools
 from dataclasses import dataclass
 
@@ -210,17 +211,13 @@ def _attend(
     `mask` None means causal. A soft cap needs the scores, so it runs the eager math, which
     rounds like transformers' eager attention."""
     if softcap is None:
-        if q.is_cuda:
-            # NOTE: not cuDNN's SDPA, which builds a plan per new shape: with prompt lengths
-            # varying, it took 2-5 s of an 8192-token prefill step on an H200.
-            with sdpa_kernel(CUDA_SDPA_BACKENDS):
-                return F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-                )
-        # NOTE: 4-D inputs reach the fused CPU kernel; 3-D ones fall back to the math path.
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-        )
+        # NOTE: on CUDA not cuDNN's SDPA, which builds a plan per new shape: with prompt lengths
+        # varying, it took 2-5 s of an 8192-token prefill step on an H200. On CPU 4-D inputs
+        # reach the fused kernel; 3-D ones fall back to the math path.
+        with sdpa_kernel(CUDA_SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+            )
     assert mask is not None, "the soft-capped path takes an explicit mask"
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)

@@ -31,10 +31,10 @@ CUDA_FLAGS = ("-O3",)
 BUILD_LOCK_TIMEOUT_S = 600.0
 # NOTE: on CUDA the op takes every chunk of at most MAX_NATIVE_QUERY_LEN queries or
 # MAX_NATIVE_CHUNK_WORK query-key pairs, and SDPA (one call per chunk) the longer ones. On an H200
-# the op ran a step of 8192 prompt tokens (prompts of 39-347 tokens) in 0.16 s where SDPA's
-# per-chunk calls took 2-5 s. On CPU the op takes every row and runs long chunks through its own
-# tiled kernel: 3.3x gather + SDPA at 2 threads (`python -m benchmarks.attention_kernels
-# --case prefill`).
+# the op ran a step of 8192 prompt tokens (prompts of 39-347 tokens) in 0.16 s, where SDPA's
+# per-chunk calls through cuDNN took 2-5 s (see attention._attend). On CPU the op takes every
+# row and runs long chunks through its own tiled kernel: 3.3x gather + SDPA at 2 threads
+# (`python -m benchmarks.attention_kernels --case prefill`).
 MAX_NATIVE_QUERY_LEN = 8
 MAX_NATIVE_CHUNK_WORK = 1 << 16
 
