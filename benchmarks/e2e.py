@@ -31,7 +31,7 @@ import torch
 
 from benchmarks.gemm_bound import flops_per_token, model_gemm_rate
 from benchmarks.throughput import run_hf
-from benchmarks.workload import make_messages, write_jsonl
+from benchmarks.workload import chat_token_ids, write_jsonl
 
 
 def run_cli(in_path: Path, out_path: Path, args: argparse.Namespace) -> dict[str, float]:
@@ -87,17 +87,10 @@ def gemm_bounds(
 
 
 def hf_prompts(num_prompts: int) -> tuple[str, list[list[int]]]:
-    from transformers import AutoTokenizer
-
     from vbatch.models.loader import resolve_model
 
-    resolved = resolve_model(None)
-    tokenizer = AutoTokenizer.from_pretrained(resolved.hf_dir)
-    prompts = []
-    for messages in make_messages(num_prompts):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        prompts.append(list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids))
-    return str(resolved.hf_dir), prompts
+    hf_dir = str(resolve_model(None).hf_dir)
+    return hf_dir, chat_token_ids(hf_dir, num_prompts)
 
 
 def main() -> None:

@@ -60,18 +60,13 @@ echo "== vLLM offline throughput on the same prompts (when vLLM imports)"
 "$PYTHON" -c "import vllm" 2>/dev/null || echo "vLLM is not installed: skipped"
 "$PYTHON" -c "import vllm" 2>/dev/null && timeout 150 "$PYTHON" - "$NUM_PROMPTS" "$MAX_TOKENS" "${MODEL:-}" <<'PY'
 import sys, time
-from transformers import AutoTokenizer
 from vllm import LLM, SamplingParams, TokensPrompt
-from benchmarks.workload import make_messages
+from benchmarks.workload import chat_token_ids
 from vbatch.models.loader import resolve_model
 
 num_prompts, max_tokens = int(sys.argv[1]), int(sys.argv[2])
 hf_dir = str(resolve_model(sys.argv[3] or None).hf_dir)
-tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-prompts = []
-for messages in make_messages(num_prompts):
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    prompts.append(TokensPrompt(prompt_token_ids=list(ids["input_ids"] if hasattr(ids, "keys") else ids)))
+prompts = [TokensPrompt(prompt_token_ids=ids) for ids in chat_token_ids(hf_dir, num_prompts)]
 llm = LLM(model=hf_dir, dtype="bfloat16", enforce_eager=False)
 params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
 start = time.perf_counter()

@@ -21,7 +21,7 @@ import statistics
 import torch
 
 from benchmarks.throughput import run_hf, run_vbatch
-from benchmarks.workload import make_messages
+from benchmarks.workload import chat_token_ids
 from vbatch.layers.quantization import quantize_linears
 from vbatch.models.loader import resolve_model
 
@@ -58,14 +58,10 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     resolved = resolve_model(None)
-    tokenizer = AutoTokenizer.from_pretrained(resolved.hf_dir)
-    prompts = []
-    for messages in make_messages(args.num_prompts):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        prompts.append(list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids))
+    prompts = chat_token_ids(str(resolved.hf_dir), args.num_prompts)
     engine_args = argparse.Namespace(
         max_num_seqs=128, max_num_batched_tokens=2048, attention_backend="auto"
     )

@@ -16,23 +16,13 @@ import statistics
 import time
 
 import torch
-from transformers import AutoTokenizer
 
-from benchmarks.workload import make_messages
+from benchmarks.workload import chat_token_ids
 from vbatch.config import EngineConfig
 from vbatch.engine.core import EngineCore
 from vbatch.models.loader import resolve_model
 from vbatch.protocol import AddRequest, pack_token_ids
 from vbatch.sampling_params import SamplingParams
-
-
-def chat_prompts(hf_dir: str, num_prompts: int) -> list[list[int]]:
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    prompts = []
-    for messages in make_messages(num_prompts):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return prompts
 
 
 def main() -> None:
@@ -48,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
 
     resolved = resolve_model(args.model)
-    prompts = chat_prompts(str(resolved.hf_dir), args.num_prompts)
+    prompts = chat_token_ids(str(resolved.hf_dir), args.num_prompts)
     start = time.perf_counter()
     core = EngineCore(
         EngineConfig(

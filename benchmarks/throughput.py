@@ -18,9 +18,9 @@ import statistics
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
-from benchmarks.workload import make_messages
+from benchmarks.workload import chat_token_ids
 from vbatch.config import EngineConfig
 from vbatch.engine.core import EngineCore
 from vbatch.models.loader import resolve_model
@@ -184,12 +184,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     resolved = resolve_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(resolved.hf_dir)
-    prompts = [
-        tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True)
-        for m in make_messages(args.num_prompts)
-    ]
-    prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
+    prompts = chat_token_ids(str(resolved.hf_dir), args.num_prompts)
     lengths = sorted(map(len, prompts))
     print(
         f"workload: {len(prompts)} chat prompts, {lengths[0]}-{lengths[-1]} tokens "

@@ -75,6 +75,18 @@ def make_messages(num_prompts: int = 128, seed: int = 0) -> list[list[dict[str, 
     return prompts
 
 
+def chat_token_ids(hf_dir: str, num_prompts: int) -> list[list[int]]:
+    """make_messages(num_prompts) through the chat template of the tokenizer in `hf_dir`."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    prompts = []
+    for messages in make_messages(num_prompts):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        prompts.append(list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids))
+    return prompts
+
+
 def write_jsonl(path: Path, num_prompts: int = 128, seed: int = 0) -> Path:
     with open(path, "w") as f:
         for i, messages in enumerate(make_messages(num_prompts, seed)):
