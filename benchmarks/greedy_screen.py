@@ -1,7 +1,8 @@
 """The int8 greedy screen against the fp32 LM head: time per call, candidates, agreement.
 
 Captures real final hidden states (SmolLM2 decoding the throughput workload greedily), then
-times LlamaForCausalLM's fp32 chunked argmax and the screen on the same rows, alternating.
+times LlamaForCausalLM's fp32 chunked argmax and the screen through each of its exact int8 GEMMs
+here (torch's `_int_mm` where it sums exactly, vbatch's own) on the same rows, alternating.
 
 python -m benchmarks.greedy_screen [--num-prompts 32] [--max-tokens 32] [--threads 2]
     [--batches 1 64 128 256] [--repeats 7]
@@ -22,7 +23,7 @@ from benchmarks.workload import make_messages
 from vbatch.client.tokenizer import TextTokenizer
 from vbatch.config import EngineConfig
 from vbatch.engine.core import EngineCore
-from vbatch.layers.greedy_screen import MAX_CANDIDATES
+from vbatch.layers.greedy_screen import MAX_CANDIDATES, Int8GreedyScreen, screen_gemms
 from vbatch.models.loader import resolve_model
 from vbatch.protocol import AddRequest, pack_token_ids
 from vbatch.sampling_params import SamplingParams
@@ -66,23 +67,28 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     core = EngineCore(EngineConfig(num_threads=args.threads, greedy_screen=True))
     model = core.runner.model
-    screen = model.greedy_screen
-    if screen is None:
-        raise SystemExit("the greedy screen is not available here (native kernels, int8 GEMM)")
+    if model.greedy_screen is None:
+        raise SystemExit("the greedy screen is not available here (native kernels)")
     hidden = capture_hidden(core, args.num_prompts, args.max_tokens)
     fp32 = model._greedy_token_ids_fp32
+    screens = {gemm: Int8GreedyScreen(model.lm_head_weight, gemm=gemm) for gemm in screen_gemms()}
     with torch.inference_mode():
-        _, counts = screen.screen(hidden)
-        got = screen.argmax(hidden, fp32)
         expected = fp32(hidden)
-    settled = counts[counts >= 0].float()
+        for gemm, screen in screens.items():
+            _, counts = screen.screen(hidden)
+            got = screen.argmax(hidden, fp32)
+            settled = counts[counts >= 0].float()
+            print(
+                f"screen through {gemm}, {hidden.shape[0]} real rows: agreement with the fp32 "
+                f"head {(got == expected).sum()}/{len(got)}; candidates per row median "
+                f"{settled.median():.0f}, p90 {settled.quantile(0.9):.0f}, max "
+                f"{settled.max():.0f}; rows over {MAX_CANDIDATES} (fp32 fallback): "
+                f"{(counts < 0).sum()}"
+            )
     print(
-        f"{hidden.shape[0]} real rows: agreement with the fp32 head {(got == expected).sum()}/"
-        f"{len(got)}; candidates per row median {settled.median():.0f}, p90 "
-        f"{settled.quantile(0.9):.0f}, max {settled.max():.0f}; rows over {MAX_CANDIDATES} "
-        f"(fp32 fallback): {(counts < 0).sum()}"
+        f"{'batch':>5} {'fp32 head ms':>12}"
+        + "".join(f" {g + ' ms':>10} {'speedup':>7}" for g in screens)
     )
-    print(f"{'batch':>5} {'fp32 head ms':>12} {'screen ms':>9} {'speedup':>7}")
     for batch in args.batches:
         rows = (
             hidden[:batch]
@@ -90,16 +96,22 @@ def main() -> None:
             else hidden.repeat(-(-batch // len(hidden)), 1)[:batch]
         )
         rows = rows.contiguous()
-        times: dict[str, list[float]] = {"fp32": [], "screen": []}
+        fns = {"fp32": fp32} | {
+            gemm: (lambda h, screen=screen: screen.argmax(h, fp32))
+            for gemm, screen in screens.items()
+        }
+        times: dict[str, list[float]] = {name: [] for name in fns}
         with torch.inference_mode():
             for _ in range(2):
-                fp32(rows)
-                screen.argmax(rows, fp32)
+                for fn in fns.values():
+                    fn(rows)
             for _ in range(args.repeats):
-                times["fp32"].append(timed_ms(fp32, rows))
-                times["screen"].append(timed_ms(lambda h: screen.argmax(h, fp32), rows))
-        a, b = statistics.median(times["fp32"]), statistics.median(times["screen"])
-        print(f"{batch:>5} {a:>12.2f} {b:>9.2f} {a / b:>6.2f}x", flush=True)
+                for name, fn in fns.items():
+                    times[name].append(timed_ms(fn, rows))
+        ms = {name: statistics.median(t) for name, t in times.items()}
+        line = f"{batch:>5} {ms['fp32']:>12.2f}"
+        line += "".join(f" {ms[g]:>10.2f} {ms['fp32'] / ms[g]:>6.2f}x" for g in screens)
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

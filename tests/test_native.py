@@ -888,6 +888,40 @@ def test_packed_linear_matches_float64(
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * in_features**0.5)
 
 
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"),
+    [(1, 40, 576), (7, 100, 33), (13, 576, 1536), (70, 37, 2), (0, 8, 8)],
+)
+def test_int8_packed_mm_is_exact_at_full_range(
+    ops: None, rows: int, out_features: int, in_features: int
+) -> None:
+    """Every product at +-127: pairs of them overflow the saturating int16 sums that int8 GEMMs
+    without VNNI use, so only a kernel that keeps them apart gets these sums right."""
+    gen = torch.Generator().manual_seed(rows)
+    a = torch.randint(-127, 128, (rows, in_features), generator=gen, dtype=torch.int8)
+    w = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    if rows:
+        a[0], w[0] = 127, 127
+        a[-1], w[-1] = -127, 127
+    packed = torch.ops.vbatch.pack_int8_weight(w)
+    got = torch.ops.vbatch.int8_packed_mm(a, packed, out_features)
+    assert got.dtype == torch.int32 and got.shape == (rows, out_features)
+    assert torch.equal(got.long(), a.long() @ w.long().t())
+    torch.library.opcheck(torch.ops.vbatch.pack_int8_weight.default, (w,))
+    torch.library.opcheck(torch.ops.vbatch.int8_packed_mm.default, (a, packed, out_features))
+
+
+def test_int8_packed_mm_rejects_minus_128_and_foreign_packing(ops: None) -> None:
+    w = torch.ones(8, 16, dtype=torch.int8)
+    packed = torch.ops.vbatch.pack_int8_weight(w)
+    with pytest.raises(RuntimeError, match=r"\[-127, 127\]"):
+        torch.ops.vbatch.int8_packed_mm(torch.full((2, 16), -128, dtype=torch.int8), packed, 8)
+    with pytest.raises(RuntimeError, match=r"\[-127, 127\]"):
+        torch.ops.vbatch.pack_int8_weight(torch.full((2, 16), -128, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="this build's pack_int8_weight"):
+        torch.ops.vbatch.int8_packed_mm(torch.ones(2, 20, dtype=torch.int8), packed, 8)
+
+
 def test_packed_linear_gives_each_row_the_same_bits_in_any_batch(ops: None) -> None:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(45, 96, generator=gen)

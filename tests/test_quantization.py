@@ -13,15 +13,17 @@ from vbatch.client.tokenizer import TextTokenizer
 from vbatch.config import EngineConfig
 from vbatch.engine.core import EngineCore
 from vbatch.errors import ConfigError
-from vbatch.layers import quantization
+from vbatch.layers import native, quantization
 from vbatch.layers.attention import AttentionMetadata, TorchAttentionBackend
 from vbatch.layers.quantization import (
     FBGEMM,
     INT_MM,
+    NATIVE,
     Int8DynamicLinear,
+    exact_int8_backends,
     fbgemm_is_exact,
     has_fbgemm,
-    has_int8_kernels,
+    int_mm_is_exact,
     quantize_linears,
 )
 from vbatch.models.llama import load_model
@@ -29,10 +31,16 @@ from vbatch.models.loader import ResolvedModel
 from vbatch.protocol import AddRequest, pack_token_ids
 from vbatch.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(not has_int8_kernels(), reason="no x86 int8 kernels in torch")
+pytestmark = pytest.mark.skipif(not exact_int8_backends(), reason="no exact int8 GEMM here")
 NO_FBGEMM = pytest.mark.skipif(not has_fbgemm(), reason="no fbgemm in torch")
 EXACT_FBGEMM = pytest.mark.skipif(not fbgemm_is_exact(), reason="FBGEMM saturates here")
-BACKENDS = [INT_MM, pytest.param(FBGEMM, marks=EXACT_FBGEMM)]
+EXACT_INT_MM = pytest.mark.skipif(not int_mm_is_exact(), reason="torch._int_mm saturates here")
+NATIVE_OPS = pytest.mark.skipif(not native.is_available(), reason="no native kernels")
+BACKENDS = [
+    pytest.param(INT_MM, marks=EXACT_INT_MM),
+    pytest.param(NATIVE, marks=NATIVE_OPS),
+    pytest.param(FBGEMM, marks=EXACT_FBGEMM),
+]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -76,7 +84,36 @@ def test_fbgemm_is_a_candidate_only_where_its_sums_are_exact() -> None:
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
-    assert result.stdout.split() == ["False", INT_MM], result.stderr
+    exact, backend = result.stdout.split()
+    assert exact == "False" and backend in (INT_MM, NATIVE), result.stderr
+
+
+@NATIVE_OPS
+def test_int_mm_is_a_candidate_only_where_its_sums_are_exact() -> None:
+    """oneDNN without VNNI (ONEDNN_MAX_CPU_ISA=AVX2 makes it run as there) saturates its int16
+    pair sums: torch._int_mm is then left out, and int8 runs through vbatch's own GEMM, whose
+    results are the same as an exact _int_mm's."""
+    code = (
+        "from vbatch.layers.quantization import choose_int8_backend, int_mm_is_exact\n"
+        "print(int_mm_is_exact(), choose_int8_backend([(32, 64)])['backend'])"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.stdout.split() == ["False", NATIVE], result.stderr
+
+
+@NATIVE_OPS
+@EXACT_INT_MM
+def test_the_native_int8_linear_gives_the_bits_of_an_exact_int_mm() -> None:
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(200, 576, generator=gen)
+    bias = torch.randn(200, generator=gen)
+    x = torch.randn(37, 576, generator=gen)
+    x[3] *= 50.0
+    expected = Int8DynamicLinear(weight, bias, INT_MM)(x)
+    assert torch.equal(Int8DynamicLinear(weight, bias, NATIVE)(x), expected)
 
 
 def test_quantize_linears_skips_the_lm_head() -> None:
@@ -85,7 +122,7 @@ def test_quantize_linears_skips_the_lm_head() -> None:
     model.add_module("block", nn.Sequential(nn.Linear(8, 8, bias=False), nn.ReLU()))
     model.add_module("lm_head", nn.Linear(8, 4, bias=False))
     choice = quantize_linears(model)
-    assert choice["replaced"] == 2 and choice["backend"] in (INT_MM, FBGEMM)
+    assert choice["replaced"] == 2 and choice["backend"] in exact_int8_backends()
     assert set(choice["ms"]) >= {"fp32", choice["backend"]}
     assert isinstance(model.proj, Int8DynamicLinear)
     assert isinstance(model.block[0], Int8DynamicLinear)

@@ -1,13 +1,15 @@
 // CPU kernel of the int8 greedy screen: which vocab entries could hold a row's fp32 argmax.
 //
-// Per vocab chunk, one int8 GEMM (at::_int_mm, VNNI) gives both quantization levels of every
-// hidden row against the int8 LM head; one pass over that int32 tile turns it into an
+// Per vocab chunk, one int8 GEMM (at::_int_mm where it is exact, else vbatch's own over the head
+// packed by pack_int8_weight, int8_gemm.cpp) gives both quantization levels of every hidden row
+// against the int8 LM head; one pass over that int32 tile turns it into an
 // approximate logit a and a rigorous error bound eps per entry. A row keeps a running lower
 // bound L on its best logit (the largest a - eps seen) and collects, in vocab order, the entries
 // with a + eps >= L: any entry left out is below some other entry for certain. The caller scores
 // the few candidates in fp32.
 #include <ATen/Parallel.h>
 #include <ATen/ops/_int_mm.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <torch/library.h>
@@ -19,8 +21,11 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <tuple>
 #include <vector>
+
+#include "int8_gemm.h"
 
 namespace vbatch {
 namespace {
@@ -104,12 +109,14 @@ void screen_chunk_row(const int32_t* dot_hi, const int32_t* dot_lo, float scale_
 
 // q_hidden [2 * num_rows, hidden] int8: rows 0..n-1 the first level, n..2n-1 the second.
 // row_params [num_rows, 4] float32: scale_hi, scale_lo, hidden_coef, residual_coef.
+// packed_weight: pack_int8_weight(q_weight), whose GEMM replaces at::_int_mm, or none.
 // Returns candidates [num_rows, max_candidates] int64 (-1 padded, vocab order) and per-row
 // counts (int64; -1 when a row had too many candidates and must be scored in full).
 std::tuple<at::Tensor, at::Tensor> int8_greedy_screen_cpu(
     const at::Tensor& q_hidden, const at::Tensor& q_weight, const at::Tensor& row_params,
     const at::Tensor& weight_scales, const at::Tensor& residual_norms,
-    const at::Tensor& weight_norms, int64_t chunk_size, int64_t max_candidates) {
+    const at::Tensor& weight_norms, int64_t chunk_size, int64_t max_candidates,
+    const std::optional<at::Tensor>& packed_weight) {
   TORCH_CHECK(q_hidden.dim() == 2 && q_hidden.scalar_type() == at::kChar &&
                   q_hidden.size(0) % 2 == 0,
               "int8_greedy_screen: q_hidden must be [2 * num_rows, hidden] int8");
@@ -128,7 +135,20 @@ std::tuple<at::Tensor, at::Tensor> int8_greedy_screen_cpu(
   }
   TORCH_CHECK(chunk_size > 0 && max_candidates > 0,
               "int8_greedy_screen: chunk_size and max_candidates must be positive");
-  const at::Tensor q_hidden_c = q_hidden.contiguous();
+  const bool packed = packed_weight.has_value() && packed_weight->defined();
+  const int64_t hidden = q_hidden.size(1), k_padded = (hidden + 3) / 4 * 4;
+  if (packed) {
+    TORCH_CHECK(packed_weight->dim() == 4 && packed_weight->scalar_type() == at::kChar &&
+                    packed_weight->is_contiguous() && packed_weight->size(1) * 4 == k_padded &&
+                    packed_weight->size(2) == int8_panel_cols() &&
+                    packed_weight->size(0) * int8_panel_cols() >= vocab &&
+                    chunk_size % int8_panel_cols() == 0,
+                "int8_greedy_screen: packed_weight must be this build's pack_int8_weight of "
+                "q_weight, and chunk_size a multiple of its ", int8_panel_cols(), " columns");
+  }
+  const at::Tensor q_hidden_c = packed && k_padded != hidden
+                                    ? at::constant_pad_nd(q_hidden, {0, k_padded - hidden})
+                                    : q_hidden.contiguous();
   at::Tensor candidates =
       at::full({num_rows, max_candidates}, -1, q_hidden.options().dtype(at::kLong));
   std::vector<float> upper(num_rows * max_candidates);
@@ -141,7 +161,15 @@ std::tuple<at::Tensor, at::Tensor> int8_greedy_screen_cpu(
   for (int64_t start = 0; start < vocab; start += chunk_size) {
     const int64_t len = std::min(chunk_size, vocab - start);
     // [2 * num_rows, len] int32
-    const at::Tensor dots = at::_int_mm(q_hidden_c, q_weight.narrow(0, start, len).t());
+    at::Tensor dots;
+    if (packed) {
+      dots = at::empty({2 * num_rows, len}, q_hidden.options().dtype(at::kInt));
+      int8_packed_mm_into(q_hidden_c.const_data_ptr<int8_t>(), 2 * num_rows, k_padded,
+                          packed_weight->const_data_ptr<int8_t>(), vocab, start, start + len,
+                          dots.mutable_data_ptr<int32_t>(), len);
+    } else {
+      dots = at::_int_mm(q_hidden_c, q_weight.narrow(0, start, len).t());
+    }
     const int32_t* dot_data = dots.const_data_ptr<int32_t>();
     at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> chunk_upper(len);
@@ -224,7 +252,7 @@ TORCH_LIBRARY_FRAGMENT(vbatch, m) {
   m.def(
       "int8_greedy_screen(Tensor q_hidden, Tensor q_weight, Tensor row_params, "
       "Tensor weight_scales, Tensor residual_norms, Tensor weight_norms, int chunk_size, "
-      "int max_candidates) -> (Tensor, Tensor)");
+      "int max_candidates, Tensor? packed_weight=None) -> (Tensor, Tensor)");
   m.def("int8_quantize_head(Tensor weight) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 

@@ -36,7 +36,6 @@ from vbatch.layers import get_attention_backend
 from vbatch.layers.attention import AttentionMetadata
 from vbatch.layers.batch_invariant import check_row_invariance, make_batch_invariant
 from vbatch.layers.greedy_screen import (
-    ALWAYS,
     can_use_greedy_screen,
     choose_greedy_screen,
     describe_screen_choice,
@@ -137,7 +136,7 @@ class ModelRunner:
         screenable = has_lm_head and can_use_greedy_screen(self.device, self.dtype)
         if config.greedy_screen is not False and screenable and not config.batch_invariant:
             progress("choosing kernels")
-            sides = ALWAYS
+            sides = None
             if config.greedy_screen is None:
                 screen = choose_greedy_screen(
                     self.model.lm_head_weight, self.model._greedy_token_ids_fp32
@@ -146,7 +145,7 @@ class ModelRunner:
                 self.kernel_notes.append(describe_screen_choice(screen, None))
             else:
                 self.kernel_notes.append(describe_screen_choice({}, True))
-            if any(sides.on):
+            if sides is None or sides.gemms:
                 self.model.enable_greedy_screen(self.packed_store, sides)
         self.lora: LoraSlots | None = None
         if config.enable_lora:

@@ -26,7 +26,7 @@ import torch
 from vbatch.layers import native
 from vbatch.layers.kernel_choice import cached_choice, fastest_ms
 from vbatch.layers.packed_store import PackedStore
-from vbatch.layers.quantization import has_int8_kernels
+from vbatch.layers.quantization import INT_MM, NATIVE, int_mm_is_exact
 
 SCREEN_CHUNK = 4096  # vocab rows per int8 GEMM: its int32 tile stays in cache
 MAX_CANDIDATES = 64  # per row; a row with more is scored in full fp32
@@ -71,25 +71,36 @@ def _is_int8_head_of(parts: tuple[torch.Tensor, ...], weight: torch.Tensor) -> b
 
 
 def can_use_greedy_screen(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the screen runs here: a float32 model on CPU, the native op, torch's int8 GEMM."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.float32
-        and native.is_available()
-        and has_int8_kernels()
-    )
+    """Whether the screen runs here: a float32 model on CPU and the native ops (with their own
+    exact int8 GEMM)."""
+    return device.type == "cpu" and dtype == torch.float32 and native.is_available()
+
+
+def screen_gemms() -> list[str]:
+    """The exact int8 GEMMs the screen can run here: torch's `_int_mm` where it sums exactly
+    (quantization.int_mm_is_exact), and vbatch's own over a packed copy of the int8 head."""
+    return [INT_MM, NATIVE] if int_mm_is_exact() else [NATIVE]
 
 
 class Int8GreedyScreen:
     """The int8 copy of an LM head weight [vocab, hidden] and the per-row norms its bound needs.
 
     Invariants: weight[v] = weight_scales[v] * q_weight[v] + r_v with residual_norms[v] >= |r_v|
-    and weight_norms[v] >= |weight[v]| (2-norms, rounded up); `weight` is the fp32 head itself.
+    and weight_norms[v] >= |weight[v]| (2-norms, rounded up); `weight` is the fp32 head itself;
+    `gemms` are the int8 GEMMs it runs (of screen_gemms()), the first by default, and
+    `packed_head` is pack_int8_weight(q_weight) where NATIVE is one of them, else None.
     """
 
-    def __init__(self, weight: torch.Tensor, store: PackedStore | None = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        store: PackedStore | None = None,
+        gemms: tuple[str, ...] | None = None,
+    ) -> None:
         assert weight.dtype == torch.float32 and weight.device.type == "cpu"
         self.weight = weight
+        self.gemms = gemms or (screen_gemms()[0],)
+        assert set(self.gemms) <= set(screen_gemms()), f"{self.gemms}: not all exact here"
         # NOTE: one native pass (the torch ops this replaces took ~0.25 s at start-up for a
         # 49152-row head; the pass itself ~0.07 s, which a `store` saves); its norms are
         # float64 sums rounded up, which NORM_SLACK covers.
@@ -107,13 +118,19 @@ class Int8GreedyScreen:
         self.weight_scales = scales
         self.residual_norms = residual_norms * NORM_SLACK
         self.weight_norms = weight_norms * NORM_SLACK
+        self.packed_head = (
+            torch.ops.vbatch.pack_int8_weight(q_weight) if NATIVE in self.gemms else None
+        )
 
     def screen(
-        self, hidden: torch.Tensor, max_candidates: int = MAX_CANDIDATES
+        self, hidden: torch.Tensor, max_candidates: int = MAX_CANDIDATES, gemm: str | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """For [n, hidden] float32 rows: candidates [n, max_candidates] int64 (-1 padded, in
         vocab order) that hold every entry able to be the row's fp32 argmax, and per-row counts,
-        -1 where the screen cannot settle the row (too many candidates, non-finite values)."""
+        -1 where the screen cannot settle the row (too many candidates, non-finite values); the
+        int8 GEMM `gemm` (one of self.gemms; None: the first) gives the same result as any."""
+        gemm = gemm or self.gemms[0]
+        assert gemm in self.gemms
         hidden_size = hidden.shape[1]
         h = hidden.double()
         norms = h.norm(dim=1)
@@ -139,6 +156,7 @@ class Int8GreedyScreen:
             self.weight_norms,
             SCREEN_CHUNK,
             max_candidates,
+            self.packed_head if gemm == NATIVE else None,
         )
         return candidates, counts.masked_fill_(~torch.isfinite(norms), -1)
 
@@ -147,11 +165,12 @@ class Int8GreedyScreen:
         hidden: torch.Tensor,
         fallback: Callable[[torch.Tensor], torch.Tensor],
         max_candidates: int = MAX_CANDIDATES,
+        gemm: str | None = None,
     ) -> torch.Tensor:
         """[n, hidden] float32 -> [n] int64 argmax ids, the lowest on ties; rows the screen cannot
         settle go through `fallback`, which takes and returns the same."""
         num_rows = hidden.shape[0]
-        candidates, counts = self.screen(hidden, max_candidates)
+        candidates, counts = self.screen(hidden, max_candidates, gemm)
         rows, slots = (candidates >= 0).nonzero(as_tuple=True)
         vocab_ids = candidates[rows, slots]
         # [num_candidates] fp32 logits
@@ -168,60 +187,76 @@ class Int8GreedyScreen:
         return token_ids
 
 
+FP32 = "fp32"
+
+
 @dataclass(frozen=True)
 class ScreenSides:
-    """Which steps the screen serves, by their row count: each timed batch decides for the row
+    """What finds each step's greedy tokens, by its row count: per timed batch, the fp32 head
+    (FP32) or the screen through one of its int8 GEMMs; each timed batch decides for the row
     counts nearest it (by ratio)."""
 
     batches: tuple[int, ...]
-    on: tuple[bool, ...]
+    sides: tuple[str, ...]
 
-    def serves(self, num_rows: int) -> bool:
+    def serves(self, num_rows: int) -> str:
         ratios = [abs(math.log(max(num_rows, 1) / batch)) for batch in self.batches]
-        return self.on[ratios.index(min(ratios))]
+        return self.sides[ratios.index(min(ratios))]
+
+    @property
+    def gemms(self) -> tuple[str, ...]:
+        """The screen's int8 GEMMs these sides use, in order of first use."""
+        return tuple(dict.fromkeys(side for side in self.sides if side != FP32))
 
     def describe(self) -> str:
-        if all(self.on) or not any(self.on):
-            return "on" if self.on[0] else "off"
-        on = [str(b) for b, side in zip(self.batches, self.on, strict=True) if side]
-        off = [str(b) for b, side in zip(self.batches, self.on, strict=True) if not side]
-        return f"on at batch {' and '.join(on)}, off at {' and '.join(off)}"
+        if len(set(self.sides)) == 1:
+            return "off" if self.sides[0] == FP32 else f"on through {self.sides[0]}"
+        by_side: dict[str, list[str]] = {}
+        for batch, side in zip(self.batches, self.sides, strict=True):
+            by_side.setdefault("off" if side == FP32 else side, []).append(str(batch))
+        return "on: " + ", ".join(
+            f"{side} at batch {' and '.join(b)}" for side, b in by_side.items()
+        )
 
 
-ALWAYS = ScreenSides((1,), (True,))
+def always_on() -> ScreenSides:
+    """The screen at every row count, through its default int8 GEMM (--greedy-screen)."""
+    return ScreenSides((1,), (screen_gemms()[0],))
 
 
 def screen_sides(choice: dict[str, object]) -> ScreenSides:
     """The sides of a choose_greedy_screen result."""
-    batches, on = choice["batches"], choice["on"]
-    assert isinstance(batches, list) and isinstance(on, list)
-    return ScreenSides(tuple(batches), tuple(on))
+    batches, sides = choice["batches"], choice["sides"]
+    assert isinstance(batches, list) and isinstance(sides, list)
+    return ScreenSides(tuple(batches), tuple(sides))
 
 
 def choose_greedy_screen(
     weight: torch.Tensor, fp32_argmax: Callable[[torch.Tensor], torch.Tensor]
 ) -> dict[str, object]:
-    """Where the screen beats `fp32_argmax` for this [vocab, hidden] head on this machine: both
-    timed on rows with a clear winner, as a model's are, at each of TIMED_BATCHES (measured once
-    per machine and head shape, cached). {"batches": TIMED_BATCHES, "on": [bool per batch],
-    "ms": {"screen" | "fp32": [fastest ms per batch]}}."""
+    """What is fastest for this [vocab, hidden] head on this machine at each of TIMED_BATCHES:
+    `fp32_argmax` or the screen through one of screen_gemms(), all timed on rows with a clear
+    winner, as a model's are (measured once per machine and head shape, cached). {"batches":
+    TIMED_BATCHES, "sides": [FP32 or a GEMM's name, per batch], "ms": {FP32 | each GEMM's name:
+    [fastest ms per batch]}}."""
 
     def measure() -> dict[str, object]:
-        screen = Int8GreedyScreen(weight)
+        gemms = tuple(screen_gemms())
+        screen = Int8GreedyScreen(weight, gemms=gemms)
         generator = torch.Generator().manual_seed(0)
         sets: dict[str, dict[str, Callable[[], object]]] = {}
         for batch in TIMED_BATCHES:
             ids = torch.randint(weight.shape[0], (batch,), generator=generator)
             rows = weight[ids] / weight[ids].norm(dim=1, keepdim=True).clamp_min(1e-12) * 4.0
-            sets[str(batch)] = {
-                "screen": lambda rows=rows: screen.argmax(rows, fp32_argmax),
-                "fp32": lambda rows=rows: fp32_argmax(rows),
+            sets[str(batch)] = {FP32: lambda rows=rows: fp32_argmax(rows)} | {
+                gemm: lambda rows=rows, gemm=gemm: screen.argmax(rows, fp32_argmax, gemm=gemm)
+                for gemm in gemms
             }
         timed = list(fastest_ms(sets).values())
         return {
             "batches": list(TIMED_BATCHES),
-            "on": [ms["screen"] < ms["fp32"] for ms in timed],
-            "ms": {name: [ms[name] for ms in timed] for name in ("screen", "fp32")},
+            "sides": [min(by_name, key=by_name.__getitem__) for by_name in timed],
+            "ms": {name: [by_name[name] for by_name in timed] for name in (FP32, *gemms)},
         }
 
     shape = {"vocab": weight.shape[0], "hidden": weight.shape[1]}
@@ -229,13 +264,18 @@ def choose_greedy_screen(
 
 
 def describe_screen_choice(choice: dict[str, object], forced: bool | None) -> str:
-    if forced is not None:
-        return f"greedy screen {'on' if forced else 'off'} (forced)"
+    if forced is False:
+        return "greedy screen off (forced)"
+    if forced:
+        return f"greedy screen on (forced; int8 GEMM {screen_gemms()[0]})"
     ms, batches = choice["ms"], choice["batches"]
     assert isinstance(ms, dict) and isinstance(batches, list)
-    screen, fp32 = ("/".join(f"{t:.2f}" for t in ms[name]) for name in ("screen", "fp32"))
+    figures = ", ".join(
+        f"{'fp32 head' if name == FP32 else name + ' screen'} "
+        f"{'/'.join(f'{t:.2f}' for t in times)} ms"
+        for name, times in ms.items()
+    )
     return (
         f"greedy screen {screen_sides(choice).describe()} (measured at batch "
-        f"{', '.join(map(str, batches))}: "
-        f"screen {screen} ms, fp32 head {fp32} ms)"
+        f"{', '.join(map(str, batches))}: {figures})"
     )

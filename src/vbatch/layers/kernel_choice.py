@@ -30,7 +30,7 @@ ISA_SWITCHES = (
     "VBATCH_NATIVE_MARCH",
 )
 REPEATS = 5
-CHOICES_VERSION = 5
+CHOICES_VERSION = 6
 # NOTE: /proc/stat counts in ticks of 10 ms per CPU, so a reading over a shorter window is too
 # coarse to tell half a CPU apart.
 LOAD_WINDOW_S = 0.1

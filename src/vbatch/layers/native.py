@@ -62,6 +62,7 @@ def _sources(csrc_dir: Path, with_cuda: bool) -> list[Path]:
         csrc_dir / "cpu" / "logsumexp.cpp",
         csrc_dir / "cpu" / "encoder_attention.cpp",
         csrc_dir / "cpu" / "packed_linear.cpp",
+        csrc_dir / "cpu" / "int8_gemm.cpp",
     ]
     if with_cuda:
         sources.append(csrc_dir / "cuda" / "paged_attention.cu")
@@ -226,10 +227,23 @@ def _register_fakes() -> None:
         weight_norms: torch.Tensor,
         chunk_size: int,
         max_candidates: int,
+        packed_weight: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         num_rows = q_hidden.shape[0] // 2
         candidates = q_hidden.new_empty(num_rows, max_candidates, dtype=torch.int64)
         return candidates, q_hidden.new_empty(num_rows, dtype=torch.int64)
+
+    @torch.library.register_fake("vbatch::pack_int8_weight")
+    def _pack_int8_weight_fake(weight: torch.Tensor) -> torch.Tensor:
+        cols = torch.ops.vbatch.int8_panel_cols()
+        panels, groups = -(-weight.shape[0] // cols), -(-weight.shape[1] // 4)
+        return weight.new_empty(panels, groups, cols, 4)
+
+    @torch.library.register_fake("vbatch::int8_packed_mm")
+    def _int8_packed_mm_fake(
+        a: torch.Tensor, packed: torch.Tensor, out_features: int
+    ) -> torch.Tensor:
+        return a.new_empty(a.shape[0], out_features, dtype=torch.int32)
 
     @torch.library.register_fake("vbatch::int8_quantize_head")
     def _int8_quantize_head_fake(

@@ -1,6 +1,6 @@
 """Int8 linear layers for CPU: int8 weights per output channel, activations int8 per token,
-through whichever of torch's int8 GEMMs (oneDNN's `_int_mm`, FBGEMM's dynamic linear) is
-faster on this machine."""
+through whichever int8 GEMM is exact and fastest on this machine: torch's (oneDNN's `_int_mm`,
+FBGEMM's dynamic linear) or vbatch's own (`vbatch::int8_packed_mm`, exact on every AVX2 CPU)."""
 
 from __future__ import annotations
 
@@ -12,22 +12,45 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from vbatch.layers import native
 from vbatch.layers.kernel_choice import cached_choice, fastest_ms
 
 INT_MM = "int_mm"
+NATIVE = "native"
 FBGEMM = "fbgemm"
 TIMED_BATCHES = (1, 64)
+INT8_MAX = 127
 # NOTE: int8 that is not at least this much faster than fp32 is reported as not worth it.
 WORTHWHILE_SPEEDUP = 1.3
 
 
-def has_int8_kernels() -> bool:
-    """Whether torch's int8 x int8 -> int32 GEMM runs on this CPU."""
+@functools.cache
+def int_mm_is_exact() -> bool:
+    """Whether torch's int8 x int8 -> int32 GEMM (`torch._int_mm`, oneDNN) runs on this CPU and
+    sums exactly, checked by running it against an int64 product. oneDNN without VNNI (AVX2,
+    and AVX-512 before VNNI) adds pairs of u8 x s8 products in int16, which full-range values
+    saturate: 64 products of 127 x 127 came out as 8160 against 1032256 under
+    ONEDNN_MAX_CPU_ISA=AVX2, and random values in [-127, 127] as far as 118385 off."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randint(-INT8_MAX, INT8_MAX + 1, (17, 576), generator=generator, dtype=torch.int8)
+    b = torch.randint(-INT8_MAX, INT8_MAX + 1, (576, 32), generator=generator, dtype=torch.int8)
+    a[0], b[:, 0] = INT8_MAX, INT8_MAX
     try:
-        a = torch.ones(1, 8, dtype=torch.int8)
-        return int(torch._int_mm(a, a.t())) == 8
+        got = torch._int_mm(a, b)
     except RuntimeError:
         return False
+    return torch.equal(got.long(), a.long() @ b.long())
+
+
+def exact_int8_backends() -> list[str]:
+    """The int8 GEMMs that run here and sum exactly: torch's `_int_mm` where int_mm_is_exact(),
+    vbatch's own where its native kernels are built, FBGEMM where fbgemm_is_exact()."""
+    backends = [INT_MM] if int_mm_is_exact() else []
+    if native.is_available():
+        backends.append(NATIVE)
+    if fbgemm_is_exact():
+        backends.append(FBGEMM)
+    return backends
 
 
 def has_fbgemm() -> bool:
@@ -53,9 +76,10 @@ class Int8DynamicLinear(nn.Module):
     on the fly; the int32 GEMM result is rescaled by both scales.
 
     `backend` INT_MM: symmetric 8-bit tokens through `torch._int_mm` (oneDNN; fast with VNNI).
-    FBGEMM: each token divided by its largest magnitude first, so that FBGEMM's per-tensor
-    dynamic quantization acts per token, as 8-bit asymmetric values (only where that is exact,
-    see fbgemm_is_exact).
+    NATIVE: the same tokens and the same int32 sums through `vbatch::int8_packed_mm`, from a
+    copy of the weight packed into its panels. FBGEMM: each token divided by its largest
+    magnitude first, so that FBGEMM's per-tensor dynamic quantization acts per token, as 8-bit
+    asymmetric values (only where that is exact, see fbgemm_is_exact).
 
     Invariants: `weight_t` is the int8 weight as [in_features, out_features] (a transposed view
     of a row-major [out, in] tensor); `weight_scale` is float32 [out_features]; inputs and
@@ -78,7 +102,9 @@ class Int8DynamicLinear(nn.Module):
             "bias", None if bias is None else bias.detach().float(), persistent=False
         )
         self.packed: object | None = None
-        if backend == FBGEMM:
+        if backend == NATIVE:
+            self.packed = torch.ops.vbatch.pack_int8_weight(qweight)
+        elif backend == FBGEMM:
             with warnings.catch_warnings():
                 # NOTE: torch marks quantized tensors deprecated; the packed weight is one.
                 warnings.simplefilter("ignore")
@@ -91,13 +117,16 @@ class Int8DynamicLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         # [num_rows, 1]: per-token scale, so one outlier token does not crush the others
         peak = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
-        if self.packed is not None:
+        if self.backend == FBGEMM:
             out = torch.ops.quantized.linear_dynamic(rows / peak, self.packed, False).mul_(peak)
         else:
-            scale = peak / 127.0
+            scale = peak / INT8_MAX
             qrows = torch.round(rows / scale).to(torch.int8)
-            out = torch._int_mm(qrows, self.weight_t).float()
-            out.mul_(scale).mul_(self.weight_scale)
+            if self.backend == NATIVE:
+                sums = torch.ops.vbatch.int8_packed_mm(qrows, self.packed, self.out_features)
+            else:
+                sums = torch._int_mm(qrows, self.weight_t)
+            out = sums.float().mul_(scale).mul_(self.weight_scale)
         if self.bias is not None:
             out.add_(self.bias)
         return out.view(*x.shape[:-1], self.out_features)
@@ -111,9 +140,7 @@ class Int8DynamicLinear(nn.Module):
 
 def _time_backends(shapes: list[tuple[int, int]]) -> dict[str, object]:
     """Per backend (and fp32), the summed fastest ms over the layer shapes at TIMED_BATCHES."""
-    backends = [INT_MM] if has_int8_kernels() else []
-    if fbgemm_is_exact():
-        backends.append(FBGEMM)
+    backends = exact_int8_backends()
     sets: dict[str, dict[str, Callable[[], object]]] = {}
     for index, (out_features, in_features) in enumerate(shapes):
         weight = torch.randn(out_features, in_features) / in_features**0.5
@@ -161,7 +188,7 @@ def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> 
         if isinstance(module, nn.Linear) and not name.endswith(skip)
     ]
     choice = choose_int8_backend([tuple(m.weight.shape) for _, m in targets]) if targets else {}
-    backend = str(choice.get("backend", INT_MM))
+    backend = str(choice.get("backend", exact_int8_backends()[0]))
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

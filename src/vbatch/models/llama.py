@@ -15,7 +15,7 @@ from vbatch.errors import ConfigError, ModelLoadError
 from vbatch.layers.activation import ACTIVATIONS
 from vbatch.layers.attention import AttentionBackend, AttentionMetadata
 from vbatch.layers.batch_invariant import invariant_linear
-from vbatch.layers.greedy_screen import ALWAYS, Int8GreedyScreen, ScreenSides
+from vbatch.layers.greedy_screen import FP32, Int8GreedyScreen, ScreenSides, always_on
 from vbatch.layers.linear_choice import (
     HEAD_CHUNK,
     NATIVE,
@@ -29,7 +29,7 @@ from vbatch.layers.lora import LoraLinear
 from vbatch.layers.native import has_fused_ops
 from vbatch.layers.norm import RMSNorm
 from vbatch.layers.packed_store import PackedStore
-from vbatch.layers.quantization import has_int8_kernels, quantize_linears
+from vbatch.layers.quantization import exact_int8_backends, quantize_linears
 from vbatch.layers.rotary import RotaryBatch, RotaryEmbedding
 from vbatch.models.config import ModelConfig
 from vbatch.models.loader import ResolvedModel, weight_files
@@ -309,7 +309,7 @@ class LlamaForCausalLM(nn.Module):
         ]
         self._embedding_multipliers: dict[torch.dtype, float] = {}
         self.greedy_screen: Int8GreedyScreen | None = None
-        self.screen_sides = ALWAYS
+        self.screen_sides: ScreenSides | None = None
         # NOTE: set by make_batch_invariant: the LM head through layers/batch_invariant.py too.
         self.is_batch_invariant = False
         # NOTE: set by load_model under int8 quantization (quantize_linears' measured choice)
@@ -512,11 +512,13 @@ class LlamaForCausalLM(nn.Module):
         return chunks
 
     def enable_greedy_screen(
-        self, store: PackedStore | None = None, sides: ScreenSides = ALWAYS
+        self, store: PackedStore | None = None, sides: ScreenSides | None = None
     ) -> None:
         """Find greedy tokens through the int8 screen (see layers/greedy_screen.py) in the steps
-        whose row counts `sides` gives it, its int8 head from `store` where one is given."""
-        self.greedy_screen = Int8GreedyScreen(self.lm_head_weight, store)
+        whose row counts `sides` gives it (None: every step, greedy_screen.always_on), through the
+        int8 GEMM it names there, its int8 head from `store` where one is given."""
+        sides = sides or always_on()
+        self.greedy_screen = Int8GreedyScreen(self.lm_head_weight, store, sides.gemms)
         self.screen_sides = sides
 
     def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -529,8 +531,9 @@ class LlamaForCausalLM(nn.Module):
         weight = self.lm_head_weight
         if hidden.device.type != "cpu" or hidden.dtype != torch.float32:
             return F.linear(hidden, weight).argmax(dim=-1)
-        if self.greedy_screen is not None and self.screen_sides.serves(hidden.shape[0]):
-            return self.greedy_screen.argmax(hidden, self._greedy_token_ids_fp32)
+        side = FP32 if self.screen_sides is None else self.screen_sides.serves(hidden.shape[0])
+        if self.greedy_screen is not None and side != FP32:
+            return self.greedy_screen.argmax(hidden, self._greedy_token_ids_fp32, gemm=side)
         if self.is_batch_invariant:
             return invariant_linear(hidden, weight).argmax(dim=-1)
         return self._greedy_token_ids_fp32(hidden)
@@ -719,5 +722,8 @@ def check_quantization(quantization: str, device: torch.device, dtype: torch.dty
         raise ConfigError(
             f"int8 quantization needs device cpu and dtype float32, got {device}, {dtype}"
         )
-    if not has_int8_kernels():
-        raise ConfigError("int8 quantization needs torch's x86 int8 kernels (fbgemm or oneDNN)")
+    if not exact_int8_backends():
+        raise ConfigError(
+            "int8 quantization needs an exact int8 GEMM: torch's saturates on this CPU (no VNNI) "
+            "and vbatch's native kernels are not built"
+        )
