@@ -43,7 +43,7 @@ def run_vbatch(
         )
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    if args.warmup:
+    if getattr(args, "warmup", False):
         # NOTE: reversed prompts share no cached prefix block with the timed ones.
         warm = SamplingParams(temperature=0.0, max_tokens=4)
         for i, ids in enumerate(prompts[:8]):

@@ -195,12 +195,17 @@ at::Tensor pack_int8_weight(const at::Tensor& weight) {
   at::Tensor packed = at::zeros({panels, groups, kPanelCols, kGroup}, w.options());
   const int8_t* src = w.const_data_ptr<int8_t>();
   int8_t* dst = packed.mutable_data_ptr<int8_t>();
+  const int64_t full_groups = K / kGroup;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       for (int64_t c = 0; c < kPanelCols && p * kPanelCols + c < N; ++c) {
         const int8_t* row = src + (p * kPanelCols + c) * K;
-        for (int64_t k = 0; k < K; ++k) {
-          dst[((p * groups + k / kGroup) * kPanelCols + c) * kGroup + k % kGroup] = row[k];
+        int8_t* column = dst + (p * groups * kPanelCols + c) * kGroup;
+        for (int64_t g = 0; g < full_groups; ++g) {
+          std::memcpy(column + g * kPanelGroupBytes, row + g * kGroup, kGroup);
+        }
+        for (int64_t k = full_groups * kGroup; k < K; ++k) {
+          column[full_groups * kPanelGroupBytes + k % kGroup] = row[k];
         }
       }
     }

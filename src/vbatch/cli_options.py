@@ -311,7 +311,7 @@ GreedyScreen = Annotated[
         "--greedy-screen/--no-greedy-screen",
         help="On CPU, screen the vocabulary in int8 before scoring greedy tokens in fp32 (the "
         "same tokens); off scores the whole vocabulary in fp32. Default: whichever is faster "
-        "on this CPU at the step's batch size, timed at batch 1, 8 and 64 at start-up and "
+        "on this CPU at the step's batch size, timed at batch 1, 4, 16 and 64 at start-up and "
         "cached.",
         rich_help_panel=ENGINE,
     ),

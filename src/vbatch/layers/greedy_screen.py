@@ -34,8 +34,10 @@ UNIT_ROUNDOFF = 2.0**-24
 BOUND_SLACK = 1.0 + 1e-5  # covers rounding in the kernel's own bound arithmetic
 NORM_SLACK = 1.0 + 1e-3  # covers the rounding of the head's norms and of their scaling here
 INT8_MAX = 127
-# NOTE: a decode step's rows span these; under AVX2 the screen won at 1 row and lost at 64.
-TIMED_BATCHES = (1, 8, 64)
+# NOTE: a decode step's rows span these. Under the AVX2 emulation the screen (vbatch's int8
+# GEMM) won 2.45x at 1 row and 1.29x at 4, tied at 8 and lost 0.65-0.83x from 12 to 32 rows,
+# so a batch in that range is timed too: with 1, 8 and 64, rows 9-22 took batch 8's side.
+TIMED_BATCHES = (1, 4, 16, 64)
 # NOTE: the int8 head's names in a model's PackedStore, and the rows a mapped one is checked at.
 HEAD_NAMES = ("lm_head.int8", "lm_head.int8_scales", "lm_head.residual_norms", "lm_head.norms")
 PROBED_ROWS = 16
