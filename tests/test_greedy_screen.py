@@ -184,6 +184,14 @@ def test_the_int8_head_matches_torch_and_its_norms_bound_the_exact_ones(ops: Non
     torch.library.opcheck(torch.ops.vbatch.int8_quantize_head.default, (weight,))
 
 
+def test_a_cached_side_whose_gemm_is_not_exact_here_goes_to_the_fp32_head(
+    ops: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(greedy_screen, "screen_gemms", lambda: [NATIVE])
+    choice = {"batches": [1, 64], "sides": [NATIVE, INT_MM], "ms": {}}
+    assert greedy_screen.screen_sides(choice).sides == (NATIVE, FP32)
+
+
 def test_unavailable_without_float32_cpu() -> None:
     assert not can_use_greedy_screen(torch.device("cpu"), torch.bfloat16)
     assert not can_use_greedy_screen(torch.device("meta"), torch.float32)

@@ -227,10 +227,12 @@ def always_on() -> ScreenSides:
 
 
 def screen_sides(choice: dict[str, object]) -> ScreenSides:
-    """The sides of a choose_greedy_screen result."""
+    """The sides of a choose_greedy_screen result; a GEMM not exact here (a cache written under
+    other conditions) leaves its batches to the fp32 head."""
     batches, sides = choice["batches"], choice["sides"]
     assert isinstance(batches, list) and isinstance(sides, list)
-    return ScreenSides(tuple(batches), tuple(sides))
+    exact = screen_gemms()
+    return ScreenSides(tuple(batches), tuple(side if side in exact else FP32 for side in sides))
 
 
 def choose_greedy_screen(
