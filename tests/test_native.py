@@ -895,14 +895,14 @@ def test_packed_linear_matches_float64(
 def test_int8_packed_mm_is_exact_at_full_range(
     ops: None, rows: int, out_features: int, in_features: int
 ) -> None:
-    """Every product at +-127: pairs of them overflow the saturating int16 sums that int8 GEMMs
-    without VNNI use, so only a kernel that keeps them apart gets these sums right."""
+    """Products at 127 x 127 and -128 x 127: pairs of them overflow the saturating int16 sums
+    that int8 GEMMs without VNNI use, so only a kernel that keeps them apart gets these right."""
     gen = torch.Generator().manual_seed(rows)
-    a = torch.randint(-127, 128, (rows, in_features), generator=gen, dtype=torch.int8)
+    a = torch.randint(-128, 128, (rows, in_features), generator=gen, dtype=torch.int8)
     w = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
     if rows:
         a[0], w[0] = 127, 127
-        a[-1], w[-1] = -127, 127
+        a[-1], w[-1] = -128, 127
     packed = torch.ops.vbatch.pack_int8_weight(w)
     got = torch.ops.vbatch.int8_packed_mm(a, packed, out_features)
     assert got.dtype == torch.int32 and got.shape == (rows, out_features)
@@ -911,11 +911,13 @@ def test_int8_packed_mm_is_exact_at_full_range(
     torch.library.opcheck(torch.ops.vbatch.int8_packed_mm.default, (a, packed, out_features))
 
 
-def test_int8_packed_mm_rejects_minus_128_and_foreign_packing(ops: None) -> None:
-    w = torch.ones(8, 16, dtype=torch.int8)
+def test_int8_packed_mm_takes_minus_128_activations_and_refuses_it_in_weights(ops: None) -> None:
+    w = torch.full((8, 16), -127, dtype=torch.int8)
+    w[1] = 127
     packed = torch.ops.vbatch.pack_int8_weight(w)
-    with pytest.raises(RuntimeError, match=r"\[-127, 127\]"):
-        torch.ops.vbatch.int8_packed_mm(torch.full((2, 16), -128, dtype=torch.int8), packed, 8)
+    a = torch.full((2, 16), -128, dtype=torch.int8)
+    got = torch.ops.vbatch.int8_packed_mm(a, packed, 8)
+    assert torch.equal(got.long(), a.long() @ w.long().t())
     with pytest.raises(RuntimeError, match=r"\[-127, 127\]"):
         torch.ops.vbatch.pack_int8_weight(torch.full((2, 16), -128, dtype=torch.int8))
     with pytest.raises(RuntimeError, match="this build's pack_int8_weight"):

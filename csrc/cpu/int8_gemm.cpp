@@ -4,8 +4,10 @@
 // which adds each pair of products in saturating int16: full-range values overflow it and the
 // sums come out wrong. Here each signed activation byte a is split into |a| (the unsigned
 // operand) and its sign, moved onto the weight byte (vpsignb under AVX2, a masked negation under
-// AVX-512), so every product is |a| * (+-w) with |a|, |w| <= 127: a pair sums to at most
-// 2 * 127 * 127 = 32258, inside int16, and the int32 sums are exact. With AVX512-VNNI one
+// AVX-512), so every product is |a| * (+-w) with |a| <= 128 and |w| <= 127: a pair sums to at
+// most 2 * 128 * 127 = 32512, inside int16, and the int32 sums are exact. The weight must stay
+// off -128, whose negation overflows (pack_int8_weight checks); any activation byte is fine.
+// With AVX512-VNNI one
 // vpdpbusd adds the four products of a lane straight into int32.
 //
 // A weight [N, K] is packed once into panels of int8_panel_cols() output columns as
@@ -178,17 +180,14 @@ void int8_packed_mm_into(const int8_t* a, int64_t M, int64_t k_padded, const int
 
 namespace {
 
-void check_int8_range(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.numel() == 0 || t.min().item<int8_t>() >= -127, op, ": ", name,
-              " must hold values in [-127, 127] (-128 would overflow the pair sums)");
-}
-
 // weight [N, K] int8 -> [panels, ceil(K / 4), int8_panel_cols(), 4], zeros past N and K.
 at::Tensor pack_int8_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.device().is_cpu(),
               "pack_int8_weight: weight must be a 2-D int8 CPU tensor, got ", weight.sizes(), " ",
               weight.scalar_type());
-  check_int8_range(weight, "pack_int8_weight", "weight");
+  TORCH_CHECK(weight.numel() == 0 || weight.min().item<int8_t>() >= -127,
+              "pack_int8_weight: weight must hold values in [-127, 127] (-128's negation "
+              "overflows)");
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
   const int64_t groups = (K + kGroup - 1) / kGroup, panels = (N + kPanelCols - 1) / kPanelCols;
@@ -228,7 +227,6 @@ at::Tensor int8_packed_mm(const at::Tensor& a, const at::Tensor& packed, int64_t
                   out_features <= packed.size(0) * kPanelCols,
               "int8_packed_mm: out_features ", out_features, " does not match ", packed.size(0),
               " panels");
-  check_int8_range(a, "int8_packed_mm", "a");
   const at::Tensor rows =
       K % kGroup == 0 ? a.contiguous() : at::constant_pad_nd(a, {0, groups * kGroup - K});
   at::Tensor out = at::empty({a.size(0), out_features}, a.options().dtype(at::kInt));
