@@ -1,4 +1,5 @@
 import os
+import platform
 import subprocess
 import sys
 from collections.abc import Callable
@@ -89,6 +90,7 @@ def test_fbgemm_is_a_candidate_only_where_its_sums_are_exact() -> None:
 
 
 @NATIVE_OPS
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="oneDNN's x86 ISA switch")
 def test_int_mm_is_a_candidate_only_where_its_sums_are_exact() -> None:
     """oneDNN without VNNI (ONEDNN_MAX_CPU_ISA=AVX2 makes it run as there) saturates its int16
     pair sums: torch._int_mm is then left out, and int8 runs through vbatch's own GEMM, whose
