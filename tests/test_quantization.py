@@ -93,17 +93,18 @@ def test_fbgemm_is_a_candidate_only_where_its_sums_are_exact() -> None:
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="oneDNN's x86 ISA switch")
 def test_int_mm_is_a_candidate_only_where_its_sums_are_exact() -> None:
     """oneDNN without VNNI (ONEDNN_MAX_CPU_ISA=AVX2 makes it run as there) saturates its int16
-    pair sums: torch._int_mm is then left out, and int8 runs through vbatch's own GEMM, whose
-    results are the same as an exact _int_mm's."""
+    pair sums: torch._int_mm is then left out, and int8 and the greedy screen run through
+    vbatch's own GEMM, whose results are the same as an exact _int_mm's."""
     code = (
+        "from vbatch.layers.greedy_screen import screen_gemms\n"
         "from vbatch.layers.quantization import choose_int8_backend, int_mm_is_exact\n"
-        "print(int_mm_is_exact(), choose_int8_backend([(32, 64)])['backend'])"
+        "print(int_mm_is_exact(), choose_int8_backend([(32, 64)])['backend'], *screen_gemms())"
     )
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
-    assert result.stdout.split() == ["False", NATIVE], result.stderr
+    assert result.stdout.split() == ["False", NATIVE, NATIVE], result.stderr
 
 
 @NATIVE_OPS
