@@ -9,7 +9,6 @@
 // the few candidates in fp32.
 #include <ATen/Parallel.h>
 #include <ATen/ops/_int_mm.h>
-#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <torch/library.h>
@@ -146,9 +145,7 @@ std::tuple<at::Tensor, at::Tensor> int8_greedy_screen_cpu(
                 "int8_greedy_screen: packed_weight must be this build's pack_int8_weight of "
                 "q_weight, and chunk_size a multiple of its ", int8_panel_cols(), " columns");
   }
-  const at::Tensor q_hidden_c = packed && k_padded != hidden
-                                    ? at::constant_pad_nd(q_hidden, {0, k_padded - hidden})
-                                    : q_hidden.contiguous();
+  const at::Tensor q_hidden_c = packed ? int8_rows_padded(q_hidden) : q_hidden.contiguous();
   at::Tensor candidates =
       at::full({num_rows, max_candidates}, -1, q_hidden.options().dtype(at::kLong));
   std::vector<float> upper(num_rows * max_candidates);

@@ -152,13 +152,19 @@ void rows_tail(const int8_t* a, int64_t lda, const int8_t* panel, int64_t groups
 
 int64_t int8_panel_cols() { return kPanelCols; }
 
+at::Tensor int8_rows_padded(const at::Tensor& a) {
+  const int64_t K = a.size(1), padded = (K + kGroup - 1) / kGroup * kGroup;
+  return padded == K ? a.contiguous() : at::constant_pad_nd(a, {0, padded - K});
+}
+
 void int8_packed_mm_into(const int8_t* a, int64_t M, int64_t k_padded, const int8_t* packed,
                          int64_t N, int64_t col_begin, int64_t col_end, int32_t* out,
                          int64_t ldo) {
   const int64_t groups = k_padded / kGroup;
   const int64_t panel_bytes = groups * kPanelGroupBytes;
+  const int64_t last_col = std::min(col_end, N);
   const int64_t first_panel = col_begin / kPanelCols;
-  const int64_t end_panel = (std::min(col_end, N) + kPanelCols - 1) / kPanelCols;
+  const int64_t end_panel = (last_col + kPanelCols - 1) / kPanelCols;
   const int64_t block_rows =
       std::max<int64_t>(kRowBlock, kRowBlockBytes / std::max<int64_t>(k_padded, 1) / kRowBlock *
                                        kRowBlock);
@@ -167,7 +173,7 @@ void int8_packed_mm_into(const int8_t* a, int64_t M, int64_t k_padded, const int
       const int64_t m_end = std::min(M, m0 + block_rows);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t c0 = p * kPanelCols;
-        const int64_t cols = std::min(kPanelCols, std::min(col_end, N) - c0);
+        const int64_t cols = std::min(kPanelCols, last_col - c0);
         for (int64_t m = m0; m < m_end; m += kRowBlock) {
           rows_tail<kRowBlock>(a + m * k_padded, k_padded, packed + p * panel_bytes, groups,
                                out + m * ldo + (c0 - col_begin), ldo, cols,
@@ -227,8 +233,7 @@ at::Tensor int8_packed_mm(const at::Tensor& a, const at::Tensor& packed, int64_t
                   out_features <= packed.size(0) * kPanelCols,
               "int8_packed_mm: out_features ", out_features, " does not match ", packed.size(0),
               " panels");
-  const at::Tensor rows =
-      K % kGroup == 0 ? a.contiguous() : at::constant_pad_nd(a, {0, groups * kGroup - K});
+  const at::Tensor rows = int8_rows_padded(a);
   at::Tensor out = at::empty({a.size(0), out_features}, a.options().dtype(at::kInt));
   if (a.size(0) > 0) {
     int8_packed_mm_into(rows.const_data_ptr<int8_t>(), a.size(0), groups * kGroup,
