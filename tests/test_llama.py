@@ -23,6 +23,7 @@ from transformers import (
 
 from vbatch.layers import native
 from vbatch.layers.attention import TorchAttentionBackend
+from vbatch.layers.linear_choice import TIMED_ROWS, forced_everywhere
 from vbatch.models.config import ModelConfig
 from vbatch.models.llama import (
     LM_HEAD_CHUNK,
@@ -247,9 +248,16 @@ def test_bfloat16_tracks_float32(
     assert similarity.min() > 0.99, similarity.min()
 
 
-def test_greedy_token_ids_match_argmax_of_logits(tiny_model_dir: Path) -> None:
-    """The chunked argmax agrees with the full logits, and a tie across chunks picks the first."""
+@pytest.mark.parametrize("head_backend", ["torch", "native"])
+def test_greedy_token_ids_match_argmax_of_logits(tiny_model_dir: Path, head_backend: str) -> None:
+    """The chunked argmax (native: fused into the head's GEMM) agrees with the full logits, and a
+    tie across chunks picks the first."""
     model = load_model(tiny_model_dir, torch.device("cpu"), torch.float32, TorchAttentionBackend())
+    if head_backend == "native":
+        if not native.is_available():
+            pytest.skip("needs the native kernels")
+        model.use_linear_choice(forced_everywhere("native", has_head=True))
+        assert model.head_backends == ["native"] * len(TIMED_ROWS)
     weight = model.embed_tokens.weight
     assert weight.shape[0] > 3 * LM_HEAD_CHUNK
     gen = torch.Generator().manual_seed(0)

@@ -995,3 +995,74 @@ def test_packed_linear_rejects_bad_inputs(ops: None) -> None:
         op(torch.randn(3, 16), packed, 40, torch.randn(39))
     torch.library.opcheck(op.default, (torch.randn(5, 16), packed, 40, torch.randn(40)))
     torch.library.opcheck(op.default, (torch.randn(0, 16), packed, 40, None))
+
+
+def _packed_chunks(weight: torch.Tensor, chunk_cols: int) -> list[torch.Tensor]:
+    return [
+        torch.ops.vbatch.pack_linear_weight(weight[start : start + chunk_cols])
+        for start in range(0, weight.shape[0], chunk_cols)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("rows", "vocab", "in_features"),
+    [(1, 40, 33), (7, 3 * 64 + 5, 64), (13, 700, 576), (70, 37, 2), (300, 130, 16)],
+)
+def test_packed_head_argmax_is_the_argmax_of_packed_linear(
+    ops: None, rows: int, vocab: int, in_features: int
+) -> None:
+    chunk_cols = 64
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(vocab, in_features, generator=gen)
+    logits = torch.ops.vbatch.packed_linear(
+        x, torch.ops.vbatch.pack_linear_weight(weight), vocab, None
+    )
+    chunks = _packed_chunks(weight, chunk_cols)
+    got = torch.ops.vbatch.packed_head_argmax(x, chunks, chunk_cols, vocab)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, logits.argmax(dim=-1))
+    num_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(torch.ops.vbatch.packed_head_argmax(x, chunks, chunk_cols, vocab), got)
+    finally:
+        torch.set_num_threads(num_threads)
+    torch.library.opcheck(
+        torch.ops.vbatch.packed_head_argmax.default, (x[:3], chunks, chunk_cols, vocab)
+    )
+
+
+def test_packed_head_argmax_takes_the_first_maximum_and_the_first_nan(ops: None) -> None:
+    """Ties across lanes, panels, chunks and the threads' ranges go to the lowest column, as in
+    torch.argmax; a NaN logit wins over every number, and the first NaN over the others."""
+    vocab, chunk_cols = 300, 64
+    weight = torch.zeros(vocab, 4)
+    for column in (250, 17, 130, 299):
+        weight[column, 0] = 1.0
+    x = torch.tensor([[1.0, 0.0, 0.0, 0.0], [-1.0, 0.0, 0.0, 0.0]])
+    chunks = _packed_chunks(weight, chunk_cols)
+    got = torch.ops.vbatch.packed_head_argmax(x, chunks, chunk_cols, vocab)
+    # NOTE: row 1 scores -1 at the four columns and 0 elsewhere: its first 0 is column 0.
+    assert got.tolist() == [17, 0]
+    weight[[200, 40], 1] = float("nan")
+    nan_x = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    got = torch.ops.vbatch.packed_head_argmax(
+        nan_x, _packed_chunks(weight, chunk_cols), chunk_cols, vocab
+    )
+    assert got.tolist() == [40]
+
+
+def test_packed_head_argmax_rejects_bad_inputs(ops: None) -> None:
+    chunks = _packed_chunks(torch.randn(100, 16), 64)
+    op = torch.ops.vbatch.packed_head_argmax
+    with pytest.raises(RuntimeError, match="positive multiple"):
+        op(torch.randn(2, 16), chunks, 60, 100)
+    with pytest.raises(RuntimeError, match="do not make"):
+        op(torch.randn(2, 16), chunks, 64, 200)
+    wide = _packed_chunks(torch.randn(200, 16), 128)
+    with pytest.raises(RuntimeError, match="must pack"):
+        op(torch.randn(2, 16), [wide[1], wide[1]], 128, 200)
+    with pytest.raises(RuntimeError, match="have 8 input features"):
+        op(torch.randn(2, 8), chunks, 64, 100)
+    assert op(torch.randn(0, 16), chunks, 64, 100).shape == (0,)

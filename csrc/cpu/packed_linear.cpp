@@ -13,6 +13,10 @@
 // in its second, and packed_swiglu writes silu(gate) * up straight from the accumulators: the
 // same bits as packed_linear then vbatch::silu_mul, without writing and rereading the [M, 2I]
 // gate/up output.
+//
+// A greedy LM head (packed_head_argmax) runs the same micro-kernel into a per-thread tile and folds
+// each tile into lane-wise running maxima at once, so the [M, vocab] logits are never written and
+// re-read: each row's argmax comes from the same products as packed_linear's logits.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -20,6 +24,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
 
 #include "../vec_math.h"
 
@@ -190,6 +197,58 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& packed,
   return out;
 }
 
+// Whether logit v beats the best b so far in torch.argmax's order: larger, or NaN over a number.
+inline bool beats(float v, float b) { return v > b || (v != v && b == b); }
+
+// A row's best logit and its vocab column; column -1 before any.
+struct Best {
+  float value = -std::numeric_limits<float>::infinity();
+  int64_t column = -1;
+};
+
+// The lane-wise running maxima of rows [0, M) over consecutive panels: lane c of a row holds the
+// best logit seen in column c of those panels and the column it came from (the first on ties).
+class LaneMaxima {
+ public:
+  explicit LaneMaxima(int64_t M)
+      : value_(M * kPanel, -std::numeric_limits<float>::infinity()), column_(M * kPanel, -1) {}
+
+  // Folds tile [rows, kPanel] (row r of it is row `row0 + r`) into the maxima; columns
+  // [col0, col0 + cols) of the vocab, the panel's lanes past `cols` being padding.
+  void fold(const float* tile, int64_t row0, int64_t rows, int64_t col0, int64_t cols) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* t = tile + r * kPanel;
+      float* value = value_.data() + (row0 + r) * kPanel;
+      int32_t* column = column_.data() + (row0 + r) * kPanel;
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) {
+        const bool take = column[c] < 0 || beats(t[c], value[c]);
+        value[c] = take ? t[c] : value[c];
+        column[c] = take ? static_cast<int32_t>(col0 + c) : column[c];
+      }
+    }
+  }
+
+  // Row r's best over every lane: the largest logit (NaN first), the lowest column on ties.
+  Best row(int64_t r) const {
+    Best best;
+    for (int64_t c = 0; c < kPanel; ++c) {
+      const float v = value_[r * kPanel + c];
+      const int64_t col = column_[r * kPanel + c];
+      if (col < 0) continue;
+      const bool ties = v == best.value || (v != v && best.value != best.value);
+      if (best.column < 0 || beats(v, best.value) || (ties && col < best.column)) {
+        best = Best{v, col};
+      }
+    }
+    return best;
+  }
+
+ private:
+  std::vector<float> value_;
+  std::vector<int32_t> column_;
+};
+
 void check_input(const at::Tensor& x, const at::Tensor& packed, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), op,
               ": x must be a 2-D float32 CPU tensor, got ", x.sizes());
@@ -286,11 +345,87 @@ at::Tensor packed_swiglu(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return run_panels<true>(x, packed, bias_panels, intermediate, kNumLanes);
 }
 
+// argmax over the vocab of x [M, K] @ W^T per row, as torch.argmax of packed_linear's logits
+// (the first maximum; the first NaN where there is one), for an LM head W [out_features, K] in
+// chunks of chunk_cols rows, each packed by pack_linear_weight. The threads take contiguous
+// panel ranges, whose results are merged in vocab order.
+at::Tensor packed_head_argmax(const at::Tensor& x, at::TensorList chunks, int64_t chunk_cols,
+                              int64_t out_features) {
+  TORCH_CHECK(!chunks.empty() && chunk_cols > 0 && chunk_cols % kPanel == 0,
+              "packed_head_argmax: chunk_cols must be a positive multiple of ", kPanel,
+              " and chunks non-empty, got ", chunk_cols);
+  TORCH_CHECK(out_features > (static_cast<int64_t>(chunks.size()) - 1) * chunk_cols &&
+                  out_features <= static_cast<int64_t>(chunks.size()) * chunk_cols,
+              "packed_head_argmax: ", chunks.size(), " chunks of ", chunk_cols,
+              " columns do not make ", out_features);
+  const int64_t chunk_panels = chunk_cols / kPanel;
+  std::vector<const float*> panel_base;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    check_input(x, chunks[i], "packed_head_argmax");
+    const int64_t cols = std::min(chunk_cols, out_features - static_cast<int64_t>(i) * chunk_cols);
+    TORCH_CHECK(chunks[i].size(0) == (cols + kPanel - 1) / kPanel, "packed_head_argmax: chunk ",
+                i, " must pack ", cols, " columns, got ", chunks[i].sizes());
+    panel_base.push_back(chunks[i].const_data_ptr<float>());
+  }
+  const at::Tensor input = x.contiguous();
+  const int64_t M = input.size(0), K = input.size(1);
+  at::Tensor out = at::empty({M}, input.options().dtype(at::kLong));
+  if (M == 0) return out;
+  const int64_t panels = (out_features + kPanel - 1) / kPanel;
+  const auto panel_at = [&](int64_t g) {
+    return panel_base[g / chunk_panels] + (g % chunk_panels) * K * kPanel;
+  };
+  const float* xp = input.const_data_ptr<float>();
+  const int64_t block_rows =
+      std::max<int64_t>(kRowBlock, kRowBlockBytes / (K * 4) / kRowBlock * kRowBlock);
+  const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
+  std::vector<std::vector<Best>> range_best(ranges);
+  at::parallel_for(0, ranges, 1, [&](int64_t range_begin, int64_t range_end) {
+    alignas(64) float tile[kRowBlock * kPanel];
+    for (int64_t range = range_begin; range < range_end; ++range) {
+      const int64_t begin = panels * range / ranges, end = panels * (range + 1) / ranges;
+      LaneMaxima maxima(M);
+      for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
+        const int64_t m_end = std::min(M, m0 + block_rows);
+        for (int64_t p = begin; p < end; ++p) {
+          const float* panel = panel_at(p);
+          const float* next = p + 1 < end ? panel_at(p + 1) : nullptr;
+          const int64_t cols = std::min(kPanel, out_features - p * kPanel);
+          for (int64_t m = m0; m < m_end; m += kRowBlock) {
+            const int64_t rows = std::min<int64_t>(kRowBlock, m_end - m);
+            const int64_t first = K * (m - m0) / (m_end - m0);
+            const int64_t last = K * (m - m0 + rows) / (m_end - m0);
+            rows_tail<kRowBlock, false>(xp + m * K, K, panel, K, nullptr, tile, kPanel, kPanel,
+                                        Prefetch{next, first, last - first}, rows);
+            maxima.fold(tile, m, rows, p * kPanel, cols);
+          }
+        }
+      }
+      std::vector<Best>& best = range_best[range];
+      best.resize(M);
+      for (int64_t r = 0; r < M; ++r) best[r] = maxima.row(r);
+    }
+  });
+  int64_t* result = out.mutable_data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r) {
+    Best best = range_best[0][r];
+    for (int64_t range = 1; range < ranges; ++range) {
+      const Best& other = range_best[range][r];
+      if (other.column >= 0 && (best.column < 0 || beats(other.value, best.value))) best = other;
+    }
+    result[r] = best.column;
+  }
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(vbatch, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None) -> Tensor");
   m.def("pack_swiglu_weight(Tensor weight) -> Tensor");
   m.def("packed_swiglu(Tensor x, Tensor packed, int intermediate, Tensor? bias=None) -> Tensor");
+  m.def(
+      "packed_head_argmax(Tensor x, Tensor[] chunks, int chunk_cols, int out_features) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vbatch, CPU, m) {
@@ -298,6 +433,7 @@ TORCH_LIBRARY_IMPL(vbatch, CPU, m) {
   m.impl("packed_linear", &packed_linear);
   m.impl("pack_swiglu_weight", &pack_swiglu_weight);
   m.impl("packed_swiglu", &packed_swiglu);
+  m.impl("packed_head_argmax", &packed_head_argmax);
 }
 
 }  // namespace vbatch

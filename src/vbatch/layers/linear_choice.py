@@ -105,6 +105,15 @@ def native_swiglu(
     return torch.ops.vbatch.packed_swiglu(x, packed, intermediate, bias)
 
 
+def native_head_argmax(
+    hidden: torch.Tensor, chunks: list[torch.Tensor], out_features: int
+) -> torch.Tensor:
+    """[n] int64: each row's argmax over hidden @ weight^T (the first maximum, as torch.argmax),
+    from head_chunks(weight, "native"), through vbatch::packed_head_argmax: the logits are never
+    written out."""
+    return torch.ops.vbatch.packed_head_argmax(hidden, chunks, HEAD_CHUNK, out_features)
+
+
 def available_backends() -> tuple[str, ...]:
     """BACKENDS, and "native" where the vbatch:: kernels are loaded."""
     return (*BACKENDS, NATIVE) if native.is_available() else BACKENDS
@@ -314,10 +323,15 @@ def _head_candidates(
     rows: int,
     generator: torch.Generator,
 ) -> dict[str, Callable[[], object]]:
+    """The LM head at `rows` rows as greedy decoding runs it through each backend: every vocab
+    tile's row maxima, or the native kernel's argmax fused into its GEMM."""
     hidden = torch.randn(rows, weight.shape[1], generator=generator)
     buffer = hidden.new_empty(rows, HEAD_CHUNK)
 
     def run(backend: str) -> Callable[[], object]:
+        if backend == NATIVE:
+            return lambda: native_head_argmax(hidden, chunks[NATIVE], weight.shape[0])
+
         def maxima() -> object:
             tiles = head_tiles(hidden, weight, buffer, backend, chunks=chunks.get(backend))
             return [tile.max(dim=1) for _, tile in tiles]
@@ -419,6 +433,7 @@ def choose_linear_backends(
         "rows": list(TIMED_ROWS),
         "backends": list(backends),
         "native_in_every_class": True,
+        "native_head": "argmax",
     }
     return cached_choice("linears", key, measure)  # type: ignore[dict-item]
 

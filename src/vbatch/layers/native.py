@@ -164,6 +164,12 @@ def _register_fakes() -> None:
     ) -> torch.Tensor:
         return x.new_empty(x.shape[0], intermediate)
 
+    @torch.library.register_fake("vbatch::packed_head_argmax")
+    def _packed_head_argmax_fake(
+        x: torch.Tensor, chunks: list[torch.Tensor], chunk_cols: int, out_features: int
+    ) -> torch.Tensor:
+        return x.new_empty(x.shape[0], dtype=torch.int64)
+
     @torch.library.register_fake("vbatch::rms_norm")
     def _rms_norm_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return x.new_empty(x.shape)

@@ -23,6 +23,7 @@ from vbatch.layers.linear_choice import (
     ChosenLinear,
     head_chunks,
     head_tiles,
+    native_head_argmax,
     row_class,
 )
 from vbatch.layers.lora import LoraLinear
@@ -543,10 +544,14 @@ class LlamaForCausalLM(nn.Module):
         # NOTE: a [n, vocab] float32 tensor (50 MB at n = 256) evicts every cache each step;
         # one chunk's scores stay in cache and are reduced before the next chunk is computed.
         num_rows = hidden.shape[0]
+        backend = self._head_backend(num_rows)
+        if backend == NATIVE:
+            chunks = self._head_chunks(backend)
+            assert chunks is not None
+            return native_head_argmax(hidden, chunks, weight.shape[0])
         scores = hidden.new_empty(num_rows, LM_HEAD_CHUNK)
         best_value = hidden.new_full((num_rows,), float("-inf"))
         best_index = torch.zeros(num_rows, dtype=torch.int64)
-        backend = self._head_backend(num_rows)
         for start, chunk in head_tiles(
             hidden, weight, scores, backend, chunks=self._head_chunks(backend)
         ):
