@@ -24,7 +24,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -158,6 +157,30 @@ at::Tensor pack_panels(const at::Tensor& weight, int64_t panels, F source_row) {
   return packed;
 }
 
+// Visits panels [begin, end) of x [M, K]'s rows in blocks whose inputs stay in L2 while the
+// panels stream past them (a decode batch is one block, so its weights are read once):
+// block(p, panel, m, rows, prefetch) for each kRowBlock rows from m, panel_at(p) being panel p.
+// A panel's row blocks split the next panel's prefetch between them (Prefetch).
+template <typename PanelAt, typename Block>
+void walk_panels(int64_t M, int64_t K, int64_t begin, int64_t end, const PanelAt& panel_at,
+                 const Block& block) {
+  const int64_t block_rows =
+      std::max<int64_t>(kRowBlock, kRowBlockBytes / (K * 4) / kRowBlock * kRowBlock);
+  for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
+    const int64_t m_end = std::min(M, m0 + block_rows);
+    for (int64_t p = begin; p < end; ++p) {
+      const float* panel = panel_at(p);
+      const float* next = p + 1 < end ? panel_at(p + 1) : nullptr;
+      for (int64_t m = m0; m < m_end; m += kRowBlock) {
+        const int64_t rows = std::min<int64_t>(kRowBlock, m_end - m);
+        const int64_t first = K * (m - m0) / (m_end - m0);
+        const int64_t last = K * (m - m0 + rows) / (m_end - m0);
+        block(p, panel, m, rows, Prefetch{next, first, last - first});
+      }
+    }
+  }
+}
+
 // x [M, K] through the packed panels: out [M, ldo], panel p's columns going to out columns
 // p * cols_per_panel on; bias_panels (undefined: none) is laid out as the panels' columns.
 template <bool kSwiglu>
@@ -171,28 +194,16 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& packed,
   const float* wp = packed.data_ptr<float>();
   const float* bias_ptr = bias_panels.defined() ? bias_panels.const_data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  // NOTE: rows go in blocks whose inputs stay in L2 while the thread's panels stream past them;
-  // a decode batch is one block, so its weights are read once.
-  const int64_t block_rows =
-      std::max<int64_t>(kRowBlock, kRowBlockBytes / (K * 4) / kRowBlock * kRowBlock);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
-      const int64_t m_end = std::min(M, m0 + block_rows);
-      for (int64_t p = begin; p < end; ++p) {
-        const float* panel = wp + p * K * kPanel;
-        const float* next = p + 1 < end ? panel + K * kPanel : nullptr;
-        const int64_t cols = std::min(cols_per_panel, ldo - p * cols_per_panel);
-        const float* panel_bias = bias_ptr == nullptr ? nullptr : bias_ptr + p * kPanel;
-        for (int64_t m = m0; m < m_end; m += kRowBlock) {
-          const int64_t rows = std::min<int64_t>(kRowBlock, m_end - m);
-          const int64_t first = K * (m - m0) / (m_end - m0);
-          const int64_t last = K * (m - m0 + rows) / (m_end - m0);
-          rows_tail<kRowBlock, kSwiglu>(xp + m * K, K, panel, K, panel_bias,
-                                        op + m * ldo + p * cols_per_panel, ldo, cols,
-                                        Prefetch{next, first, last - first}, rows);
-        }
-      }
-    }
+    walk_panels(M, K, begin, end, [&](int64_t p) { return wp + p * K * kPanel; },
+                [&](int64_t p, const float* panel, int64_t m, int64_t rows,
+                    const Prefetch& prefetch) {
+                  const int64_t cols = std::min(cols_per_panel, ldo - p * cols_per_panel);
+                  const float* panel_bias = bias_ptr == nullptr ? nullptr : bias_ptr + p * kPanel;
+                  rows_tail<kRowBlock, kSwiglu>(xp + m * K, K, panel, K, panel_bias,
+                                                op + m * ldo + p * cols_per_panel, ldo, cols,
+                                                prefetch, rows);
+                });
   });
   return out;
 }
@@ -376,31 +387,20 @@ at::Tensor packed_head_argmax(const at::Tensor& x, at::TensorList chunks, int64_
     return panel_base[g / chunk_panels] + (g % chunk_panels) * K * kPanel;
   };
   const float* xp = input.const_data_ptr<float>();
-  const int64_t block_rows =
-      std::max<int64_t>(kRowBlock, kRowBlockBytes / (K * 4) / kRowBlock * kRowBlock);
   const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
   std::vector<std::vector<Best>> range_best(ranges);
   at::parallel_for(0, ranges, 1, [&](int64_t range_begin, int64_t range_end) {
     alignas(64) float tile[kRowBlock * kPanel];
     for (int64_t range = range_begin; range < range_end; ++range) {
-      const int64_t begin = panels * range / ranges, end = panels * (range + 1) / ranges;
       LaneMaxima maxima(M);
-      for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
-        const int64_t m_end = std::min(M, m0 + block_rows);
-        for (int64_t p = begin; p < end; ++p) {
-          const float* panel = panel_at(p);
-          const float* next = p + 1 < end ? panel_at(p + 1) : nullptr;
-          const int64_t cols = std::min(kPanel, out_features - p * kPanel);
-          for (int64_t m = m0; m < m_end; m += kRowBlock) {
-            const int64_t rows = std::min<int64_t>(kRowBlock, m_end - m);
-            const int64_t first = K * (m - m0) / (m_end - m0);
-            const int64_t last = K * (m - m0 + rows) / (m_end - m0);
-            rows_tail<kRowBlock, false>(xp + m * K, K, panel, K, nullptr, tile, kPanel, kPanel,
-                                        Prefetch{next, first, last - first}, rows);
-            maxima.fold(tile, m, rows, p * kPanel, cols);
-          }
-        }
-      }
+      walk_panels(M, K, panels * range / ranges, panels * (range + 1) / ranges, panel_at,
+                  [&](int64_t p, const float* panel, int64_t m, int64_t rows,
+                      const Prefetch& prefetch) {
+                    rows_tail<kRowBlock, false>(xp + m * K, K, panel, K, nullptr, tile, kPanel,
+                                                kPanel, prefetch, rows);
+                    maxima.fold(tile, m, rows, p * kPanel,
+                                std::min(kPanel, out_features - p * kPanel));
+                  });
       std::vector<Best>& best = range_best[range];
       best.resize(M);
       for (int64_t r = 0; r < M; ++r) best[r] = maxima.row(r);
