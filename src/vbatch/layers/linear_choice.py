@@ -300,12 +300,14 @@ def _transposed_mlp(
     return lambda: (torch.mm(gate_up, x_t), torch.mm(down, act_t)[:, :rows].t().contiguous())
 
 
-def _linear_candidates(
+def linear_candidates(
     weight: torch.Tensor,
     prepared: dict[str, torch.Tensor],
     rows: int,
     generator: torch.Generator,
 ) -> dict[str, Callable[[], object]]:
+    """A float32 linear of `weight` [out, in] at `rows` random rows through each backend, from
+    `prepared` (prepared_weight's copies; "native" only where given)."""
     x = torch.randn(rows, weight.shape[1], generator=generator)
     out_features = weight.shape[0]
     candidates: dict[str, Callable[[], object]] = {
@@ -360,7 +362,7 @@ def _role_sets(
         }
     prepared = {b: prepared_weight(weight, b) for b in copied}
     return {
-        f"{role}@{rows}": _linear_candidates(weight, prepared, rows, generator)
+        f"{role}@{rows}": linear_candidates(weight, prepared, rows, generator)
         for rows in TIMED_ROWS
     }
 
