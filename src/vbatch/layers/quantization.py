@@ -155,19 +155,14 @@ def _time_backends(shapes: list[tuple[int, int]]) -> dict[str, object]:
         layers = {name: Int8DynamicLinear(weight, None, name) for name in backends}
         prepared = {name: prepared_weight(weight, name) for name in fp32_backends}
         for batch in TIMED_BATCHES:
-            fp32 = linear_candidates(weight, prepared, batch, generator)
+            fp32_gemms = linear_candidates(weight, prepared, batch, generator)
             x = torch.randn(batch, in_features, generator=generator)
-            candidates = {f"{FP32_PREFIX}{name}": fn for name, fn in fp32.items()}
+            candidates = {f"{FP32_PREFIX}{name}": fn for name, fn in fp32_gemms.items()}
             candidates |= {name: (lambda x=x, m=m: m(x)) for name, m in layers.items()}
             sets[f"{index}@{batch}"] = candidates
-    timed = fastest_ms(sets).values()
-    totals = {name: sum(ms[name] for ms in timed) for name in backends}
-    totals = {
-        "fp32": sum(
-            min(t for name, t in ms.items() if name.startswith(FP32_PREFIX)) for ms in timed
-        ),
-        **totals,
-    }
+    timed = list(fastest_ms(sets).values())
+    fp32_ms = sum(min(t for name, t in ms.items() if name.startswith(FP32_PREFIX)) for ms in timed)
+    totals = {"fp32": fp32_ms} | {name: sum(ms[name] for ms in timed) for name in backends}
     best = min(backends, key=lambda name: totals[name])
     return {
         "backend": best,
