@@ -4,6 +4,7 @@ threads, and each step's token bitmask, filled in another while the forward pass
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import itertools
 import os
@@ -11,7 +12,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,8 +50,10 @@ class GrammarCache:
     """Compiles constraints in worker threads, each distinct one once (by content, LRU).
 
     Waiting compiles run smallest first, so a small schema is not queued behind a big one while
-    a worker is free. A compile past `budget_s` fails its requests (and a fresh worker takes its
-    place). Workers run at the lowest CPU priority, so they never slow the engine's own threads.
+    a worker is free. A compile that has used `budget_s` seconds of CPU fails its requests, and a
+    fresh worker takes its place while it runs on. Workers run at the lowest CPU priority, so they
+    never slow the engine's own threads; the budget counts CPU, not wall time, so that whether a
+    constraint fails does not depend on how busy the machine is.
     The tokenizer's vocabulary is read on the first compile, so a job without structured output
     never pays for it. A failed compile's future raises GrammarError.
     """
@@ -72,10 +75,12 @@ class GrammarCache:
         self._lock = threading.Condition()
         self._compiler_lock = threading.Lock()
         self._count = itertools.count()
-        # NOTE: each running compile's start (None while the tokenizer is being read).
-        self._running: dict[Future[CompiledGrammar], float | None] = {}
+        # NOTE: each running compile's thread clock and its reading at the start (None while the
+        # tokenizer is being read).
+        self._running: dict[Future[CompiledGrammar], tuple[Callable[[], float], float] | None] = {}
         self._num_workers = 0
-        self._max_workers = NUM_COMPILE_WORKERS
+        # NOTE: workers still computing a compile the budget failed; they take no queued work.
+        self._num_late = 0
         self._closed = False
 
     def get(self, spec: StructuredOutput) -> Future[CompiledGrammar]:
@@ -98,17 +103,16 @@ class GrammarCache:
         return future
 
     def check_budget(self) -> None:
-        """Fail each compile that has run past the budget; a new worker replaces its own."""
-        now = time.monotonic()
+        """Fail each compile that has used its budget; a new worker replaces its own."""
         with self._lock:
             late = [
                 f
-                for f, start in self._running.items()
-                if start is not None and now - start > self.budget_s
+                for f, started in self._running.items()
+                if started is not None and started[0]() - started[1] > self.budget_s
             ]
             for future in late:
                 del self._running[future]
-                self._max_workers += 1
+                self._num_late += 1
             if late:
                 self._start_workers()
         for future in late:
@@ -116,7 +120,7 @@ class GrammarCache:
                 future,
                 error=GrammarError(
                     f"the constraint did not compile within the {self.budget_s:g} s compile "
-                    "budget per constraint"
+                    "budget per constraint (CPU seconds of its compile thread)"
                 ),
             )
 
@@ -129,7 +133,8 @@ class GrammarCache:
             self._lock.notify_all()
 
     def _start_workers(self) -> None:
-        while self._num_workers < min(self._max_workers, len(self._queue) + len(self._running)):
+        wanted = min(NUM_COMPILE_WORKERS, len(self._queue) + len(self._running))
+        while self._num_workers - self._num_late < wanted:
             self._num_workers += 1
             threading.Thread(target=self._work, name="vbatch-grammar", daemon=True).start()
 
@@ -138,7 +143,7 @@ class GrammarCache:
         while True:
             with self._lock:
                 while not self._queue and not self._closed:
-                    is_spare = self._num_workers > self._max_workers
+                    is_spare = self._num_workers - self._num_late > NUM_COMPILE_WORKERS
                     if is_spare or (not self._lock.wait(5.0) and not self._queue):
                         self._num_workers -= 1
                         return
@@ -156,14 +161,15 @@ class GrammarCache:
                     del self._running[future]
                 else:
                     # NOTE: the budget failed this compile and let a new worker take its place.
-                    self._max_workers -= 1
+                    self._num_late -= 1
 
     def _compile(self, spec: StructuredOutput, future: Future[CompiledGrammar]) -> CompiledGrammar:
         with self._compiler_lock:
             compiler = self._compiler or self._make_compiler()
+        clock = _thread_cpu_clock()
         with self._lock:
             if future in self._running:
-                self._running[future] = time.monotonic()
+                self._running[future] = (clock, clock())
         try:
             if spec.json_schema is not None:
                 assert isinstance(spec.json_schema, str)
@@ -204,6 +210,16 @@ def _settle(future: Future[Any], result: Any = None, error: BaseException | None
             future.set_exception(error)
         else:
             future.set_result(result)
+
+
+def _thread_cpu_clock() -> Callable[[], float]:
+    """A clock, readable from any thread, of the CPU seconds the calling thread has used (wall
+    time where the platform has no per-thread CPU clock)."""
+    try:
+        clock_id = time.pthread_getcpuclockid(threading.get_ident())
+    except (AttributeError, OSError):
+        return time.monotonic
+    return functools.partial(time.clock_gettime, clock_id)
 
 
 def _lowest_priority() -> None:
