@@ -20,5 +20,5 @@ mkdir -p "$stub_dir"
 echo "#define C10_CUDA_BUILD_SHARED_LIBS" > "$stub_dir/cuda_cmake_macros.h"
 torch_flags+=("-I$out_dir/include")
 "$nvcc_bin" -c "$csrc_dir/cuda/paged_attention.cu" -o "$out_dir/paged_attention.o" \
-  -std=c++20 -O3 -arch="$arch" -Xcompiler -fPIC -Werror all-warnings "${torch_flags[@]}"
+  -std=c++20 -O3 -arch="$arch" -Xcompiler -fPIC -Werror all-warnings ${NVCC_EXTRA:-} "${torch_flags[@]}"
 echo "nvcc compile OK ($arch)"

@@ -1,9 +1,10 @@
 // CUDA kernels for vbatch::paged_attention and vbatch::reshape_and_cache.
 //
-// Attention runs one thread block per (token, head). Each warp walks every kNumWarps-th context
-// position, reading the K/V row through the block table (lanes split head_dim, so loads are
-// coalesced) and keeping an online softmax in registers; the warps merge their partial
-// (max, sum, acc) states through shared memory at the end. A sliding window (> 0) starts the
+// Attention runs one thread block per (token, head). Each warp takes kRowsPerStep consecutive
+// context positions at a time, every kNumWarps * kRowsPerStep-th, and reads their K/V rows through
+// the block table (lanes split head_dim, so loads are coalesced) with all of the step's loads in
+// flight at once, then folds the step into an online softmax kept in registers; the warps merge
+// their partial (max, sum, acc) states through shared memory at the end. A sliding window (> 0) starts the
 // walk at the query's window; a soft cap (> 0) maps each scaled score s to cap * tanh(s / cap).
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -21,6 +22,9 @@ constexpr int kNumWarps = 4;
 constexpr int kNumThreads = kWarpSize * kNumWarps;
 constexpr int kMaxHeadDim = 256;
 constexpr int kDimsPerLane = kMaxHeadDim / kWarpSize;
+// NOTE: one position per warp at a time left the kernel bound by the latency of its dependent
+// loads (block table, then K, then a reduction) at over 30x its memory time on an H200.
+constexpr int kRowsPerStep = 8;
 constexpr int kCacheThreads = 256;
 
 __device__ __forceinline__ float warp_sum(float x) {
@@ -73,6 +77,12 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
   }
   __syncthreads();
 
+  float q_reg[kDimsPerLane];
+#pragma unroll
+  for (int i = 0; i < kDimsPerLane; ++i) {
+    const int d = lane + i * kWarpSize;
+    q_reg[i] = d < head_dim ? q_s[d] : 0.0f;
+  }
   float running_max = -INFINITY, running_sum = 0.0f;
   float acc[kDimsPerLane];
 #pragma unroll
@@ -80,27 +90,53 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
 
   // NOTE: transformers' sliding window: key k is seen from query q when q - window < k <= q.
   const int first_pos = sliding_window > 0 ? max(0, context_len - sliding_window) : 0;
-  for (int pos = first_pos + warp; pos < context_len; pos += kNumWarps) {
-    const int64_t slot =
-        static_cast<int64_t>(block_table[pos / block_size]) * block_size + pos % block_size;
-    const int64_t row = slot * row_stride + static_cast<int64_t>(kv_head) * head_dim;
-    float dot = 0.0f;
+  // NOTE: a step's first position is always in the context, so its max is finite; positions past
+  // the context read the last row again (in bounds, so every load can be issued at once) and
+  // score -inf, which weighs them 0.
+  for (int base = first_pos + warp * kRowsPerStep; base < context_len;
+       base += kNumWarps * kRowsPerStep) {
+    int64_t rows[kRowsPerStep];
 #pragma unroll
-    for (int i = 0; i < kDimsPerLane; ++i) {
-      const int d = lane + i * kWarpSize;
-      if (d < head_dim) dot += q_s[d] * static_cast<float>(k_cache[row + d]);
+    for (int u = 0; u < kRowsPerStep; ++u) {
+      const int pos = min(base + u, context_len - 1);
+      const int64_t slot =
+          static_cast<int64_t>(block_table[pos / block_size]) * block_size + pos % block_size;
+      rows[u] = slot * row_stride + static_cast<int64_t>(kv_head) * head_dim;
     }
-    float score = warp_sum(dot);
-    if (softcap > 0.0f) score = softcap * tanhf(score / softcap);
-    const float new_max = fmaxf(running_max, score);
-    const float correction = expf(running_max - new_max);
-    const float p = expf(score - new_max);
-    running_sum = running_sum * correction + p;
-    running_max = new_max;
+    float scores[kRowsPerStep];
 #pragma unroll
-    for (int i = 0; i < kDimsPerLane; ++i) {
-      const int d = lane + i * kWarpSize;
-      if (d < head_dim) acc[i] = acc[i] * correction + p * static_cast<float>(v_cache[row + d]);
+    for (int u = 0; u < kRowsPerStep; ++u) {
+      float dot = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kDimsPerLane; ++i) {
+        const int d = lane + i * kWarpSize;
+        if (d < head_dim) dot += q_reg[i] * static_cast<float>(k_cache[rows[u] + d]);
+      }
+      scores[u] = dot;
+    }
+    float step_max = -INFINITY;
+#pragma unroll
+    for (int u = 0; u < kRowsPerStep; ++u) {
+      float score = warp_sum(scores[u]);
+      if (softcap > 0.0f) score = softcap * tanhf(score / softcap);
+      scores[u] = base + u < context_len ? score : -INFINITY;
+      step_max = fmaxf(step_max, scores[u]);
+    }
+    const float new_max = fmaxf(running_max, step_max);
+    const float correction = expf(running_max - new_max);
+    running_max = new_max;
+    running_sum *= correction;
+#pragma unroll
+    for (int i = 0; i < kDimsPerLane; ++i) acc[i] *= correction;
+#pragma unroll
+    for (int u = 0; u < kRowsPerStep; ++u) {
+      const float p = expf(scores[u] - new_max);
+      running_sum += p;
+#pragma unroll
+      for (int i = 0; i < kDimsPerLane; ++i) {
+        const int d = lane + i * kWarpSize;
+        if (d < head_dim) acc[i] += p * static_cast<float>(v_cache[rows[u] + d]);
+      }
     }
   }
 
