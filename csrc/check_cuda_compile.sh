@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Compile-only check of the CUDA kernels with nvcc (no GPU needed); exits non-zero on any error.
+# CUDA_ARCH picks the target (sm_80); NVCC_EXTRA adds flags, such as "-Xptxas -v" for register counts.
 set -euo pipefail
 csrc_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 nvcc_bin="${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
