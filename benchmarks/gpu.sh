@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One command for a GPU machine (about 5 minutes): every gpu-marked test, a CLI job on CUDA,
+# One command for a GPU machine (about 5 minutes): every gpu-marked test, decode attention alone,
+# a CLI job on CUDA,
 # step times with one profiled prefill step, vbatch throughput on CUDA (CUDA graphs, eager, async
 # scheduling) against HF `generate` on the same GPU, and vLLM offline on the same prompts when
 # vLLM imports.
@@ -26,6 +27,10 @@ time timeout 300 "$PYTHON" -c "from vbatch.layers import native; print(native.is
 echo "== gpu tests"
 mapfile -t gpu_files < <(grep -l "mark.gpu" tests/test_*.py)
 timeout 240 "$PYTHON" -m pytest -m gpu -q -ra -p no:cacheprovider "${gpu_files[@]}"
+
+echo "== decode attention alone, checked against float32 attention"
+timeout 60 "$PYTHON" -m benchmarks.cuda_attention
+timeout 60 "$PYTHON" -m benchmarks.cuda_attention --context 1000 --num-seqs 64 | tail -1
 
 echo "== a CLI job on CUDA"
 out_dir="$(mktemp -d)"
