@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# One command for a GPU machine (about 5 minutes): every gpu-marked test, decode attention alone,
-# a CLI job on CUDA,
-# step times with one profiled prefill step, vbatch throughput on CUDA (CUDA graphs, eager, async
-# scheduling) against HF `generate` on the same GPU, and vLLM offline on the same prompts when
-# vLLM imports.
+# One command for a GPU machine (about 5 minutes): every gpu-marked test, decode attention
+# alone, a CLI job on CUDA, step times with one profiled prefill step, vbatch throughput on
+# CUDA (CUDA graphs, eager, async scheduling) against HF `generate` on the same GPU, and vLLM
+# offline on the same prompts when vLLM imports.
 #   bash benchmarks/gpu.sh [NUM_PROMPTS=256] [MAX_TOKENS=128]
 # MODEL (an HF directory or .gguf file) picks the model; by default the bundled SmolLM2-135M.
 set -uo pipefail
