@@ -35,6 +35,28 @@ def test_jsonl_rows_skip_blank_lines_and_keep_line_numbers(tmp_path: Path) -> No
     assert rows[1].error is not None and rows[1].error.startswith("line 3: invalid JSON")
 
 
+def test_a_byte_order_mark_and_crlf_line_ends_are_read_as_windows_tools_write_them(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\r\n\r\n{"prompt": "b"}\r\n')
+    rows = list(InputReader(path, None, ColumnOptions()).rows(PARSER))
+    assert [(r.prompt, r.location, r.error) for r in rows] == [
+        ("a", "line 1", None),
+        ("b", "line 3", None),
+    ]
+    gz = tmp_path / "in.jsonl.gz"
+    gz.write_bytes(gzip.compress(b'\xef\xbb\xbf{"prompt": "c"}\n'))
+    assert [r.prompt for r in InputReader(gz, None, ColumnOptions()).rows(PARSER)] == ["c"]
+
+
+def test_a_byte_order_mark_before_a_json_array_still_gets_the_hint(tmp_path: Path) -> None:
+    path = tmp_path / "in.json"
+    path.write_bytes(b'\xef\xbb\xbf[{"prompt": "a"}, {"prompt": "b"}]\n')
+    with pytest.raises(InputError, match="looks like a JSON array"):
+        InputReader(path, None, ColumnOptions())
+
+
 def test_skip_set_is_not_decoded(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "in.jsonl", [f'{{"prompt": "p{i}"}}' for i in range(10)])
     skip = IndexSet()

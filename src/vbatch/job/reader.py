@@ -30,6 +30,8 @@ _COLUMN_CHECK_ROWS = 100
 _READ_BYTES = 1 << 16
 MAX_KEYS = 1000
 _PEEK_BYTES = 1 << 20
+# NOTE: Windows tools (PowerShell's Out-File, Excel's CSV/UTF-8 export) begin a file with it.
+_UTF8_BOM = b"\xef\xbb\xbf"
 
 
 def detect_format(path: Path, input_format: str | None) -> str:
@@ -164,7 +166,7 @@ class InputReader:
         array stays an error row."""
         try:
             with self._open_text() as f:
-                first = f.readline(_PEEK_BYTES)
+                first = f.readline(_PEEK_BYTES).removeprefix(_UTF8_BOM)
                 while first and first.isspace():
                     first = f.readline(_PEEK_BYTES)
         except (OSError, EOFError, zlib.error, CorruptInput, InputError):
@@ -239,7 +241,9 @@ class InputReader:
         try:
             with self._open_text() as f:
                 for line_number, line in enumerate(f, start=1):
-                    if line.isspace():
+                    if line_number == 1:
+                        line = line.removeprefix(_UTF8_BOM)
+                    if not line or line.isspace():
                         continue
                     if limit is not None and index >= limit:
                         return
