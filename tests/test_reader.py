@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import subprocess
 from pathlib import Path
 
 import orjson
@@ -96,9 +97,25 @@ def test_missing_input_and_unreadable_parquet(tmp_path: Path) -> None:
     bad.write_bytes(b"not parquet at all")
     with pytest.raises(InputError, match="cannot read Parquet"):
         InputReader(bad, None, ColumnOptions())
-    with pytest.raises(InputError, match="cannot tell the format"):
-        detect_format(tmp_path / "x.csv", None)
+    with pytest.raises(
+        InputError, match=r"cannot tell the format .* --input-format jsonl\|parquet"
+    ):
+        detect_format(tmp_path / "x.txt", None)
     assert detect_format(tmp_path / "x.csv", "jsonl") == "jsonl"
+
+
+@pytest.mark.parametrize(
+    ("name", "text"), [("in.csv", "id,prompt\n7,a b\n"), ("in.tsv", "id\tprompt\n7\ta b\n")]
+)
+def test_a_table_gets_a_conversion_command_that_works(tmp_path: Path, name: str, text: str) -> None:
+    table = tmp_path / name
+    table.write_text(text)
+    with pytest.raises(InputError, match="delimited text table") as raised:
+        detect_format(table, None)
+    command = str(raised.value).split("Convert it with pyarrow (installed with vbatch): ")[1]
+    subprocess.run(command, shell=True, cwd=tmp_path, check=True)
+    rows = list(InputReader(tmp_path / "in.parquet", None, ColumnOptions()).rows(PARSER))
+    assert [(r.id, r.prompt) for r in rows] == [(7, "a b")]
 
 
 def test_unknown_columns_are_refused_before_any_work(tmp_path: Path) -> None:

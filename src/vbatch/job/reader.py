@@ -24,6 +24,7 @@ from vbatch.job.shard import Shard
 INPUT_FORMATS = ("jsonl", "parquet")
 _JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 _PARQUET_SUFFIXES = (".parquet", ".pq")
+_TABLE_SUFFIXES = (".csv", ".tsv")
 _PARQUET_BATCH_ROWS = 1024
 _ROW_COLUMNS = ("prompt", "messages", "id", "custom_id", "sampling_params", "url", "method", "body")
 _COLUMN_CHECK_ROWS = 100
@@ -44,7 +45,18 @@ def detect_format(path: Path, input_format: str | None) -> str:
         return "jsonl"
     if name.endswith(_PARQUET_SUFFIXES):
         return "parquet"
-    raise InputError(f"cannot tell the format of {path} from its name; pass --input-format")
+    if name.endswith(_TABLE_SUFFIXES):
+        options = ", parse_options=c.ParseOptions(delimiter='\\t')" if name.endswith(".tsv") else ""
+        raise InputError(
+            f"{path} is a delimited text table; vbatch reads JSON Lines or Parquet. Convert it "
+            f'with pyarrow (installed with vbatch): python -c "import pyarrow.csv as c, '
+            f"pyarrow.parquet as p, sys; p.write_table(c.read_csv(sys.argv[1]{options}), "
+            f'sys.argv[2])" {shlex.quote(str(path))} {shlex.quote(Path(name).stem + ".parquet")}'
+        )
+    raise InputError(
+        f"cannot tell the format of {path} from its name (.jsonl, .ndjson, .json, .parquet or "
+        f".pq, optionally .gz or .zst); pass --input-format {'|'.join(INPUT_FORMATS)}"
+    )
 
 
 class CorruptInput(Exception):
