@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Compile-only check of the CUDA kernels with nvcc (no GPU needed); exits non-zero on any error.
-# CUDA_ARCH picks the target (sm_80); NVCC_EXTRA adds flags, such as "-Xptxas -v" for register counts.
+# CUDA_ARCH picks the target (sm_80); NVCC_EXTRA adds flags, such as "-Xptxas -v" for the
+# kernels' register counts.
 set -euo pipefail
 csrc_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 nvcc_bin="${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
@@ -21,5 +22,6 @@ mkdir -p "$stub_dir"
 echo "#define C10_CUDA_BUILD_SHARED_LIBS" > "$stub_dir/cuda_cmake_macros.h"
 torch_flags+=("-I$out_dir/include")
 "$nvcc_bin" -c "$csrc_dir/cuda/paged_attention.cu" -o "$out_dir/paged_attention.o" \
-  -std=c++20 -O3 -arch="$arch" -Xcompiler -fPIC -Werror all-warnings ${NVCC_EXTRA:-} "${torch_flags[@]}"
+  -std=c++20 -O3 -arch="$arch" -Xcompiler -fPIC -Werror all-warnings \
+  ${NVCC_EXTRA:-} "${torch_flags[@]}"
 echo "nvcc compile OK ($arch)"

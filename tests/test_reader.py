@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gzip
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import orjson
@@ -113,6 +115,7 @@ def test_a_table_gets_a_conversion_command_that_works(tmp_path: Path, name: str,
     with pytest.raises(InputError, match="delimited text table") as raised:
         detect_format(table, None)
     command = str(raised.value).split("Convert it with pyarrow (installed with vbatch): ")[1]
+    command = command.replace("python -c", f"{shlex.quote(sys.executable)} -c", 1)
     subprocess.run(command, shell=True, cwd=tmp_path, check=True)
     rows = list(InputReader(tmp_path / "in.parquet", None, ColumnOptions()).rows(PARSER))
     assert [(r.id, r.prompt) for r in rows] == [(7, "a b")]

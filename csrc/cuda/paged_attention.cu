@@ -1,11 +1,12 @@
 // CUDA kernels for vbatch::paged_attention and vbatch::reshape_and_cache.
 //
 // Attention runs one thread block per (token, head). Each warp takes kRowsPerStep consecutive
-// context positions at a time, every kNumWarps * kRowsPerStep-th, and reads their K/V rows through
-// the block table (lanes split head_dim, so loads are coalesced) with all of the step's loads in
-// flight at once, then folds the step into an online softmax kept in registers; the warps merge
-// their partial (max, sum, acc) states through shared memory at the end. A sliding window (> 0) starts the
-// walk at the query's window; a soft cap (> 0) maps each scaled score s to cap * tanh(s / cap).
+// context positions at a time, every kNumWarps * kRowsPerStep-th, and reads their K/V rows
+// through the block table (lanes split head_dim, so loads are coalesced) with all of the step's
+// loads in flight at once, then folds the step into an online softmax kept in registers; the
+// warps merge their partial (max, sum, acc) states through shared memory at the end. A sliding
+// window (> 0) starts the walk at the query's window; a soft cap (> 0) maps each scaled score s
+// to cap * tanh(s / cap).
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

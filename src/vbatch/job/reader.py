@@ -31,7 +31,8 @@ _COLUMN_CHECK_ROWS = 100
 _READ_BYTES = 1 << 16
 MAX_KEYS = 1000
 _PEEK_BYTES = 1 << 20
-# NOTE: Windows tools (PowerShell's Out-File, Excel's CSV/UTF-8 export) begin a file with it.
+# NOTE: Windows tools begin a UTF-8 text file with it (Windows PowerShell's `Out-File -Encoding
+# utf8`, Notepad's "UTF-8 with BOM").
 _UTF8_BOM = b"\xef\xbb\xbf"
 
 
