@@ -105,7 +105,8 @@ def test_openai_completions_line() -> None:
         ({"prompt": "x", "sampling_params": {"max_tokens": "9"}}, "max_tokens must be an integer"),
         ({"prompt": "x", "sampling_params": {"bogus": 1}}, "unknown sampling parameter"),
         ({"prompt": "x", "sampling_params": [1]}, "sampling_params must be an object"),
-        ({"prompt": "x", "id": 1.5}, "id column 'id' must hold a string or an integer"),
+        ({"prompt": "x", "id": 1.5}, "id column 'id' must hold a string or an integer, got 1.5"),
+        ({"prompt": "x", "custom_id": 1.5}, "id column 'custom_id' must hold a string or an"),
         ({"custom_id": "a", "url": "/v1/moderations", "body": {}}, "url must be one of"),
         ({"custom_id": "a", "url": "/v1/embeddings", "body": {}}, "body.input must be"),
         (
@@ -232,3 +233,12 @@ def test_responses_lines_are_error_rows_naming_the_supported_urls() -> None:
     row = parse({"custom_id": "r", "url": "/v1/responses", "body": {"input": "x"}})
     assert row.error is not None and "/v1/chat/completions" in row.error
     assert "/v1/responses" in row.error
+
+
+@pytest.mark.parametrize(("value", "has_hint"), [(3.0, True), (1.5, False), (None, False)])
+def test_an_integral_float_id_says_where_it_comes_from(value: float | None, has_hint: bool) -> None:
+    row = RowParser(ColumnOptions(), SamplingParams()).parse(
+        {"prompt": "x", "id": value}, 0, "row 1"
+    )
+    assert row.id is None and row.error is not None
+    assert ("pandas stores integer ids as float64" in row.error) == has_hint, row.error

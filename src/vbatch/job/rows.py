@@ -103,6 +103,17 @@ def is_openai_record(record: dict[str, Any]) -> bool:
     return "body" in record and ("url" in record or "custom_id" in record)
 
 
+def bad_id_message(column: str, value: Any) -> str:
+    """Why a row's id cannot be used, with the fix where the cause is a common one."""
+    message = f"id column {column!r} must hold a string or an integer, got {value!r}"
+    if isinstance(value, float) and value.is_integer():
+        message += (
+            " (a float: pandas stores integer ids as float64 once one is missing; "
+            "write them as int64 or as strings)"
+        )
+    return message
+
+
 class RowParser:
     """Parses raw records with fixed column options, default sampling params and the run's
     chat-template variables (a row's own `chat_template_kwargs` are merged over them).
@@ -127,13 +138,18 @@ class RowParser:
         self.model_names = model_names
         self.openai_defaults = openai_defaults or defaults
 
+    def id_column(self, record: dict[str, Any]) -> str | None:
+        """The column a row's id is read from: the id column, else `id`, else `custom_id`, else
+        none (the id is the input index)."""
+        if self.options.id_column is not None:
+            return self.options.id_column
+        return next((c for c in ("id", "custom_id") if c in record), None)
+
     def row_id(self, record: dict[str, Any], index: int) -> str | int | None:
-        """The row's id: the id column, else `id`, else `custom_id`, else the input index."""
-        column = self.options.id_column
+        """The row's id (see id_column), None where its value is not a string or an integer."""
+        column = self.id_column(record)
         if column is None:
-            column = next((c for c in ("id", "custom_id") if c in record), None)
-            if column is None:
-                return index
+            return index
         value = record.get(column)
         if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
             return value
@@ -151,11 +167,9 @@ class RowParser:
         row = InputRow(index, location, self.row_id(record, index))
         try:
             if row.id is None:
-                column = self.options.id_column or "id"
-                raise RowError(
-                    f"id column {column!r} must hold a string or an integer, "
-                    f"got {record.get(column)!r}"
-                )
+                column = self.id_column(record)
+                assert column is not None  # NOTE: without an id column the id is the index.
+                raise RowError(bad_id_message(column, record.get(column)))
             if is_openai_record(record):
                 self._parse_openai(record, row)
             else:
