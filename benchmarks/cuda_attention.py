@@ -90,11 +90,13 @@ def main() -> None:
         end.synchronize()
         times_ms.append(start.elapsed_time(end))
     per_layer_us = statistics.median(times_ms) * 1e3 / args.num_layers
-    row_bytes = HEADS[1] * HEADS[2] * 2 * 2
-    layer_bytes = int(meta.seq_lens.sum()) * row_bytes
+    num_heads, num_kv_heads, head_dim = HEADS
+    # NOTE: a position's K and V rows of its KV heads, in bfloat16.
+    position_bytes = 2 * num_kv_heads * head_dim * torch.bfloat16.itemsize
+    layer_bytes = int(meta.seq_lens.sum()) * position_bytes
     print(
         f"{torch.cuda.get_device_name()}: {args.num_seqs} decode rows x ~{args.context} tokens, "
-        f"H=9 KVH=3 D=64, bfloat16, {args.num_layers} layers"
+        f"H={num_heads} KVH={num_kv_heads} D={head_dim}, bfloat16, {args.num_layers} layers"
     )
     print(
         f"paged attention: {per_layer_us:.1f} us a layer (median of {args.num_steps} steps), "
