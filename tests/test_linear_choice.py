@@ -153,6 +153,63 @@ def test_the_choice_is_measured_once_per_machine_and_shapes(
         choose_linear_backends({**weights, "o": torch.randn(32, 96)})
 
 
+@pytest.mark.parametrize("rows", [1, 30, 600])
+def test_swiglu_candidates_each_compute_the_mlp_activation(rows: int) -> None:
+    """Timed with its activation, each side of a SwiGLU gate/up projection does the MLP's whole
+    work: silu(gate) * up, from the GEMM then vbatch::silu_mul, or from the fused native kernel."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(2 * 40, 48, generator=generator)
+    prepared = {
+        "onednn": linear_choice.onednn_weight(weight),
+        "native": torch.ops.vbatch.pack_swiglu_weight(weight),
+    }
+    candidates = linear_choice.swiglu_candidates(
+        weight, prepared, rows, torch.Generator().manual_seed(0)
+    )
+    x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(0))
+    gate, up = F.linear(x, weight).split(40, dim=-1)
+    expected = F.silu(gate) * up
+    assert set(candidates) == {"torch", "onednn", "native"}
+    for backend, run in candidates.items():
+        got = run()
+        assert isinstance(got, torch.Tensor) and got.shape == (rows, 40), backend
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=backend)
+
+
+def test_a_swiglu_mlp_times_gate_up_with_its_activation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernel_choice, "free_cpus_while", lambda work, *_: (work(), 64.0))
+    weights = {
+        "qkv": torch.randn(96, 32),
+        "o": torch.randn(32, 32),
+        "gate_up": torch.randn(128, 32),
+        "down": torch.randn(32, 64),
+    }
+    timed: list[str] = []
+    fastest = linear_choice.fastest_ms
+
+    def recording(sets: dict[str, dict[str, object]]) -> dict[str, dict[str, float]]:
+        timed.extend(
+            f"{key}:{getattr(fn, '__qualname__', '')}"
+            for key, fns in sets.items()
+            for fn in fns.values()
+        )
+        return fastest(sets)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(linear_choice, "fastest_ms", recording)
+    plain = choose_linear_backends(weights)
+    gate_up_plain = [t for t in timed if t.startswith("gate_up@")]
+    timed.clear()
+    fused = choose_linear_backends(weights, swiglu=True)
+    assert timed, "a SwiGLU MLP's choice is its own cache entry, measured apart"
+    gate_up_fused = [t for t in timed if t.startswith("gate_up@")]
+    assert all("swiglu_candidates" not in t for t in gate_up_plain)
+    assert gate_up_fused and all("swiglu_candidates" in t for t in gate_up_fused)
+    assert set(fused) == set(plain)
+
+
 def test_the_engine_runs_alike_on_either_backend_and_says_which(tiny_model_dir: Path) -> None:
     prompt = list(range(100, 140))
     runs = {}
@@ -227,7 +284,7 @@ def test_copies_are_made_only_where_the_ram_allows(monkeypatch: pytest.MonkeyPat
         },
         **{role: ["native", "native", "native", "onednn", "onednn"] for role in weights},
     }
-    monkeypatch.setattr(linear_choice, "choose_linear_backends", lambda *args: mixed)
+    monkeypatch.setattr(linear_choice, "choose_linear_backends", lambda *args, **kwargs: mixed)
 
     def free_ram(copies_that_fit: float) -> None:
         class Free:
@@ -316,7 +373,7 @@ def test_an_encoder_keeps_the_fastest_backend_per_class(monkeypatch: pytest.Monk
         },
         **{role: ["native", "native", "native", "onednn", "onednn"] for role in weights},
     }
-    monkeypatch.setattr(linear_choice, "choose_linear_backends", lambda *args: measured)
+    monkeypatch.setattr(linear_choice, "choose_linear_backends", lambda *args, **kwargs: measured)
     engine = settle_linears("auto", model, weights)
     encoder = settle_linears("auto", model, weights, transposed_mlp=False, one_copy=False)
     assert engine is not None and encoder is not None

@@ -404,7 +404,7 @@ class ModelRunner:
         if backend == "auto":
             progress("choosing kernels")
         weights = self.model.linear_weights(with_head=has_lm_head)
-        settled = settle_linears(backend, self.model, weights)
+        settled = settle_linears(backend, self.model, weights, swiglu=self.model.fuses_swiglu())
         if settled is not None:
             self.model.use_linear_choice(settled[0], self.packed_store)
             self.kernel_notes.append(settled[1])

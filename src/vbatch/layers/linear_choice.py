@@ -292,12 +292,25 @@ def head_chunks(weight: torch.Tensor, backend: str) -> list[torch.Tensor]:
 
 
 def _transposed_mlp(
-    gate_up: torch.Tensor, down: torch.Tensor, rows: int, generator: torch.Generator
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    rows: int,
+    generator: torch.Generator,
+    swiglu: bool,
 ) -> Callable[[], object]:
+    """LlamaMLP's transposed form at `rows` rows, with its vbatch::silu_mul where `swiglu`."""
     padded = rows + (-rows % PADDED_ROW_MULTIPLE)
     x_t = torch.randn(gate_up.shape[1], padded, generator=generator)
     act_t = torch.randn(down.shape[1], padded, generator=generator)
-    return lambda: (torch.mm(gate_up, x_t), torch.mm(down, act_t)[:, :rows].t().contiguous())
+    intermediate = gate_up.shape[0] // 2
+
+    def run() -> object:
+        gate_up_t = torch.mm(gate_up, x_t)
+        if swiglu:
+            torch.ops.vbatch.silu_mul(gate_up_t[:intermediate], gate_up_t[intermediate:])
+        return torch.mm(down, act_t)[:, :rows].t().contiguous()
+
+    return run
 
 
 def linear_candidates(
@@ -316,6 +329,37 @@ def linear_candidates(
     }
     if NATIVE in prepared:
         candidates[NATIVE] = lambda: native_linear(x, prepared[NATIVE], out_features)
+    return candidates
+
+
+def swiglu_candidates(
+    weight: torch.Tensor,
+    prepared: dict[str, torch.Tensor],
+    rows: int,
+    generator: torch.Generator,
+) -> dict[str, Callable[[], object]]:
+    """silu(gate) * up at `rows` random rows from a gate/up projection `weight` [2I, in] (gate
+    rows, then up rows) as the MLP runs it on each backend: torch's and oneDNN's GEMM, then
+    vbatch::silu_mul over the [rows, 2I] output; the native kernel in one pass from its SwiGLU
+    packing (`prepared[NATIVE]`, pack_swiglu_weight's). At a prefill's row count the separate
+    pass rereads an output larger than the caches (25 MB at 2048 rows of SmolLM2), which a
+    timing of the GEMM alone leaves out."""
+    x = torch.randn(rows, weight.shape[1], generator=generator)
+    intermediate = weight.shape[0] // 2
+
+    def then_silu_mul(gemm: Callable[[], torch.Tensor]) -> Callable[[], object]:
+        def run() -> object:
+            gate, up = gemm().split(intermediate, dim=-1)
+            return torch.ops.vbatch.silu_mul(gate, up)
+
+        return run
+
+    candidates: dict[str, Callable[[], object]] = {
+        "torch": then_silu_mul(lambda: F.linear(x, weight)),
+        "onednn": then_silu_mul(lambda: onednn_linear(x, prepared["onednn"])),
+    }
+    if NATIVE in prepared:
+        candidates[NATIVE] = lambda: native_swiglu(x, prepared[NATIVE], intermediate)
     return candidates
 
 
@@ -349,10 +393,19 @@ def _role_sets(
     backends: tuple[str, ...],
     timed_head_rows: int,
     generator: torch.Generator,
+    swiglu: bool,
 ) -> dict[str, dict[str, Callable[[], object]]]:
-    """The candidates of one projection ("lm_head": the LM head, up to `timed_head_rows` rows)
-    per row class, keyed "role@rows"."""
+    """The candidates of one projection ("lm_head": the LM head, up to `timed_head_rows` rows;
+    "gate_up" with its activation where `swiglu`) per row class, keyed "role@rows"."""
     copied = [b for b in backends if b != "torch"]
+    if role == "gate_up" and swiglu:
+        prepared = {b: prepared_weight(weight, b) for b in copied if b != NATIVE}
+        if NATIVE in copied:
+            prepared[NATIVE] = torch.ops.vbatch.pack_swiglu_weight(weight.detach())
+        return {
+            f"{role}@{rows}": swiglu_candidates(weight, prepared, rows, generator)
+            for rows in TIMED_ROWS
+        }
     if role == "lm_head":
         chunks = {b: head_chunks(weight, b) for b in copied}
         return {
@@ -373,7 +426,10 @@ def _in_turn(*fns: Callable[[], object]) -> Callable[[], object]:
 
 
 def choose_linear_backends(
-    weights: dict[str, torch.Tensor], transposed_mlp: bool = True, timed_head_rows: int = 64
+    weights: dict[str, torch.Tensor],
+    transposed_mlp: bool = True,
+    timed_head_rows: int = 64,
+    swiglu: bool = False,
 ) -> dict[str, Any]:
     """The fastest backend per projection and row class on this machine, from `weights`:
     "qkv", "o", "gate_up" and "down" ([out, in]) of one layer and, if given, "lm_head"
@@ -382,8 +438,10 @@ def choose_linear_backends(
     same rounds (kernel_choice.fastest_ms), then the LM head's classes; if the model has the
     MLP's transposed form (`transposed_mlp`), it is timed next as a pair, interleaved with the
     two GEMMs' own picks run back to back, and taken where it beats them. The LM head is timed
-    up to `timed_head_rows` rows (a step samples few rows), its last class reusing that. Cached
-    per machine and shape set.
+    up to `timed_head_rows` rows (a step samples few rows), its last class reusing that. With
+    `swiglu` (the MLP fuses SiLU and the gate product into the native GEMM: LlamaMLP.fused_silu)
+    gate_up is timed with its activation on every side (swiglu_candidates). Cached per machine
+    and shape set.
 
     Returns {"rows": TIMED_ROWS, "qkv"|"o"|"gate_up"|"down"|"lm_head": [backend per class],
     "mlp": [TRANSPOSED or SEPARATE per class], "ms": ...}."""
@@ -398,7 +456,9 @@ def choose_linear_backends(
         for group in (roles, ["lm_head"] if "lm_head" in weights else []):
             sets: dict[str, dict[str, Callable[[], object]]] = {}
             for role in group:
-                sets |= _role_sets(role, weights[role], backends, timed_head_rows, generator)
+                sets |= _role_sets(
+                    role, weights[role], backends, timed_head_rows, generator, swiglu
+                )
             choice["ms"] |= fastest_ms(sets)
             for role in group:
                 picks: list[str] = []
@@ -414,7 +474,9 @@ def choose_linear_backends(
         # rounds, so that load from another process weighs on both sides alike.
         pairs = {
             f"mlp@{rows}": {
-                TRANSPOSED: _transposed_mlp(weights["gate_up"], weights["down"], rows, generator),
+                TRANSPOSED: _transposed_mlp(
+                    weights["gate_up"], weights["down"], rows, generator, swiglu
+                ),
                 SEPARATE: _in_turn(picked[f"gate_up@{rows}"], picked[f"down@{rows}"]),
             }
             for rows in TIMED_ROWS
@@ -436,6 +498,7 @@ def choose_linear_backends(
         "backends": list(backends),
         "native_in_every_class": True,
         "native_head": "argmax",
+        "swiglu": swiglu,
     }
     return cached_choice("linears", key, measure)  # type: ignore[dict-item]
 
@@ -446,6 +509,7 @@ def settle_linears(
     weights: dict[str, torch.Tensor],
     transposed_mlp: bool = True,
     one_copy: bool = True,
+    swiglu: bool = False,
 ) -> tuple[dict[str, Any], str] | None:
     """The choice for `backend` ("auto" measures, then with `one_copy` keeps each projection to
     one prepared copy where a second gains little: one_copy_picks, for an engine whose steps
@@ -463,7 +527,7 @@ def settle_linears(
     if backend in (NATIVE, "onednn"):
         choice = forced_everywhere(backend, "lm_head" in weights)
     else:
-        choice = choose_linear_backends(weights, transposed_mlp)
+        choice = choose_linear_backends(weights, transposed_mlp, swiglu=swiglu)
     roles = [role for role in ROLES if role in choice]
     if backend == "auto" and one_copy:
         choice = {**choice, **{role: one_copy_picks(choice, role) for role in roles}}

@@ -458,6 +458,14 @@ class LlamaForCausalLM(nn.Module):
                 return weights
         return {}
 
+    def fuses_swiglu(self) -> bool:
+        """Whether the layers' MLPs fuse SiLU and the gate product into the native GEMM where
+        it runs their gate/up projection (LlamaMLP.fused_silu), so that its timing includes the
+        activation (layers/linear_choice.py)."""
+        return any(
+            isinstance(layer.mlp, LlamaMLP) and layer.mlp.fused_silu for layer in self.layers
+        )
+
     def use_linear_choice(
         self, choice: dict[str, object], store: PackedStore | None = None
     ) -> None:
