@@ -11,6 +11,7 @@ import pytest
 
 from vbatch.config import EngineConfig
 from vbatch.engine.core import EngineCore
+from vbatch.errors import ConfigError
 from vbatch.layers import native
 from vbatch.protocol import AddRequest, EngineOutputs, FinishReason, SampleFinish, pack_token_ids
 from vbatch.sampling_params import SamplingParams
@@ -139,6 +140,14 @@ def test_bad_requests_fail_alone(tiny_model_dir, prompts) -> None:
     short = [5, 6, 7]
     got = run(core, [short], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
     assert len(got[0]) == 64 - len(short)
+
+
+def test_a_max_model_len_beyond_the_model_is_refused(tiny_model_dir) -> None:
+    """As vLLM, not capped silently: the tiny model places 512 positions."""
+    with pytest.raises(ConfigError, match="max_model_len 513 is more than the model's"):
+        EngineCore(EngineConfig(model=str(tiny_model_dir), max_model_len=513))
+    core = EngineCore(EngineConfig(model=str(tiny_model_dir), max_model_len=512))
+    assert core.max_model_len == 512
 
 
 def test_finish_reasons_and_abort(smollm2, prompts) -> None:

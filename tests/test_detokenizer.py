@@ -115,6 +115,37 @@ def test_special_tokens_skipped_or_kept(tokenizer: TextTokenizer) -> None:
     assert skipped.text == "Hi"
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_a_finish_on_a_stop_token_leaves_its_text_out(
+    tokenizer: TextTokenizer, include: bool
+) -> None:
+    """As vLLM: the token the core stopped on (a stop token id, or EOS kept as text) stays in
+    token_ids, and its text is in `text` only with include_stop_str_in_output."""
+    ids = tokenizer.encode_batch(["Paris is big."])[0]
+    stop_id = ids[-1]
+    assert tokenizer.decode([stop_id]) == "."
+    by_id = IncrementalDetokenizer(
+        tokenizer, SamplingParams(stop_token_ids=[stop_id], include_stop_str_in_output=include)
+    )
+    by_id.update(ids)
+    assert by_id.finalize(stopped_on_token=True) is None
+    assert by_id.token_ids == ids
+    assert by_id.text == ("Paris is big." if include else "Paris is big")
+    eos_ids = tokenizer.encode_batch(["Hi<|im_end|>"])[0]
+    for skip in (False, True):
+        eos = IncrementalDetokenizer(
+            tokenizer,
+            SamplingParams(skip_special_tokens=skip, include_stop_str_in_output=include),
+        )
+        eos.update(eos_ids)
+        eos.finalize(stopped_on_token=True)
+        assert eos.text == ("Hi<|im_end|>" if include and not skip else "Hi")
+    at_length = IncrementalDetokenizer(tokenizer, SamplingParams())
+    at_length.update(ids)
+    at_length.finalize()
+    assert at_length.text == "Paris is big."
+
+
 def check_stop(
     tokenizer: TextTokenizer, text: str, stops: list[str], include: bool, expected_text: str
 ) -> IncrementalDetokenizer:

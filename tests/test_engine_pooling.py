@@ -121,7 +121,7 @@ def test_pooling_params_are_checked() -> None:
     with pytest.raises(SamplingParamsError, match="dimensions"):
         PoolingParams(dimensions=0)
     with pytest.raises(SamplingParamsError, match="truncate_prompt_tokens"):
-        PoolingParams(truncate_prompt_tokens=-1)
+        PoolingParams(truncate_prompt_tokens=-2)
     with pytest.raises(SamplingParamsError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
     with pytest.raises(SamplingParamsError, match="prompt_logprobs"):

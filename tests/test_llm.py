@@ -93,6 +93,27 @@ def test_stop_string_finishes_the_output_and_aborts_in_the_core(llm: LLM) -> Non
     assert_idle(llm)
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_token_id_ends_the_tokens_and_its_text_is_left_out(llm: LLM, include: bool) -> None:
+    """As vLLM: the stop token is the last of token_ids; its text is in `text` only with
+    include_stop_str_in_output."""
+    (free,) = llm.generate(["stop on a token"], GREEDY)
+    tokens = free.outputs[0].token_ids
+    stop_id = next(t for t in tokens[3:] if llm.tokenizer.decode([t]))
+    cut = tokens.index(stop_id) + 1
+    params = SamplingParams(
+        max_tokens=12,
+        temperature=0.0,
+        ignore_eos=True,
+        stop_token_ids=[stop_id],
+        include_stop_str_in_output=include,
+    )
+    (sample,) = llm.generate(["stop on a token"], params)[0].outputs
+    assert (sample.finish_reason, sample.stop_reason) == ("stop", stop_id)
+    assert sample.token_ids == tokens[:cut]
+    assert sample.text == llm.tokenizer.decode(tokens[: cut if include else cut - 1])
+
+
 def test_breaking_out_of_stream_aborts_everything_in_flight(llm: LLM) -> None:
     params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     short = Request(prompt="quick", sampling_params=SamplingParams(max_tokens=1))

@@ -108,6 +108,7 @@ def test_prompt_logprobs_match_transformers(tiny_model_dir: Path) -> None:
         (scored,) = llm.encode(
             Request(prompt=prompts[1]), PoolingParams(PoolingTask.PROMPT_LOGPROBS)
         )
+        tokenizer = llm.get_tokenizer()
     for out, base in zip(outs, plain, strict=True):
         assert out.outputs[0].token_ids == base.outputs[0].token_ids
         ids = out.prompt_token_ids
@@ -118,6 +119,9 @@ def test_prompt_logprobs_match_transformers(tiny_model_dir: Path) -> None:
             assert entry is not None
             token = ids[pos + 1]
             assert abs(entry[token].logprob - want[pos, token].item()) <= 1e-4
+            # NOTE: texts as the sampled tokens' logprobs give them, not BPE pieces ("Ġword").
+            for alt, logprob in entry.items():
+                assert logprob.decoded_token == tokenizer.decode([alt])
             # NOTE: a rank counts the tokens above this one, within the logprobs' tolerance.
             value = entry[token].logprob
             above = int((want[pos] > value + 1e-4).sum()) + 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,8 @@ import pytest
 
 from vbatch import LLM, EngineArgs, SamplingParams
 from vbatch.errors import ConfigError
+from vbatch.lora.request import LoRARequest
+from vbatch.pooling_params import PoolingParams
 from vbatch.sampling_params import GuidedDecodingParams, StructuredOutputsParams
 
 SHORT = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -195,6 +198,55 @@ def test_get_tokenizer_as_transformers(llm: LLM) -> None:
     assert isinstance(text, str) and ids == tokenizer.encode(text, add_special_tokens=False)
     (via_chat,) = llm.chat(CONVERSATION, SHORT, use_tqdm=False)
     assert via_chat.prompt == text
+
+
+def test_vllm_defaults_of_none_and_truncation_to_the_model_length(llm: LLM) -> None:
+    params = SamplingParams(
+        stop=None, stop_token_ids=None, bad_words=None, max_tokens=2, temperature=0.0
+    )
+    assert (params.stop, params.stop_token_ids, params.bad_words) == ([], [], [])
+    long_prompt = {"prompt_token_ids": list(range(5, 305))}
+    (refused,) = llm.generate(long_prompt, params, use_tqdm=False)
+    assert refused.error is not None and "300 tokens" in refused.error
+    (kept,) = llm.embed(long_prompt, truncate_prompt_tokens=-1, use_tqdm=False)
+    assert kept.error is None and kept.prompt_token_ids == list(range(49, 305))
+    with pytest.raises(ValueError, match="-1"):
+        SamplingParams(truncate_prompt_tokens=-2)
+
+
+def test_pooling_calls_take_vllms_arguments_and_prompt_forms(llm: LLM) -> None:
+    ids = llm.get_tokenizer().encode("Hello there")
+    by_text, by_dict, by_ids = llm.embed(
+        ["Hello there", {"prompt": "Hello there"}, {"prompt_token_ids": ids}], use_tqdm=False
+    )
+    assert by_text.outputs.embedding == by_dict.outputs.embedding == by_ids.outputs.embedding
+    (short,) = llm.embed("Hello there", pooling_params=PoolingParams(dimensions=8), use_tqdm=False)
+    assert len(short.outputs.embedding) == 8
+    (named,) = llm.encode("Hello there", PoolingParams(task="embed"), use_tqdm=False)
+    (default,) = llm.encode("Hello there", use_tqdm=False)
+    (by_task,) = llm.encode("Hello there", pooling_task="embed", use_tqdm=False)
+    assert named.error is None and by_text.outputs.embedding == named.outputs.data.tolist()
+    assert (
+        default.outputs.data.tolist()
+        == by_task.outputs.data.tolist()
+        == named.outputs.data.tolist()
+    )
+    with pytest.raises(ValueError, match="task must be"):
+        PoolingParams(task="summarize")
+    empty, fine = llm.embed(["", "x"], use_tqdm=False)
+    assert empty.error == "the prompt is empty" and fine.error is None
+    (scored,) = llm.score("a", [""], use_tqdm=False)
+    assert scored.error == "the prompt is empty" and math.isnan(scored.outputs.score)
+
+
+def test_chat_takes_tools_and_lora_requests(llm: LLM) -> None:
+    template = "{% if tools %}[{{ tools | length }} tools]{% endif %}{{ messages[-1].content }}"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    (out,) = llm.chat(CONVERSATION[1:2], SHORT, chat_template=template, tools=tools, use_tqdm=False)
+    assert out.prompt == "[1 tools]Hello"
+    adapter = LoRARequest("a", 1, "/nonexistent")
+    (refused,) = llm.chat(CONVERSATION[1:2], SHORT, lora_request=adapter, use_tqdm=False)
+    assert refused.error is not None and "enable_lora=True" in refused.error
 
 
 @pytest.mark.parametrize(

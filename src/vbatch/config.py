@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -130,7 +133,22 @@ class EngineConfig:
         # NOTE: a manifest's JSON gives lists.
         object.__setattr__(self, "loras", tuple((str(n), str(p)) for n, p in self.loras))
 
+    def _check_types(self) -> None:
+        """Raise ConfigError for a field whose value is not of its declared type (a bool is not
+        an integer, an integer is a float), before any range check compares it."""
+        hints = typing.get_type_hints(type(self))
+        for field in dataclasses.fields(self):
+            hint = hints[field.name]
+            kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+            if not all(kind in _SCALARS for kind in kinds):
+                continue
+            value = getattr(self, field.name)
+            if not any(_is_a(value, kind) for kind in kinds):
+                names = " or ".join(_SCALARS[kind] for kind in kinds)
+                raise ConfigError(f"{field.name} must be {names}, got {value!r:.80}")
+
     def validate(self) -> EngineConfig:
+        self._check_types()
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.dtype not in DTYPES:
@@ -217,3 +235,37 @@ class EngineConfig:
         if unknown:
             raise ConfigError(f"unknown engine setting(s): {', '.join(unknown)}")
         return cls(**values).validate()
+
+
+_SCALARS: dict[object, str] = {
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    str: "a string",
+    type(None): "null",
+}
+
+
+def _is_a(value: object, kind: object) -> bool:
+    if kind is type(None):
+        return value is None
+    if kind is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, kind)  # type: ignore[arg-type]
+
+
+def resolve_max_model_len(requested: int | None, model_max: int, limit_name: str) -> int:
+    """The engine's maximum sequence length: `requested`, or the model's `model_max` (its
+    `limit_name` in config.json) when None; more than the model can place is a ConfigError, as
+    in vLLM, rather than a silent cap."""
+    if requested is None:
+        return model_max
+    if requested > model_max:
+        raise ConfigError(
+            f"max_model_len {requested} is more than the model's {limit_name} of {model_max}"
+        )
+    return requested

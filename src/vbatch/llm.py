@@ -307,11 +307,15 @@ class LLM(PoolingMethods):
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (lists of {"role",
         "content"} messages), rendered with the model's chat template or `chat_template`;
         `RequestOutput.prompt` is the rendered text. `continue_final_message` continues the
-        last (assistant) message instead of opening a new turn."""
+        last (assistant) message instead of opening a new turn. `tools` (JSON schemas) go to the
+        template as its `tools` variable; the reply is text (no tool-call parsing).
+        `lora_request` as in `generate`."""
         if add_generation_prompt and continue_final_message:
             raise ConfigError(
                 "continue_final_message continues the last message, so it needs "
@@ -325,9 +329,12 @@ class LLM(PoolingMethods):
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                tools=tools,
             )
             for conversation in chat_conversations(messages)
         ]
+        if lora_request is not None:
+            requests = _with_loras(requests, lora_request)
         return self._run(requests, sampling_params, use_tqdm)
 
     def _run(
@@ -344,8 +351,14 @@ class LLM(PoolingMethods):
             problem = self._check_params(req.sampling_params, checked)
             if problem is not None:
                 raise SamplingParamsError(problem)
-        results: list[RequestOutput | None] = [None] * len(requests)
-        stream = self._stream(requests, self.default_sampling_params, None)
+        return self._collect_all(requests, use_tqdm, self.default_sampling_params)
+
+    def _collect_all(
+        self, requests: list[Request], use_tqdm: bool, defaults: SamplingParams | None = None
+    ) -> list[Any]:
+        """Every request's output, in input order, with a progress bar if `use_tqdm`."""
+        results: list[Any] = [None] * len(requests)
+        stream = self._stream(requests, defaults, None)
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -359,7 +372,7 @@ class LLM(PoolingMethods):
         finally:
             if bar is not None:
                 bar.close()
-        return results  # type: ignore[return-value]
+        return results
 
     def stream(
         self,
@@ -450,8 +463,9 @@ class LLM(PoolingMethods):
             if isinstance(prompt_ids, str):
                 ready.append((position, error_output(req, position, [], prompt_ids, params.n)))
                 continue
-            if params.truncate_prompt_tokens is not None:
-                prompt_ids = prompt_ids[-params.truncate_prompt_tokens :]
+            keep = self._kept_prompt_tokens(params.truncate_prompt_tokens)
+            if keep is not None:
+                prompt_ids = prompt_ids[-keep:]
             if params.bad_words and not params.bad_words_token_ids:
                 msgspec.structs.force_setattr(
                     params, "bad_words_token_ids", self._bad_words_ids(params.bad_words)
@@ -494,6 +508,12 @@ class LLM(PoolingMethods):
         encoded = self.tokenizer.encode_batch(variants, add_special_tokens=False)
         return [list(ids) for ids in dict.fromkeys(map(tuple, encoded)) if ids]
 
+    def _kept_prompt_tokens(self, truncate_prompt_tokens: int | None) -> int | None:
+        """How many last prompt tokens truncate_prompt_tokens keeps (-1: the model's length)."""
+        if truncate_prompt_tokens == -1:
+            return self.engine_info.max_model_len
+        return truncate_prompt_tokens
+
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -511,6 +531,8 @@ class LLM(PoolingMethods):
                     kwargs = self.chat_template_kwargs
                     if req.chat_template_kwargs is not None:
                         kwargs = {**kwargs, **check_template_kwargs(req.chat_template_kwargs)}
+                    if req.tools is not None:
+                        kwargs = {**kwargs, "tools": req.tools}
                     chats[1].append(
                         self.tokenizer.apply_chat_template(
                             req.messages,

@@ -4,7 +4,7 @@ output shapes, the submission of pooling requests, and prompt logprobs on genera
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -24,6 +24,7 @@ from vbatch.client.pooling_outputs import (
     pooling_output,
     prompt_logprobs_of,
 )
+from vbatch.client.prompts import to_request
 from vbatch.errors import VbatchError
 from vbatch.models.config import read_id2label
 from vbatch.pooling_params import PoolingParams, PoolingTask
@@ -49,17 +50,28 @@ class PoolingMethods:
     _request_ids: Any
     _stream: Any
     _tokenize: Any
+    _collect_all: Any
+    _kept_prompt_tokens: Any
 
     def encode(
-        self, prompts: PromptInput | Iterable[PromptInput], pooling_params: PoolingParams
+        self,
+        prompts: PromptInput | Iterable[PromptInput],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+        pooling_task: str | None = None,
     ) -> list[PoolingRequestOutput]:
-        """Run every prompt through the model without generating; results in input order."""
-        items = [prompts] if isinstance(prompts, (str, Request)) else list(prompts)
-        requests = [_pooling_request(item, pooling_params) for item in items]
-        results: list[Any] = [None] * len(requests)
-        for position, out in self._stream(requests, None, None):
-            results[position] = out
-        return results
+        """Run every prompt through the model without generating; results in input order.
+
+        A prompt is a string, a list of strings (pooled each on its own), {"prompt": str},
+        {"prompt_token_ids": [int]} or a Request. `pooling_params` default to an embedding;
+        `pooling_task` ("embed", "classify", ...) sets their task, as in vLLM."""
+        params = pooling_params or PoolingParams()
+        if pooling_task is not None:
+            params = msgspec.structs.replace(params, task=pooling_task)
+        items = [prompts] if isinstance(prompts, (str, Request, Mapping)) else list(prompts)
+        requests = [_pooling_request(item, params) for item in items]
+        return self._collect_all(requests, use_tqdm)
 
     def embed(
         self,
@@ -68,9 +80,14 @@ class PoolingMethods:
         dimensions: int | None = None,
         normalize: bool | None = None,
         truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
     ) -> list[EmbeddingRequestOutput]:
-        params = PoolingParams(
+        """Embeddings; `pooling_params` (vLLM's form) give dimensions and normalize where the
+        keywords do not."""
+        params = _task_params(
             PoolingTask.EMBED,
+            pooling_params,
             dimensions=dimensions,
             normalize=normalize,
             truncate_prompt_tokens=truncate_prompt_tokens,
@@ -82,7 +99,7 @@ class PoolingMethods:
                 out.prompt_token_ids,
                 error=out.error,
             )
-            for out in self.encode(prompts, params)
+            for out in self.encode(prompts, params, use_tqdm=use_tqdm)
         ]
 
     def classify(
@@ -90,12 +107,16 @@ class PoolingMethods:
         prompts: PromptInput | Iterable[PromptInput],
         *,
         truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
     ) -> list[ClassificationRequestOutput]:
         """Class probabilities (softmax; a sigmoid for one label) from the classifier head."""
-        params = PoolingParams(PoolingTask.CLASSIFY, truncate_prompt_tokens=truncate_prompt_tokens)
+        params = _task_params(
+            PoolingTask.CLASSIFY, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens
+        )
         labels = self.id2label()
         results = []
-        for out in self.encode(prompts, params):
+        for out in self.encode(prompts, params, use_tqdm=use_tqdm):
             logits = out.outputs.data
             probs = class_probs(logits) if logits.size else logits
             label = labels.get(int(np.argmax(probs))) if probs.size else None
@@ -114,10 +135,14 @@ class PoolingMethods:
         prompts: PromptInput | Iterable[PromptInput],
         *,
         truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
     ) -> list[PoolingRequestOutput]:
         """A reward model's raw scores (the classifier head's logits)."""
-        params = PoolingParams(PoolingTask.CLASSIFY, truncate_prompt_tokens=truncate_prompt_tokens)
-        return self.encode(prompts, params)
+        params = _task_params(
+            PoolingTask.CLASSIFY, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens
+        )
+        return self.encode(prompts, params, use_tqdm=use_tqdm)
 
     def score(
         self,
@@ -125,6 +150,8 @@ class PoolingMethods:
         text_2: str | Sequence[str],
         *,
         truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
     ) -> list[ScoringRequestOutput]:
         """Cosine similarity of the embeddings of text_1 and text_2 pairwise (one text_1 against
         every text_2), as vLLM scores with an embedding model."""
@@ -138,6 +165,8 @@ class PoolingMethods:
             [Request(prompt=[a, b]) for a, b in zip(firsts, seconds, strict=True)],
             normalize=True,
             truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm,
+            pooling_params=pooling_params,
         )
         results = []
         for out in outs:
@@ -177,10 +206,12 @@ class PoolingMethods:
             problem = next((p for p in prompts if isinstance(p, str)), None)
             if not prompts:
                 problem = "the input list is empty"
+            elif problem is None and not all(prompts):
+                problem = "the prompt is empty"
             if problem is not None:
                 ready.append((position, pooling_output(req, position, [], params.task, problem)))
                 continue
-            keep = params.truncate_prompt_tokens
+            keep = self._kept_prompt_tokens(params.truncate_prompt_tokens)
             token_lists = [list(p)[-keep:] if keep else list(p) for p in prompts]
             prompt_lens = [len(p) for p in token_lists] if isinstance(req.prompt, list) else None
             prompt_ids = [t for p in token_lists for t in p]
@@ -202,11 +233,20 @@ class PoolingMethods:
         return out
 
     def _token_texts(self, token_ids: list[int]) -> dict[int, str]:
-        texts = self.tokenizer.convert_ids_to_tokens(token_ids)
-        return {t: text for t, text in zip(token_ids, texts, strict=True) if text is not None}
+        """Each token's text as the sampled tokens' logprobs give it (" capital", not the
+        vocabulary's "Ġcapital")."""
+        return {t: self.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids}
 
 
-def _pooling_request(item: PromptInput, params: PoolingParams) -> Request:
+def _task_params(task: PoolingTask, given: PoolingParams | None, **settings: Any) -> PoolingParams:
+    """`given` (or default) params for `task`, with each setting that is not None applied."""
+    changes = {name: value for name, value in settings.items() if value is not None}
+    return msgspec.structs.replace(given or PoolingParams(), task=task, **changes)
+
+
+def _pooling_request(item: PromptInput | Mapping[str, Any], params: PoolingParams) -> Request:
+    if isinstance(item, Mapping):
+        item = to_request(item)
     if isinstance(item, Request):
         if item.pooling_params is None:
             item = Request(**{**item.__dict__, "pooling_params": params})
@@ -214,6 +254,6 @@ def _pooling_request(item: PromptInput, params: PoolingParams) -> Request:
     if isinstance(item, (str, list)):
         return Request(prompt=item, pooling_params=params)
     raise VbatchError(
-        f"each input must be a prompt string, a list of them or a vbatch.llm.Request, "
-        f"got {type(item).__name__}"
+        f"each input must be a prompt string, a list of them, a {{'prompt'}} or "
+        f"{{'prompt_token_ids'}} dict or a vbatch.llm.Request, got {type(item).__name__}"
     )

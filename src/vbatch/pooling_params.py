@@ -21,6 +21,26 @@ class PoolingTask(enum.IntEnum):
         return self.name.lower()
 
 
+# NOTE: vLLM's task names; "encode" is its generic pooling task, an embedding here.
+TASK_NAMES = {
+    "embed": PoolingTask.EMBED,
+    "encode": PoolingTask.EMBED,
+    "classify": PoolingTask.CLASSIFY,
+    "prompt_logprobs": PoolingTask.PROMPT_LOGPROBS,
+}
+
+
+def pooling_task(task: object) -> PoolingTask:
+    """`task` as a PoolingTask: a member, or one of TASK_NAMES (vLLM's `task="embed"`)."""
+    if isinstance(task, PoolingTask):
+        return task
+    if isinstance(task, str) and task.lower() in TASK_NAMES:
+        return TASK_NAMES[task.lower()]
+    raise SamplingParamsError(
+        f"task must be a PoolingTask or one of {', '.join(map(repr, TASK_NAMES))}, got {task!r:.80}"
+    )
+
+
 class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One pooling request's settings.
 
@@ -49,6 +69,8 @@ class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
         def bad_int(value: object) -> bool:
             return not isinstance(value, int) or isinstance(value, bool)
 
+        self.task = pooling_task(self.task)
+
         if self.dimensions is not None and (bad_int(self.dimensions) or self.dimensions < 1):
             raise SamplingParamsError(
                 f"dimensions must be a positive integer, got {self.dimensions!r:.80}"
@@ -63,9 +85,10 @@ class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
                 f"got {self.top_logprobs!r:.80}"
             )
         truncate = self.truncate_prompt_tokens
-        if truncate is not None and (bad_int(truncate) or truncate < 1):
+        if truncate is not None and (bad_int(truncate) or (truncate < 1 and truncate != -1)):
             raise SamplingParamsError(
-                f"truncate_prompt_tokens must be a positive integer, got {truncate!r:.80}"
+                f"truncate_prompt_tokens must be a positive integer or -1 (the model's length), "
+                f"got {truncate!r:.80}"
             )
         lens = self.prompt_lens
         if lens is not None and (not lens or any(bad_int(n) or n < 1 for n in lens)):

@@ -39,6 +39,9 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 _INT_FIELDS = ("n", "min_tokens", "top_k")
 _OPTIONAL_INT_FIELDS = ("max_tokens", "best_of", "truncate_prompt_tokens")
+TRUNCATE = "truncate_prompt_tokens"
+# NOTE: vLLM's list fields default to None, which ported code passes on (stop=args.stop).
+_NONE_IS_EMPTY = ("stop", "stop_token_ids", "bad_words")
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -201,14 +204,16 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         `vocab_size`, every token id a field names must also be below it (`check_vocab`). Ranges:
 
         - n in [1, MAX_N]; max_tokens None or >= 1; min_tokens in [0, max_tokens]; top_k -1, 0
-          or > 0; best_of None or n; truncate_prompt_tokens None or >= 1.
+          or > 0; best_of None or n; truncate_prompt_tokens None, >= 1, or -1 (as vLLM: the
+          model's maximum length).
         - Floats are finite and stay finite in float32 (|x| <= 3.4e38), as the sampler computes
           in float32. temperature >= 0; top_p in (0, 1] and still > 0 in float32 (1e-46 rounds
           to 0 there, which would keep no token); min_p in [0, 1]; presence and frequency
           penalties in [-2, 2]; repetition_penalty > 0, also in float32.
         - seed is None or in int64 ([-2**63, 2**63)); each sample's generator is seeded with
           (seed + index) mod 2**64.
-        - stop: non-empty strings encodable as UTF-8; stop_token_ids: integers in [0, 2**63).
+        - stop: non-empty strings encodable as UTF-8; stop_token_ids: integers in [0, 2**63);
+          None for stop, stop_token_ids or bad_words is no entries (vLLM's default).
         - logprobs is None or an integer in [0, MAX_LOGPROBS]; ignore_eos,
           include_stop_str_in_output and skip_special_tokens are bools.
         - logit_bias maps token ids to values in [-100, 100]; allowed_token_ids is None or a
@@ -219,6 +224,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             raise SamplingParamsError(msg)
 
         self._fold_structured(fail)
+        for name in _NONE_IS_EMPTY:
+            if getattr(self, name) is None:
+                _set(self, name, [])
 
         for name in _INT_FIELDS:
             value = getattr(self, name)
@@ -232,8 +240,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
                 fail(f"{name} must be an integer or null, got {value!r:.80}")
             if value is not None and value > INT64_MAX:
                 fail(f"{name} must fit in a 64-bit signed integer, got {value!r:.80}")
-            if value is not None and value < 1:
-                fail(f"{name} must be at least 1 (or null), got {value!r:.80}")
+            if value is not None and value < 1 and not (name == TRUNCATE and value == -1):
+                also = ", -1 (the model's length)" if name == TRUNCATE else ""
+                fail(f"{name} must be at least 1{also} (or null), got {value!r:.80}")
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):

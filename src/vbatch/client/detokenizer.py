@@ -14,7 +14,8 @@ class IncrementalDetokenizer:
     """Turns a sample's output token ids into text as they arrive and watches for stop strings.
 
     Invariants: `text` is `decode(token_ids)` minus any bytes of a still-unfinished character,
-    cut at the stop-string match that ends first (the longest one among those ending together).
+    cut at the stop-string match that ends first (the longest one among those ending together);
+    after a finish on EOS or a stop token id, `decode(token_ids[:-1])` (see `finalize`).
     Once a stop string is hit, `token_ids` ends with the token that completed it, `stop_str` is
     set, and later tokens are ignored. Stop strings are not checked before `min_tokens` tokens.
     """
@@ -69,12 +70,29 @@ class IncrementalDetokenizer:
                 return self.stop_str
         return None
 
-    def finalize(self) -> str | None:
-        """Flush bytes held back for an unfinished character; return a stop string this hits."""
+    def finalize(self, stopped_on_token: bool = False) -> str | None:
+        """Flush bytes held back for an unfinished character; return a stop string this hits.
+
+        `stopped_on_token`: the core ended the sample on EOS or a stop token id. As in vLLM, that
+        token stays in `token_ids` but its text is left out of `text`, unless
+        include_stop_str_in_output (a skipped special token has none anyway)."""
         if self._is_finalized or self.stop_str is not None:
             self._is_finalized = True
             return None
         self._is_finalized = True
+        last = self._token_ids[-1] if self._token_ids else None
+        if (
+            stopped_on_token
+            and not self._include_stop
+            and last is not None
+            and last not in self._skipped_ids
+        ):
+            self._chunks = [
+                self._backend.decode(
+                    self._token_ids[:-1], skip_special_tokens=self._skip_special_tokens
+                )
+            ]
+            return None
         if self._num_pending_tokens == 0:
             return None
         text = self.text

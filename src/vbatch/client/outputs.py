@@ -103,6 +103,8 @@ class Request:
     continue_final_message: bool = False
     pooling_params: PoolingParams | None = None
     lora_request: LoRARequest | None = None
+    # NOTE: a conversation's tool schemas, the chat template's `tools` variable.
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -189,7 +191,7 @@ class RequestState:
         if self.reasons[i] is not None:
             return
         self.num_open -= 1
-        stop = self.detoks[i].finalize()
+        stop = self.detoks[i].finalize(finish.finish_reason == FinishReason.STOP)
         if stop is not None:
             self.reasons[i] = ("stop", stop)
         else:

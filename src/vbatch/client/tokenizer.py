@@ -279,12 +279,17 @@ class TextTokenizer:
         template_kwargs: Mapping[str, Any] | None,
     ) -> str:
         try:
+            # NOTE: template_kwargs may give `tools` (LLM.chat's); check_template_kwargs keeps
+            # rows' and users' kwargs from setting it or the other render names.
             return template.render(
-                messages=checked,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **{**self.special_tokens, **(template_kwargs or {})},
+                {
+                    "tools": None,
+                    "documents": None,
+                    **self.special_tokens,
+                    **(template_kwargs or {}),
+                    "messages": checked,
+                    "add_generation_prompt": add_generation_prompt,
+                }
             )
         except jinja2.TemplateError as exc:
             raise InputError(f"the chat template rejected the messages: {exc}") from None

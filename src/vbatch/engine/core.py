@@ -9,7 +9,7 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
-from vbatch.config import EngineConfig
+from vbatch.config import EngineConfig, resolve_max_model_len
 from vbatch.engine.grammar import GrammarCache, GrammarError, new_matcher
 from vbatch.engine.model_runner import ModelRunner
 from vbatch.engine.pooling import PoolingJob, PoolingQueue
@@ -85,8 +85,11 @@ class EngineCore:
         progress("resolving model")
         resolved = resolve_model(config.model)
         self.model_config = ModelConfig.from_hf_dir(resolved.hf_dir)
-        max_len = self.model_config.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or max_len, max_len)
+        self.max_model_len = resolve_max_model_len(
+            config.max_model_len,
+            self.model_config.max_position_embeddings,
+            "max_position_embeddings",
+        )
         self.runner = ModelRunner(config, resolved, self.model_config, progress)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -232,6 +235,8 @@ class EngineCore:
                 return [_error(request_id, "prompt_lens do not add up to the prompt's length")]
             ends = list(itertools.accumulate(params.prompt_lens))
             prompts = [prompt_token_ids[end - n : end] for n, end in zip(params.prompt_lens, ends)]
+        if not all(prompts):
+            return [_error(request_id, "the prompt is empty")]
         vocab_size = self.model_config.vocab_size
         if max(prompt_token_ids) >= vocab_size or min(prompt_token_ids) < 0:
             return [_error(request_id, f"prompt token ids must lie in [0, {vocab_size})")]

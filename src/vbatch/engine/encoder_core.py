@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import torch
 
-from vbatch.config import EngineConfig
+from vbatch.config import EngineConfig, resolve_max_model_len
 from vbatch.engine.cpu_share import cpu_notes
 from vbatch.engine.kv_cache import select_device, select_dtype
 from vbatch.engine.pooling import PoolingJob, float32_bytes
@@ -60,8 +60,8 @@ class EncoderCore:
         progress("resolving model")
         resolved = resolve_model(config.model)
         encoder_config = EncoderConfig.from_hf_dir(resolved.hf_dir)
-        self.max_model_len = min(
-            config.max_model_len or encoder_config.max_seq_length, encoder_config.max_seq_length
+        self.max_model_len = resolve_max_model_len(
+            config.max_model_len, encoder_config.max_seq_length, "maximum sequence length"
         )
         self.device = select_device(config.device)
         dtype = select_dtype(config.dtype, self.device)
