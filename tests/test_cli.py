@@ -499,6 +499,26 @@ def test_a_numeric_flag_out_of_range_exits_2_at_parse_time_and_leaves_nothing(
         assert result.exit_code == 2, (flag, bad, result.output)
 
 
+@pytest.mark.parametrize(
+    ("flag", "bad", "says"),
+    [
+        ("--input-format", "csv", "'csv' is not one of jsonl, parquet"),
+        ("--shard", "3/2", "out of range"),
+        ("--stop", "", "a stop string must not be empty"),
+    ],
+)
+def test_a_bad_format_shard_or_stop_string_is_a_usage_error(
+    tmp_path: Path, flag: str, bad: str, says: str
+) -> None:
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    runner = CliRunner()
+    args = ["run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), flag, bad]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert says in " ".join(result.output.replace("│", " ").split())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
 def test_openai_lines_default_to_openais_sampling_unless_the_flag_is_given(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -8,6 +8,7 @@ and CliRunner elsewhere.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from vbatch.cli import app
 from vbatch.errors import InputError, JobStateError
 from vbatch.job.journal import JOURNAL_NAME, read_journal
 from vbatch.job.paths import job_dir_for
-from vbatch.job.runner import JobSpec, RunOptions, resume_job, start_job
+from vbatch.job.runner import JobSpec, RunOptions, job_status, resume_job, start_job
 
 TIMEOUT_S = 240
 SAMPLING = {"max_tokens": 4, "temperature": 0.0}
@@ -452,6 +453,54 @@ def test_resume_force_with_only_the_model_changed_does_not_warn(
     done = resume_job(job.output_path, {"display": "quiet"}, force=True, llm_factory=shared_llm)
     assert done.exit_code == 0
     assert "warning:" not in capsys.readouterr().err
+
+
+def test_resume_force_refuses_an_input_that_now_ends_before_committed_rows(
+    tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any]
+) -> None:
+    records = [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(10)]
+    input_path = write_jsonl(tmp_path / "in.jsonl", records)
+    job = JobSpec(input_path, tmp_path / "out.jsonl", model=str(tiny_model_dir), sampling=SAMPLING)
+    assert start_job(job, QUIET, llm_factory=shared_llm).exit_code == 0
+    manifest = job_dir_for(job.output_path) / "manifest.json"
+    before = manifest.read_bytes()
+    write_jsonl(input_path, records[:6])
+    with pytest.raises(JobStateError, match=r"now has 6 rows, but rows up to index 9.*--overwrite"):
+        resume_job(job.output_path, {"display": "quiet"}, force=True, llm_factory=shared_llm)
+    assert manifest.read_bytes() == before, "a refused resume changes nothing"
+    assert job_status(job.output_path)["remaining"] == 0
+
+
+def test_a_job_moved_or_copied_with_its_directory_goes_on_where_it_is_now(
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    shared_llm: Callable[..., Any],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    records = [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(10)]
+    input_path = write_jsonl(tmp_path / "in.jsonl", records)
+    first = tmp_path / "first"
+    first.mkdir()
+    job = JobSpec(input_path, first / "out.jsonl", model=str(tiny_model_dir), sampling=SAMPLING)
+    assert start_job(job, QUIET, llm_factory=shared_llm).exit_code == 0
+    journal = job_dir_for(job.output_path) / JOURNAL_NAME
+    journal.write_bytes(journal.read_bytes().splitlines(keepends=True)[0])
+    committed = len(read_journal(journal)[0].committed)
+    assert 0 < committed < 10
+    copy = tmp_path / "copy"
+    shutil.copytree(first, copy)
+    original = job.output_path.read_bytes()
+    capsys.readouterr()
+    done = resume_job(copy / "out.jsonl", {"display": "quiet"}, llm_factory=shared_llm)
+    assert done.exit_code == 0
+    assert "goes on at" in capsys.readouterr().err
+    assert sorted(r["id"] for r in read_jsonl(copy / "out.jsonl")) == sorted(
+        r["id"] for r in records
+    )
+    assert job.output_path.read_bytes() == original, "the job's first place is left alone"
+    status = job_status(copy / "out.jsonl")
+    assert status["output"] == str((copy / "out.jsonl").absolute()) and status["complete"]
+    assert not job_status(job.output_path)["complete"]
 
 
 # --- 8. input pre-flight: a directory, a JSON array -------------------------------------------

@@ -249,6 +249,27 @@ def test_a_malformed_line_has_no_id_so_it_cannot_clash(tmp_path: Path) -> None:
     assert scan_input(InputReader(path, None, ColumnOptions()), PARSER).duplicate is None
 
 
+def test_an_integer_beyond_64_bits_is_an_error_row_not_a_float(tmp_path: Path) -> None:
+    """orjson would read these as floats (a kept column losing digits, an id reported as a
+    pandas float); 64-bit integers and long fractions still read exactly."""
+    path = write_jsonl(
+        tmp_path / "in.jsonl",
+        [
+            '{"id": 18446744073709551615, "prompt": "a", "x": -9223372036854775808}',
+            '{"id": "b", "prompt": "b", "big": 123456789012345678901234567890}',
+            '{"id": 18446744073709551616, "prompt": "c"}',
+            '{"id": "d", "prompt": "d", "f": 0.12345678901234567890123}',
+        ],
+    )
+    rows = list(InputReader(path, None, ColumnOptions(keep_all_columns=True)).rows(PARSER))
+    assert rows[0].error is None and rows[0].id == 2**64 - 1
+    for row, digits in ((rows[1], "123456789012345678901234567890"), (rows[2], str(2**64))):
+        assert row.id is None and row.error is not None
+        assert row.error.startswith(f"line {row.index + 1}: the integer {digits} does not fit")
+        assert "write it as a string" in row.error
+    assert rows[3].error is None and rows[3].id == "d"
+
+
 def test_corrupt_parquet_page_is_one_clear_error(tmp_path: Path) -> None:
     path = tmp_path / "in.parquet"
     prompts = [f"prompt number {i} " * 5 for i in range(5000)]

@@ -10,6 +10,7 @@ import typer
 
 from vbatch.client.reasoning import ReasoningParser
 from vbatch.config import AttentionBackend, Device, Dtype, LinearBackend, Quantization
+from vbatch.errors import VbatchError
 from vbatch.job.tasks import Task
 from vbatch.sampling_params import MAX_LOGPROBS, MAX_N
 
@@ -58,6 +59,35 @@ def number(least: float, *, above: bool = False, most: float | None = None) -> R
     return Range(float, least, above=above, most=most)
 
 
+def input_format(value: str) -> str:
+    """--input-format's parser: a format `--help` lists, else a usage error (exit 2)."""
+    from vbatch.job.reader import INPUT_FORMATS
+
+    if value not in INPUT_FORMATS:
+        raise ValueError(f"{value!r} is not one of {', '.join(INPUT_FORMATS)}")
+    return value
+
+
+def shard(value: str) -> str:
+    """--shard's parser: I/N checked now (exit 2); auto needs the job array's environment, read
+    when the job starts."""
+    from vbatch.job.shard import parse_shard
+
+    if not value.startswith("auto"):
+        try:
+            parse_shard(value)
+        except VbatchError as e:
+            raise ValueError(str(e)) from None
+    return value
+
+
+def stop_string(value: str) -> str:
+    """--stop's parser: an empty stop string is a usage error (exit 2)."""
+    if not value:
+        raise ValueError("a stop string must not be empty")
+    return value
+
+
 INT64 = Range(int, -(2**63), most=2**63 - 1)
 
 InputPath = Annotated[Path, typer.Argument(help="Input file: .jsonl[.gz|.zst] or .parquet.")]
@@ -72,7 +102,9 @@ JobOutput = Annotated[
 
 InputFormat = Annotated[
     str | None,
-    typer.Option(help="jsonl or parquet (default: by extension).", rich_help_panel=INPUT),
+    typer.Option(
+        help="jsonl or parquet (default: by extension).", rich_help_panel=INPUT, parser=input_format
+    ),
 ]
 PromptColumn = Annotated[
     str | None,
@@ -359,7 +391,8 @@ Seed = Annotated[
     ),
 ]
 Stop = Annotated[
-    list[str] | None, typer.Option(help="Stop string (repeatable).", rich_help_panel=SAMPLING)
+    list[str] | None,
+    typer.Option(help="Stop string (repeatable).", rich_help_panel=SAMPLING, parser=stop_string),
 ]
 N = Annotated[
     int,
@@ -506,6 +539,7 @@ ShardOption = Annotated[
         "array needs I/N), or JOB_COMPLETION_INDEX plus VBATCH_SHARD_COUNT; auto/N sets N. "
         "Join the shards with `vbatch merge OUTPUT`.",
         rich_help_panel=JOB,
+        parser=shard,
     ),
 ]
 

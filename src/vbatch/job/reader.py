@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
+import re
 import shlex
 import zlib
 from array import array
@@ -34,6 +36,38 @@ _PEEK_BYTES = 1 << 20
 # NOTE: Windows tools begin a UTF-8 text file with it (Windows PowerShell's `Out-File -Encoding
 # utf8`, Notepad's "UTF-8 with BOM").
 _UTF8_BOM = b"\xef\xbb\xbf"
+# NOTE: orjson reads an integer beyond 64 bits as a float, silently; a line with a run of this
+# many digits is parsed again exactly, and such an integer makes the row an error row.
+_LONG_DIGITS = re.compile(rb"\d{19}")
+_INT_RANGE = (-(1 << 63), 1 << 64)
+
+
+class _WideInteger(ValueError):
+    pass
+
+
+def _exact_int(text: str) -> int:
+    value = int(text)
+    if not _INT_RANGE[0] <= value < _INT_RANGE[1]:
+        raise _WideInteger(text)
+    return value
+
+
+def loads_line(line: bytes) -> Any:
+    """One JSONL line's value; raises orjson.JSONDecodeError for invalid JSON and ValueError
+    naming an integer that does not fit 64 bits (which orjson would turn into a float)."""
+    value = orjson.loads(line)
+    if _LONG_DIGITS.search(line):
+        try:
+            json.loads(line, parse_int=_exact_int)
+        except _WideInteger as e:
+            shown = str(e) if len(str(e)) <= 40 else f"{str(e)[:37]}..."
+            raise ValueError(
+                f"the integer {shown} does not fit 64 bits and would lose digits; write it as "
+                "a string"
+            ) from None
+    return value
+
 
 
 def detect_format(path: Path, input_format: str | None) -> str:
@@ -263,11 +297,13 @@ class InputReader:
                     if skip is None or index not in skip:
                         location = f"line {line_number}"
                         try:
-                            yield RawRecord(index, location, orjson.loads(line))
+                            yield RawRecord(index, location, loads_line(line))
                         except orjson.JSONDecodeError as e:
                             yield RawRecord(
                                 index, location, error=f"{location}: invalid JSON ({e})"
                             )
+                        except ValueError as e:
+                            yield RawRecord(index, location, error=f"{location}: {e}")
                     index += 1
         except (OSError, EOFError, zlib.error, CorruptInput) as e:
             raise self._read_failure(e) from None

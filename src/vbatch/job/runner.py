@@ -420,6 +420,7 @@ def _resume_locked(
 ) -> Outcome:
     """resume_job's checks, under the job's lock (--force rewrites the manifest)."""
     manifest = Manifest.load(job_dir)
+    _adopt_moved_output(output, job_dir, manifest)
     input_path = Path(manifest.input_path)
     if not input_path.is_file():
         raise InputError(f"the job's input file {input_path} no longer exists")
@@ -434,6 +435,7 @@ def _resume_locked(
         )
     if mismatches:
         old_input, old_rows = manifest.input, manifest.num_rows
+        _refuse_lost_rows(job_dir, manifest, output)
         _accept_changes(job_dir, manifest, fingerprint, identity)
         if old_input.sampled_sha256 != fingerprint.sampled_sha256:
             _warn_index_matching(job_dir, output, old_rows, manifest.num_rows)
@@ -444,6 +446,39 @@ def _resume_locked(
     return _execute(
         output, job_dir, manifest, options, llm_factory, retry_errors=retry_errors, lock=lock
     )
+
+
+def _adopt_moved_output(output: Path, job_dir: Path, manifest: Manifest) -> None:
+    """The job directory beside `output` belongs to `output`: where its manifest names another
+    path, the output and its job directory were moved or copied together, and the job goes on
+    here (its rows are never written to the old path)."""
+    here = str(output.absolute())
+    if manifest.output_path == here:
+        return
+    print(
+        f"note: this job was started as {manifest.output_path}; it goes on at {here}, beside "
+        "its job directory",
+        file=sys.stderr,
+    )
+    manifest.output_path = here
+    manifest.save(job_dir)
+
+
+def _refuse_lost_rows(job_dir: Path, manifest: Manifest, output: Path) -> None:
+    """resume --force on an input that now ends before rows already committed: those rows
+    would stay in the output with no input row behind them."""
+    # NOTE: row indices are positions in the whole input, a shard's included.
+    num_rows = _rescan_input(manifest, manifest.shard_spec).input_rows
+    state, _ = read_journal(job_dir / JOURNAL_NAME)
+    ranges = state.committed.ranges()
+    last = ranges[-1][1] if ranges else 0
+    if last > num_rows:
+        raise JobStateError(
+            f"cannot resume: {manifest.input_path} now has {num_rows} rows, but rows up to "
+            f"index {last - 1} are already in the output, and a job cannot take finished rows "
+            f"back out. Start again with `vbatch run ... -o {shlex.quote(str(output))} "
+            "--overwrite`"
+        )
 
 
 def _warn_index_matching(job_dir: Path, output: Path, old_rows: int, new_rows: int) -> None:
@@ -582,7 +617,10 @@ def job_status(output: Path) -> dict[str, Any]:
             return {"output": str(output.absolute()), "merged": output.exists(), "shards": shards}
         raise JobStateError(f"there is no job for {output} (no {job_dir})")
     state, _ = read_journal(job_dir / JOURNAL_NAME)
-    status = _status(job_dir, Manifest.load(job_dir), state)
+    manifest = Manifest.load(job_dir)
+    # NOTE: a moved or copied job reports where it is now (resume adopts that path).
+    manifest.output_path = str(output.absolute())
+    status = _status(job_dir, manifest, state)
     return {**status, "shards": shards} if shards else status
 
 
