@@ -97,10 +97,14 @@ BAD_ROWS = {
         "include_stop_str_in_output must be true or false",
     ),
     "skip-special-str": ({"skip_special_tokens": "no"}, "skip_special_tokens must be true"),
-    # NOTE: orjson reads 2**64 as a float; 2**64 - 1 is an integer past int64.
-    "seed-2**64": ({"seed": 2**64}, "seed must be an integer"),
+    # NOTE: 2**64 fits no 64-bit integer (the reader refuses the line, keeping its id);
+    # 2**64 - 1 is an integer past int64.
+    "seed-2**64": ({"seed": 2**64}, "the integer 18446744073709551616 does not fit 64 bits"),
     "seed-u64": ({"seed": 2**64 - 1}, "seed must fit in a 64-bit signed integer"),
-    "stop-id-2**64": ({"stop_token_ids": [2**64]}, "stop_token_ids must be a list of integers"),
+    "stop-id-2**64": (
+        {"stop_token_ids": [2**64]},
+        "the integer 18446744073709551616 does not fit 64 bits",
+    ),
     "stop-id-u64": ({"stop_token_ids": [2**64 - 1]}, "stop_token_ids must be a list of integers"),
     "top-p-tiny": ({"top_p": 1e-46, "temperature": 1}, "is 0 in float32"),
     "stop-id-float": ({"stop_token_ids": [1.0]}, "stop_token_ids must be a list of integers"),

@@ -263,11 +263,14 @@ def test_an_integer_beyond_64_bits_is_an_error_row_not_a_float(tmp_path: Path) -
     )
     rows = list(InputReader(path, None, ColumnOptions(keep_all_columns=True)).rows(PARSER))
     assert rows[0].error is None and rows[0].id == 2**64 - 1
-    for row, digits in ((rows[1], "123456789012345678901234567890"), (rows[2], str(2**64))):
-        assert row.id is None and row.error is not None
-        assert row.error.startswith(f"line {row.index + 1}: the integer {digits} does not fit")
+    digits = ("123456789012345678901234567890", str(2**64))
+    for row, number, row_id in zip(rows[1:3], digits, ("b", None), strict=True):
+        assert row.id == row_id and row.error is not None
+        assert row.error.startswith(f"line {row.index + 1}: the integer {number} does not fit")
         assert "write it as a string" in row.error
     assert rows[3].error is None and rows[3].id == "d"
+    scan = scan_input(InputReader(path, None, ColumnOptions()), PARSER)
+    assert scan.num_rows == 4 and scan.duplicate is None
 
 
 def test_corrupt_parquet_page_is_one_clear_error(tmp_path: Path) -> None:

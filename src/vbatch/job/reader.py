@@ -53,21 +53,21 @@ def _exact_int(text: str) -> int:
     return value
 
 
-def loads_line(line: bytes) -> Any:
-    """One JSONL line's value; raises orjson.JSONDecodeError for invalid JSON and ValueError
-    naming an integer that does not fit 64 bits (which orjson would turn into a float)."""
+def loads_line(line: bytes) -> tuple[Any, str | None]:
+    """One JSONL line's value, and why the row cannot run (None: it can); raises
+    orjson.JSONDecodeError for invalid JSON. An integer that does not fit 64 bits, which orjson
+    would turn into a float, makes the row an error that keeps the line's other values exact."""
     value = orjson.loads(line)
-    if _LONG_DIGITS.search(line):
-        try:
-            json.loads(line, parse_int=_exact_int)
-        except _WideInteger as e:
-            shown = str(e) if len(str(e)) <= 40 else f"{str(e)[:37]}..."
-            raise ValueError(
-                f"the integer {shown} does not fit 64 bits and would lose digits; write it as "
-                "a string"
-            ) from None
-    return value
-
+    if not _LONG_DIGITS.search(line):
+        return value, None
+    try:
+        return json.loads(line, parse_int=_exact_int), None
+    except _WideInteger as e:
+        shown = str(e) if len(str(e)) <= 40 else f"{str(e)[:37]}..."
+        problem = (
+            f"the integer {shown} does not fit 64 bits and would lose digits; write it as a string"
+        )
+        return json.loads(line), problem
 
 
 def detect_format(path: Path, input_format: str | None) -> str:
@@ -151,7 +151,8 @@ class _ZstdFrames(io.RawIOBase):
 
 @dataclass(frozen=True)
 class RawRecord:
-    """One undecoded input row: `record` is the decoded object, or `error` says why it is not."""
+    """One undecoded input row: `record` is the decoded object (None if it cannot be decoded),
+    and `error` says why the row cannot run."""
 
     index: int
     location: str
@@ -297,13 +298,14 @@ class InputReader:
                     if skip is None or index not in skip:
                         location = f"line {line_number}"
                         try:
-                            yield RawRecord(index, location, loads_line(line))
+                            record, problem = loads_line(line)
                         except orjson.JSONDecodeError as e:
                             yield RawRecord(
                                 index, location, error=f"{location}: invalid JSON ({e})"
                             )
-                        except ValueError as e:
-                            yield RawRecord(index, location, error=f"{location}: {e}")
+                        else:
+                            error = None if problem is None else f"{location}: {problem}"
+                            yield RawRecord(index, location, record, error)
                     index += 1
         except (OSError, EOFError, zlib.error, CorruptInput) as e:
             raise self._read_failure(e) from None
@@ -347,8 +349,12 @@ class InputReader:
             if shard is not None and not shard.owns(raw.record, raw.index, parser):
                 continue
             if raw.error is not None:
-                # NOTE: no id, not the index: an index could equal another row's integer id.
-                yield InputRow(raw.index, raw.location, None, error=raw.error)
+                # NOTE: no id, not the index: an index could equal another row's integer id. A
+                # decoded row that cannot run keeps its own id.
+                row_id = (
+                    parser.row_id(raw.record, raw.index) if isinstance(raw.record, dict) else None
+                )
+                yield InputRow(raw.index, raw.location, row_id, error=raw.error)
             else:
                 yield parser.parse(raw.record, raw.index, raw.location)
 

@@ -151,7 +151,9 @@ class RowParser:
         if column is None:
             return index
         value = record.get(column)
-        if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool) and -(1 << 63) <= value < 1 << 64:
             return value
         return None
 
