@@ -435,8 +435,9 @@ def _resume_locked(
         )
     if mismatches:
         old_input, old_rows = manifest.input, manifest.num_rows
-        _refuse_lost_rows(job_dir, manifest, output)
-        _accept_changes(job_dir, manifest, fingerprint, identity)
+        scan = _rescan_input(manifest, manifest.shard_spec)
+        _refuse_lost_rows(job_dir, manifest, output, scan.input_rows)
+        _accept_changes(job_dir, manifest, fingerprint, identity, scan)
         if old_input.sampled_sha256 != fingerprint.sampled_sha256:
             _warn_index_matching(job_dir, output, old_rows, manifest.num_rows)
     options = manifest.options.run_options(overrides)
@@ -464,11 +465,10 @@ def _adopt_moved_output(output: Path, job_dir: Path, manifest: Manifest) -> None
     manifest.save(job_dir)
 
 
-def _refuse_lost_rows(job_dir: Path, manifest: Manifest, output: Path) -> None:
-    """resume --force on an input that now ends before rows already committed: those rows
-    would stay in the output with no input row behind them."""
-    # NOTE: row indices are positions in the whole input, a shard's included.
-    num_rows = _rescan_input(manifest, manifest.shard_spec).input_rows
+def _refuse_lost_rows(job_dir: Path, manifest: Manifest, output: Path, num_rows: int) -> None:
+    """resume --force on an input that now ends before rows already committed (`num_rows`, all
+    of its rows: indices are positions in the whole input, a shard's included): those rows would
+    stay in the output with no input row behind them."""
     state, _ = read_journal(job_dir / JOURNAL_NAME)
     ranges = state.committed.ranges()
     last = ranges[-1][1] if ranges else 0
@@ -498,12 +498,16 @@ def _warn_index_matching(job_dir: Path, output: Path, old_rows: int, new_rows: i
 
 
 def _accept_changes(
-    job_dir: Path, manifest: Manifest, fingerprint: InputFingerprint, identity: ModelIdentity
+    job_dir: Path,
+    manifest: Manifest,
+    fingerprint: InputFingerprint,
+    identity: ModelIdentity,
+    scan: InputScan,
 ) -> None:
-    """--force: adopt the changed input and model, so later resumes check against them."""
+    """--force: adopt the changed input (`scan`: its id pre-pass) and model, so later resumes
+    check against them."""
     from vbatch import __version__
 
-    scan = _rescan_input(manifest, manifest.shard_spec)
     if scan.duplicate is not None:
         raise InputError(f"{manifest.input_path}: {scan.duplicate}; ids must be unique")
     manifest.id_kind = _adopted_id_kind(job_dir, manifest, scan.id_kind)
