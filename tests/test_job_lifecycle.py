@@ -406,6 +406,24 @@ def test_resume_complete_job_whose_output_was_deleted(
 
 # --- 7. resume --force after rows were inserted ----------------------------------------------
 
+TEN_ROWS = [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(10)]
+
+
+def finished_job(
+    input_path: Path, output: Path, model_dir: Path, llm_factory: Callable[..., Any], cut: bool
+) -> tuple[JobSpec, int]:
+    """TEN_ROWS run to the end into `output`; with `cut`, its journal cut back to the first
+    commit, as a job killed part way. Returns the job and its committed row count."""
+    write_jsonl(input_path, TEN_ROWS)
+    job = JobSpec(input_path, output, model=str(model_dir), sampling=SAMPLING)
+    assert start_job(job, QUIET, llm_factory=llm_factory).exit_code == 0
+    journal = job_dir_for(output) / JOURNAL_NAME
+    if cut:
+        journal.write_bytes(journal.read_bytes().splitlines(keepends=True)[0])
+    committed = len(read_journal(journal)[0].committed)
+    assert 0 < committed < 10 if cut else committed == 10
+    return job, committed
+
 
 def test_resume_force_on_a_changed_input_warns_about_index_matching(
     tmp_path: Path,
@@ -413,15 +431,11 @@ def test_resume_force_on_a_changed_input_warns_about_index_matching(
     shared_llm: Callable[..., Any],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    records = [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(10)]
-    input_path = write_jsonl(tmp_path / "in.jsonl", records)
-    job = JobSpec(input_path, tmp_path / "out.jsonl", model=str(tiny_model_dir), sampling=SAMPLING)
-    assert start_job(job, QUIET, llm_factory=shared_llm).exit_code == 0
-    journal = job_dir_for(job.output_path) / JOURNAL_NAME
-    journal.write_bytes(journal.read_bytes().splitlines(keepends=True)[0])
-    committed = len(read_journal(journal)[0].committed)
-    assert 0 < committed < 10
-    write_jsonl(input_path, [{"id": "new0", "prompt": "new"}, *records])
+    input_path = tmp_path / "in.jsonl"
+    job, committed = finished_job(
+        input_path, tmp_path / "out.jsonl", tiny_model_dir, shared_llm, cut=True
+    )
+    write_jsonl(input_path, [{"id": "new0", "prompt": "new"}, *TEN_ROWS])
     capsys.readouterr()
     done = resume_job(job.output_path, {"display": "quiet"}, force=True, llm_factory=shared_llm)
     assert done.exit_code == 0
@@ -439,13 +453,10 @@ def test_resume_force_with_only_the_model_changed_does_not_warn(
 ) -> None:
     import json
 
-    records = [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(10)]
-    input_path = write_jsonl(tmp_path / "in.jsonl", records)
-    job = JobSpec(input_path, tmp_path / "out.jsonl", model=str(tiny_model_dir), sampling=SAMPLING)
-    assert start_job(job, QUIET, llm_factory=shared_llm).exit_code == 0
+    job, _ = finished_job(
+        tmp_path / "in.jsonl", tmp_path / "out.jsonl", tiny_model_dir, shared_llm, cut=True
+    )
     job_dir = job_dir_for(job.output_path)
-    journal = job_dir / JOURNAL_NAME
-    journal.write_bytes(journal.read_bytes().splitlines(keepends=True)[0])
     manifest = json.loads((job_dir / "manifest.json").read_text())
     manifest["vbatch_version"] = "0.0.0-old"
     (job_dir / "manifest.json").write_text(json.dumps(manifest))
@@ -458,13 +469,11 @@ def test_resume_force_with_only_the_model_changed_does_not_warn(
 def test_resume_force_refuses_an_input_that_now_ends_before_committed_rows(
     tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any]
 ) -> None:
-    records = [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(10)]
-    input_path = write_jsonl(tmp_path / "in.jsonl", records)
-    job = JobSpec(input_path, tmp_path / "out.jsonl", model=str(tiny_model_dir), sampling=SAMPLING)
-    assert start_job(job, QUIET, llm_factory=shared_llm).exit_code == 0
+    input_path = tmp_path / "in.jsonl"
+    job, _ = finished_job(input_path, tmp_path / "out.jsonl", tiny_model_dir, shared_llm, cut=False)
     manifest = job_dir_for(job.output_path) / "manifest.json"
     before = manifest.read_bytes()
-    write_jsonl(input_path, records[:6])
+    write_jsonl(input_path, TEN_ROWS[:6])
     with pytest.raises(JobStateError, match=r"now has 6 rows, but rows up to index 9.*--overwrite"):
         resume_job(job.output_path, {"display": "quiet"}, force=True, llm_factory=shared_llm)
     assert manifest.read_bytes() == before, "a refused resume changes nothing"
@@ -477,16 +486,11 @@ def test_a_job_moved_or_copied_with_its_directory_goes_on_where_it_is_now(
     shared_llm: Callable[..., Any],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    records = [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(10)]
-    input_path = write_jsonl(tmp_path / "in.jsonl", records)
     first = tmp_path / "first"
     first.mkdir()
-    job = JobSpec(input_path, first / "out.jsonl", model=str(tiny_model_dir), sampling=SAMPLING)
-    assert start_job(job, QUIET, llm_factory=shared_llm).exit_code == 0
-    journal = job_dir_for(job.output_path) / JOURNAL_NAME
-    journal.write_bytes(journal.read_bytes().splitlines(keepends=True)[0])
-    committed = len(read_journal(journal)[0].committed)
-    assert 0 < committed < 10
+    job, _ = finished_job(
+        tmp_path / "in.jsonl", first / "out.jsonl", tiny_model_dir, shared_llm, cut=True
+    )
     copy = tmp_path / "copy"
     shutil.copytree(first, copy)
     original = job.output_path.read_bytes()
@@ -495,7 +499,7 @@ def test_a_job_moved_or_copied_with_its_directory_goes_on_where_it_is_now(
     assert done.exit_code == 0
     assert "goes on at" in capsys.readouterr().err
     assert sorted(r["id"] for r in read_jsonl(copy / "out.jsonl")) == sorted(
-        r["id"] for r in records
+        r["id"] for r in TEN_ROWS
     )
     assert job.output_path.read_bytes() == original, "the job's first place is left alone"
     status = job_status(copy / "out.jsonl")

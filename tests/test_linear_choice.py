@@ -33,6 +33,16 @@ from vbatch.protocol import AddRequest, pack_token_ids
 from vbatch.sampling_params import SamplingParams
 
 
+def layer_weights() -> dict[str, torch.Tensor]:
+    """One small layer's projections, [out, in], as choose_linear_backends takes them."""
+    return {
+        "qkv": torch.randn(96, 32),
+        "o": torch.randn(32, 32),
+        "gate_up": torch.randn(128, 32),
+        "down": torch.randn(32, 64),
+    }
+
+
 def test_row_classes_take_the_nearest_timed_count() -> None:
     counts = (1, 2, 3, 24, 25, 192, 193, 1024, 1025, 8192)
     assert [row_class(n) for n in counts] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
@@ -120,13 +130,7 @@ def test_the_choice_is_measured_once_per_machine_and_shapes(
     # NOTE: timed as on a quiet machine, so the cached decision is final (test_kernel_choice.py
     # covers one timed under load).
     monkeypatch.setattr(kernel_choice, "free_cpus_while", lambda work, *_: (work(), 64.0))
-    weights = {
-        "qkv": torch.randn(96, 32),
-        "o": torch.randn(32, 32),
-        "gate_up": torch.randn(128, 32),
-        "down": torch.randn(32, 64),
-        "lm_head": torch.randn(500, 32),
-    }
+    weights = {**layer_weights(), "lm_head": torch.randn(500, 32)}
     choice = choose_linear_backends(weights)
     assert choice["rows"] == list(TIMED_ROWS)
     for role in ("qkv", "o", "gate_up", "down", "lm_head"):
@@ -181,12 +185,7 @@ def test_a_swiglu_mlp_times_gate_up_with_its_activation(
 ) -> None:
     monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernel_choice, "free_cpus_while", lambda work, *_: (work(), 64.0))
-    weights = {
-        "qkv": torch.randn(96, 32),
-        "o": torch.randn(32, 32),
-        "gate_up": torch.randn(128, 32),
-        "down": torch.randn(32, 64),
-    }
+    weights = layer_weights()
     timed: list[str] = []
     fastest = linear_choice.fastest_ms
 
