@@ -10,7 +10,7 @@ through one EngineCore (no client, no subprocess), so its total is the engine's 
 wall time and the rest is start-up and the client.
 
 python -m benchmarks.profile_e2e [--num-prompts 64] [--max-tokens 128] [--threads 2]
-    [--linear-backend auto|torch|onednn|native]
+    [--linear-backend auto|torch|onednn|native] [--quantization int8]
 Under the AVX2 emulation: python -m benchmarks.emulate avx2 benchmarks.profile_e2e ...
 """
 
@@ -55,11 +55,18 @@ def main() -> None:
     parser.add_argument(
         "--linear-backend", choices=("auto", "torch", "onednn", "native"), default="auto"
     )
+    parser.add_argument("--quantization", default=None, help="e.g. int8")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     _, prompts = hf_prompts(args.num_prompts)
     start = time.perf_counter()
-    core = EngineCore(EngineConfig(num_threads=args.threads, linear_backend=args.linear_backend))
+    core = EngineCore(
+        EngineConfig(
+            num_threads=args.threads,
+            linear_backend=args.linear_backend,
+            quantization=args.quantization,
+        )
+    )
     init_s = time.perf_counter() - start
     timers = StepTimers(head_category="head")
     timers.install(core)

@@ -23,6 +23,7 @@ from benchmarks.gemm_bound import flops_per_token, model_gemm_rate
 from vbatch.config import KV_CACHE_DTYPES, EngineConfig
 from vbatch.engine.core import EngineCore
 from vbatch.layers.linear_choice import ChosenLinear
+from vbatch.layers.quantization import Int8DynamicLinear
 from vbatch.models.llama import LlamaMLP
 from vbatch.protocol import AddRequest, pack_token_ids
 from vbatch.sampling_params import SamplingParams
@@ -51,10 +52,11 @@ class StepTimers:
     def install(self, core: EngineCore) -> None:
         runner = core.runner
         for module in runner.model.modules():
-            if isinstance(module, torch.nn.Linear):
+            if isinstance(module, torch.nn.Linear | Int8DynamicLinear):
                 module.forward = self.timed("gemm", module.forward)
-                if isinstance(module, ChosenLinear):
-                    # NOTE: a SwiGLU packing's fused activation (vbatch::packed_swiglu).
+                if isinstance(module, ChosenLinear | Int8DynamicLinear):
+                    # NOTE: a SwiGLU packing's fused activation (vbatch::packed_swiglu,
+                    # vbatch::int8_linear).
                     module.swiglu = self.timed("gemm", module.swiglu)
             elif isinstance(module, LlamaMLP):
                 # NOTE: its two GEMMs as W @ x^T bypass Linear.forward; SiLU-and-mul rides along.

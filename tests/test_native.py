@@ -16,6 +16,7 @@ import torch
 from vbatch.layers import native
 from vbatch.layers.attention import AttentionMetadata, TorchAttentionBackend, write_kv_cache
 from vbatch.layers.norm import RMSNorm
+from vbatch.layers.quantization import NATIVE, Int8DynamicLinear
 from vbatch.layers.rotary import RotaryEmbedding
 
 SMOLLM2_HEADS = (9, 3, 64)  # num_heads, num_kv_heads, head_dim
@@ -922,6 +923,89 @@ def test_int8_packed_mm_takes_minus_128_activations_and_refuses_it_in_weights(op
         torch.ops.vbatch.pack_int8_weight(torch.full((2, 16), -128, dtype=torch.int8))
     with pytest.raises(RuntimeError, match="this build's pack_int8_weight"):
         torch.ops.vbatch.int8_packed_mm(torch.ones(2, 20, dtype=torch.int8), packed, 8)
+
+
+def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's rows as symmetric int8 by their largest magnitude, in torch ops: (values, scales)."""
+    scale = x.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    return torch.round(x / scale[:, None]).to(torch.int8), scale
+
+
+def test_int8_quantize_rows_rounds_as_torch_does(ops: None) -> None:
+    """Half-way values go to the even neighbour, as torch.round; an all-zero row has scale
+    1e-12 / 127 and zeros."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 70, generator=gen) * torch.logspace(-3, 3, 9)[:, None]
+    x[0, :5] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5])
+    x[1] = 0.0
+    q, scale = torch.ops.vbatch.int8_quantize_rows(x)
+    want_q, want_scale = quantized_rows(x)
+    assert torch.equal(q, want_q) and torch.equal(scale, want_scale)
+    assert q[0, :5].tolist() == [127, 2, -4, 0, 0]
+    torch.library.opcheck(torch.ops.vbatch.int8_quantize_rows.default, (x,))
+
+
+def native_int8_layer(
+    weight: torch.Tensor, bias: torch.Tensor, swiglu: bool
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(packed weight, [col_scale, col_sums, col_bias]) as the engine's int8 layer gives them to
+    vbatch::int8_linear."""
+    layer = Int8DynamicLinear(weight, bias, NATIVE, swiglu=swiglu)
+    assert layer.swiglu_size == (weight.shape[0] // 2 if swiglu else None)
+    return layer.packed, layer.columns
+
+
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"),
+    [(1, 40, 576), (7, 100, 33), (13, 576, 1536), (70, 38, 2), (300, 64, 64), (0, 8, 8)],
+)
+def test_int8_linear_is_its_exact_int32_sums_rescaled(
+    ops: None, rows: int, out_features: int, in_features: int
+) -> None:
+    """Against the same quantization summed in int64: the rows' and weights' full range (127 x
+    127 everywhere in row 0, whose offset bytes under VNNI are 255) comes back exact before the
+    float32 rescaling; the SwiGLU form is silu_mul of the plain form's gate and up, and
+    int8_scale_sums (torch._int_mm's rescaling) gives the same bits."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    if rows:
+        x[0], weight[0] = 1.0, 1.0
+        x[-1] *= 1000.0
+    q_x, x_scale = quantized_rows(x)
+    q_weight, w_scale = quantized_rows(weight)
+    sums = q_x.long() @ q_weight.long().t()
+    want = sums.float() * x_scale[:, None] * w_scale + bias
+    packed, columns = native_int8_layer(weight, bias, swiglu=False)
+    got = torch.ops.vbatch.int8_linear(x, packed, *columns, out_features, False)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    if rows:
+        assert int(sums[0, 0]) == 127 * 127 * in_features
+    intermediate = out_features // 2
+    packed, columns = native_int8_layer(weight, bias, swiglu=True)
+    act = torch.ops.vbatch.int8_linear(x, packed, *columns, intermediate, True)
+    assert torch.equal(act, torch.ops.vbatch.silu_mul(*got.split(intermediate, dim=-1)))
+    scaled = torch.ops.vbatch.int8_scale_sums(sums.int(), x_scale, w_scale, bias, True)
+    assert torch.equal(scaled, act)
+    torch.library.opcheck(
+        torch.ops.vbatch.int8_linear.default, (x, packed, *columns, intermediate, True)
+    )
+    torch.library.opcheck(
+        torch.ops.vbatch.int8_scale_sums.default, (sums.int(), x_scale, w_scale, bias, False)
+    )
+
+
+def test_int8_linear_refuses_a_mismatched_packing(ops: None) -> None:
+    weight = torch.randn(40, 32)
+    packed, columns = native_int8_layer(weight, torch.zeros(40), swiglu=False)
+    x = torch.randn(2, 32)
+    with pytest.raises(RuntimeError, match="this build's pack_int8_weight for 20"):
+        torch.ops.vbatch.int8_linear(torch.randn(2, 20), packed, *columns, 40, False)
+    with pytest.raises(RuntimeError, match="out_features 200 does not match"):
+        torch.ops.vbatch.int8_linear(x, packed, *columns, 200, False)
+    with pytest.raises(RuntimeError, match=rf"must be contiguous \[{len(columns[0])}\]"):
+        torch.ops.vbatch.int8_linear(x, packed, *columns[:2], torch.zeros(3), 40, False)
 
 
 def test_packed_linear_gives_each_row_the_same_bits_in_any_batch(ops: None) -> None:

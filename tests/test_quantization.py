@@ -119,6 +119,45 @@ def test_the_native_int8_linear_gives_the_bits_of_an_exact_int_mm() -> None:
     assert torch.equal(Int8DynamicLinear(weight, bias, NATIVE)(x), expected)
 
 
+FUSED_BACKENDS = [pytest.param(INT_MM, marks=EXACT_INT_MM), NATIVE]
+
+
+@NATIVE_OPS
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+@pytest.mark.parametrize("intermediate", [40, 1536])
+def test_a_swiglu_int8_layer_gives_its_activation_in_one_call(
+    backend: str, intermediate: int
+) -> None:
+    """A gate/up projection packed for SwiGLU: swiglu(x) is silu_mul of its own gate and up to
+    the bit, and forward still gives the plain layer's output (an intermediate size that is
+    not a multiple of the panels' half pads them)."""
+    gen = torch.Generator().manual_seed(intermediate)
+    weight = torch.randn(2 * intermediate, 64, generator=gen)
+    bias = torch.randn(2 * intermediate, generator=gen)
+    x = torch.randn(3, 9, 64, generator=gen)
+    plain = Int8DynamicLinear(weight, bias, backend)
+    fused = Int8DynamicLinear(weight, bias, backend, swiglu=True)
+    assert plain.swiglu(x) is None and fused.swiglu_size == intermediate
+    gate_up = plain(x)
+    assert torch.equal(fused(x), gate_up)
+    gate, up = gate_up.reshape(-1, 2 * intermediate).split(intermediate, dim=-1)
+    want = torch.ops.vbatch.silu_mul(gate, up).view(3, 9, intermediate)
+    assert torch.equal(fused.swiglu(x), want)
+
+
+@EXACT_INT_MM
+def test_the_fused_int_mm_layer_rescales_as_torch_ops_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(100, 576, generator=gen)
+    bias = torch.randn(100, generator=gen)
+    x = torch.randn(21, 576, generator=gen)
+    fused = Int8DynamicLinear(weight, bias, INT_MM)
+    monkeypatch.setattr(native, "is_available", lambda: False)
+    unfused = Int8DynamicLinear(weight, bias, INT_MM)
+    assert fused.fused and not unfused.fused
+    torch.testing.assert_close(fused(x), unfused(x), rtol=1e-6, atol=1e-5)
+
+
 def test_quantize_linears_skips_the_lm_head() -> None:
     model = nn.Sequential()
     model.add_module("proj", nn.Linear(8, 8))
@@ -195,17 +234,29 @@ def test_int8_smollm2_keeps_its_predictions(
         assert abs(float(ref_lp - got_lp)) < 0.15
 
 
-def test_engine_core_runs_int8(tiny_model_dir: Path) -> None:
-    core = EngineCore(
-        EngineConfig(model=str(tiny_model_dir), device="cpu", quantization="int8", num_kv_blocks=64)
-    )
-    assert isinstance(core.runner.model.layers[0].self_attn.qkv_proj, Int8DynamicLinear)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    core.add_request(AddRequest("a", pack_token_ids([5, 6, 7, 8]), params))
-    tokens: list[int] = []
-    while core.has_unfinished():
-        tokens.extend(core.step().token_ids)
-    assert len(tokens) == 6
+def test_engine_core_runs_int8(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the native kernels the MLPs take SiLU-and-mul from the int8 gate/up call itself:
+    the same tokens as with the activation applied apart."""
+
+    def greedy_tokens() -> list[int]:
+        config = EngineConfig(
+            model=str(tiny_model_dir), device="cpu", quantization="int8", num_kv_blocks=64
+        )
+        core = EngineCore(config)
+        layer = core.runner.model.layers[0]
+        assert isinstance(layer.self_attn.qkv_proj, Int8DynamicLinear)
+        assert (layer.mlp.gate_up_proj.swiglu_size is not None) == native.is_available()
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        core.add_request(AddRequest("a", pack_token_ids([5, 6, 7, 8]), params))
+        tokens: list[int] = []
+        while core.has_unfinished():
+            tokens.extend(core.step().token_ids)
+        return tokens
+
+    fused = greedy_tokens()
+    assert len(fused) == 6
+    monkeypatch.setattr(Int8DynamicLinear, "swiglu", lambda self, x: None)
+    assert greedy_tokens() == fused
 
 
 def test_int8_that_is_not_faster_warns_with_the_measured_figures(

@@ -7,14 +7,21 @@
 // AVX-512), so every product is |a| * (+-w) with |a| <= 128 and |w| <= 127: a pair sums to at
 // most 2 * 128 * 127 = 32512, inside int16, and the int32 sums are exact. The weight must stay
 // off -128, whose negation overflows (pack_int8_weight checks); any activation byte is fine.
-// With AVX512-VNNI one
-// vpdpbusd adds the four products of a lane straight into int32.
+// With AVX512-VNNI one vpdpbusd adds the four products of a lane straight into int32.
+//
+// int8_linear is a whole float32 linear layer in one call: it quantizes the rows itself and
+// scales the sums back to float32 (and, for a gated MLP, applies SwiGLU) while they are still
+// in registers. Under VNNI its rows are offset by +128 to unsigned bytes, vpdpbusd's own
+// operand, and the offset's share (128 x each weight column's sum) comes off in the epilogue:
+// one instruction per product group instead of three.
 //
 // A weight [N, K] is packed once into panels of int8_panel_cols() output columns as
 // [panels, K / 4, cols, 4]: one vector load gives a vector's columns four k values each, and an
 // activation row's four bytes at that k are broadcast to every column (the VNNI layout). Each
 // micro-kernel call keeps R rows x 2 vectors of int32 accumulators in registers.
 #include "int8_gemm.h"
+
+#include "../vec_math.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -24,7 +31,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <tuple>
+#include <type_traits>
 
 #if defined(__AVX512BW__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -78,6 +88,24 @@ constexpr int64_t kVecCols = 8;
 constexpr int kRowBlock = 4;
 #endif
 
+#if defined(__AVX512BW__) || defined(__AVX2__)
+// Signed activation bytes: |x| times the weight carrying x's sign (exact without VNNI, above).
+inline IVec dot4_rows(IVec acc, IVec x, IVec w, std::false_type) {
+  return dot4(acc, ivec_abs8(x), with_signs(w, signs_of(x)));
+}
+#endif
+#if defined(__AVX512VNNI__)
+// Activation bytes offset to unsigned: vpdpbusd's own u8 x s8 operands, one instruction.
+inline IVec dot4_rows(IVec acc, IVec x, IVec w, std::true_type) {
+  return _mm512_dpbusd_epi32(acc, x, w);
+}
+constexpr bool kOffsetRows = true;
+#else
+constexpr bool kOffsetRows = false;
+#endif
+constexpr int32_t kRowOffset = 128;
+constexpr float kInt8Max = 127.0f;
+
 constexpr int64_t kPanelCols = 2 * kVecCols;
 constexpr int64_t kPanelGroupBytes = kPanelCols * kGroup;
 // NOTE: the activation rows one pass over a thread's panels serves stay in L2 beside the panel.
@@ -89,10 +117,13 @@ inline int32_t load4(const int8_t* p) {
   return bytes;
 }
 
-// out[r, c] = sum_k a[r, k] * panel column c, for r < R and c < cols.
-template <int R>
-void micro_kernel(const int8_t* a, int64_t lda, const int8_t* panel, int64_t groups,
-                  int32_t* out, int64_t ldo, int64_t cols) {
+// A row block's int32 sums over a panel: tile[r * kPanelCols + c] = sum_k a[r, k] * panel
+// column c for r < R. With kOffset (VNNI builds only) the bytes of `a` are the activations plus
+// 128 as unsigned values, and the sums carry 128 x the weight column's sum (int8_linear takes it
+// off): vpdpbusd then multiplies them straight, with no sign split.
+template <int R, bool kOffset>
+void dot_block(const int8_t* a, int64_t lda, const int8_t* panel, int64_t groups,
+               int32_t* tile) {
 #if defined(__AVX512BW__) || defined(__AVX2__)
   IVec acc0[R], acc1[R];
 #pragma GCC unroll 16
@@ -103,27 +134,19 @@ void micro_kernel(const int8_t* a, int64_t lda, const int8_t* panel, int64_t gro
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const IVec x = ivec_broadcast4(load4(a + r * lda + g * kGroup));
-      const IVec magnitudes = ivec_abs8(x);
-      const Signs signs = signs_of(x);
-      acc0[r] = dot4(acc0[r], magnitudes, with_signs(w0, signs));
-      acc1[r] = dot4(acc1[r], magnitudes, with_signs(w1, signs));
+      acc0[r] = dot4_rows(acc0[r], x, w0, std::bool_constant<kOffset>{});
+      acc1[r] = dot4_rows(acc1[r], x, w1, std::bool_constant<kOffset>{});
     }
   }
-  alignas(64) int32_t tile[kPanelCols];
   for (int r = 0; r < R; ++r) {
-    int32_t* row = out + r * ldo;
-    if (cols == kPanelCols) {
-      ivec_store(row, acc0[r]);
-      ivec_store(row + kVecCols, acc1[r]);
-    } else {
-      ivec_store(tile, acc0[r]);
-      ivec_store(tile + kVecCols, acc1[r]);
-      std::copy(tile, tile + cols, row);
-    }
+    ivec_store(tile + r * kPanelCols, acc0[r]);
+    ivec_store(tile + r * kPanelCols + kVecCols, acc1[r]);
   }
 #else
+  static_assert(!kOffset, "offset activations need VNNI");
   for (int r = 0; r < R; ++r) {
-    int32_t sums[kPanelCols] = {};
+    int32_t* sums = tile + r * kPanelCols;
+    std::fill(sums, sums + kPanelCols, 0);
     for (int64_t g = 0; g < groups; ++g) {
       const int8_t* x = a + r * lda + g * kGroup;
       const int8_t* w = panel + g * kPanelGroupBytes;
@@ -131,21 +154,84 @@ void micro_kernel(const int8_t* a, int64_t lda, const int8_t* panel, int64_t gro
         for (int64_t j = 0; j < kGroup; ++j) sums[c] += int32_t{x[j]} * int32_t{w[c * kGroup + j]};
       }
     }
-    std::copy(sums, sums + cols, out + r * ldo);
   }
 #endif
 }
 
-template <int R>
-void rows_tail(const int8_t* a, int64_t lda, const int8_t* panel, int64_t groups, int32_t* out,
-               int64_t ldo, int64_t cols, int64_t rows) {
+// dot_block for `rows` <= R rows, then epilogue(tile, rows).
+template <int R, bool kOffset, typename Epilogue>
+void rows_tail(const int8_t* a, int64_t lda, const int8_t* panel, int64_t groups, int64_t rows,
+               const Epilogue& epilogue) {
   if constexpr (R > 1) {
     if (rows < R) {
-      rows_tail<R - 1>(a, lda, panel, groups, out, ldo, cols, rows);
+      rows_tail<R - 1, kOffset>(a, lda, panel, groups, rows, epilogue);
       return;
     }
   }
-  micro_kernel<R>(a, lda, panel, groups, out, ldo, cols);
+  alignas(64) int32_t tile[R * kPanelCols];
+  dot_block<R, kOffset>(a, lda, panel, groups, tile);
+  epilogue(tile, rows);
+}
+
+// Visits panels [first_panel, end_panel) of the M rows of `a` [M, k_padded] in row blocks that
+// stay in L2 while the panels stream past them, in parallel over panels:
+// epilogue(tile, rows, m, p) after each kRowBlock rows from m through panel p.
+template <bool kOffset, typename Epilogue>
+void walk_panels(const int8_t* a, int64_t M, int64_t k_padded, const int8_t* packed,
+                 int64_t first_panel, int64_t end_panel, const Epilogue& epilogue) {
+  const int64_t groups = k_padded / kGroup;
+  const int64_t panel_bytes = groups * kPanelGroupBytes;
+  const int64_t block_rows =
+      std::max<int64_t>(kRowBlock, kRowBlockBytes / std::max<int64_t>(k_padded, 1) / kRowBlock *
+                                       kRowBlock);
+  at::parallel_for(first_panel, end_panel, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
+      const int64_t m_end = std::min(M, m0 + block_rows);
+      for (int64_t p = begin; p < end; ++p) {
+        for (int64_t m = m0; m < m_end; m += kRowBlock) {
+          rows_tail<kRowBlock, kOffset>(
+              a + m * k_padded, k_padded, packed + p * panel_bytes, groups,
+              std::min<int64_t>(kRowBlock, m_end - m),
+              [&](const int32_t* tile, int64_t rows) { epilogue(tile, rows, m, p); });
+        }
+      }
+    }
+  });
+}
+
+// One output of an int8 linear: its exact int32 sum back in float32 (one definition for
+// int8_linear and int8_scale_sums, so that the two give the same bits).
+#pragma omp declare simd
+inline float scaled_sum(int32_t sum, float row_scale, float col_scale, float col_bias) {
+  return static_cast<float>(sum) * row_scale * col_scale + col_bias;
+}
+
+// Each row of x [M, K] as int8 by its largest magnitude (scale = peak / 127, values rounded
+// half to even, as torch.round), into q [M, k_padded] (zeros past K) and scales [M]; with
+// kOffset each byte holds the value plus 128 as an unsigned byte.
+template <bool kOffset>
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t k_padded, int8_t* q,
+                   float* scales) {
+  constexpr int64_t kGrainRows = 64;
+  at::parallel_for(0, M, kGrainRows, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = x + m * K;
+      float peak = 0.0f;
+#pragma omp simd reduction(max : peak)
+      for (int64_t k = 0; k < K; ++k) peak = std::max(peak, std::fabs(row[k]));
+      const float scale = std::max(peak, 1e-12f) / static_cast<float>(kInt8Max);
+      scales[m] = scale;
+      int8_t* out = q + m * k_padded;
+      for (int64_t k = 0; k < K; ++k) {
+        const float v = std::nearbyint(row[k] / scale);
+        // NOTE: written so that NaN lands on a bound instead of an undefined conversion.
+        const float clamped = v >= -kInt8Max ? (v <= kInt8Max ? v : kInt8Max) : -kInt8Max;
+        const int32_t value = static_cast<int32_t>(clamped) + (kOffset ? kRowOffset : 0);
+        out[k] = static_cast<int8_t>(static_cast<uint8_t>(value));
+      }
+      std::fill(out + K, out + k_padded, static_cast<int8_t>(kOffset ? kRowOffset : 0));
+    }
+  });
 }
 
 }  // namespace
@@ -160,28 +246,17 @@ at::Tensor int8_rows_padded(const at::Tensor& a) {
 void int8_packed_mm_into(const int8_t* a, int64_t M, int64_t k_padded, const int8_t* packed,
                          int64_t N, int64_t col_begin, int64_t col_end, int32_t* out,
                          int64_t ldo) {
-  const int64_t groups = k_padded / kGroup;
-  const int64_t panel_bytes = groups * kPanelGroupBytes;
   const int64_t last_col = std::min(col_end, N);
-  const int64_t first_panel = col_begin / kPanelCols;
-  const int64_t end_panel = (last_col + kPanelCols - 1) / kPanelCols;
-  const int64_t block_rows =
-      std::max<int64_t>(kRowBlock, kRowBlockBytes / std::max<int64_t>(k_padded, 1) / kRowBlock *
-                                       kRowBlock);
-  at::parallel_for(first_panel, end_panel, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
-      const int64_t m_end = std::min(M, m0 + block_rows);
-      for (int64_t p = begin; p < end; ++p) {
+  walk_panels<false>(
+      a, M, k_padded, packed, col_begin / kPanelCols, (last_col + kPanelCols - 1) / kPanelCols,
+      [&](const int32_t* tile, int64_t rows, int64_t m, int64_t p) {
         const int64_t c0 = p * kPanelCols;
         const int64_t cols = std::min(kPanelCols, last_col - c0);
-        for (int64_t m = m0; m < m_end; m += kRowBlock) {
-          rows_tail<kRowBlock>(a + m * k_padded, k_padded, packed + p * panel_bytes, groups,
-                               out + m * ldo + (c0 - col_begin), ldo, cols,
-                               std::min<int64_t>(kRowBlock, m_end - m));
+        for (int64_t r = 0; r < rows; ++r) {
+          std::copy(tile + r * kPanelCols, tile + r * kPanelCols + cols,
+                    out + (m + r) * ldo + (c0 - col_begin));
         }
-      }
-    }
-  });
+      });
 }
 
 namespace {
@@ -243,6 +318,141 @@ at::Tensor int8_packed_mm(const at::Tensor& a, const at::Tensor& packed, int64_t
   return out;
 }
 
+void check_float_rows(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), op,
+              ": x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
+}
+
+// x [M, K] float32 through an int8 linear: each row quantized as quantize_rows does, its exact
+// int32 sums with the weight packed by pack_int8_weight, and per panel column c
+// y = sum * row scale * col_scale[c] + col_bias[c]. Plain: out column p * int8_panel_cols() + c
+// is y of panel p's column c. swiglu: panel p holds gate columns in its first half and the
+// matching up columns in its second, and out column p * half + c is silu_times(gate, up) of its
+// columns c and half + c. col_scale, col_bias (float32) and col_sums (the int8 weight rows' sums,
+// int32) are laid out as the panels' columns: [panels * int8_panel_cols()].
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& col_scale,
+                       const at::Tensor& col_sums, const at::Tensor& col_bias,
+                       int64_t out_features, bool swiglu) {
+  check_float_rows(x, "int8_linear");
+  const int64_t M = x.size(0), K = x.size(1), groups = (K + kGroup - 1) / kGroup;
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+                  packed.size(1) == groups && packed.size(2) == kPanelCols &&
+                  packed.size(3) == kGroup,
+              "int8_linear: packed must come from this build's pack_int8_weight for ", K,
+              " input features, got ", packed.sizes());
+  const int64_t panels = packed.size(0), columns = panels * kPanelCols;
+  for (const at::Tensor* t : {&col_scale, &col_sums, &col_bias}) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == columns && t->is_contiguous() &&
+                    t->device().is_cpu(),
+                "int8_linear: col_scale, col_sums and col_bias must be contiguous [", columns,
+                "], got ", t->sizes());
+  }
+  TORCH_CHECK(col_scale.scalar_type() == at::kFloat && col_bias.scalar_type() == at::kFloat &&
+                  col_sums.scalar_type() == at::kInt,
+              "int8_linear: col_scale and col_bias must be float32, col_sums int32");
+  const int64_t cols_per_panel = swiglu ? kVecCols : kPanelCols;
+  TORCH_CHECK(out_features > (panels - 1) * cols_per_panel &&
+                  out_features <= panels * cols_per_panel,
+              "int8_linear: out_features ", out_features, " does not match ", panels,
+              swiglu ? " SwiGLU panels" : " panels");
+  const at::Tensor input = x.contiguous();
+  at::Tensor out = at::empty({M, out_features}, input.options());
+  if (M == 0) return out;
+  const int64_t k_padded = groups * kGroup;
+  at::Tensor q = at::empty({M, k_padded}, input.options().dtype(at::kChar));
+  at::Tensor row_scale = at::empty({M}, input.options());
+  quantize_rows<kOffsetRows>(input.const_data_ptr<float>(), M, K, k_padded,
+                             q.mutable_data_ptr<int8_t>(), row_scale.mutable_data_ptr<float>());
+  const float* rs = row_scale.const_data_ptr<float>();
+  const float* cs = col_scale.const_data_ptr<float>();
+  const float* cb = col_bias.const_data_ptr<float>();
+  const int32_t* sums = col_sums.const_data_ptr<int32_t>();
+  float* op = out.mutable_data_ptr<float>();
+  walk_panels<kOffsetRows>(
+      q.const_data_ptr<int8_t>(), M, k_padded, packed.const_data_ptr<int8_t>(), 0, panels,
+      [&](const int32_t* tile, int64_t rows, int64_t m, int64_t p) {
+        const int64_t c0 = p * kPanelCols;
+        const int64_t cols = std::min(cols_per_panel, out_features - p * cols_per_panel);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int32_t* t = tile + r * kPanelCols;
+          alignas(64) float y[kPanelCols];
+#pragma omp simd
+          for (int64_t c = 0; c < kPanelCols; ++c) {
+            // NOTE: unsigned, so that a wrapped offset sum comes back exact (vpdpbusd wraps too).
+            const uint32_t offset = kOffsetRows ? uint32_t{kRowOffset} * sums[c0 + c] : 0u;
+            const auto sum = static_cast<int32_t>(static_cast<uint32_t>(t[c]) - offset);
+            y[c] = scaled_sum(sum, rs[m + r], cs[c0 + c], cb[c0 + c]);
+          }
+          float* row = op + (m + r) * out_features + p * cols_per_panel;
+          if (swiglu) {
+#pragma omp simd
+            for (int64_t c = 0; c < cols; ++c) row[c] = silu_times(y[c], y[kVecCols + c]);
+          } else {
+            std::copy(y, y + cols, row);
+          }
+        }
+      });
+  return out;
+}
+
+// x [M, K] float32 -> (q [M, K] int8, scales [M] float32), each row as int8_linear quantizes
+// it (symmetric, by its largest magnitude): the input of torch._int_mm.
+std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x) {
+  check_float_rows(x, "int8_quantize_rows");
+  const at::Tensor input = x.contiguous();
+  const int64_t M = input.size(0), K = input.size(1);
+  at::Tensor q = at::empty({M, K}, input.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({M}, input.options());
+  quantize_rows<false>(input.const_data_ptr<float>(), M, K, K, q.mutable_data_ptr<int8_t>(),
+                       scales.mutable_data_ptr<float>());
+  return {q, scales};
+}
+
+// sums [M, N] int32 (an int8 GEMM's) -> float32: scaled_sum of each, and with swiglu (N = 2I,
+// gate columns then up columns) silu_times(gate, up) [M, I], as int8_linear gives them.
+at::Tensor int8_scale_sums(const at::Tensor& sums, const at::Tensor& row_scale,
+                           const at::Tensor& col_scale, const at::Tensor& col_bias,
+                           bool swiglu) {
+  TORCH_CHECK(sums.dim() == 2 && sums.scalar_type() == at::kInt && sums.device().is_cpu(),
+              "int8_scale_sums: sums must be a 2-D int32 CPU tensor, got ", sums.sizes());
+  const int64_t M = sums.size(0), N = sums.size(1);
+  TORCH_CHECK(row_scale.dim() == 1 && row_scale.size(0) == M &&
+                  row_scale.scalar_type() == at::kFloat,
+              "int8_scale_sums: row_scale must be float32 [", M, "]");
+  for (const at::Tensor* t : {&col_scale, &col_bias}) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == N && t->scalar_type() == at::kFloat,
+                "int8_scale_sums: col_scale and col_bias must be float32 [", N, "]");
+  }
+  TORCH_CHECK(!swiglu || N % 2 == 0, "int8_scale_sums: a SwiGLU needs an even column count");
+  const at::Tensor s = sums.contiguous(), rs_t = row_scale.contiguous();
+  const at::Tensor cs_t = col_scale.contiguous(), cb_t = col_bias.contiguous();
+  const int64_t width = swiglu ? N / 2 : N;
+  at::Tensor out = at::empty({M, width}, rs_t.options());
+  const int32_t* sp = s.const_data_ptr<int32_t>();
+  const float* rs = rs_t.const_data_ptr<float>();
+  const float* cs = cs_t.const_data_ptr<float>();
+  const float* cb = cb_t.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const int32_t* row = sp + m * N;
+      float* dst = op + m * width;
+      if (swiglu) {
+#pragma omp simd
+        for (int64_t c = 0; c < width; ++c) {
+          dst[c] = silu_times(scaled_sum(row[c], rs[m], cs[c], cb[c]),
+                              scaled_sum(row[width + c], rs[m], cs[width + c], cb[width + c]));
+        }
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < N; ++c) dst[c] = scaled_sum(row[c], rs[m], cs[c], cb[c]);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace vbatch
 
@@ -250,9 +460,19 @@ TORCH_LIBRARY_FRAGMENT(vbatch, m) {
   m.def("int8_panel_cols() -> int", &vbatch::int8_panel_cols);
   m.def("pack_int8_weight(Tensor weight) -> Tensor");
   m.def("int8_packed_mm(Tensor a, Tensor packed, int out_features) -> Tensor");
+  m.def(
+      "int8_linear(Tensor x, Tensor packed, Tensor col_scale, Tensor col_sums, Tensor col_bias, "
+      "int out_features, bool swiglu) -> Tensor");
+  m.def("int8_quantize_rows(Tensor x) -> (Tensor, Tensor)");
+  m.def(
+      "int8_scale_sums(Tensor sums, Tensor row_scale, Tensor col_scale, Tensor col_bias, "
+      "bool swiglu) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vbatch, CPU, m) {
   m.impl("pack_int8_weight", &vbatch::pack_int8_weight);
   m.impl("int8_packed_mm", &vbatch::int8_packed_mm);
+  m.impl("int8_linear", &vbatch::int8_linear);
+  m.impl("int8_quantize_rows", &vbatch::int8_quantize_rows);
+  m.impl("int8_scale_sums", &vbatch::int8_scale_sums);
 }

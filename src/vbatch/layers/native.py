@@ -251,6 +251,33 @@ def _register_fakes() -> None:
     ) -> torch.Tensor:
         return a.new_empty(a.shape[0], out_features, dtype=torch.int32)
 
+    @torch.library.register_fake("vbatch::int8_linear")
+    def _int8_linear_fake(
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        col_scale: torch.Tensor,
+        col_sums: torch.Tensor,
+        col_bias: torch.Tensor,
+        out_features: int,
+        swiglu: bool,
+    ) -> torch.Tensor:
+        return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("vbatch::int8_quantize_rows")
+    def _int8_quantize_rows_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[0])
+
+    @torch.library.register_fake("vbatch::int8_scale_sums")
+    def _int8_scale_sums_fake(
+        sums: torch.Tensor,
+        row_scale: torch.Tensor,
+        col_scale: torch.Tensor,
+        col_bias: torch.Tensor,
+        swiglu: bool,
+    ) -> torch.Tensor:
+        width = sums.shape[1] // 2 if swiglu else sums.shape[1]
+        return sums.new_empty(sums.shape[0], width, dtype=torch.float32)
+
     @torch.library.register_fake("vbatch::int8_quantize_head")
     def _int8_quantize_head_fake(
         weight: torch.Tensor,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
@@ -75,23 +75,49 @@ def fbgemm_is_exact() -> bool:
     return torch.allclose(probe, weight.sum(dim=1), rtol=0.02)
 
 
+def panel_rows(out_features: int, swiglu: bool) -> torch.Tensor:
+    """The weight row behind each column of vbatch::int8_linear's panels, -1 for padding.
+    Plain: rows in order. SwiGLU (a [gate; up] weight of 2 x out_features / 2 rows): panel p
+    holds gate rows [p * half, (p + 1) * half) then the same up rows, half being half a panel."""
+    cols = int(torch.ops.vbatch.int8_panel_cols())
+    if not swiglu:
+        rows = torch.arange(-(-out_features // cols) * cols)
+        return torch.where(rows < out_features, rows, -1)
+    half, intermediate = cols // 2, out_features // 2
+    column = torch.arange(-(-intermediate // half))[:, None] * half + torch.arange(cols) % half
+    rows = torch.where(torch.arange(cols) < half, column, intermediate + column)
+    return torch.where(column < intermediate, rows, -1).flatten()
+
+
 class Int8DynamicLinear(nn.Module):
     """y = x W^T + b with W symmetric int8 per output row and each token of x quantized to int8
     on the fly; the int32 GEMM result is rescaled by both scales.
 
-    `backend` INT_MM: symmetric 8-bit tokens through `torch._int_mm` (oneDNN; fast with VNNI).
-    NATIVE: the same tokens and the same int32 sums through `vbatch::int8_packed_mm`, from a
-    copy of the weight packed into its panels. FBGEMM: each token divided by its largest
-    magnitude first, so that FBGEMM's per-tensor dynamic quantization acts per token, as 8-bit
-    asymmetric values (only where that is exact, see fbgemm_is_exact).
+    `backend` INT_MM: symmetric 8-bit tokens through `torch._int_mm` (oneDNN; fast with VNNI,
+    and AMX where there is one), the tokens quantized and the sums rescaled by one native call
+    each where the native kernels are loaded. NATIVE: the whole layer in one
+    `vbatch::int8_linear` call (the same tokens and int32 sums), from a copy of the weight packed
+    into its panels. FBGEMM: each token divided by its largest magnitude first, so that FBGEMM's
+    per-tensor dynamic quantization acts per token, as 8-bit asymmetric values (only where that
+    is exact, see fbgemm_is_exact).
+
+    With `swiglu` (W is a gated MLP's [gate; up] projection) and the native kernels, `swiglu(x)`
+    gives silu(gate) * up from the rescaling itself (NATIVE: its panels pair gate and up
+    columns); otherwise it returns None and the caller applies the activation.
 
     Invariants: `weight_t` is the int8 weight as [in_features, out_features] (a transposed view
-    of a row-major [out, in] tensor); `weight_scale` is float32 [out_features]; inputs and
-    outputs are float32 [..., in_features] / [..., out_features].
+    of a row-major [out, in] tensor); `weight_scale` and `col_bias` (zeros without a bias) are
+    float32 [out_features]; inputs and outputs are float32 [..., in_features] / [...,
+    out_features]. Under NATIVE, `columns` holds each panel column's scale, int8 row sum and
+    bias (see vbatch::int8_linear) and `plain_columns` the panel column of each output column.
     """
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, backend: str = INT_MM
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        backend: str = INT_MM,
+        swiglu: bool = False,
     ) -> None:
         super().__init__()
         weight = weight.detach().float()
@@ -105,9 +131,12 @@ class Int8DynamicLinear(nn.Module):
         self.register_buffer(
             "bias", None if bias is None else bias.detach().float(), persistent=False
         )
+        self.col_bias = torch.zeros(self.out_features) if bias is None else self.bias
         self.packed: object | None = None
+        self.fused = backend in (INT_MM, NATIVE) and native.is_available()
+        self.swiglu_size = self.out_features // 2 if swiglu and self.fused else None
         if backend == NATIVE:
-            self.packed = torch.ops.vbatch.pack_int8_weight(qweight)
+            self._pack_native(qweight)
         elif backend == FBGEMM:
             with warnings.catch_warnings():
                 # NOTE: torch marks quantized tensors deprecated; the packed weight is one.
@@ -117,8 +146,45 @@ class Int8DynamicLinear(nn.Module):
                 )
                 self.packed = torch.ops.quantized.linear_prepack(per_channel, None)
 
+    def _pack_native(self, qweight: torch.Tensor) -> None:
+        rows = panel_rows(self.out_features, self.swiglu_size is not None)
+        valid = rows >= 0
+        index = rows.clamp_min(0)
+        self.packed = torch.ops.vbatch.pack_int8_weight(
+            torch.where(valid[:, None], qweight[index], 0)
+        )
+        row_sums = qweight.sum(dim=1, dtype=torch.int32)
+        self.columns = [
+            torch.where(valid, values[index], 0).contiguous()
+            for values in (self.weight_scale, row_sums, self.col_bias)
+        ]
+        # NOTE: forward on a SwiGLU packing (a LoRA on gate/up skips the fused path) takes the
+        # plain output back out of the panels' order.
+        self.plain_columns = torch.empty(self.out_features, dtype=torch.long)
+        self.plain_columns[rows[valid]] = torch.nonzero(valid).flatten()
+
+    def _fused(self, rows: torch.Tensor, swiglu: bool) -> torch.Tensor:
+        """The native kernels' output for rows [M, in_features]: [M, out_features], or with
+        `swiglu` silu(gate) * up [M, out_features / 2]."""
+        if self.backend == INT_MM:
+            q, row_scale = torch.ops.vbatch.int8_quantize_rows(rows)
+            sums = torch._int_mm(q, self.weight_t)
+            return torch.ops.vbatch.int8_scale_sums(
+                sums, row_scale, self.weight_scale, self.col_bias, swiglu
+            )
+        op = torch.ops.vbatch.int8_linear
+        if swiglu:
+            return op(rows, self.packed, *self.columns, self.swiglu_size, True)
+        if self.swiglu_size is None:
+            return op(rows, self.packed, *self.columns, self.out_features, False)
+        return op(rows, self.packed, *self.columns, len(self.columns[0]), False)[
+            :, self.plain_columns
+        ]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if self.fused:
+            return self._fused(rows, swiglu=False).view(*x.shape[:-1], self.out_features)
         # [num_rows, 1]: per-token scale, so one outlier token does not crush the others
         peak = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
         if self.backend == FBGEMM:
@@ -126,19 +192,23 @@ class Int8DynamicLinear(nn.Module):
         else:
             scale = peak / INT8_MAX
             qrows = torch.round(rows / scale).to(torch.int8)
-            if self.backend == NATIVE:
-                sums = torch.ops.vbatch.int8_packed_mm(qrows, self.packed, self.out_features)
-            else:
-                sums = torch._int_mm(qrows, self.weight_t)
-            out = sums.float().mul_(scale).mul_(self.weight_scale)
+            out = torch._int_mm(qrows, self.weight_t).float().mul_(scale).mul_(self.weight_scale)
         if self.bias is not None:
             out.add_(self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up [..., out_features / 2] from the fused kernels, where this layer is
+        a SwiGLU's gate/up projection and they are loaded; else None."""
+        if self.swiglu_size is None:
+            return None
+        act = self._fused(x.reshape(-1, self.in_features), swiglu=True)
+        return act.view(*x.shape[:-1], self.swiglu_size)
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"int8 ({self.backend})"
+            f"int8 ({self.backend}{', SwiGLU' if self.swiglu_size is not None else ''})"
         )
 
 
@@ -192,10 +262,13 @@ def describe_int8_choice(choice: dict[str, object]) -> str:
     )
 
 
-def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> dict[str, object]:
+def quantize_linears(
+    model: nn.Module, skip: tuple[str, ...] = ("lm_head",), swiglu: Collection[str] = ()
+) -> dict[str, object]:
     """Replace every nn.Linear in `model` (names ending in `skip` excepted) with an
-    Int8DynamicLinear on the fastest backend here, in place; returns that choice
-    (choose_int8_backend) with "replaced", the number of layers replaced."""
+    Int8DynamicLinear on the fastest backend here, in place; those named in `swiglu` are gated
+    MLPs' gate/up projections, to give silu(gate) * up from the fused kernels. Returns that
+    choice (choose_int8_backend) with "replaced", the number of layers replaced."""
     targets = [
         (name, module)
         for name, module in model.named_modules()
@@ -206,5 +279,6 @@ def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> 
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8DynamicLinear(module.weight, module.bias, backend))
+        layer = Int8DynamicLinear(module.weight, module.bias, backend, swiglu=name in swiglu)
+        setattr(parent, child, layer)
     return {**choice, "replaced": len(targets)}

@@ -30,7 +30,11 @@ from vbatch.layers.lora import LoraLinear
 from vbatch.layers.native import has_fused_ops
 from vbatch.layers.norm import RMSNorm
 from vbatch.layers.packed_store import PackedStore
-from vbatch.layers.quantization import exact_int8_backends, quantize_linears
+from vbatch.layers.quantization import (
+    Int8DynamicLinear,
+    exact_int8_backends,
+    quantize_linears,
+)
 from vbatch.layers.rotary import RotaryBatch, RotaryEmbedding
 from vbatch.models.config import ModelConfig
 from vbatch.models.loader import ResolvedModel, weight_files
@@ -150,7 +154,9 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._transposes(x):
             return self._forward_transposed(x)
-        if self.gate_up_lora is None and isinstance(self.gate_up_proj, ChosenLinear):
+        if self.gate_up_lora is None and isinstance(
+            self.gate_up_proj, ChosenLinear | Int8DynamicLinear
+        ):
             act = self.gate_up_proj.swiglu(x)
             if act is not None:
                 return self._down(act)
@@ -458,13 +464,19 @@ class LlamaForCausalLM(nn.Module):
                 return weights
         return {}
 
+    def swiglu_projections(self) -> list[str]:
+        """The gate/up projections (names under `layers`) whose MLP fuses SwiGLU."""
+        return [
+            f"{index}.mlp.gate_up_proj"
+            for index, layer in enumerate(self.layers)
+            if isinstance(layer.mlp, LlamaMLP) and layer.mlp.fused_silu
+        ]
+
     def fuses_swiglu(self) -> bool:
         """Whether the layers' MLPs fuse SiLU and the gate product into the native GEMM where
         it runs their gate/up projection (LlamaMLP.fused_silu), so that its timing includes the
         activation (layers/linear_choice.py)."""
-        return any(
-            isinstance(layer.mlp, LlamaMLP) and layer.mlp.fused_silu for layer in self.layers
-        )
+        return bool(self.swiglu_projections())
 
     def use_linear_choice(
         self, choice: dict[str, object], store: PackedStore | None = None
@@ -639,7 +651,9 @@ def load_model(
         raise ModelLoadError(f"model in {hf_dir} lacks weights for {', '.join(missing[:5])}")
     if quantization is not None:
         # NOTE: the MoE router stays float32: a rounding there changes which experts run.
-        llm.quantization_choice = quantize_linears(llm.layers, skip=("lm_head", "mlp.gate"))
+        llm.quantization_choice = quantize_linears(
+            llm.layers, skip=("lm_head", "mlp.gate"), swiglu=llm.swiglu_projections()
+        )
     return llm.eval()
 
 
