@@ -519,6 +519,24 @@ def test_a_bad_format_shard_or_stop_string_is_a_usage_error(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["status", "/"],
+        ["status", "."],
+        ["resume", "/"],
+        ["merge", "."],
+        ["run", "in.jsonl", "-o", "."],
+        ["run", "in.jsonl", "-o", "sub/.."],
+        ["run-batch", "-i", "in.jsonl", "-o", "/"],
+    ],
+)
+def test_an_output_path_that_names_no_file_is_a_usage_error(args: list[str]) -> None:
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "names no file" in result.output
+
+
 def test_openai_lines_default_to_openais_sampling_unless_the_flag_is_given(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

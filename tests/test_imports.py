@@ -130,3 +130,23 @@ def test_torch_free_modules_import_neither_torch_nor_transformers() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_vllms_import_forms_work_with_the_package_renamed() -> None:
+    """Every name of vbatch.__all__ resolves, and the imports of a vLLM offline script (with
+    `vllm` changed to `vbatch`) run, none of them pulling in torch."""
+    code = (
+        "import sys, vbatch\n"
+        "from vbatch import PoolingParams, TextPrompt, TokensPrompt\n"
+        "from vbatch import EmbeddingRequestOutput, PoolingRequestOutput\n"
+        "from vbatch import ClassificationRequestOutput, ScoringRequestOutput\n"
+        "from vbatch.inputs import TokensPrompt as T\n"
+        "from vbatch.outputs import RequestOutput, CompletionOutput\n"
+        "assert T is TokensPrompt and RequestOutput is vbatch.RequestOutput\n"
+        "print('torch' in sys.modules)\n"
+        "for name in vbatch.__all__:\n"
+        "    getattr(vbatch, name)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[0] == "False"

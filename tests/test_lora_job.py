@@ -1,5 +1,6 @@
 """A `vbatch run` job whose rows name three LoRA adapters and the base model: the tokens PEFT
-gives, each row exactly once after a SIGKILL and a resume, a changed adapter refused on resume;
+gives, each row exactly once after a SIGKILL and a resume, a changed or moved adapter refused
+on resume;
 and how rows pick their adapter."""
 
 from __future__ import annotations
@@ -74,6 +75,12 @@ def test_job_with_three_adapters_matches_peft_and_resumes_once(
     refused = subprocess.run(vbatch("resume", str(output), "-q"), cwd=root, capture_output=True)
     assert refused.returncode != 0 and b"LoRA adapter 'a1' changed" in refused.stderr
     config.write_bytes(original)
+    (root / "a1").rename(root / "a1-moved")
+    gone = subprocess.run(
+        vbatch("resume", str(output), "--force", "-q"), cwd=root, capture_output=True
+    )
+    assert gone.returncode != 0 and b"LoRA adapter 'a1' is missing from" in gone.stderr
+    (root / "a1-moved").rename(root / "a1")
     done = subprocess.run(vbatch("resume", str(output), "-q"), cwd=root, capture_output=True)
     assert done.returncode == 0, done.stderr
     rows = [orjson.loads(line) for line in output.read_bytes().splitlines()]

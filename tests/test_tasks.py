@@ -4,6 +4,7 @@ and merged; classify and perplexity jobs; OpenAI /v1/embeddings lines."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -18,7 +19,9 @@ import torch
 from helpers import SharedLLM, write_jsonl
 
 from benchmarks.tiny_pooling import write_tiny_classifier, write_tiny_embedder
+from vbatch.errors import InputError
 from vbatch.job.merge import merge_shards
+from vbatch.job.rows import ColumnOptions
 from vbatch.job.runner import JobSpec, RunOptions, resume_job, start_job
 from vbatch.job.shard import Shard
 from vbatch.models.loader import ResolvedModel
@@ -171,3 +174,73 @@ def test_openai_embeddings_lines(
     assert np.abs(short - vector[:8] / np.linalg.norm(vector[:8])).max() <= 1e-5
     assert "body.input" in out["bad"]["error"]["message"]
     assert "user_field" in out["unknown"]["error"]["message"]
+
+
+def test_a_list_input_embeddings_line_writes_its_vectors_to_parquet(
+    tmp_path: Path, models: dict[str, Any], engines: dict[str, Any]
+) -> None:
+    lines = [
+        {"custom_id": "two", "url": "/v1/embeddings", "body": {"input": ["hello world", "x"]}},
+        {"custom_id": "one", "url": "/v1/embeddings", "body": {"input": "hello world"}},
+    ]
+    input_path = write_jsonl(tmp_path / "in.jsonl", lines)
+    job = JobSpec(input_path, tmp_path / "out.parquet", model=str(models["embed"]), task="embed")
+    assert start_job(job, QUIET, llm_factory=_factory(engines["embed"])).exit_code == 0
+    rows = {r["id"]: r for r in read_output(job.output_path)}
+    first, second = rows["two"]["embeddings"]
+    assert rows["two"]["embedding"] is None and len(first) == len(second) == 64
+    assert np.abs(np.array(first) - np.array(rows["one"]["embedding"])).max() <= 1e-6
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_kept_input_columns_never_shadow_a_pooling_task_field(
+    tmp_path: Path, models: dict[str, Any], engines: dict[str, Any], suffix: str
+) -> None:
+    """A classification dataset's own `label` column stays out of --keep-all-columns (the
+    model's label is written), and --keep-columns label is refused."""
+    records = [{"id": "a", "prompt": "hello", "label": "gold", "note": "kept"}]
+    input_path = write_jsonl(tmp_path / "in.jsonl", records)
+    job = JobSpec(
+        input_path,
+        tmp_path / f"out{suffix}",
+        model=str(models["classify"]),
+        task="classify",
+        columns=ColumnOptions(keep_all_columns=True),
+    )
+    assert start_job(job, QUIET, llm_factory=_factory(engines["classify"])).exit_code == 0
+    (row,) = read_output(job.output_path)
+    # NOTE: Parquet keeps a JSONL input's column as its JSON text.
+    assert row["label"].startswith("label_") and row["note"] in ("kept", '"kept"')
+    refused = dataclasses.replace(
+        job,
+        output_path=tmp_path / f"refused{suffix}",
+        columns=ColumnOptions(keep_columns=("label",)),
+    )
+    with pytest.raises(InputError, match="--keep-columns label would overwrite output fields"):
+        start_job(refused, QUIET, llm_factory=_factory(engines["classify"]))
+
+
+def test_a_pooling_job_refuses_lora_and_a_model_without_the_tasks_head(
+    tmp_path: Path, models: dict[str, Any], engines: dict[str, Any], tiny_model_dir: Path
+) -> None:
+    input_path = write_jsonl(tmp_path / "in.jsonl", RECORDS[:2])
+    lora = JobSpec(
+        input_path,
+        tmp_path / "lora.jsonl",
+        model=str(tiny_model_dir),
+        task="perplexity",
+        engine_args={"enable_lora": True, "loras": [["a", str(tmp_path)]]},
+    )
+    with pytest.raises(InputError, match="--lora runs with generation only"):
+        start_job(lora, QUIET, llm_factory=_factory(engines["lm"]))
+    wrong_head = JobSpec(
+        input_path, tmp_path / "cls.jsonl", model=str(models["embed"]), task="classify"
+    )
+    with pytest.raises(InputError, match=r"classify needs a \*ForSequenceClassification model"):
+        start_job(wrong_head, QUIET, llm_factory=_factory(engines["embed"]))
+    assert not (tmp_path / "cls.jsonl").exists()
+    (out,) = engines["classify"].generate(["hello"])
+    assert out.outputs[0].finish_reason == "error"
+    assert "generation needs a model with an LM head; this one has a classifier head" in (
+        out.error or ""
+    )

@@ -9,6 +9,8 @@ from vbatch.errors import (
     SamplingParamsError,
     VbatchError,
 )
+from vbatch.inputs import TextPrompt, TokensPrompt
+from vbatch.pooling_params import PoolingParams
 from vbatch.sampling_params import SamplingParams
 from vbatch.structured import GuidedDecodingParams, StructuredOutput, StructuredOutputsParams
 
@@ -16,33 +18,62 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from vbatch.engine_args import EngineArgs
-    from vbatch.llm import LLM, CompletionOutput, RequestOutput
+    from vbatch.llm import LLM
     from vbatch.lora.request import LoRARequest
+    from vbatch.outputs import (
+        ClassificationRequestOutput,
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        PoolingRequestOutput,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
+
+# NOTE: vbatch.outputs' names that `vbatch` gives as vLLM's top level does.
+_OUTPUTS = (
+    "ClassificationRequestOutput",
+    "CompletionOutput",
+    "EmbeddingRequestOutput",
+    "PoolingRequestOutput",
+    "RequestOutput",
+    "ScoringRequestOutput",
+)
 
 __all__ = [
     "LLM",
+    "ClassificationRequestOutput",
     "CompletionOutput",
     "ConfigError",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "EngineDeadError",
     "EngineStartupError",
     "GuidedDecodingParams",
     "LoRARequest",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "SamplingParams",
     "SamplingParamsError",
+    "ScoringRequestOutput",
     "StructuredOutput",
     "StructuredOutputsParams",
+    "TextPrompt",
+    "TokensPrompt",
     "VbatchError",
 ]
 
 
 def __getattr__(name: str) -> Any:
     # NOTE: lazy so that `import vbatch` (and `vbatch --help`) never pulls in transformers or zmq.
-    if name in ("LLM", "RequestOutput", "CompletionOutput"):
-        from vbatch import llm
+    if name == "LLM":
+        from vbatch.llm import LLM
 
-        return getattr(llm, name)
+        return LLM
+    if name in _OUTPUTS:
+        from vbatch import outputs
+
+        return getattr(outputs, name)
     if name == "EngineArgs":
         from vbatch.engine_args import EngineArgs
 

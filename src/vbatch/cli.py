@@ -387,7 +387,7 @@ def resume(
 
 @app.command()
 def status(
-    output: Annotated[Path, typer.Argument(help="The output path of the job.")],
+    output: Annotated[Path, typer.Argument(help="The output path of the job.", parser=o.file_path)],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
     """Show the progress of a job: done, errored, remaining, last commit, settings."""
@@ -440,7 +440,10 @@ def _shard_lines(output: Path, shards: list[dict[str, Any]], *, is_merged: bool)
 @app.command()
 def merge(
     output: Annotated[
-        Path, typer.Argument(help="The output the shards were run with (`run -o OUTPUT`).")
+        Path,
+        typer.Argument(
+            help="The output the shards were run with (`run -o OUTPUT`).", parser=o.file_path
+        ),
     ],
     ordered: Annotated[
         bool, typer.Option("--ordered", help="Sort the merged rows by input index.")
@@ -483,7 +486,8 @@ def run_batch(
         Path, typer.Option("-i", "--input-file", help="The OpenAI Batch file (JSONL) to run.")
     ],
     output_file: Annotated[
-        Path, typer.Option("-o", "--output-file", help="Where the output lines go.")
+        Path,
+        typer.Option("-o", "--output-file", help="Where the output lines go.", parser=o.file_path),
     ],
     model: o.Model = None,
 ) -> None:

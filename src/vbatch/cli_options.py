@@ -68,6 +68,14 @@ def input_format(value: str) -> str:
     return value
 
 
+def file_path(value: str) -> Path:
+    """A job output's parser: a path that names a file, else a usage error (exit 2)."""
+    path = Path(value)
+    if not path.name or path.name == "..":
+        raise ValueError(f"{value!r} names no file: give the output file's path, e.g. out.jsonl")
+    return path
+
+
 def shard(value: str) -> str:
     """--shard's parser: I/N checked now (exit 2); auto needs the job array's environment, read
     when the job starts."""
@@ -91,12 +99,16 @@ def stop_string(value: str) -> str:
 INT64 = Range(int, -(2**63), most=2**63 - 1)
 
 InputPath = Annotated[Path, typer.Argument(help="Input file: .jsonl[.gz|.zst] or .parquet.")]
-OutputPath = Annotated[Path, typer.Option("--output", "-o", help="Output: .jsonl or .parquet.")]
+OutputPath = Annotated[
+    Path,
+    typer.Option("--output", "-o", help="Output: .jsonl or .parquet.", parser=file_path),
+]
 JobOutput = Annotated[
     Path,
     typer.Argument(
         help="The output path the job was started with; for a shard's file "
-        "(out.shard-I-of-N.parquet) with no job yet, starts that shard like the others."
+        "(out.shard-I-of-N.parquet) with no job yet, starts that shard like the others.",
+        parser=file_path,
     ),
 ]
 

@@ -208,6 +208,8 @@ class PoolingMethods:
                 problem = "the input list is empty"
             elif problem is None and not all(prompts):
                 problem = "the prompt is empty"
+            elif problem is None and req.lora_request is not None:
+                problem = "LoRA adapters run with generation only, not with pooling tasks"
             if problem is not None:
                 ready.append((position, pooling_output(req, position, [], params.task, problem)))
                 continue

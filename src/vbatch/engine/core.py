@@ -171,6 +171,8 @@ class EngineCore:
             return [_error(req.request_id, f"request id {req.request_id!r} is already running")]
         if req.pooling is not None:
             return self._add_pooling(req.request_id, prompt_token_ids, req.pooling)
+        if self.model_config.head != "lm":
+            return [_error(req.request_id, no_lm_head(self.model_config))]
         reason = self.scheduler.check_prompt(len(prompt_token_ids), params)
         if reason is not None:
             return [_error(req.request_id, reason)]
@@ -551,6 +553,15 @@ def _finish(seq: Sequence) -> SampleFinish:
         stop_reason=seq.stop_reason,
         num_cached_tokens=seq.num_cached_tokens,
     )
+
+
+def no_lm_head(config: ModelConfig) -> str:
+    """Why a model without an LM head cannot generate, and what it can do instead."""
+    if config.head == "score":
+        kind, instead = "a classifier head", "--task classify (LLM.classify)"
+    else:
+        kind, instead = "no head", "--task embed (LLM.embed)"
+    return f"generation needs a model with an LM head; this one has {kind}: run it with {instead}"
 
 
 def _error(request_id: str, message: str) -> SampleFinish:

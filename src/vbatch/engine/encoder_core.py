@@ -16,7 +16,7 @@ import torch
 from vbatch.config import EngineConfig, resolve_max_model_len
 from vbatch.engine.cpu_share import cpu_notes
 from vbatch.engine.kv_cache import select_device, select_dtype
-from vbatch.engine.pooling import PoolingJob, float32_bytes
+from vbatch.engine.pooling import PoolingJob, float32_bytes, too_long_prompt
 from vbatch.layers.linear_choice import runs_at_any_thread_count, settle_linears
 from vbatch.models.bert import EncoderConfig, load_encoder
 from vbatch.models.config import is_encoder_dir
@@ -128,10 +128,7 @@ class EncoderCore:
         elif max(prompt) >= self.vocab_size or min(prompt) < 0:
             reason = f"prompt token ids must lie in [0, {self.vocab_size})"
         elif max(lens) > self.max_model_len:
-            reason = (
-                f"the prompt has {max(lens)} tokens, more than the maximum model length of "
-                f"{self.max_model_len}; set truncate_prompt_tokens to keep only its last tokens"
-            )
+            reason = too_long_prompt(max(lens), self.max_model_len)
         elif params.dimensions is not None and params.dimensions > self.hidden_size:
             reason = (
                 f"dimensions {params.dimensions} exceeds the model's embedding size "

@@ -26,6 +26,15 @@ LOGITS_CHUNK = 512
 _PREFILL_ONLY = SamplingParams(max_tokens=1)
 
 
+def too_long_prompt(num_tokens: int, max_model_len: int) -> str:
+    """Why a pooling prompt of `num_tokens` cannot run, and how to keep part of it."""
+    return (
+        f"the prompt has {num_tokens} tokens, more than the maximum model length of "
+        f"{max_model_len}; shorten it, or keep its last tokens with "
+        "PoolingParams(truncate_prompt_tokens=...) in the Python API"
+    )
+
+
 @dataclass
 class PoolingJob:
     """One request's prompts waiting for a pooling step; `then` are the samples of a generation
@@ -88,10 +97,7 @@ class PoolingQueue:
             if not prompt:
                 return "the prompt is empty"
             if len(prompt) > self.max_model_len:
-                return (
-                    f"the prompt has {len(prompt)} tokens, more than the maximum model length of "
-                    f"{self.max_model_len}; set truncate_prompt_tokens to keep only its last tokens"
-                )
+                return too_long_prompt(len(prompt), self.max_model_len)
         block_size = self.block_manager.block_size
         num_blocks = sum(-(-len(prompt) // block_size) for prompt in prompts)
         if num_blocks > self.block_manager.num_blocks:

@@ -56,7 +56,10 @@ from vbatch.job.reader import InputReader, InputScan, scan_input
 from vbatch.job.results import OUTPUT_COLUMNS
 from vbatch.job.rows import ColumnOptions, LoraRows, RowParser
 from vbatch.job.shard import Shard, shard_of_output, shards_on_disk
+from vbatch.job.tasks import head_problem, task_columns
 from vbatch.lora.adapter import read_adapter_config
+from vbatch.models.config import declared_head
+from vbatch.models.loader import locate_model
 from vbatch.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -64,6 +67,15 @@ if TYPE_CHECKING:
 
 # NOTE: kept input columns may not shadow output fields (vbatch rows or OpenAI Batch lines).
 RESERVED_COLUMNS = frozenset(OUTPUT_COLUMNS) | {"custom_id", "response"}
+
+
+def reserved_columns(task: str) -> frozenset[str]:
+    """The output fields a kept input column may not take, in a job of `task`."""
+    if task == "generate":
+        return RESERVED_COLUMNS
+    return RESERVED_COLUMNS | set(task_columns(task))
+
+
 MAX_KEPT_COLUMNS = 1000
 
 
@@ -138,7 +150,8 @@ def _resolve_columns(spec: JobSpec, reader: InputReader, keys: set[str] | None) 
     columns = spec.columns
     if columns.keep_all_columns:
         names = reader.columns if reader.columns is not None else sorted(keys or ())
-        kept = tuple(n for n in names if n not in RESERVED_COLUMNS)
+        reserved = reserved_columns(spec.task)
+        kept = tuple(n for n in names if n not in reserved)
         return ColumnOptions(
             columns.prompt_column, columns.messages_column, columns.id_column, kept
         )
@@ -187,6 +200,19 @@ def start_job(
             core.shutdown(timeout=0.0)
 
 
+def _refuse_missing_adapters(identity: ModelIdentity) -> None:
+    """A job's LoRA adapters load from the paths it started with: one whose files are gone from
+    there stops a resume, which --force cannot help."""
+    for record in identity.loras or ():
+        gone = [name for name, digest in record.files.items() if digest == "missing"]
+        if gone:
+            raise JobStateError(
+                f"cannot resume: LoRA adapter {record.name!r} is missing from {record.path} "
+                f"({', '.join(gone)}); put it back there, as the job loads its adapters from "
+                "the paths it started with"
+            )
+
+
 def _start_core_early(spec: JobSpec) -> EngineCoreClient | None:
     """The engine core, spawned before the input is scanned, so its torch import and model load
     overlap the scan, the manifest and the tokenizer; None where the model or engine args are
@@ -233,12 +259,17 @@ def _prepare_job(
         )
     if not overwrite and output.exists():
         raise JobStateError(f"{output} already exists; pass --overwrite to replace it")
-    clashes = [n for n in spec.columns.keep_columns if n in RESERVED_COLUMNS]
+    clashes = [n for n in spec.columns.keep_columns if n in reserved_columns(spec.task)]
     if clashes:
         raise InputError(f"--keep-columns {', '.join(clashes)} would overwrite output fields")
     defaults = SamplingParams.from_dict(spec.sampling)
     defaults.updated(spec.openai_defaults)
     config = EngineConfig.from_dict({**spec.engine_args, "model": spec.model})
+    if config.loras and spec.task != "generate":
+        raise InputError(f"--lora runs with generation only, not with --task {spec.task}")
+    problem = head_problem(spec.task, declared_head(locate_model(spec.model).path))
+    if problem is not None:
+        raise InputError(problem)
     for name, path in config.loras:
         read_adapter_config(name, path, config.max_lora_rank)
     if options.data_parallel_size > 1:
@@ -360,6 +391,7 @@ def _start_shard_like(
     if not input_path.is_file():
         raise InputError(f"the input file {input_path} of shard {sibling.shard_spec} is gone")
     identity = model_identity(sibling.model_to_load(), sibling.engine.get("loras"))
+    _refuse_missing_adapters(identity)
     mismatches = sibling.mismatches(input_fingerprint(input_path), identity)
     if mismatches:
         raise JobStateError(
@@ -426,6 +458,7 @@ def _resume_locked(
         raise InputError(f"the job's input file {input_path} no longer exists")
     fingerprint = input_fingerprint(input_path)
     identity = model_identity(manifest.model.source, manifest.engine.get("loras"))
+    _refuse_missing_adapters(identity)
     mismatches = manifest.mismatches(fingerprint, identity)
     if mismatches and not force:
         raise JobStateError(

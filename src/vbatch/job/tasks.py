@@ -54,6 +54,21 @@ def pooling_params(task: str, dimensions: int | None) -> PoolingParams | None:
     return PoolingParams(kind, dimensions=dimensions if kind == PoolingTask.EMBED else None)
 
 
+HEAD_NAMES = {"lm": "an LM head", "score": "a classifier head", "none": "no head"}
+
+
+def head_problem(task: str, head: str) -> str | None:
+    """Why every row of a `task` job would fail on a model whose head (ModelConfig.head) is
+    `head`, or None. A generation job may still hold embeddings lines, so it is not judged
+    here."""
+    has = HEAD_NAMES.get(head, repr(head))
+    if Task(task) == Task.CLASSIFY and head != "score":
+        return f"--task classify needs a *ForSequenceClassification model; this one has {has}"
+    if Task(task) == Task.PERPLEXITY and head != "lm":
+        return f"--task perplexity needs a model with an LM head; this one has {has}"
+    return None
+
+
 def task_columns(task: str) -> tuple[str, ...]:
     return ("id", "index", *TASK_COLUMNS[Task(task)], *COMMON_COLUMNS)
 
@@ -85,7 +100,8 @@ def pooled_row(
     )
     if Task(task) == Task.EMBED:
         if data.ndim == 2:
-            values["embeddings"] = data
+            # NOTE: a list of rows: pyarrow takes no 2-D array for list<fixed_size_list>.
+            values["embeddings"] = list(data)
         else:
             values["embedding"] = data
         values["dimension"] = int(data.shape[-1])

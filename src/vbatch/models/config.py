@@ -210,6 +210,24 @@ class ModelConfig:
             )
 
 
+def declared_head(model_path: Path) -> str:
+    """The head (ModelConfig.head) a model declares, read from its files alone: a GGUF file's is
+    "lm"; an HF directory's by its config.json architectures, "none" for a model that is no
+    supported decoder (an encoder). An unreadable config says "lm": loading it reports why."""
+    if not model_path.is_dir():
+        return "lm"
+    try:
+        raw = json.loads((model_path / "config.json").read_text())
+        names = list(raw.get("architectures") or [])
+    except (OSError, ValueError, AttributeError, TypeError):
+        return "lm"
+    for name in names:
+        found = _decoder_architecture(str(name))
+        if found is not None:
+            return found[1]
+    return "none"
+
+
 def _decoder_architecture(name: str) -> tuple[str, str] | None:
     """(the supported causal-LM architecture, head) that `name` is: `XForCausalLM` itself,
     `XForSequenceClassification` with a score head, the bare `XModel` with none."""
