@@ -994,13 +994,14 @@ def test_int8_linear_is_its_exact_int32_sums_rescaled(
     torch.library.opcheck(
         torch.ops.vbatch.int8_scale_sums.default, (sums.int(), x_scale, w_scale, bias, False)
     )
+    torch.library.opcheck(torch.ops.vbatch.pack_int8_linear.default, (q_weight,))
 
 
 def test_int8_linear_refuses_a_mismatched_packing(ops: None) -> None:
     weight = torch.randn(40, 32)
     packed, columns = native_int8_layer(weight, torch.zeros(40), swiglu=False)
     x = torch.randn(2, 32)
-    with pytest.raises(RuntimeError, match="this build's pack_int8_weight for 20"):
+    with pytest.raises(RuntimeError, match="this build's pack_int8_linear for 20"):
         torch.ops.vbatch.int8_linear(torch.randn(2, 20), packed, *columns, 40, False)
     with pytest.raises(RuntimeError, match="out_features 200 does not match"):
         torch.ops.vbatch.int8_linear(x, packed, *columns, 200, False)

@@ -13,7 +13,10 @@
 // scales the sums back to float32 (and, for a gated MLP, applies SwiGLU) while they are still
 // in registers. Under VNNI its rows are offset by +128 to unsigned bytes, vpdpbusd's own
 // operand, and the offset's share (128 x each weight column's sum) comes off in the epilogue:
-// one instruction per product group instead of three.
+// one instruction per product group instead of three. Without VNNI its rows and weights are
+// int16 pairs in the same lanes (pack_int8_linear), multiplied and paired by vpmaddwd with no
+// saturation: two instructions per group of two against five per group of four, and weights
+// at half the bytes of float32.
 //
 // A weight [N, K] is packed once into panels of int8_panel_cols() output columns as
 // [panels, K / 4, cols, 4]: one vector load gives a vector's columns four k values each, and an
@@ -88,21 +91,41 @@ constexpr int64_t kVecCols = 8;
 constexpr int kRowBlock = 4;
 #endif
 
+// How a row's values and a panel's weights fill a 4-byte lane (one k group of one column).
+// kSigned: four int8 values, multiplied as |a| times the weight with a's sign (exact without
+// VNNI, above). kOffset (VNNI): four bytes offset by +128 to unsigned, vpdpbusd's own
+// operands, one instruction. kWide (AVX2 or AVX-512 without VNNI): two int16 values each, rows
+// and weights widened, so vpmaddwd multiplies and pairs them with no saturation (two instructions
+// against five) from weights half the float32 bytes.
+enum class Lanes4 { kSigned, kOffset, kWide };
+template <Lanes4 E>
+using LanesTag = std::integral_constant<Lanes4, E>;
+
 #if defined(__AVX512BW__) || defined(__AVX2__)
-// Signed activation bytes: |x| times the weight carrying x's sign (exact without VNNI, above).
-inline IVec dot4_rows(IVec acc, IVec x, IVec w, std::false_type) {
+inline IVec dot4_rows(IVec acc, IVec x, IVec w, LanesTag<Lanes4::kSigned>) {
   return dot4(acc, ivec_abs8(x), with_signs(w, signs_of(x)));
+}
+inline IVec dot4_rows(IVec acc, IVec x, IVec w, LanesTag<Lanes4::kWide>) {
+#if defined(__AVX512BW__)
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(x, w));
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w));
+#endif
 }
 #endif
 #if defined(__AVX512VNNI__)
-// Activation bytes offset to unsigned: vpdpbusd's own u8 x s8 operands, one instruction.
-inline IVec dot4_rows(IVec acc, IVec x, IVec w, std::true_type) {
+inline IVec dot4_rows(IVec acc, IVec x, IVec w, LanesTag<Lanes4::kOffset>) {
   return _mm512_dpbusd_epi32(acc, x, w);
 }
-constexpr bool kOffsetRows = true;
+// The encoding int8_linear runs here.
+constexpr Lanes4 kLinearLanes = Lanes4::kOffset;
+#elif defined(__AVX512BW__) || defined(__AVX2__)
+constexpr Lanes4 kLinearLanes = Lanes4::kWide;
 #else
-constexpr bool kOffsetRows = false;
+constexpr Lanes4 kLinearLanes = Lanes4::kSigned;
 #endif
+// k values in one lane.
+constexpr int64_t lane_values(Lanes4 e) { return e == Lanes4::kWide ? 2 : 4; }
 constexpr int32_t kRowOffset = 128;
 constexpr float kInt8Max = 127.0f;
 
@@ -118,10 +141,9 @@ inline int32_t load4(const int8_t* p) {
 }
 
 // A row block's int32 sums over a panel: tile[r * kPanelCols + c] = sum_k a[r, k] * panel
-// column c for r < R. With kOffset (VNNI builds only) the bytes of `a` are the activations plus
-// 128 as unsigned values, and the sums carry 128 x the weight column's sum (int8_linear takes it
-// off): vpdpbusd then multiplies them straight, with no sign split.
-template <int R, bool kOffset>
+// column c for r < R, `a` and the panel encoded as E says (`lda` in bytes). Under kOffset the
+// sums carry 128 x the weight column's sum, which int8_linear takes off.
+template <int R, Lanes4 E>
 void dot_block(const int8_t* a, int64_t lda, const int8_t* panel, int64_t groups,
                int32_t* tile) {
 #if defined(__AVX512BW__) || defined(__AVX2__)
@@ -134,8 +156,8 @@ void dot_block(const int8_t* a, int64_t lda, const int8_t* panel, int64_t groups
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const IVec x = ivec_broadcast4(load4(a + r * lda + g * kGroup));
-      acc0[r] = dot4_rows(acc0[r], x, w0, std::bool_constant<kOffset>{});
-      acc1[r] = dot4_rows(acc1[r], x, w1, std::bool_constant<kOffset>{});
+      acc0[r] = dot4_rows(acc0[r], x, w0, LanesTag<E>{});
+      acc1[r] = dot4_rows(acc1[r], x, w1, LanesTag<E>{});
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -143,7 +165,7 @@ void dot_block(const int8_t* a, int64_t lda, const int8_t* panel, int64_t groups
     ivec_store(tile + r * kPanelCols + kVecCols, acc1[r]);
   }
 #else
-  static_assert(!kOffset, "offset activations need VNNI");
+  static_assert(E == Lanes4::kSigned, "only signed bytes without SIMD");
   for (int r = 0; r < R; ++r) {
     int32_t* sums = tile + r * kPanelCols;
     std::fill(sums, sums + kPanelCols, 0);
@@ -159,38 +181,37 @@ void dot_block(const int8_t* a, int64_t lda, const int8_t* panel, int64_t groups
 }
 
 // dot_block for `rows` <= R rows, then epilogue(tile, rows).
-template <int R, bool kOffset, typename Epilogue>
+template <int R, Lanes4 E, typename Epilogue>
 void rows_tail(const int8_t* a, int64_t lda, const int8_t* panel, int64_t groups, int64_t rows,
                const Epilogue& epilogue) {
   if constexpr (R > 1) {
     if (rows < R) {
-      rows_tail<R - 1, kOffset>(a, lda, panel, groups, rows, epilogue);
+      rows_tail<R - 1, E>(a, lda, panel, groups, rows, epilogue);
       return;
     }
   }
   alignas(64) int32_t tile[R * kPanelCols];
-  dot_block<R, kOffset>(a, lda, panel, groups, tile);
+  dot_block<R, E>(a, lda, panel, groups, tile);
   epilogue(tile, rows);
 }
 
-// Visits panels [first_panel, end_panel) of the M rows of `a` [M, k_padded] in row blocks that
-// stay in L2 while the panels stream past them, in parallel over panels:
+// Visits panels [first_panel, end_panel) of the M rows of `a` (`row_bytes` each, encoded as E)
+// in row blocks that stay in L2 while the panels stream past them, in parallel over panels:
 // epilogue(tile, rows, m, p) after each kRowBlock rows from m through panel p.
-template <bool kOffset, typename Epilogue>
-void walk_panels(const int8_t* a, int64_t M, int64_t k_padded, const int8_t* packed,
+template <Lanes4 E, typename Epilogue>
+void walk_panels(const int8_t* a, int64_t M, int64_t row_bytes, const int8_t* packed,
                  int64_t first_panel, int64_t end_panel, const Epilogue& epilogue) {
-  const int64_t groups = k_padded / kGroup;
+  const int64_t groups = row_bytes / kGroup;
   const int64_t panel_bytes = groups * kPanelGroupBytes;
-  const int64_t block_rows =
-      std::max<int64_t>(kRowBlock, kRowBlockBytes / std::max<int64_t>(k_padded, 1) / kRowBlock *
-                                       kRowBlock);
+  const int64_t block_rows = std::max<int64_t>(
+      kRowBlock, kRowBlockBytes / std::max<int64_t>(row_bytes, 1) / kRowBlock * kRowBlock);
   at::parallel_for(first_panel, end_panel, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
       const int64_t m_end = std::min(M, m0 + block_rows);
       for (int64_t p = begin; p < end; ++p) {
         for (int64_t m = m0; m < m_end; m += kRowBlock) {
-          rows_tail<kRowBlock, kOffset>(
-              a + m * k_padded, k_padded, packed + p * panel_bytes, groups,
+          rows_tail<kRowBlock, E>(
+              a + m * row_bytes, row_bytes, packed + p * panel_bytes, groups,
               std::min<int64_t>(kRowBlock, m_end - m),
               [&](const int32_t* tile, int64_t rows) { epilogue(tile, rows, m, p); });
         }
@@ -206,12 +227,17 @@ inline float scaled_sum(int32_t sum, float row_scale, float col_scale, float col
   return static_cast<float>(sum) * row_scale * col_scale + col_bias;
 }
 
-// Each row of x [M, K] as int8 by its largest magnitude (scale = peak / 127, values rounded
-// half to even, as torch.round), into q [M, k_padded] (zeros past K) and scales [M]; with
-// kOffset each byte holds the value plus 128 as an unsigned byte.
-template <bool kOffset>
-void quantize_rows(const float* x, int64_t M, int64_t K, int64_t k_padded, int8_t* q,
+// The element type of rows and packed weights encoded as E.
+template <Lanes4 E>
+using LaneValue = std::conditional_t<E == Lanes4::kWide, int16_t, int8_t>;
+
+// Each row of x [M, K] as int8 values by its largest magnitude (scale = peak / 127, rounded half
+// to even, as torch.round), into q [M, k_padded] of LaneValue<E> (zeros past K; under kOffset
+// each byte holds the value plus 128 as an unsigned byte) and scales [M].
+template <Lanes4 E>
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t k_padded, LaneValue<E>* q,
                    float* scales) {
+  constexpr int32_t kOffset = E == Lanes4::kOffset ? kRowOffset : 0;
   constexpr int64_t kGrainRows = 64;
   at::parallel_for(0, M, kGrainRows, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
@@ -221,15 +247,15 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t k_padded, int8_
       for (int64_t k = 0; k < K; ++k) peak = std::max(peak, std::fabs(row[k]));
       const float scale = std::max(peak, 1e-12f) / static_cast<float>(kInt8Max);
       scales[m] = scale;
-      int8_t* out = q + m * k_padded;
+      LaneValue<E>* out = q + m * k_padded;
       for (int64_t k = 0; k < K; ++k) {
         const float v = std::nearbyint(row[k] / scale);
         // NOTE: written so that NaN lands on a bound instead of an undefined conversion.
         const float clamped = v >= -kInt8Max ? (v <= kInt8Max ? v : kInt8Max) : -kInt8Max;
-        const int32_t value = static_cast<int32_t>(clamped) + (kOffset ? kRowOffset : 0);
-        out[k] = static_cast<int8_t>(static_cast<uint8_t>(value));
+        const int32_t value = static_cast<int32_t>(clamped) + kOffset;
+        out[k] = static_cast<LaneValue<E>>(static_cast<std::make_unsigned_t<LaneValue<E>>>(value));
       }
-      std::fill(out + K, out + k_padded, static_cast<int8_t>(kOffset ? kRowOffset : 0));
+      std::fill(out + K, out + k_padded, static_cast<LaneValue<E>>(kOffset));
     }
   });
 }
@@ -247,7 +273,7 @@ void int8_packed_mm_into(const int8_t* a, int64_t M, int64_t k_padded, const int
                          int64_t N, int64_t col_begin, int64_t col_end, int32_t* out,
                          int64_t ldo) {
   const int64_t last_col = std::min(col_end, N);
-  walk_panels<false>(
+  walk_panels<Lanes4::kSigned>(
       a, M, k_padded, packed, col_begin / kPanelCols, (last_col + kPanelCols - 1) / kPanelCols,
       [&](const int32_t* tile, int64_t rows, int64_t m, int64_t p) {
         const int64_t c0 = p * kPanelCols;
@@ -261,37 +287,49 @@ void int8_packed_mm_into(const int8_t* a, int64_t M, int64_t k_padded, const int
 
 namespace {
 
-// weight [N, K] int8 -> [panels, ceil(K / 4), int8_panel_cols(), 4], zeros past N and K.
-at::Tensor pack_int8_weight(const at::Tensor& weight) {
+// weight [N, K] int8 -> [panels, ceil(K / V), int8_panel_cols(), V] of LaneValue<E> (V =
+// lane_values(E)), zeros past N and K.
+template <Lanes4 E>
+at::Tensor pack_lanes(const at::Tensor& weight, const char* op) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.device().is_cpu(),
-              "pack_int8_weight: weight must be a 2-D int8 CPU tensor, got ", weight.sizes(), " ",
+              op, ": weight must be a 2-D int8 CPU tensor, got ", weight.sizes(), " ",
               weight.scalar_type());
-  TORCH_CHECK(weight.numel() == 0 || weight.min().item<int8_t>() >= -127,
-              "pack_int8_weight: weight must hold values in [-127, 127] (-128's negation "
-              "overflows)");
+  constexpr int64_t kValues = lane_values(E);
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
-  const int64_t groups = (K + kGroup - 1) / kGroup, panels = (N + kPanelCols - 1) / kPanelCols;
-  at::Tensor packed = at::zeros({panels, groups, kPanelCols, kGroup}, w.options());
+  const int64_t groups = (K + kValues - 1) / kValues, panels = (N + kPanelCols - 1) / kPanelCols;
+  const auto dtype = E == Lanes4::kWide ? at::kShort : at::kChar;
+  at::Tensor packed = at::zeros({panels, groups, kPanelCols, kValues}, w.options().dtype(dtype));
   const int8_t* src = w.const_data_ptr<int8_t>();
-  int8_t* dst = packed.mutable_data_ptr<int8_t>();
-  const int64_t full_groups = K / kGroup;
+  auto* dst = static_cast<LaneValue<E>*>(packed.mutable_data_ptr());
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       for (int64_t c = 0; c < kPanelCols && p * kPanelCols + c < N; ++c) {
         const int8_t* row = src + (p * kPanelCols + c) * K;
-        int8_t* column = dst + (p * groups * kPanelCols + c) * kGroup;
-        for (int64_t g = 0; g < full_groups; ++g) {
-          std::memcpy(column + g * kPanelGroupBytes, row + g * kGroup, kGroup);
-        }
-        for (int64_t k = full_groups * kGroup; k < K; ++k) {
-          column[full_groups * kPanelGroupBytes + k % kGroup] = row[k];
+        LaneValue<E>* column = dst + (p * groups * kPanelCols + c) * kValues;
+        for (int64_t k = 0; k < K; ++k) {
+          column[(k / kValues) * kPanelCols * kValues + k % kValues] = row[k];
         }
       }
     }
   });
   return packed;
 }
+
+// weight [N, K] int8 -> the greedy screen's and int8_packed_mm's panels (signed bytes).
+at::Tensor pack_int8_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.numel() == 0 || weight.min().item<int8_t>() >= -127,
+              "pack_int8_weight: weight must hold values in [-127, 127] (-128's negation "
+              "overflows)");
+  return pack_lanes<Lanes4::kSigned>(weight, "pack_int8_weight");
+}
+
+// weight [N, K] int8 -> int8_linear's panels, in the encoding it runs in this build.
+at::Tensor pack_int8_linear(const at::Tensor& weight) {
+  return pack_lanes<kLinearLanes>(weight, "pack_int8_linear");
+}
+
+int64_t int8_linear_lane_values() { return lane_values(kLinearLanes); }
 
 // a [M, K] int8 @ w^T -> [M, out_features] int32, exactly; packed = pack_int8_weight(w).
 at::Tensor int8_packed_mm(const at::Tensor& a, const at::Tensor& packed, int64_t out_features) {
@@ -334,11 +372,13 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                        const at::Tensor& col_sums, const at::Tensor& col_bias,
                        int64_t out_features, bool swiglu) {
   check_float_rows(x, "int8_linear");
-  const int64_t M = x.size(0), K = x.size(1), groups = (K + kGroup - 1) / kGroup;
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+  constexpr int64_t kValues = lane_values(kLinearLanes);
+  constexpr auto kLaneType = kLinearLanes == Lanes4::kWide ? at::kShort : at::kChar;
+  const int64_t M = x.size(0), K = x.size(1), groups = (K + kValues - 1) / kValues;
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == kLaneType && packed.is_contiguous() &&
                   packed.size(1) == groups && packed.size(2) == kPanelCols &&
-                  packed.size(3) == kGroup,
-              "int8_linear: packed must come from this build's pack_int8_weight for ", K,
+                  packed.size(3) == kValues,
+              "int8_linear: packed must come from this build's pack_int8_linear for ", K,
               " input features, got ", packed.sizes());
   const int64_t panels = packed.size(0), columns = panels * kPanelCols;
   for (const at::Tensor* t : {&col_scale, &col_sums, &col_bias}) {
@@ -358,18 +398,20 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const at::Tensor input = x.contiguous();
   at::Tensor out = at::empty({M, out_features}, input.options());
   if (M == 0) return out;
-  const int64_t k_padded = groups * kGroup;
-  at::Tensor q = at::empty({M, k_padded}, input.options().dtype(at::kChar));
+  const int64_t k_padded = groups * kValues;
+  at::Tensor q = at::empty({M, k_padded}, input.options().dtype(kLaneType));
   at::Tensor row_scale = at::empty({M}, input.options());
-  quantize_rows<kOffsetRows>(input.const_data_ptr<float>(), M, K, k_padded,
-                             q.mutable_data_ptr<int8_t>(), row_scale.mutable_data_ptr<float>());
+  quantize_rows<kLinearLanes>(input.const_data_ptr<float>(), M, K, k_padded,
+                              static_cast<LaneValue<kLinearLanes>*>(q.mutable_data_ptr()),
+                              row_scale.mutable_data_ptr<float>());
   const float* rs = row_scale.const_data_ptr<float>();
   const float* cs = col_scale.const_data_ptr<float>();
   const float* cb = col_bias.const_data_ptr<float>();
   const int32_t* sums = col_sums.const_data_ptr<int32_t>();
   float* op = out.mutable_data_ptr<float>();
-  walk_panels<kOffsetRows>(
-      q.const_data_ptr<int8_t>(), M, k_padded, packed.const_data_ptr<int8_t>(), 0, panels,
+  walk_panels<kLinearLanes>(
+      static_cast<const int8_t*>(q.const_data_ptr()), M, k_padded * q.element_size(),
+      static_cast<const int8_t*>(packed.const_data_ptr()), 0, panels,
       [&](const int32_t* tile, int64_t rows, int64_t m, int64_t p) {
         const int64_t c0 = p * kPanelCols;
         const int64_t cols = std::min(cols_per_panel, out_features - p * cols_per_panel);
@@ -379,7 +421,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 #pragma omp simd
           for (int64_t c = 0; c < kPanelCols; ++c) {
             // NOTE: unsigned, so that a wrapped offset sum comes back exact (vpdpbusd wraps too).
-            const uint32_t offset = kOffsetRows ? uint32_t{kRowOffset} * sums[c0 + c] : 0u;
+            const uint32_t offset =
+                kLinearLanes == Lanes4::kOffset ? uint32_t{kRowOffset} * sums[c0 + c] : 0u;
             const auto sum = static_cast<int32_t>(static_cast<uint32_t>(t[c]) - offset);
             y[c] = scaled_sum(sum, rs[m + r], cs[c0 + c], cb[c0 + c]);
           }
@@ -403,8 +446,8 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x) {
   const int64_t M = input.size(0), K = input.size(1);
   at::Tensor q = at::empty({M, K}, input.options().dtype(at::kChar));
   at::Tensor scales = at::empty({M}, input.options());
-  quantize_rows<false>(input.const_data_ptr<float>(), M, K, K, q.mutable_data_ptr<int8_t>(),
-                       scales.mutable_data_ptr<float>());
+  quantize_rows<Lanes4::kSigned>(input.const_data_ptr<float>(), M, K, K,
+                                q.mutable_data_ptr<int8_t>(), scales.mutable_data_ptr<float>());
   return {q, scales};
 }
 
@@ -459,6 +502,8 @@ at::Tensor int8_scale_sums(const at::Tensor& sums, const at::Tensor& row_scale,
 TORCH_LIBRARY_FRAGMENT(vbatch, m) {
   m.def("int8_panel_cols() -> int", &vbatch::int8_panel_cols);
   m.def("pack_int8_weight(Tensor weight) -> Tensor");
+  m.def("pack_int8_linear(Tensor weight) -> Tensor");
+  m.def("int8_linear_lane_values() -> int", &vbatch::int8_linear_lane_values);
   m.def("int8_packed_mm(Tensor a, Tensor packed, int out_features) -> Tensor");
   m.def(
       "int8_linear(Tensor x, Tensor packed, Tensor col_scale, Tensor col_sums, Tensor col_bias, "
@@ -471,6 +516,7 @@ TORCH_LIBRARY_FRAGMENT(vbatch, m) {
 
 TORCH_LIBRARY_IMPL(vbatch, CPU, m) {
   m.impl("pack_int8_weight", &vbatch::pack_int8_weight);
+  m.impl("pack_int8_linear", &vbatch::pack_int8_linear);
   m.impl("int8_packed_mm", &vbatch::int8_packed_mm);
   m.impl("int8_linear", &vbatch::int8_linear);
   m.impl("int8_quantize_rows", &vbatch::int8_quantize_rows);

@@ -251,6 +251,14 @@ def _register_fakes() -> None:
     ) -> torch.Tensor:
         return a.new_empty(a.shape[0], out_features, dtype=torch.int32)
 
+    @torch.library.register_fake("vbatch::pack_int8_linear")
+    def _pack_int8_linear_fake(weight: torch.Tensor) -> torch.Tensor:
+        cols = torch.ops.vbatch.int8_panel_cols()
+        values = torch.ops.vbatch.int8_linear_lane_values()
+        panels, groups = -(-weight.shape[0] // cols), -(-weight.shape[1] // values)
+        dtype = torch.int16 if values == 2 else torch.int8
+        return weight.new_empty(panels, groups, cols, values, dtype=dtype)
+
     @torch.library.register_fake("vbatch::int8_linear")
     def _int8_linear_fake(
         x: torch.Tensor,

@@ -150,7 +150,7 @@ class Int8DynamicLinear(nn.Module):
         rows = panel_rows(self.out_features, self.swiglu_size is not None)
         valid = rows >= 0
         index = rows.clamp_min(0)
-        self.packed = torch.ops.vbatch.pack_int8_weight(
+        self.packed = torch.ops.vbatch.pack_int8_linear(
             torch.where(valid[:, None], qweight[index], 0)
         )
         row_sums = qweight.sum(dim=1, dtype=torch.int32)
