@@ -255,6 +255,23 @@ def test_generate_on_smollm2_is_token_exact_with_hf(
     assert_greedy_matches_hf(prompts[:num_prompts], got)
 
 
+def test_a_multi_token_bad_word_binds_greedy_rows_in_every_step(smollm2) -> None:
+    """SmolLM2 counts on with " 5, 6"; banned as a bad word, greedy decoding must leave it out
+    however the steps run (a plain-greedy step's metadata, reused by the steps after it, had
+    let it through), as top-1 sampling, which never took that shortcut, does."""
+    prompt = "Count: 1, 2, 3, 4,"
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, bad_words=[" 5, 6"])
+    top1 = SamplingParams(temperature=1.0, top_k=1, seed=0, max_tokens=6, bad_words=[" 5, 6"])
+    free = SamplingParams(temperature=0.0, max_tokens=6)
+    with LLM(str(smollm2.source), num_threads=1) as real:
+        (unbanned,) = real.generate(prompt, free, use_tqdm=False)
+        (banned,) = real.generate(prompt, greedy, use_tqdm=False)
+        (sampled,) = real.generate(prompt, top1, use_tqdm=False)
+    assert unbanned.outputs[0].text.startswith(" 5, 6")
+    assert "5, 6" not in banned.outputs[0].text
+    assert banned.outputs[0].token_ids == sampled.outputs[0].token_ids
+
+
 def test_a_tokenizer_that_fails_to_load_stops_the_core_started_beside_it(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -59,6 +59,16 @@ def test_a_multi_token_bad_word_bans_its_last_token_only_after_its_prefix() -> N
     assert greedy_tokens([params, params], logits, outputs=[[20], [21]]) == [7, 3]
 
 
+def test_a_greedy_step_with_a_multi_token_bad_word_is_never_reused() -> None:
+    """Before its prefix, the word bans nothing, but the steps that continue this one may:
+    their metadata must be built again (a reused plain-greedy one ignored the ban)."""
+    seq = Sequence("r", [1, 2, 3], SamplingParams(temperature=0, bad_words_token_ids=[[20, 3]]))
+    before = SamplingMetadata.build([seq], CPU, VOCAB, {})
+    assert before.banned is None and not before.is_plain_greedy
+    single = Sequence("s", [1, 2, 3], SamplingParams(temperature=0, bad_words_token_ids=[[3]]))
+    assert not SamplingMetadata.build([single], CPU, VOCAB, {}).bans_may_start
+
+
 def test_min_tokens_bans_eos_until_reached_then_the_shortcut_returns() -> None:
     params = SamplingParams(temperature=0, min_tokens=2, max_tokens=8)
     logits = logits_with_top(0)

@@ -503,8 +503,8 @@ class LLM(PoolingMethods):
         return checked[key]
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
-        """Each bad word's token ids, alone and after a space (as vLLM bans both)."""
-        variants = sorted({v for w in words for v in (w, " " + w.lstrip())})
+        """Each bad word's token ids without and with a leading space (as vLLM bans both)."""
+        variants = sorted({v for w in words for v in (w.lstrip(), " " + w.lstrip())})
         encoded = self.tokenizer.encode_batch(variants, add_special_tokens=False)
         return [list(ids) for ids in dict.fromkeys(map(tuple, encoded)) if ids]
 

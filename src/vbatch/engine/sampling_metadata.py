@@ -61,12 +61,17 @@ class SamplingMetadata:
     unrestricted_rows: torch.Tensor | None = None  # the other rows; None: no row
     num_candidates: int = 0  # width of the first top-k candidate set
     needs_full_mass: bool = False  # a top-p row without top-k: its mass spans the whole vocab
+    # NOTE: a row has a bad word of several tokens, whose last one is banned only once the
+    # others end its output: a later step may ban what this one does not.
+    bans_may_start: bool = False
 
     @property
     def is_plain_greedy(self) -> bool:
-        """Every row takes the raw argmax: greedy, no penalties, bias, bans or logprobs."""
+        """Every row takes the raw argmax, in this step and the steps that continue it: greedy,
+        no penalties, bias, bans (nor bans to come) or logprobs."""
         return (
             self.is_all_greedy
+            and not self.bans_may_start
             and self.penalties is None
             and self.banned is None
             and self.logit_bias is None
@@ -119,6 +124,9 @@ class SamplingMetadata:
             banned=_build_banned(seqs, device, eos_token_ids),
             logit_bias=_build_logit_bias(seqs, device),
             allowed=_build_allowed(seqs, device, vocab_size),
+            bans_may_start=any(
+                len(word) > 1 for seq in seqs for word in seq.params.bad_words_token_ids
+            ),
         )
         is_greedy = [seq.params.temperature < MIN_TEMPERATURE for seq in seqs]
         meta.is_all_greedy = all(is_greedy)
