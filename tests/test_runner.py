@@ -179,7 +179,10 @@ def test_refusals_before_any_work(
             QUIET,
         )
     good_input = write_jsonl(tmp_path / "good.jsonl", [{"id": "a", "prompt": "x"}])
-    for bad_model in (tmp_path / "no-such-model", tmp_path):
+    (tmp_path / "fake.gguf").write_text("x\n")
+    (tmp_path / "notes.txt").write_text("x\n")
+    models = ("no-such-model", "", "fake.gguf", "notes.txt")
+    for bad_model in (tmp_path / name for name in models):
         bad = spec(tmp_path, good_input, "bad-model.jsonl", bad_model)
         with pytest.raises(ModelLoadError, match=str(bad_model)):
             start_job(bad, QUIET)

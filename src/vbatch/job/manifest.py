@@ -133,15 +133,20 @@ def model_identity(model: str | None, loras: Any = ()) -> ModelIdentity:
     hash of each other file that changes its output (tokenizer, chat template, configs). A hub
     id also records its repo id, the revision asked for and the snapshot commit it resolved to;
     `loras`, the job's (name, path) adapters, their files' hashes."""
+    from vbatch.models.gguf_file import check_gguf_header
     from vbatch.models.loader import hash_files, locate_model, model_file_hashes, weight_files
 
     location = locate_model(model)
     path = location.path
-    if path.is_dir() and not (path / "config.json").is_file():
+    if (path.is_dir() and not (path / "config.json").is_file()) or (
+        not path.is_dir() and path.suffix.lower() != ".gguf"
+    ):
         raise ModelLoadError(
             f"{path} is not a model: give a GGUF file or a Hugging Face directory with "
             "config.json and *.safetensors"
         )
+    if not path.is_dir():
+        check_gguf_header(path)
     hub = location.hub
     return ModelIdentity(
         source=location.source,

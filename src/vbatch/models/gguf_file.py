@@ -105,6 +105,21 @@ class _Cursor:
         return [self.value(item_type) for _ in range(count)]
 
 
+def check_gguf_header(path: Path) -> None:
+    """Refuse a file that does not start as a GGUF file of a supported version (8 bytes read:
+    a job checks its model this way before it exists)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+    if head[:4] != _MAGIC:
+        raise ModelLoadError(f"{path} is not a GGUF file: it does not start with the GGUF magic")
+    (version,) = struct.unpack("<I", head[4:8].ljust(4, b"\0"))
+    if version not in (2, 3):
+        raise ModelLoadError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+
+
 def read_gguf(path: Path) -> GGUFFile:
     """Parse the GGUF file at `path`; the tensors' data stays memory-mapped."""
     import gguf
