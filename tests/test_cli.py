@@ -83,6 +83,16 @@ RUN_OPTIONS: dict[str, tuple[list[str], str, Any]] = {
     "keep_columns": (["--keep-columns", "a, b"], "spec.columns.keep_columns", ("a", "b")),
     "keep_all_columns": (["--keep-all-columns"], "spec.columns.keep_all_columns", True),
     "model": (["--model", "m.gguf"], "spec.model", "m.gguf"),
+    "served_model_names": (
+        ["--served-model-name", "a", "--served-model-name", "b"],
+        "spec.served_model_names",
+        ("a", "b"),
+    ),
+    "gpu_memory_utilization": (
+        ["--gpu-memory-utilization", "0.5"],
+        "spec.engine_args.gpu_memory_utilization",
+        0.5,
+    ),
     "chat_template_kwargs": (
         ["--chat-template-kwargs", '{"enable_thinking": false}'],
         "spec.chat_template_kwargs",

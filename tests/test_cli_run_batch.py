@@ -17,8 +17,9 @@ def test_run_batch_runs_an_openai_batch_file_as_vbatch_run(
             "method": "POST",
             "url": "/v1/chat/completions",
             "body": {
-                # NOTE: as with vLLM, the line names the served model: --model as given.
-                "model": str(tiny_model_dir),
+                # NOTE: as with vLLM, the line names the served model: --model as given, or a
+                # --served-model-name.
+                "model": str(tiny_model_dir) if i == 0 else "my-model",
                 "messages": [{"role": "user", "content": f"Hello {i}"}],
                 "max_completion_tokens": 3,
             },
@@ -28,6 +29,9 @@ def test_run_batch_runs_an_openai_batch_file_as_vbatch_run(
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     args = ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "--model", str(tiny_model_dir)]
     args += ["--num-threads", "1", "--response-role", "assistant", "-q"]
+    # NOTE: flags vLLM's run-batch is commonly given: a real setting, ignored ones, one of 1.
+    args += ["--served-model-name", "my-model", "--gpu-memory-utilization", "0.9"]
+    args += ["--enable-prefix-caching", "--tensor-parallel-size", "1", "--disable-log-requests"]
     proc = subprocess.run(
         [sys.executable, "-m", "vbatch", *args],
         cwd=tmp_path,
@@ -39,6 +43,17 @@ def test_run_batch_runs_an_openai_batch_file_as_vbatch_run(
     assert "ignores --response-role" in proc.stderr
     out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert sorted(row["custom_id"] for row in out) == ["request-0", "request-1"]
-    assert all(row["response"]["status_code"] == 200 for row in out)
+    assert all(row["response"]["status_code"] == 200 for row in out), out
+    assert {row["response"]["body"]["model"] for row in out} == {"my-model"}
+    assert "ignores --enable-prefix-caching" in proc.stderr
     # NOTE: it is a vbatch job: its journal is there to resume from.
     assert (tmp_path / "out.jsonl.vbatch").is_dir()
+
+
+def test_run_batch_refuses_more_than_one_tensor_parallel_rank(tmp_path: Path) -> None:
+    args = ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "--tensor-parallel-size", "2"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "vbatch", *args], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "use -dp N" in proc.stderr
+    assert not list(tmp_path.iterdir())

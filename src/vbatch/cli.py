@@ -129,7 +129,9 @@ def run_request(params: Mapping[str, Any], defaulted: frozenset[str] = frozenset
     shard = values.pop("shard")
     template_kwargs = _json_object(values.pop("chat_template_kwargs"), "--chat-template-kwargs")
     spec_fields = tuple(f.name for f in fields(JobSpec))
+    served = tuple(values.pop("served_model_names") or ())
     spec = JobSpec(
+        served_model_names=served,
         columns=columns,
         engine_args=engine,
         sampling=sampling,
@@ -275,12 +277,14 @@ def run(
     keep_all_columns: o.KeepAllColumns = False,
     chat_template_kwargs: o.ChatTemplateKwargs = None,
     model: o.Model = None,
+    served_model_names: o.ServedModelNames = None,
     device: o.DeviceOption = Device(ENGINE.device),
     dtype: o.DtypeOption = Dtype(ENGINE.dtype),
     max_num_seqs: o.MaxNumSeqs = ENGINE.max_num_seqs,
     max_num_batched_tokens: o.MaxNumBatchedTokens = ENGINE.max_num_batched_tokens,
     max_model_len: o.MaxModelLen = ENGINE.max_model_len,
     kv_cache_memory_gb: o.KvCacheMemory = ENGINE.kv_cache_memory_gb,
+    gpu_memory_utilization: o.GpuMemoryUtilization = ENGINE.gpu_memory_utilization,
     attention_backend: o.AttentionBackendOption = AttentionBackend(ENGINE.attention_backend),
     num_threads: o.NumThreads = ENGINE.num_threads,
     data_parallel_size: o.DataParallelSize = RUN.data_parallel_size,
@@ -472,8 +476,24 @@ def merge(
         typer.echo(message, err=True)
 
 
-# NOTE: vLLM run-batch options that change nothing in vbatch (a server's, or its temp folder).
-_RUN_BATCH_IGNORED = ("--response-role", "--output-tmp-dir", "--port", "--url")
+# NOTE: vLLM run-batch options that change nothing in vbatch (a server's, its temp folder, its
+# logging), with a value or as flags; and those that take 1 only (vbatch runs one process per
+# replica: -dp for more).
+_RUN_BATCH_IGNORED = (
+    "--response-role",
+    "--output-tmp-dir",
+    "--port",
+    "--url",
+    "--max-log-len",
+)
+_RUN_BATCH_IGNORED_FLAGS = (
+    "--enable-prefix-caching",
+    "--enable-chunked-prefill",
+    "--trust-remote-code",
+    "--disable-log-requests",
+    "--disable-log-stats",
+)
+_RUN_BATCH_ONLY_ONE = ("--tensor-parallel-size", "--pipeline-parallel-size", "-tp", "-pp")
 
 
 @app.command(
@@ -499,11 +519,21 @@ def run_batch(
     extra = list(ctx.args)
     while extra:
         arg = extra.pop(0)
-        name = arg.split("=", 1)[0]
-        if name in _RUN_BATCH_IGNORED:
-            typer.echo(f"vbatch run-batch ignores {name} (vLLM server option)", err=True)
-            if "=" not in arg and extra and not extra[0].startswith("-"):
-                extra.pop(0)
+        name, has_value, value = arg.partition("=")
+        if name in _RUN_BATCH_IGNORED_FLAGS:
+            typer.echo(f"vbatch run-batch ignores {name} (vLLM option)", err=True)
+            continue
+        if name in _RUN_BATCH_IGNORED or name in _RUN_BATCH_ONLY_ONE:
+            if not has_value and extra and not extra[0].startswith("-"):
+                value = extra.pop(0)
+            if name in _RUN_BATCH_ONLY_ONE and value != "1":
+                typer.echo(
+                    f"error: {name} {value} is not supported: vbatch runs the model in one "
+                    "process; use -dp N for N replicas",
+                    err=True,
+                )
+                raise typer.Exit(2)
+            typer.echo(f"vbatch run-batch ignores {name} (vLLM option)", err=True)
             continue
         args.append(arg)
     command = typer.main.get_command(app)

@@ -112,6 +112,15 @@ JobOutput = Annotated[
     ),
 ]
 
+ServedModelNames = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--served-model-name",
+        help="A name an OpenAI line's body.model may give for the model (repeatable), "
+        "besides its path, file name and hub id.",
+        rich_help_panel=INPUT,
+    ),
+]
 InputFormat = Annotated[
     str | None,
     typer.Option(
@@ -206,6 +215,15 @@ MaxModelLen = Annotated[
         help="Longest prompt + output, in tokens (default: the model's).",
         rich_help_panel=ENGINE,
         parser=count(),
+    ),
+]
+GpuMemoryUtilization = Annotated[
+    float,
+    typer.Option(
+        "--gpu-memory-utilization",
+        help="Share of the GPU's memory the model and KV cache may take (CUDA).",
+        rich_help_panel=ENGINE,
+        parser=number(0, above=True),
     ),
 ]
 KvCacheMemory = Annotated[

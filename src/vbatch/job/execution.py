@@ -81,7 +81,13 @@ class JobExecution:
         model = manifest.model
         lora_rows = manifest.lora_rows
         # NOTE: an OpenAI line may name an adapter as its body.model.
-        served = {model.source, model.name, model.repo_id, *(lora_rows.names if lora_rows else ())}
+        served = {
+            model.source,
+            model.name,
+            model.repo_id,
+            *manifest.options.served_model_names,
+            *(lora_rows.names if lora_rows else ()),
+        }
         self.parser = RowParser(
             self.columns,
             self.defaults,
@@ -456,7 +462,9 @@ class JobExecution:
     def _line(self, row: InputRow, values: dict[str, Any]) -> dict[str, Any] | None:
         if not self.manifest.options.openai_output:
             return None
-        return openai_line(row, values, self.manifest.model.name, self.token_text, self.token_bytes)
+        # NOTE: as vLLM, responses name the model by its first served name, if given.
+        name = next(iter(self.manifest.options.served_model_names), self.manifest.model.name)
+        return openai_line(row, values, name, self.token_text, self.token_bytes)
 
     def _commit(self) -> None:
         self.writer.commit()

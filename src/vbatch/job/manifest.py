@@ -89,6 +89,8 @@ class JobOptions(msgspec.Struct, frozen=True, kw_only=True):
     # NOTE: `--task` (job/tasks.py) and the embeddings' Matryoshka width (`--dimensions`).
     task: str = "generate"
     dimensions: int | None = None
+    # NOTE: `--served-model-name`: more names an OpenAI line's body.model may give the model.
+    served_model_names: tuple[str, ...] = ()
     commit_every_rows: int = RunOptions.commit_every_rows
     commit_every_seconds: float = RunOptions.commit_every_seconds
     max_errors: float | None = RunOptions.max_errors

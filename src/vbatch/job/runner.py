@@ -101,6 +101,7 @@ class JobSpec:
     task: str = "generate"
     dimensions: int | None = None
     lora_rows: LoraRows | None = None
+    served_model_names: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -316,6 +317,7 @@ def _prepare_job(
             openai_defaults=dict(spec.openai_defaults),
             task=spec.task,
             dimensions=spec.dimensions,
+            served_model_names=spec.served_model_names,
             **options.result_settings(),
         ),
         shard=None if spec.shard is None else _shard_record(spec.shard, scan.input_rows),
