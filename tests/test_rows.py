@@ -105,9 +105,14 @@ def test_openai_completions_line() -> None:
         ({"prompt": "x", "sampling_params": {"max_tokens": "9"}}, "max_tokens must be an integer"),
         ({"prompt": "x", "sampling_params": {"bogus": 1}}, "unknown sampling parameter"),
         ({"prompt": "x", "sampling_params": [1]}, "sampling_params must be an object"),
+        (
+            {"prompt": "x", "sampling_params": {"prompt_logprobs": 1}},
+            "prompt_logprobs is not written by jobs; score prompts with --task perplexity",
+        ),
         ({"prompt": "x", "id": 1.5}, "id column 'id' must hold a string or an integer, got 1.5"),
         ({"prompt": "x", "custom_id": 1.5}, "id column 'custom_id' must hold a string or an"),
         ({"custom_id": "a", "url": "/v1/moderations", "body": {}}, "url must be one of"),
+        ({"custom_id": "a", "body": {"prompt": "x"}}, "the line has no url, so it is read as"),
         ({"custom_id": "a", "url": "/v1/embeddings", "body": {}}, "body.input must be"),
         (
             {"custom_id": "a", "url": "/v1/embeddings", "body": {"input": "x", "dimensions": 0}},

@@ -232,6 +232,11 @@ class RowParser:
                 raise RowError(f"sampling_params must be an object, got {overrides!r}")
             # NOTE: a null field is an absent one (Parquet writes nulls for unset struct fields).
             given = {key: value for key, value in overrides.items() if value is not None}
+            if "prompt_logprobs" in given:
+                raise RowError(
+                    "sampling_params.prompt_logprobs is not written by jobs; score prompts "
+                    "with --task perplexity (--include-token-ids for each token's logprob)"
+                )
             row.sampling_params = self.defaults.updated(given)
         response_format, guided = record.get("response_format"), record.get("guided")
         if response_format is not None or guided is not None:
@@ -282,6 +287,11 @@ class RowParser:
                 raise RowError(str(e)) from None
             return
         if row.openai_kind == "chat":
+            if "url" not in record and "messages" not in body:
+                raise RowError(
+                    "the line has no url, so it is read as /v1/chat/completions, whose body needs "
+                    "messages; give the url (/v1/completions for a body.prompt)"
+                )
             row.messages = validate_messages(body.get("messages"), "body.messages")
         else:
             row.prompt = check_prompt(body.get("prompt"), "body.prompt")
