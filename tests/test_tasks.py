@@ -220,7 +220,7 @@ def test_kept_input_columns_never_shadow_a_pooling_task_field(
         start_job(refused, QUIET, llm_factory=_factory(engines["classify"]))
 
 
-def test_a_pooling_job_refuses_lora_and_a_model_without_the_tasks_head(
+def test_a_pooling_job_refuses_generation_options_and_a_model_without_the_tasks_head(
     tmp_path: Path, models: dict[str, Any], engines: dict[str, Any], tiny_model_dir: Path
 ) -> None:
     input_path = write_jsonl(tmp_path / "in.jsonl", RECORDS[:2])
@@ -231,8 +231,13 @@ def test_a_pooling_job_refuses_lora_and_a_model_without_the_tasks_head(
         task="perplexity",
         engine_args={"enable_lora": True, "loras": [["a", str(tmp_path)]]},
     )
-    with pytest.raises(InputError, match="--lora runs with generation only"):
+    with pytest.raises(InputError, match="--lora: generation only, not for a --task perplexity"):
         start_job(lora, QUIET, llm_factory=_factory(engines["lm"]))
+    sampled = dataclasses.replace(
+        lora, engine_args={}, sampling={"n": 2, "logprobs": 1}, reasoning_parser="qwen3"
+    )
+    with pytest.raises(InputError, match="--n, --logprobs, --reasoning-parser: generation only"):
+        start_job(sampled, QUIET, llm_factory=_factory(engines["lm"]))
     wrong_head = JobSpec(
         input_path, tmp_path / "cls.jsonl", model=str(models["embed"]), task="classify"
     )

@@ -201,6 +201,25 @@ def start_job(
             core.shutdown(timeout=0.0)
 
 
+def _refuse_generation_options(spec: JobSpec, config: EngineConfig) -> None:
+    """A pooling job's options that only generation reads are refused, not silently dropped."""
+    sampling = spec.sampling
+    given = {
+        "--lora": bool(config.loras),
+        "--n": (sampling.get("n") or 1) > 1,
+        "--logprobs": sampling.get("logprobs") is not None,
+        "--json-schema/--regex/--choice/--grammar": sampling.get("structured") is not None,
+        "--reasoning-parser": spec.reasoning_parser is not None,
+        "--parse-json": spec.parse_json,
+        "--require-valid-json": spec.require_valid_json,
+    }
+    names = [name for name, is_given in given.items() if is_given]
+    if names:
+        raise InputError(
+            f"{', '.join(names)}: generation only, not for a --task {spec.task} job"
+        )
+
+
 def _refuse_missing_adapters(identity: ModelIdentity) -> None:
     """A job's LoRA adapters load from the paths it started with: one whose files are gone from
     there stops a resume, which --force cannot help."""
@@ -266,8 +285,8 @@ def _prepare_job(
     defaults = SamplingParams.from_dict(spec.sampling)
     defaults.updated(spec.openai_defaults)
     config = EngineConfig.from_dict({**spec.engine_args, "model": spec.model})
-    if config.loras and spec.task != "generate":
-        raise InputError(f"--lora runs with generation only, not with --task {spec.task}")
+    if spec.task != "generate":
+        _refuse_generation_options(spec, config)
     problem = head_problem(spec.task, declared_head(locate_model(spec.model).path))
     if problem is not None:
         raise InputError(problem)
