@@ -66,6 +66,11 @@ class SharedLLM:
         pass
 
 
+# NOTE: a model file for jobs whose engine is a stand-in: a GGUF version 3 header (what a job
+# checks before it exists), then no real content.
+STANDIN_GGUF = b"GGUF\x03\x00\x00\x00stand-in weights"
+
+
 def write_jsonl(path: Path, records: list[Any]) -> Path:
     path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
     return path

@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 import pyarrow.parquet as pq
 import pytest
+from helpers import STANDIN_GGUF
 
 import vbatch
 from vbatch.job.finalize import finalize
@@ -93,7 +94,7 @@ def write_input(path: Path, num_rows: int, row_id: Any = lambda i: f"r{i}") -> P
 
 def model_file(tmp_path: Path) -> Path:
     path = tmp_path / "standin.gguf"
-    path.write_bytes(b"stand-in weights")
+    path.write_bytes(STANDIN_GGUF)
     return path
 
 

@@ -59,7 +59,7 @@ SCRIPT = textwrap.dedent(
             pass
 
     start = time.perf_counter()
-    (workdir / "stand-in.gguf").write_bytes(b"stand-in weights")
+    (workdir / "stand-in.gguf").write_bytes(b"GGUF\\x03\\x00\\x00\\x00stand-in weights")
     spec = JobSpec(input_path, workdir / "out.jsonl", model=str(workdir / "stand-in.gguf"),
                    sampling={"max_tokens": 2})
     outcome = start_job(spec, RunOptions(display="quiet"), llm_factory=ConstantLLM)

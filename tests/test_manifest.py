@@ -8,7 +8,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from helpers import add_to_hub_cache
+from helpers import STANDIN_GGUF, add_to_hub_cache
 
 from vbatch import __version__
 from vbatch.errors import JobStateError
@@ -144,6 +144,7 @@ def test_a_version_2_manifest_loads_typed_and_saves_unchanged(tmp_path: Path) ->
         "require_valid_json": False,
         "task": "generate",
         "dimensions": None,
+        "served_model_names": [],
         "data_parallel_size": 1,
         "ray": None,
     }
@@ -214,7 +215,7 @@ def test_model_identity_covers_tokenizer_template_and_configs(tmp_path: Path) ->
 
 def test_model_identity_of_a_gguf_file_is_its_hash(tmp_path: Path) -> None:
     path = tmp_path / "m.gguf"
-    path.write_bytes(b"GGUF")
+    path.write_bytes(STANDIN_GGUF)
     assert model_identity(str(path)).files == {}
 
 

@@ -215,9 +215,7 @@ def _refuse_generation_options(spec: JobSpec, config: EngineConfig) -> None:
     }
     names = [name for name, is_given in given.items() if is_given]
     if names:
-        raise InputError(
-            f"{', '.join(names)}: generation only, not for a --task {spec.task} job"
-        )
+        raise InputError(f"{', '.join(names)}: generation only, not for a --task {spec.task} job")
 
 
 def _refuse_missing_adapters(identity: ModelIdentity) -> None:
