@@ -86,6 +86,9 @@ def test_cli_flags_make_one_constraint(tmp_path: Path) -> None:
     assert cli_structured(None, None, None, None) is None
     with pytest.raises(SamplingParamsError, match="not --regex, --choice"):
         cli_structured(None, "x", "a,b", None)
+    for typo in ("a,,b", "a,b,", ","):
+        with pytest.raises(SamplingParamsError, match="has an empty label"):
+            cli_structured(None, None, typo, None)
     with pytest.raises(SamplingParamsError, match="cannot read the --grammar file"):
         cli_structured(None, None, None, tmp_path / "missing.ebnf")
 

@@ -257,7 +257,9 @@ def cli_structured(
         except OSError as e:
             raise SamplingParamsError(f"cannot read the {flag} file: {e}") from None
     elif kind == "choice":
-        value = [c.strip() for c in value.split(",") if c.strip()]
+        value = [c.strip() for c in value.split(",")]
+        if not all(value):
+            raise SamplingParamsError(f"--choice {choice!r} has an empty label")
     try:
         structured = StructuredOutput(**{kind: value})
         _check_parses(structured)
