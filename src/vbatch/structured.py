@@ -259,7 +259,7 @@ def cli_structured(
     elif kind == "choice":
         value = [c.strip() for c in value.split(",")]
         if not all(value):
-            raise SamplingParamsError(f"--choice {choice!r} has an empty label")
+            raise SamplingParamsError(f"--choice: {choice!r} has an empty label")
     try:
         structured = StructuredOutput(**{kind: value})
         _check_parses(structured)
