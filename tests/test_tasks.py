@@ -19,11 +19,13 @@ import torch
 from helpers import SharedLLM, write_jsonl
 
 from benchmarks.tiny_pooling import write_tiny_classifier, write_tiny_embedder
+from vbatch.client.outputs import Request
 from vbatch.errors import InputError
 from vbatch.job.merge import merge_shards
 from vbatch.job.rows import ColumnOptions
 from vbatch.job.runner import JobSpec, RunOptions, resume_job, start_job
 from vbatch.job.shard import Shard
+from vbatch.lora.request import LoRARequest
 from vbatch.models.loader import ResolvedModel
 
 QUIET = RunOptions(display="quiet", commit_every_rows=4, max_in_flight=8)
@@ -244,6 +246,9 @@ def test_a_pooling_job_refuses_generation_options_and_a_model_without_the_tasks_
     with pytest.raises(InputError, match=r"classify needs a \*ForSequenceClassification model"):
         start_job(wrong_head, QUIET, llm_factory=_factory(engines["embed"]))
     assert not (tmp_path / "cls.jsonl").exists()
+    adapter = LoRARequest("a", 1, str(tmp_path))
+    (pooled,) = engines["embed"].embed([Request(prompt="hello", lora_request=adapter)])
+    assert "LoRA adapters run with generation only" in (pooled.error or "")
     (out,) = engines["classify"].generate(["hello"])
     assert out.outputs[0].finish_reason == "error"
     assert "generation needs a model with an LM head; this one has a classifier head" in (

@@ -1,6 +1,7 @@
 """Int8 linear layers for CPU: int8 weights per output channel, activations int8 per token,
 through whichever int8 GEMM is exact and fastest on this machine: torch's (oneDNN's `_int_mm`,
-FBGEMM's dynamic linear) or vbatch's own (`vbatch::int8_packed_mm`, exact on every CPU)."""
+FBGEMM's dynamic linear) or vbatch's own (`vbatch::int8_linear`, the whole layer in one call,
+exact on every CPU)."""
 
 from __future__ import annotations
 
