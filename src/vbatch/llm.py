@@ -121,17 +121,19 @@ def _check_main_guard() -> None:
 
 class _LocalStream:
     """`StreamEngine` over this process's core client: inputs tokenized in batches of
-    TOKENIZE_BATCH, at most `max_in_flight` requests in the core."""
+    TOKENIZE_BATCH, at most `max_in_flight` requests in the core. An input of None means that
+    none is ready yet: the batch goes as it is, and the next fill asks again."""
 
     def __init__(
         self,
         llm: LLM,
-        inputs: Iterable[str | list[dict] | Request],
+        inputs: Iterable[str | list[dict] | Request | None],
         defaults: SamplingParams,
         live: dict[str, RequestState | PoolingState],
     ) -> None:
         self.llm = llm
-        self.source = enumerate(inputs)
+        self.source = iter(inputs)
+        self.num_taken = 0
         self.defaults = defaults
         self.live = live
         self.ready: list[tuple[int, RequestOutput]] = []
@@ -140,8 +142,15 @@ class _LocalStream:
     def fill(self) -> bool:
         room = self.llm.max_in_flight - len(self.live)
         if not self.is_exhausted and room > 0:
-            batch = list(itertools.islice(self.source, min(room, TOKENIZE_BATCH)))
-            self.is_exhausted = len(batch) < min(room, TOKENIZE_BATCH)
+            wanted = min(room, TOKENIZE_BATCH)
+            batch = []
+            for item in itertools.islice(self.source, wanted):
+                if item is None:
+                    break
+                batch.append((self.num_taken, item))
+                self.num_taken += 1
+            else:
+                self.is_exhausted = len(batch) < wanted
             self.llm._submit(batch, self.defaults, self.live, self.ready)
         return not self.is_exhausted
 
@@ -376,13 +385,15 @@ class LLM(PoolingMethods):
 
     def stream(
         self,
-        inputs: Iterable[str | list[dict] | Request],
+        inputs: Iterable[str | list[dict] | Request | None],
         sampling_params: SamplingParams | None = None,
         *,
         on_output: Callable[[RequestOutput], None] | None = None,
         idle_s: float | None = None,
     ) -> Iterator[RequestOutput | None]:
-        """Yield finished requests in completion order, pulling `inputs` lazily.
+        """Yield finished requests in completion order, pulling `inputs` lazily. An input of
+        None says that no prompt is ready yet (a feed that waits on others): the stream goes on
+        with the requests it has and asks again, so their outputs are not held up.
 
         Closing the generator early aborts everything still in flight. Per-request failures are
         yielded as outputs with `.error` set. `on_output` runs on its own thread. With `idle_s`,
@@ -398,7 +409,7 @@ class LLM(PoolingMethods):
 
     def _stream(
         self,
-        inputs: Iterable[str | list[dict] | Request],
+        inputs: Iterable[str | list[dict] | Request | None],
         sampling_params: SamplingParams | None,
         on_output: Callable[[RequestOutput], None] | None,
         idle_s: float | None = None,

@@ -144,13 +144,22 @@ class ReplicaEngine:
         finally:
             stream.close()
 
-    def _rows(self, epoch: int, positions: dict[int, int]) -> Iterator[Request]:
+    def _rows(self, epoch: int, positions: dict[int, int]) -> Iterator[Request | None]:
+        """The inbox's rows for the inner stream. While rows are in flight and the inbox is
+        empty, None after a short wait: the stream then moves their outputs to the outbox,
+        which is what brings the driver's next rows (blocking here deadlocked the two)."""
         while True:
             with self._cond:
-                while not self._inbox and not self._is_final and not self._is_stopping:
-                    self._cond.wait()
-                if self._is_stopping or self._epoch != epoch or not self._inbox:
+                if not self._inbox and not self._is_final and not self._is_stopping:
+                    self._cond.wait(POLL_LINGER_S if positions else None)
+                if self._is_stopping or self._epoch != epoch:
                     return
-                _, position, req = self._inbox.popleft()
+                if not self._inbox and self._is_final:
+                    return
+                entry = self._inbox.popleft() if self._inbox else None
+            if entry is None:
+                yield None
+                continue
+            _, position, req = entry
             positions[req.index] = position
             yield req
