@@ -172,6 +172,23 @@ def test_snapshot_pulls_fresh_stats_while_no_row_finishes() -> None:
     assert metrics.snapshot().stats_age_s == pytest.approx(2.0)
 
 
+def test_overall_rates_never_fall_below_the_rows_own_counts() -> None:
+    """Stats that lag the rows (a Ray replica's last poll came before its last steps): the
+    overall rates count at least the rows' generated and computed prompt tokens."""
+    clock = FakeClock()
+    metrics = JobMetrics(total_rows=None, clock=clock)
+    metrics.set_state("running")
+    metrics.on_engine_stats(SchedulerStats(num_prompt_tokens=40, num_generation_tokens=10))
+    clock.now += 2.0
+    for _ in range(10):
+        metrics.on_result(
+            finish_reason="length", prompt_tokens=50, completion_tokens=20, cached_tokens=10
+        )
+    snap = metrics.snapshot()
+    assert snap.gen_tps_overall == pytest.approx(200 / 2.0)
+    assert snap.prompt_tps_overall == pytest.approx(400 / 2.0)
+
+
 def test_step_figures_fall_back_to_totals_when_the_window_has_no_steps() -> None:
     clock = FakeClock()
     metrics = JobMetrics(total_rows=None, clock=clock)

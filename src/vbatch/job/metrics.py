@@ -306,8 +306,16 @@ class JobMetrics:
         else:
             prompt_now, gen_now = self._prompt_tokens, self._completion_tokens
             prompt_base, gen_base = base.prompt_tokens, base.completion_tokens
+        # NOTE: the engine's counters may lag the rows (a Ray replica's come with its polls, and
+        # a short job can end before its first fresh ones), so the rows' own counts bound them.
+        computed_prompt = self._prompt_tokens - self._cached_tokens
         prompt_total, gen_total = (
-            _engine_tokens(stats) if stats else (self._prompt_tokens, self._completion_tokens)
+            (
+                max(stats.num_prompt_tokens, computed_prompt),
+                max(stats.num_generation_tokens, self._completion_tokens),
+            )
+            if stats
+            else (self._prompt_tokens, self._completion_tokens)
         )
         num_done = self._rows_done_before + self._num_rows
         remaining = None if self._total_rows is None else max(self._total_rows - num_done, 0)
