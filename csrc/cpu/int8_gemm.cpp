@@ -46,7 +46,7 @@
 namespace vbatch {
 namespace {
 
-constexpr int64_t kGroup = 4;  // k values per column in one vector lane
+constexpr int64_t kGroup = 4;  // bytes of one column in a vector lane: 4 int8 or 2 int16 k values
 
 #if defined(__AVX512BW__)
 constexpr int64_t kVecCols = 16;
