@@ -19,7 +19,7 @@ from vbatch.engine.sequence import Sequence
 from vbatch.engine.steps import SchedulerOutput, StepUpdate
 from vbatch.errors import LoraError, VbatchError
 from vbatch.lora.request import LoraRef
-from vbatch.models.config import ModelConfig
+from vbatch.models.config import HEAD_NAMES, ModelConfig
 from vbatch.models.loader import resolve_model
 from vbatch.pooling_params import PoolingParams, PoolingTask
 from vbatch.protocol import (
@@ -557,11 +557,12 @@ def _finish(seq: Sequence) -> SampleFinish:
 
 def no_lm_head(config: ModelConfig) -> str:
     """Why a model without an LM head cannot generate, and what it can do instead."""
-    if config.head == "score":
-        kind, instead = "a classifier head", "--task classify (LLM.classify)"
-    else:
-        kind, instead = "no head", "--task embed (LLM.embed)"
-    return f"generation needs a model with an LM head; this one has {kind}: run it with {instead}"
+    task = "classify" if config.head == "score" else "embed"
+    instead = f"--task {task} (LLM.{task})"
+    return (
+        f"generation needs a model with an LM head; this one has "
+        f"{HEAD_NAMES.get(config.head, repr(config.head))}: run it with {instead}"
+    )
 
 
 def _error(request_id: str, message: str) -> SampleFinish:

@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vbatch.models.config import HEAD_NAMES
 from vbatch.pooling_params import PoolingParams, PoolingTask
 
 if TYPE_CHECKING:
@@ -52,9 +53,6 @@ def pooling_params(task: str, dimensions: int | None) -> PoolingParams | None:
     if kind is None:
         return None
     return PoolingParams(kind, dimensions=dimensions if kind == PoolingTask.EMBED else None)
-
-
-HEAD_NAMES = {"lm": "an LM head", "score": "a classifier head", "none": "no head"}
 
 
 def head_problem(task: str, head: str) -> str | None:

@@ -210,6 +210,10 @@ class ModelConfig:
             )
 
 
+# NOTE: ModelConfig.head's values, as messages name them.
+HEAD_NAMES = {"lm": "an LM head", "score": "a classifier head", "none": "no head"}
+
+
 def declared_head(model_path: Path) -> str:
     """The head (ModelConfig.head) a model declares, read from its files alone: a GGUF file's is
     "lm"; an HF directory's by its config.json architectures, "none" for a model that is no
