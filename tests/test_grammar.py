@@ -14,7 +14,7 @@ import torch
 
 from vbatch.client.tokenizer import TextTokenizer
 from vbatch.config import EngineConfig
-from vbatch.engine.core import EngineCore
+from vbatch.engine.core import DEAD_END, EngineCore
 from vbatch.models.loader import ResolvedModel
 from vbatch.protocol import AddRequest, FinishReason, SampleFinish, pack_token_ids
 from vbatch.sampling_params import SamplingParams
@@ -445,3 +445,27 @@ def test_smollm2_seeded_n2_and_preemption_stay_valid(
             assert finish.finish_reason == FinishReason.STOP
             text = tokenizer.backend.decode(tokens, skip_special_tokens=True)
             jsonschema.validate(json.loads(text), EXTRACT_SCHEMA)
+
+
+def test_a_constraint_with_no_token_left_ends_its_request_alone(
+    core: EngineCore, tiny_model_dir: Path
+) -> None:
+    """allowed_token_ids keeps "a" but not the end of text that a finished choice needs, so
+    after "a" nothing can be sampled. Each such request ends with an ERROR naming why, without
+    a token sampled from nothing, and the core goes on with the rest (more of them than the
+    failed steps in a row it tolerates)."""
+    (a,) = TextTokenizer.from_dir(tiny_model_dir).backend.encode("a", add_special_tokens=False).ids
+    stuck = SamplingParams(
+        temperature=0.0, allowed_token_ids=[a], structured=StructuredOutput(choice=["a", "b"])
+    )
+    requests = {f"stuck{i}": stuck for i in range(8)}
+    requests |= {f"good{i}": SamplingParams(temperature=0.0, max_tokens=4) for i in range(3)}
+    results = run(core, requests)
+    for i in range(8):
+        tokens, finishes = results[f"stuck{i}"]
+        assert [f.finish_reason for f in finishes] == [FinishReason.ERROR]
+        assert finishes[0].error == DEAD_END
+        assert tokens == [[a]]
+    for i in range(3):
+        tokens, finishes = results[f"good{i}"]
+        assert finishes[0].finish_reason == FinishReason.LENGTH and len(tokens[0]) == 4

@@ -38,6 +38,10 @@ GRAMMAR_WAIT_S = 0.05
 # NOTE: this many failed steps in a row, with no step succeeding in between, mean the engine
 # itself is broken rather than one of its requests.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+DEAD_END = (
+    "no token satisfies the structured-output constraint together with this request's "
+    "allowed_token_ids, bad_words, logit_bias or min_tokens: generation cannot go on"
+)
 # NOTE: test-only fault injection (no real way exists to fail a step or wedge the loop once
 # requests are validated): "raise:<token id>", "fatal:<token id>", "sleep:<token id>:<s>" or
 # "spin:<token id>:<s>" (a step that computes, busy, for that long)
@@ -468,7 +472,25 @@ class EngineCore:
         update = self.scheduler.update(out, token_ids, logprobs)
         outputs = self._outputs(out, update)
         self._is_applying = False
+        if sampled is not None and sampled.grammar is not None and sampled.grammar.dead_ends:
+            self._end_dead_ends(sampled.grammar.dead_ends, outputs)
         return outputs
+
+    def _end_dead_ends(self, seqs: list[Sequence], outputs: EngineOutputs) -> None:
+        """End the requests of `seqs`, constrained seqs left with no token to sample, with an
+        ERROR finish each, in place of their entries and finishes in the step's `outputs` (the
+        token sampled from nothing); the rest of the step stands."""
+        dropped = dict.fromkeys(seq.request_id for seq in seqs)
+        keep = [j for j, rid in enumerate(outputs.request_ids) if rid not in dropped]
+        outputs.request_ids = [outputs.request_ids[j] for j in keep]
+        outputs.indices = [outputs.indices[j] for j in keep]
+        outputs.token_ids = [outputs.token_ids[j] for j in keep]
+        if outputs.logprobs is not None:
+            outputs.logprobs = [outputs.logprobs[j] for j in keep]
+        outputs.finished = [f for f in outputs.finished if f.request_id not in dropped]
+        self._columns = (-1, [], [])
+        self.abort([rid for rid in dropped if rid in self.requests])
+        outputs.finished.extend(_error(rid, DEAD_END) for rid in dropped)
 
     def _fail_step(self, planned: list[SchedulerOutput], message: str) -> EngineOutputs:
         """End every request with a seq in `planned` with an ERROR finish; reset the state that

@@ -383,26 +383,28 @@ class GrammarMasks:
         fill = self._pool.submit(
             self._filler.batch_fill_next_token_bitmask, matchers, bitmask, rows
         )
-        return StepMask(rows, matchers, bitmask, fill)
+        return StepMask(rows, [seqs[i] for i in rows], bitmask, fill)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class StepMask:
-    """One step's constrained rows: their matchers and the bitmask being filled for them."""
+    """One step's constrained rows: their seqs and the bitmask being filled for them. After
+    accept(), `dead_ends` holds the seqs that had no token left to sample (see accept)."""
 
     def __init__(
         self,
         rows: list[int],
-        matchers: list[GrammarMatcher],
+        seqs: list[Sequence],
         bitmask: torch.Tensor,
         fill: Future[Any],
     ) -> None:
         self.rows = rows
-        self.matchers = matchers
+        self.seqs = seqs
         self.bitmask = bitmask
         self._fill = fill
+        self.dead_ends: list[Sequence] = []
 
     def apply(self, logits: torch.Tensor) -> None:
         """Set the logits of every token a constrained row's grammar forbids to -inf."""
@@ -415,10 +417,21 @@ class StepMask:
         apply_bitmask_torch(logits, self.bitmask, self.rows)
 
     def accept(self, token_ids: list[int]) -> None:
-        """Advance each constrained row's matcher by its sampled token."""
-        for row, matcher in zip(self.rows, self.matchers, strict=True):
-            if not matcher.accept_token(token_ids[row]):
-                raise RuntimeError(f"the grammar rejected token {token_ids[row]} it allowed")
+        """Advance each constrained row's matcher by its sampled token. A row whose token its
+        grammar forbids had every token masked (the grammar's together with the request's
+        allowed_token_ids, bans or min_tokens): its seq goes to `dead_ends`, for the caller to
+        end; a forbidden token anywhere else is a bug, and raises."""
+        for row, seq in zip(self.rows, self.seqs, strict=True):
+            token = token_ids[row]
+            assert seq.grammar is not None
+            if seq.grammar.accept_token(token):
+                continue
+            word = (
+                int(self.bitmask[row, token >> 5]) if 0 <= token < self.bitmask.shape[1] * 32 else 0
+            )
+            if (word >> (token & 31)) & 1:
+                raise RuntimeError(f"the grammar rejected token {token} it allowed")
+            self.dead_ends.append(seq)
 
 
 def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
