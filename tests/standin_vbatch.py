@@ -6,7 +6,10 @@ a resumed job can be checked row by row. Environment knobs:
 
 - VBATCH_STANDIN_TEXT_CHARS: length of each text (default 64);
 - VBATCH_STANDIN_EXIT_AFTER=N: exit at once (os._exit, like a crash) before answering request N;
-- VBATCH_STANDIN_RAISE_AFTER=N: raise RuntimeError (an unexpected bug) before answering request N.
+- VBATCH_STANDIN_RAISE_AFTER=N: raise RuntimeError (an unexpected bug) before answering request N;
+- VBATCH_STANDIN_EDIT_AFTER=N with VBATCH_STANDIN_EDIT_PATH: before answering request N, append
+  VBATCH_STANDIN_EDIT_APPEND to that file, or cut it to VBATCH_STANDIN_EDIT_SIZE bytes (a
+  producer, or a user, changing the input while the job reads it).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class StandInLLM:
         self.num_chars = int(os.environ.get("VBATCH_STANDIN_TEXT_CHARS", "64"))
         self.exit_after = int(os.environ.get("VBATCH_STANDIN_EXIT_AFTER", "-1"))
         self.raise_after = int(os.environ.get("VBATCH_STANDIN_RAISE_AFTER", "-1"))
+        self.edit_after = int(os.environ.get("VBATCH_STANDIN_EDIT_AFTER", "-1"))
 
     def stream(
         self, inputs: Iterable[Any], sampling_params: Any = None, idle_s: float | None = None
@@ -50,6 +54,8 @@ class StandInLLM:
                 os._exit(9)
             if n == self.raise_after:
                 raise RuntimeError(f"stand-in engine bug at request {n}")
+            if n == self.edit_after:
+                edit_input()
             prompt = req.prompt if req.prompt is not None else str(req.messages)
             text = expected_text(prompt, self.num_chars)
             now = time.time()
@@ -69,6 +75,16 @@ class StandInLLM:
 
     def shutdown(self) -> None:
         pass
+
+
+def edit_input() -> None:
+    path = os.environ["VBATCH_STANDIN_EDIT_PATH"]
+    size = os.environ.get("VBATCH_STANDIN_EDIT_SIZE")
+    if size is not None:
+        os.truncate(path, int(size))
+        return
+    with open(path, "a") as f:
+        f.write(os.environ["VBATCH_STANDIN_EDIT_APPEND"])
 
 
 def main() -> None:

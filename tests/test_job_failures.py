@@ -421,6 +421,52 @@ def test_forced_resume_after_ids_became_strings(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# The input changed while the job reads it
+
+
+def test_rows_appended_while_the_job_runs_are_not_the_jobs(tmp_path: Path) -> None:
+    """A producer appends rows (reusing ids) after the job counted its input: the job covers the
+    rows it counted, each exactly once, and no id twice."""
+    model = model_file(tmp_path)
+    for name in ("out.jsonl", "out.parquet"):
+        input_path = write_input(tmp_path / "in.jsonl", 400)
+        output = tmp_path / name
+        appended = "".join(f'{{"id": "r{i}", "prompt": "appended"}}\n' for i in range(50))
+        proc = run_vbatch(
+            tmp_path,
+            *run_args(input_path, output, model),
+            VBATCH_STANDIN_EDIT_AFTER="5",
+            VBATCH_STANDIN_EDIT_PATH=str(input_path),
+            VBATCH_STANDIN_EDIT_APPEND=appended,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert input_path.read_text().count("appended") == 50
+        assert_exactly_once(output, 400)
+
+
+def test_an_input_cut_short_while_the_job_runs_is_an_error_not_an_interruption(
+    tmp_path: Path,
+) -> None:
+    """Exit 75 means a signal stopped the job (a scheduler requeues on it); an input that ends
+    early is an error naming the cause, and the rows committed stay."""
+    model = model_file(tmp_path)
+    input_path = write_input(tmp_path / "in.jsonl", 400)
+    output = tmp_path / "out.jsonl"
+    proc = run_vbatch(
+        tmp_path,
+        *run_args(input_path, output, model),
+        VBATCH_STANDIN_EDIT_AFTER="5",
+        VBATCH_STANDIN_EDIT_PATH=str(input_path),
+        VBATCH_STANDIN_EDIT_SIZE=str(input_path.stat().st_size // 2),
+    )
+    line = error_line(proc)
+    assert "ended before the 400 rows it had when the job started" in line, line
+    assert "changed during the job" in line
+    committed = run_vbatch(tmp_path, "status", str(output))
+    assert "400" in committed.stdout, committed.stdout
+
+
+# ---------------------------------------------------------------------------------------------
 # Anything unexpected
 
 

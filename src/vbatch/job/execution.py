@@ -214,6 +214,12 @@ class JobExecution:
                 f"of the output rows. Fix the input, or continue with "
                 f"`{resume_command(output)} --max-errors N`"
             )
+        if num_done < self.manifest.num_rows and not self.stop.is_stopping:
+            raise InputError(
+                f"{self.manifest.input_path} ended before the {self.manifest.input_rows} rows it "
+                f"had when the job started: it changed during the job. {num_done} rows are "
+                f"committed; restore the input and run `{resume_command(output)}`"
+            )
         if num_done >= self.manifest.num_rows:
             self.metrics.set_state("committing")
             self.is_finalizing = True
@@ -356,7 +362,11 @@ class JobExecution:
         from vbatch.llm import Request
 
         committed = self.journal.state.committed
-        for row in self.reader.rows(self.parser, committed, self.manifest.shard_spec):
+        # NOTE: rows appended to the input after the job counted it are not this job's.
+        rows = self.reader.rows(
+            self.parser, committed, self.manifest.shard_spec, self.manifest.input_rows
+        )
+        for row in rows:
             self.stop.is_waiting = False
             if self.stop.is_stopping:
                 self._show_stop()

@@ -202,6 +202,11 @@ class Manifest(msgspec.Struct, kw_only=True, omit_defaults=True):
     def shard_spec(self) -> Shard | None:
         return None if self.shard is None else Shard(self.shard.index, self.shard.count)
 
+    @property
+    def input_rows(self) -> int:
+        """The whole input's rows when the job was counted (a shard's job reads them all)."""
+        return self.num_rows if self.shard is None else self.shard.input_rows
+
     def save(self, job_dir: Path) -> None:
         write_atomic(job_dir / MANIFEST_NAME, msgspec.json.format(msgspec.json.encode(self)))
 

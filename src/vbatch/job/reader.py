@@ -275,12 +275,15 @@ class InputReader:
             )
         return InputError(f"cannot read {self.path}: {error}")
 
-    def records(self, skip: IndexSet | None = None) -> Iterator[RawRecord]:
-        """Every row in order; rows whose index is in `skip` are not decoded or yielded."""
+    def records(
+        self, skip: IndexSet | None = None, limit: int | None = None
+    ) -> Iterator[RawRecord]:
+        """Every row in order, the first `limit` when given; rows whose index is in `skip` are
+        not decoded or yielded."""
         if self.format == "parquet":
-            yield from self._parquet_records(skip, self._read_columns())
+            yield from self._parquet_records(skip, self._read_columns(), limit)
         else:
-            yield from self._jsonl_records(skip)
+            yield from self._jsonl_records(skip, limit)
 
     def _jsonl_records(
         self, skip: IndexSet | None, limit: int | None = None
@@ -318,7 +321,7 @@ class InputReader:
         return [c for c in self.columns if c in wanted]
 
     def _parquet_records(
-        self, skip: IndexSet | None, columns: list[str] | None
+        self, skip: IndexSet | None, columns: list[str] | None, limit: int | None = None
     ) -> Iterator[RawRecord]:
         import pyarrow as pa
 
@@ -326,6 +329,8 @@ class InputReader:
         batches = self._parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=columns)
         try:
             for batch in batches:
+                if limit is not None and start + batch.num_rows > limit:
+                    batch = batch.slice(0, max(0, limit - start))
                 indices = np.arange(start, start + batch.num_rows)
                 start += batch.num_rows
                 if skip is not None and len(skip):
@@ -342,10 +347,15 @@ class InputReader:
             ) from None
 
     def rows(
-        self, parser: RowParser, skip: IndexSet | None = None, shard: Shard | None = None
+        self,
+        parser: RowParser,
+        skip: IndexSet | None = None,
+        shard: Shard | None = None,
+        limit: int | None = None,
     ) -> Iterator[InputRow]:
-        """The rows not in `skip`, only those of `shard` when one is given."""
-        for raw in self.records(skip):
+        """The rows not in `skip` of the first `limit` (all when None), only those of `shard`
+        when one is given."""
+        for raw in self.records(skip, limit):
             if shard is not None and not shard.owns(raw.record, raw.index, parser):
                 continue
             if raw.error is not None:
