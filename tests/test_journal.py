@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -93,6 +95,30 @@ def test_corruption_before_the_end_is_refused(tmp_path: Path) -> None:
     path.write_bytes(path.read_bytes().replace(b'"offset":10', b'"offset":11'))
     with pytest.raises(JobStateError, match="corrupt at record 1"):
         read_journal(path)
+
+
+@pytest.mark.parametrize("edit", ["drop", "repeat"])
+def test_a_record_removed_or_repeated_is_refused_under_python_o_too(
+    tmp_path: Path, edit: str
+) -> None:
+    """Each record is intact, but the sequence is not: resuming from it could run or write rows
+    twice, so it is corruption (a real check, not an assert that `python -O` drops)."""
+    journal = Journal(tmp_path)
+    for i in range(3):
+        journal.append("commit", rows=1, indices=[[i, i + 1]], errors=[], offset=10 * (i + 1))
+    journal.close()
+    path = tmp_path / JOURNAL_NAME
+    lines = path.read_bytes().splitlines(keepends=True)
+    edited = [lines[0], lines[2]] if edit == "drop" else [lines[0], lines[1], lines[1], lines[2]]
+    path.write_bytes(b"".join(edited))
+    with pytest.raises(JobStateError, match=r"corrupt at record \d: its records are out of seq"):
+        read_journal(path)
+    code = (
+        "import sys; from pathlib import Path; from vbatch.errors import JobStateError; "
+        "from vbatch.job.journal import read_journal\n"
+        "try:\n    read_journal(Path(sys.argv[1]))\nexcept JobStateError:\n    sys.exit(3)"
+    )
+    assert subprocess.run([sys.executable, "-O", "-c", code, str(path)]).returncode == 3
 
 
 def test_missing_journal_is_an_empty_state(tmp_path: Path) -> None:

@@ -111,8 +111,12 @@ class JobState:
         return self.num_records
 
     def apply(self, record: dict[str, Any]) -> None:
-        kind = record["kind"]
-        assert record["seq"] == self.num_records, "journal records out of sequence"
+        kind = record.get("kind")
+        if record.get("seq") != self.num_records:
+            raise JobStateError(
+                f"its records are out of sequence (seq {record.get('seq')!r} where "
+                f"{self.num_records} was due: a record was removed or repeated)"
+            )
         if kind == "commit":
             self.committed.add_ranges(record["indices"])
             self.errors.add_ranges(record["errors"])
@@ -174,7 +178,14 @@ def read_journal(path: Path) -> tuple[JobState, int]:
                     "not an interrupted write); the job cannot be resumed safely"
                 )
             break
-        state.apply(record)
+        try:
+            state.apply(record)
+        except (JobStateError, KeyError, TypeError) as e:
+            raise JobStateError(
+                f"journal {path} is corrupt at record {number}: "
+                f"{e if isinstance(e, JobStateError) else f'a malformed record ({e!r})'}; the "
+                "job cannot be resumed safely"
+            ) from None
         valid_length += len(line)
     return state, valid_length
 
