@@ -32,8 +32,9 @@ import pytest
 from helpers import STANDIN_GGUF
 
 import vbatch
+from vbatch.errors import JobStateError
 from vbatch.job.finalize import finalize
-from vbatch.job.journal import Journal
+from vbatch.job.journal import Journal, read_journal
 from vbatch.job.paths import tmp_output_path
 from vbatch.job.results import error_row, parquet_schema
 from vbatch.job.rows import InputRow
@@ -464,6 +465,41 @@ def test_an_input_cut_short_while_the_job_runs_is_an_error_not_an_interruption(
     assert "changed during the job" in line
     committed = run_vbatch(tmp_path, "status", str(output))
     assert "400" in committed.stdout, committed.stdout
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate", "garbage"])
+def test_a_committed_parquet_part_damaged_outside_vbatch_is_refused_at_resume(
+    tmp_path: Path, damage: str
+) -> None:
+    """Before running anything: its rows would be lost at finalize, and every later resume would
+    fail the same way there."""
+    model = model_file(tmp_path)
+    input_path = write_input(tmp_path / "in.jsonl", 60)
+    output = tmp_path / "out.parquet"
+    args = run_args(input_path, output, model, "--commit-every-rows", "10")
+    crashed = run_vbatch(tmp_path, *args, VBATCH_STANDIN_EXIT_AFTER="35")
+    assert crashed.returncode == 9, crashed.stderr
+    part = sorted((tmp_path / "out.parquet.vbatch" / "parts").glob("part-*.parquet"))[1]
+    if damage == "delete":
+        part.unlink()
+    elif damage == "truncate":
+        part.write_bytes(part.read_bytes()[:300])
+    else:
+        part.write_bytes(os.urandom(part.stat().st_size))
+    line = error_line(run_vbatch(tmp_path, "resume", str(output), "-q"))
+    problem = "is missing" if damage == "delete" else "cannot be read"
+    assert f"{part}, a committed part of this job's output, {problem}" in line, line
+    assert "vbatch run ... --overwrite" in line
+    state, _ = read_journal(tmp_path / "out.parquet.vbatch" / "journal.jsonl")
+    assert len(state.committed) == 30, "the refused resume ran rows"
+    with pytest.raises(JobStateError, match="a committed part of this job's output"):
+        finalize(
+            tmp_path / "out.parquet.vbatch",
+            output,
+            Journal(tmp_path / "out.parquet.vbatch"),
+            pq.read_schema(sorted(part.parent.glob("part-*.parquet"))[0]),
+            ordered=False,
+        )
 
 
 # ---------------------------------------------------------------------------------------------

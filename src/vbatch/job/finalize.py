@@ -15,7 +15,7 @@ from vbatch.errors import StorageError, is_storage_failure, storage_error
 from vbatch.job.journal import JobState, Journal
 from vbatch.job.paths import fsync_dir, tmp_output_path
 from vbatch.job.results import line_index
-from vbatch.job.writer import PARTS_DIR
+from vbatch.job.writer import PARTS_DIR, check_parts
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -40,6 +40,8 @@ def finalize(
         journal.append("complete", tmp=None, size=output.stat().st_size, **counts)
         finish_completion(job_dir, output, journal.state)
         return
+    if schema is not None:
+        check_parts(job_dir, state)
     work_dir = job_dir / WORK_DIR
     try:
         tmp.unlink(missing_ok=True)

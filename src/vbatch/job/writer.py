@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from vbatch.errors import JobStateError, StorageError, storage_error
 from vbatch.job.encoding import KeptJson, table_from_rows
-from vbatch.job.journal import Journal, to_ranges, write_all
+from vbatch.job.journal import JobState, Journal, to_ranges, write_all
 from vbatch.job.paths import fsync_dir
 from vbatch.job.results import jsonl_bytes, parquet_values
 
@@ -167,6 +167,29 @@ class JsonlWriter(OutputWriter):
         self._file.close()
 
 
+def check_parts(job_dir: Path, state: JobState) -> None:
+    """Refuse a job whose committed Parquet parts are not all there with a readable footer (one
+    deleted, cut or overwritten outside vbatch): its rows would be lost at finalize."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for _, name in state.parts:
+        path = job_dir / name
+        try:
+            pq.read_metadata(path)
+        except FileNotFoundError:
+            problem = "is missing"
+        except (OSError, pa.ArrowException) as e:
+            problem = f"cannot be read ({str(e).rstrip('.')})"
+        else:
+            continue
+        raise JobStateError(
+            f"{path}, a committed part of this job's output, {problem}: it was deleted or "
+            "changed outside vbatch, and its rows are lost; the job cannot be resumed safely. "
+            "Start again with `vbatch run ... --overwrite`"
+        )
+
+
 class ParquetWriter(OutputWriter):
     """Buffers rows in memory; each commit writes one part file (sorted by index if `ordered`)."""
 
@@ -195,6 +218,7 @@ class ParquetWriter(OutputWriter):
             remove_orphan_parts(self.parts_dir, {name for _, name in journal.state.parts})
         except OSError as e:
             raise storage_error(e, self.parts_dir, RESUME_HINT) from e
+        check_parts(job_dir, journal.state)
 
     def _write(
         self, values: dict[str, Any], kept: dict[str, Any] | None, line: dict | None
