@@ -502,6 +502,18 @@ def test_a_committed_parquet_part_damaged_outside_vbatch_is_refused_at_resume(
         )
 
 
+def test_an_output_below_a_file_and_a_pipe_as_input_are_one_line_each(tmp_path: Path) -> None:
+    model = model_file(tmp_path)
+    input_path = write_input(tmp_path / "in.jsonl", 3)
+    below = run_vbatch(tmp_path, *run_args(input_path, input_path / "x.jsonl", model))
+    assert f"cannot write {input_path / 'x.jsonl'}: {input_path} is a file" in error_line(below)
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    piped = run_vbatch(tmp_path, *run_args(fifo, tmp_path / "out.jsonl", model))
+    assert f"the input {fifo} is not a regular file (a pipe" in error_line(piped)
+    assert not (tmp_path / "out.jsonl.vbatch").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # Anything unexpected
 

@@ -170,6 +170,12 @@ class InputReader:
             raise InputError(
                 f"the input {path} is a directory; give one .jsonl[.gz|.zst] or .parquet file"
             )
+        if path.exists() and not path.is_file():
+            raise InputError(
+                f"the input {path} is not a regular file (a pipe or a device): a job reads its "
+                "input more than once (to count and check it, and again on resume); write it "
+                "to a file first"
+            )
         if not path.is_file():
             raise InputError(f"input file {path} does not exist")
         self.format = detect_format(path, input_format)

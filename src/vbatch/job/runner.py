@@ -179,7 +179,7 @@ def start_job(
     if options.ray is not None:
         require_ray()
     _refuse_clashes(spec.input_path, output, job_dir, options.metrics_file)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    _make_output_dir(output)
     lock = JobLock(job_dir, create=True)
     core = None
     if llm_factory is None and options.ray is None and options.data_parallel_size == 1:
@@ -515,6 +515,17 @@ def _adopt_moved_output(output: Path, job_dir: Path, manifest: Manifest) -> None
     )
     manifest.output_path = here
     manifest.save(job_dir)
+
+
+def _make_output_dir(output: Path) -> None:
+    """Create the output's directory, refusing a path below a file (`out.jsonl/x.jsonl`)."""
+    blocking = next((p for p in output.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise InputError(f"cannot write {output}: {blocking} is a file, not a directory")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise storage_error(e, output.parent, "then run the job again") from e
 
 
 def _refuse_lost_rows(job_dir: Path, manifest: Manifest, output: Path, num_rows: int) -> None:
