@@ -10,7 +10,13 @@ import pytest
 
 from vbatch.errors import SamplingParamsError
 from vbatch.protocol import AddRequest, core_decoder, encoder, pack_token_ids
-from vbatch.sampling_params import MAX_N, SamplingParams
+from vbatch.sampling_params import (
+    MAX_N,
+    GuidedDecodingParams,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+from vbatch.structured import StructuredOutput
 
 # NOTE: the values issue 12 found accepted, each then hanging or killing a job.
 ISSUE_REPROS = [
@@ -134,4 +140,20 @@ def test_an_assignment_is_validated_and_undone_when_refused() -> None:
     params.max_tokens = 64
     params.stop = "end"  # type: ignore[assignment]
     assert params.max_tokens == 64 and params.stop == ["end"]
+    assert wire_round_trip(params) == params
+
+
+@pytest.mark.parametrize("field", ["structured_outputs", "guided_decoding", "structured"])
+def test_assigning_a_constraint_replaces_it_and_none_clears_it(field: str) -> None:
+    """As a vLLM script does after construction: whichever of the three names it uses."""
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
+    new = StructuredOutputsParams(regex="b+")
+    setattr(params, field, new if field != "structured" else new.to_structured())
+    assert params.structured == StructuredOutput(regex="b+")
+    setattr(params, field, None)
+    assert params.structured is None
+    params = SamplingParams(guided_decoding=GuidedDecodingParams(choice=["x", "y"]))
+    with pytest.raises(SamplingParamsError, match="must be a StructuredOutputsParams"):
+        setattr(params, field if field != "structured" else "guided_decoding", "x+")
+    assert params.structured == StructuredOutput(choice=["x", "y"])
     assert wire_round_trip(params) == params

@@ -115,7 +115,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     is a list of non-empty strings; `top_k <= 0` means disabled; `temperature == 0` means
     greedy. `n` is at most MAX_N (256). `max_tokens=None` runs up to the model length.
     vLLM's `structured_outputs` / `guided_decoding` are folded into `structured` (and read None
-    after it); `bad_words` are tokenized on submission into `bad_words_token_ids`.
+    after it); assigning any of the three replaces the constraint, None clears it; `bad_words`
+    are tokenized on submission into `bad_words_token_ids`.
     """
 
     n: int = 1
@@ -155,14 +156,20 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             self.validate()
 
     def __setattr__(self, name: str, value: Any) -> None:
-        old = getattr(self, name)
+        # NOTE: the three constraint fields are one setting: assigning any of them replaces
+        # the constraint (None clears it).
+        names = _STRUCTURED_FIELDS if name in _STRUCTURED_FIELDS else (name,)
+        old = {n: getattr(self, n) for n in names}
+        for n in names:
+            _set(self, n, None)
         _set(self, name, value)
         if name == "bad_words":
             _set(self, "bad_words_token_ids", [])
         try:
             self.validate()
         except SamplingParamsError:
-            _set(self, name, old)
+            for n, v in old.items():
+                _set(self, n, v)
             raise
 
     def clone(self) -> SamplingParams:
@@ -329,11 +336,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         return self
 
     def _fold_structured(self, fail: Callable[[str], NoReturn]) -> None:
-        given = [
-            name
-            for name in ("structured", "structured_outputs", "guided_decoding")
-            if getattr(self, name) is not None
-        ]
+        given = [name for name in _STRUCTURED_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
             fail(f"give one of structured, structured_outputs, guided_decoding, not {given}")
         structured = self.structured
@@ -444,5 +447,6 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
 
 _set = msgspec.Struct.__setattr__
+_STRUCTURED_FIELDS = ("structured", "structured_outputs", "guided_decoding")
 _ARGMAX_FIELDS = tuple(name for name, changes in CHANGES_ARGMAX.items() if changes)
 _DEFAULTS = SamplingParams()
