@@ -124,6 +124,23 @@ def test_structured_outputs_new_and_old_names(llm: LLM) -> None:
     )
 
 
+def test_logprobs_under_a_constraint_leave_out_what_it_forbids(llm: LLM) -> None:
+    """Once "yes" is chosen from ["yes", "no"], the grammar allows few tokens: the rest would
+    read -inf, which could not have been chosen (a job's output leaves them out too)."""
+    pytest.importorskip("xgrammar")
+    params = SamplingParams(
+        max_tokens=8,
+        temperature=0.0,
+        logprobs=5,
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+    )
+    completion = llm.generate(["Answer:"], params, use_tqdm=False)[0].outputs[0]
+    assert completion.text in ("yes", "no") and completion.logprobs is not None
+    entries = [lp for step in completion.logprobs for lp in step.values()]
+    assert all(math.isfinite(lp.logprob) for lp in entries)
+    assert any(len(step) < 5 for step in completion.logprobs)
+
+
 def test_per_prompt_params_and_their_count(llm: LLM) -> None:
     params = [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for k in (2, 5)]
     outs = llm.generate(["a", "b"], params, use_tqdm=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,11 +67,14 @@ class CompletionOutput:
         decode = self.decode_token
         result = []
         for token_id, entry in zip(self.token_ids, self.token_logprobs, strict=False):
+            # NOTE: alternatives a grammar forbade (-inf) could not be chosen: left out, as in
+            # a job's output.
             ranked = {
                 t: Logprob(v, rank, decode(t) if decode else None)
                 for rank, (t, v) in enumerate(
                     zip(entry.top_token_ids, entry.top_logprobs, strict=True), start=1
                 )
+                if v != -math.inf
             }
             if token_id not in ranked:
                 rank = entry.rank or None
