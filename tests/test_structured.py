@@ -283,6 +283,30 @@ def test_unenforced_keywords_are_named_once_per_schema_and_outputs_checked() -> 
     assert "not an object" in (checker.check(anything, ["[1]"]) or "")
 
 
+def test_formats_and_undeclared_required_properties_are_named() -> None:
+    """The grammar writes a `format` by its pattern only, and never writes a property that
+    `properties` does not declare, so outputs can break either: warned, and checked."""
+    warnings: list[str] = []
+    checker = OutputChecker(warnings.append)
+    dates = StructuredOutput(json_schema={"type": "string", "format": "date"})
+    checker.note(dates)
+    assert "format (its pattern only" in warnings[-1]
+    undeclared = StructuredOutput(
+        json_schema={
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "required": ["a", "x"],
+        }  # fmt: skip
+    )
+    checker.note(undeclared)
+    assert "required naming a property the schema does not declare" in warnings[-1]
+    checker.note(StructuredOutput(json_schema={"type": "object", "required": ["x"]}))
+    assert len(warnings) == 3
+    checker.note(StructuredOutput(json_schema=SCHEMA))
+    assert len(warnings) == 3
+    assert "'x' is a required property" in (checker.check(undeclared, ['{"a": 7}']) or "")
+
+
 def test_a_job_with_deep_emoji_const_and_unenforceable_rows_finishes(
     tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any]
 ) -> None:

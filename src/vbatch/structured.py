@@ -381,6 +381,13 @@ def unenforced_keywords(structured: StructuredOutput) -> list[str]:
     found: set[str] = set()
     for node in subschemas(json.loads(structured.json_schema)):
         found.update(key for key in UNENFORCED if key in node)
+        if isinstance(node.get("format"), str):
+            found.add("format (its pattern only: a date's day is not checked against its month)")
+        required, declared = node.get("required"), node.get("properties")
+        if isinstance(required, list) and any(
+            not isinstance(declared, dict) or name not in declared for name in required
+        ):
+            found.add("required naming a property the schema does not declare")
         if "patternProperties" in node or isinstance(node.get("additionalProperties"), dict):
             found.add("duplicate keys (patternProperties/additionalProperties)")
         for key, approximation in (
