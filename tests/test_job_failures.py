@@ -514,6 +514,31 @@ def test_an_output_below_a_file_and_a_pipe_as_input_are_one_line_each(tmp_path: 
     assert not (tmp_path / "out.jsonl.vbatch").exists()
 
 
+def test_a_row_without_an_id_among_rows_with_ids_is_an_error_row_on_resume_too(
+    tmp_path: Path,
+) -> None:
+    """Its index could equal another row's id (2 here): it is an error row with no id, and the
+    job is neither refused for a duplicate nor given an id that was never in the input."""
+    model = model_file(tmp_path)
+    input_path = tmp_path / "in.jsonl"
+    records = [{"id": 9, "prompt": "a"}, {"id": 8, "prompt": "b"}, {"prompt": "c"}]
+    records += [{"id": 2, "prompt": "d"}, {"prompt": "e"}]
+    input_path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    output = tmp_path / "out.jsonl"
+    args = run_args(input_path, output, model, "--commit-every-rows", "1")
+    crashed = run_vbatch(tmp_path, *args, VBATCH_STANDIN_EXIT_AFTER="2")
+    assert crashed.returncode == 9, crashed.stderr
+    resumed = run_vbatch(tmp_path, "resume", str(output), "-q")
+    assert resumed.returncode == 0, resumed.stderr
+    rows = {r["index"]: r for r in read_rows(output)}
+    assert [rows[i]["id"] for i in range(5)] == [9, 8, None, 2, None]
+    for i in (2, 4):
+        assert (
+            f"line {i + 1}: the row has no 'id', which the input's other rows" in rows[i]["error"]
+        )
+    assert all(rows[i]["error"] is None for i in (0, 1, 3))
+
+
 # ---------------------------------------------------------------------------------------------
 # Anything unexpected
 

@@ -296,7 +296,7 @@ def test_formats_and_undeclared_required_properties_are_named() -> None:
             "type": "object",
             "properties": {"a": {"type": "integer"}},
             "required": ["a", "x"],
-        }  # fmt: skip
+        }
     )
     checker.note(undeclared)
     assert "required naming a property the schema does not declare" in warnings[-1]

@@ -394,6 +394,9 @@ class InputScan:
     is_openai: bool
     duplicate: str | None
     keys: set[str]
+    # NOTE: the id key ("id" or "custom_id") of the first row that has one, when other rows have
+    # neither (their ids would be their indices): the job then reads ids from that key only.
+    mixed_id_key: str | None = None
 
 
 def scan_input(
@@ -422,6 +425,8 @@ def scan_input(
     is_all_int = True
     is_openai: bool | None = None
     keys: set[str] = set()
+    id_key: str | None = None
+    has_keyless = False
     for raw in reader.id_records():
         num_rows += 1
         if shard is None or shard.owns(raw.record, raw.index, parser):
@@ -432,6 +437,13 @@ def scan_input(
             is_openai = is_openai_record(raw.record)
         if collect_keys and len(keys) < MAX_KEYS:
             keys.update(raw.record)
+        column = parser.id_column(raw.record)
+        if column is None:
+            # NOTE: its id is its index, unique among such rows; next to rows with ids it is an
+            # error row (mixed_id_key), so it takes no part in the duplicate check.
+            has_keyless = True
+            continue
+        id_key = id_key or column
         row_id = parser.row_id(raw.record, raw.index)
         if row_id is None:
             continue
@@ -442,7 +454,8 @@ def scan_input(
     repeated = set(ordered[1:][ordered[1:] == ordered[:-1]].tolist())
     del hashes, ordered
     duplicate = _first_duplicate(reader, parser, repeated)
-    return InputScan(num_shard_rows, num_rows, id_kind, bool(is_openai), duplicate, keys)
+    mixed = id_key if has_keyless else None
+    return InputScan(num_shard_rows, num_rows, id_kind, bool(is_openai), duplicate, keys, mixed)
 
 
 def _first_duplicate(reader: InputReader, parser: RowParser, repeated: set[int]) -> str | None:
@@ -450,7 +463,7 @@ def _first_duplicate(reader: InputReader, parser: RowParser, repeated: set[int])
         return None
     first_seen: dict[str, str] = {}
     for raw in reader.id_records():
-        if not isinstance(raw.record, dict):
+        if not isinstance(raw.record, dict) or parser.id_column(raw.record) is None:
             continue
         row_id = parser.row_id(raw.record, raw.index)
         if row_id is None or hash(str(row_id)) not in repeated:

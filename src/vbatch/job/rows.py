@@ -171,6 +171,11 @@ class RowParser:
             if row.id is None:
                 column = self.id_column(record)
                 assert column is not None  # NOTE: without an id column the id is the index.
+                if column not in record:
+                    raise RowError(
+                        f"the row has no {column!r}, which the input's other rows have (or "
+                        "--id-column names): give every row an id, or none"
+                    )
                 raise RowError(bad_id_message(column, record.get(column)))
             if is_openai_record(record):
                 self._parse_openai(record, row)

@@ -146,16 +146,19 @@ def _remove_job(job_dir: Path, output: Path) -> None:
     tmp_output_path(output).unlink(missing_ok=True)
 
 
-def _resolve_columns(spec: JobSpec, reader: InputReader, keys: set[str] | None) -> ColumnOptions:
-    """Turn --keep-all-columns into an explicit list and refuse kept names that shadow outputs."""
+def _resolve_columns(spec: JobSpec, reader: InputReader, scan: InputScan) -> ColumnOptions:
+    """Turn --keep-all-columns into an explicit list and refuse kept names that shadow outputs;
+    fix the id column where some rows have ids and others none (those are error rows then: an
+    index taken for an id could equal another row's integer id)."""
     columns = spec.columns
+    if scan.mixed_id_key is not None:
+        columns = replace(columns, id_column=scan.mixed_id_key)
+    keys = scan.keys
     if columns.keep_all_columns:
         names = reader.columns if reader.columns is not None else sorted(keys or ())
         reserved = reserved_columns(spec.task)
         kept = tuple(n for n in names if n not in reserved)
-        return ColumnOptions(
-            columns.prompt_column, columns.messages_column, columns.id_column, kept
-        )
+        return replace(columns, keep_columns=kept, keep_all_columns=False)
     return columns
 
 
@@ -307,7 +310,7 @@ def _prepare_job(
     )
     if scan.duplicate is not None:
         raise InputError(f"{spec.input_path}: {scan.duplicate}; ids must be unique")
-    columns = _resolve_columns(spec, reader, scan.keys)
+    columns = _resolve_columns(spec, reader, scan)
     from vbatch import __version__
 
     manifest = Manifest(
