@@ -18,7 +18,12 @@ from vbatch.engine.sampler import (
     _nucleus_groups,
     _search,
 )
-from vbatch.engine.sampling_metadata import NUM_CANDIDATES, SamplingMetadata, free_generators
+from vbatch.engine.sampling_metadata import (
+    NUM_CANDIDATES,
+    SamplingMetadata,
+    SeededUniforms,
+    free_generators,
+)
 from vbatch.engine.sequence import Sequence
 from vbatch.sampling_params import SamplingParams
 
@@ -287,7 +292,7 @@ def run_seeded(
     rng = random.Random(len(neighbours))
     seq = Sequence("target", [1, 2, 3], target, index=index)
     others = make_seqs(*neighbours)
-    generators: dict[int, torch.Generator] = {}
+    generators: dict[int, SeededUniforms] = {}
     tokens = []
     for step_logits in steps:
         batch = [seq, *others]
@@ -330,6 +335,28 @@ def test_seeded_seq_ignores_its_batch(target: SamplingParams) -> None:
     assert run_seeded(target, neighbours, steps) == alone
     assert run_seeded(target, neighbours[::-1][:5], steps) == alone
     assert run_seeded(target, [], steps, index=1) != alone  # n > 1: samples differ
+
+
+def test_seeds_differing_only_in_their_high_bits_sample_apart() -> None:
+    """torch's CPU generator keeps a seed's low 32 bits: 5, 5 + 2**32, 5 + 2**40 and 5 - 2**63
+    drew the same samples. Every bit counts, and a seed's draws are uniform on [0, 1)."""
+    seeds = [5, 5 + 2**32, 5 + 2**40, 5 - 2**63, 2**63 - 1, -1, 6]
+
+    def stream(seed: int) -> list[float]:
+        draws = SeededUniforms(seed)
+        return [draws.next() for _ in range(8)]
+
+    streams = [stream(seed) for seed in seeds]
+    assert len({tuple(stream) for stream in streams}) == len(seeds)
+    assert stream(5) == streams[0]
+    draws = SeededUniforms(123)
+    values = torch.tensor([draws.next() for _ in range(20000)])
+    assert float(values.min()) >= 0.0 and float(values.max()) < 1.0
+    assert abs(float(values.mean()) - 0.5) < 0.01
+    assert float(torch.histc(values, bins=10, min=0, max=1).min()) > 1800
+    flat = torch.zeros(VOCAB)
+    low, high = (run_seeded(SamplingParams(seed=seed), [], [flat] * 6) for seed in seeds[:2])
+    assert low != high
 
 
 def test_logprobs_are_raw_and_sorted() -> None:

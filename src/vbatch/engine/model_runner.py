@@ -28,7 +28,7 @@ from vbatch.engine.kv_cache import (
     select_kv_cache_dtype,
 )
 from vbatch.engine.sampler import Sampler, SamplerOutput
-from vbatch.engine.sampling_metadata import SamplingMetadata, free_generators
+from vbatch.engine.sampling_metadata import SamplingMetadata, SeededUniforms, free_generators
 from vbatch.engine.sequence import Sequence
 from vbatch.engine.steps import SchedulerOutput
 from vbatch.errors import ConfigError
@@ -181,7 +181,7 @@ class ModelRunner:
         self.kv_cache_bytes = self.num_kv_blocks * self.block_bytes
         self.sampler = Sampler()
         self.grammar_masks = GrammarMasks(model_config.vocab_size)
-        self.generators: dict[int, torch.Generator] = {}
+        self.generators: dict[int, SeededUniforms] = {}
         self._staging: dict[str, torch.Tensor] = {}
         self._gathered = GatheredBlockTables()
         # NOTE: a kept decode batch takes the sampled ids as a tensor, on its device: on CPU

@@ -85,13 +85,13 @@ class SamplingMetadata:
         seqs: list[Sequence],
         device: torch.device,
         vocab_size: int,
-        generators: dict[int, torch.Generator],
+        generators: dict[int, SeededUniforms],
         eos_token_ids: Collection[int] = (),
     ) -> SamplingMetadata:
         """Metadata for `seqs` in logits row order; draws this step's seeded uniforms.
 
-        `generators` (seq_id -> CPU generator) persists across steps; missing ones are created
-        from `seed + seq.index`. `eos_token_ids` are barred, with each row's stop_token_ids,
+        `generators` (seq_id -> its SeededUniforms) persists across steps; missing ones are
+        created from `seed + seq.index`. `eos_token_ids` are barred, with each row's stop_token_ids,
         until the row has min_tokens output tokens.
         """
         n = len(seqs)
@@ -144,9 +144,9 @@ class SamplingMetadata:
             if p.seed is not None:
                 gen = generators.get(seq.seq_id)
                 if gen is None:
-                    gen = torch.Generator().manual_seed((p.seed + seq.index) % 2**64)
+                    gen = SeededUniforms(p.seed + seq.index)
                     generators[seq.seq_id] = gen
-                uniforms[i] = torch.rand((), generator=gen)
+                uniforms[i] = gen.next()
         temperature, top_k, top_p, min_p = (list(values) for values in zip(*row_params))
 
         def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -197,7 +197,35 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return hosts
 
 
-def free_generators(generators: dict[int, torch.Generator], seq_ids: Iterable[int]) -> None:
+class SeededUniforms:
+    """A seeded sample's stream of uniforms in [0, 1), one a step, from all 64 bits of its seed
+    (torch's CPU generator keeps only the low 32: seeds 5 and 5 + 2**32 drew the same samples).
+
+    SplitMix64 (Steele, Lea and Flood, 2014) from the seed's own SplitMix64 mix, so nearby seeds
+    (a request's samples take seed + i) start far apart; each uniform is the top 24 bits of an
+    output, as many as a float32 holds."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, seed: int) -> None:
+        self._state = _mix64(seed % 2**64)
+
+    def next(self) -> float:
+        self._state = (self._state + _GOLDEN_GAMMA) & _MASK64
+        return (_mix64(self._state) >> 40) / 2**24
+
+
+_MASK64 = 2**64 - 1
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+
+
+def _mix64(z: int) -> int:
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def free_generators(generators: dict[int, SeededUniforms], seq_ids: Iterable[int]) -> None:
     """Forget the generators of finished sequences."""
     for seq_id in seq_ids:
         generators.pop(seq_id, None)
