@@ -539,6 +539,24 @@ def test_a_row_without_an_id_among_rows_with_ids_is_an_error_row_on_resume_too(
     assert all(rows[i]["error"] is None for i in (0, 1, 3))
 
 
+def test_status_of_a_shards_own_file_in_text_and_json(tmp_path: Path) -> None:
+    """cli.md: resume and status take a shard's file. Its manifest's shard record once reached
+    the printer as a struct (a traceback in both forms)."""
+    model = model_file(tmp_path)
+    input_path = write_input(tmp_path / "in.jsonl", 6)
+    done = run_vbatch(
+        tmp_path, *run_args(input_path, tmp_path / "out.jsonl", model), "--shard", "0/2"
+    )
+    assert done.returncode == 0, done.stderr
+    shard_file = tmp_path / "out.shard-0-of-2.jsonl"
+    text = run_vbatch(tmp_path, "status", str(shard_file))
+    assert text.returncode == 0 and "shard:       0/2" in text.stdout, text.stderr
+    as_json = run_vbatch(tmp_path, "status", str(shard_file), "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    info = orjson.loads(as_json.stdout)
+    assert info["shard"]["index"] == 0 and info["shard"]["count"] == 2
+
+
 # ---------------------------------------------------------------------------------------------
 # Anything unexpected
 

@@ -714,5 +714,5 @@ def _status(job_dir: Path, manifest: Manifest, state: JobState) -> dict[str, Any
         "sampling": manifest.sampling,
         "options": msgspec.to_builtins(manifest.options),
         "vbatch_version": manifest.vbatch_version,
-        "shard": manifest.shard,
+        "shard": msgspec.to_builtins(manifest.shard),
     }
