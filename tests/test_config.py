@@ -52,6 +52,10 @@ def test_the_defaults_validate_and_each_limit_accepts_its_boundary() -> None:
         ({"attention_backend": "flash"}, "attention_backend must be one of"),
         ({"quantization": "int4"}, "quantization must be one of"),
         ({"quantization": "int8", "device": "cuda"}, "int8 quantization runs on CPU only"),
+        ({"num_threads": 0}, "num_threads must be from 1 to"),
+        ({"num_threads": -1}, "num_threads must be from 1 to"),
+        ({"num_threads": 100_000}, "num_threads must be from 1 to .*got 100000"),
+        ({"seed": 2**70}, "seed must be a signed 64-bit integer"),
     ],
 )
 def test_invalid_settings_raise_config_error(values: dict[str, object], message: str) -> None:

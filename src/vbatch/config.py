@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -65,6 +66,10 @@ class CorePlacement:
 # full step (max_num_batched_tokens), never less than the heartbeat timeout; before any step was
 # measured, FIRST_STEP_FACTOR times the heartbeat timeout.
 IDLE_CPU_FRACTION = 0.05
+# NOTE: num_threads' ceiling: THREADS_PER_CPU a CPU, and never below MAX_THREADS (a Ray replica's
+# node may have more CPUs than the machine that checks its settings).
+THREADS_PER_CPU = 8
+MAX_THREADS = 256
 SLOW_STEP_FACTOR = 8.0
 FIRST_STEP_FACTOR = 10.0
 
@@ -173,6 +178,16 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.block_size:
             raise ConfigError("max_num_batched_tokens must be at least block_size")
+        if self.num_threads is not None:
+            most = max(MAX_THREADS, THREADS_PER_CPU * (os.cpu_count() or 1))
+            if not 1 <= self.num_threads <= most:
+                raise ConfigError(
+                    f"num_threads must be from 1 to {most} ({THREADS_PER_CPU} per CPU here; more "
+                    f"only slow a step down, and torch crashes at very large counts), got "
+                    f"{self.num_threads}"
+                )
+        if not -(2**63) <= self.seed < 2**63:
+            raise ConfigError(f"seed must be a signed 64-bit integer, got {self.seed}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
