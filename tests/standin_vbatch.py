@@ -7,6 +7,7 @@ a resumed job can be checked row by row. Environment knobs:
 - VBATCH_STANDIN_TEXT_CHARS: length of each text (default 64);
 - VBATCH_STANDIN_EXIT_AFTER=N: exit at once (os._exit, like a crash) before answering request N;
 - VBATCH_STANDIN_RAISE_AFTER=N: raise RuntimeError (an unexpected bug) before answering request N;
+- VBATCH_STANDIN_FAIL_START=MESSAGE: the engine fails to start with a ModelLoadError;
 - VBATCH_STANDIN_EDIT_AFTER=N with VBATCH_STANDIN_EDIT_PATH: before answering request N, append
   VBATCH_STANDIN_EDIT_APPEND to that file, or cut it to VBATCH_STANDIN_EDIT_SIZE bytes (a
   producer, or a user, changing the input while the job reads it).
@@ -34,8 +35,11 @@ def expected_text(prompt: str, num_chars: int) -> str:
 
 class StandInLLM:
     def __init__(self, model: Any, **kwargs: Any) -> None:
+        from vbatch.errors import ModelLoadError
         from vbatch.protocol import Ready
 
+        if "VBATCH_STANDIN_FAIL_START" in os.environ:
+            raise ModelLoadError(os.environ["VBATCH_STANDIN_FAIL_START"])
         self.engine_info = Ready(2048, 64, 16, "cpu", "float32", 100, 0, "torch", os.getpid())
         self.latest_stats = None
         self.num_chars = int(os.environ.get("VBATCH_STANDIN_TEXT_CHARS", "64"))

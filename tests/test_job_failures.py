@@ -557,6 +557,34 @@ def test_status_of_a_shards_own_file_in_text_and_json(tmp_path: Path) -> None:
     assert info["shard"]["index"] == 0 and info["shard"]["count"] == 2
 
 
+def test_an_engine_that_never_starts_leaves_no_job_to_resume_unless_rows_were_committed(
+    tmp_path: Path,
+) -> None:
+    """A resume of a job that never ran a row could only fail the same way (its settings are the
+    job's): the new job is dropped, and the same command, fixed, runs. A job with committed rows
+    is kept, with its resume command."""
+    model = model_file(tmp_path)
+    input_path = write_input(tmp_path / "in.jsonl", 20)
+    output = tmp_path / "out.jsonl"
+    args = run_args(input_path, output, model, "--commit-every-rows", "5")
+    failed = run_vbatch(tmp_path, *args, VBATCH_STANDIN_FAIL_START="the model is broken")
+    line = error_line(failed)
+    assert line == "error: the model is broken", line
+    assert "no row ran, so no job was kept: fix the cause and run the same command again" in (
+        failed.stderr
+    )
+    assert "Resume with" not in failed.stderr
+    assert not output.exists() and not (tmp_path / "out.jsonl.vbatch").exists()
+    crashed = run_vbatch(tmp_path, *args, VBATCH_STANDIN_EXIT_AFTER="12")
+    assert crashed.returncode == 9, crashed.stderr
+    kept = run_vbatch(tmp_path, "resume", str(output), "-q", VBATCH_STANDIN_FAIL_START="gone")
+    assert error_line(kept) == "error: gone"
+    assert "10 rows are committed. Resume with:" in kept.stderr
+    resumed = run_vbatch(tmp_path, "resume", str(output), "-q")
+    assert resumed.returncode == 0, resumed.stderr
+    assert_exactly_once(output, 20)
+
+
 # ---------------------------------------------------------------------------------------------
 # Anything unexpected
 

@@ -16,6 +16,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from vbatch.errors import InputError, ModelLoadError
+from vbatch.models.config import json_object
 
 # NOTE: the names the renderer itself passes; a template kwarg may not replace them.
 RENDER_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
@@ -204,7 +205,7 @@ class TextTokenizer:
         config: dict[str, Any] = {}
         if config_file.is_file():
             try:
-                config = json.loads(config_file.read_text(encoding="utf-8"))
+                config = json_object(config_file.read_text(encoding="utf-8"), config_file)
             except json.JSONDecodeError as exc:
                 raise ModelLoadError(f"cannot parse {config_file}: {exc}") from None
         special_tokens = {

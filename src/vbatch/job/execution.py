@@ -202,6 +202,8 @@ class JobExecution:
             try:
                 if len(self.journal.state.committed) < self.manifest.num_rows:
                     self._run_engine()
+            except EngineNeverReady:
+                raise
             except Exception as e:
                 raise self._resumable(e, output, commit=True) from e
             finally:
@@ -269,13 +271,11 @@ class JobExecution:
             f"{message}\n{hint}"
         )
 
-    def _run_engine(self) -> None:
-        self.metrics.set_state("loading model")
-        engine_args = dict(self.manifest.engine)
-        self.interruptible = not starts_briefly(self.options.ray)
-        self.stop.is_waiting = self.interruptible
+    def _open_engine_set(self, engine_args: dict[str, Any]) -> Any:
+        """The job's engine set, ready; a failure to start it, in a job that never committed a
+        row, is EngineNeverReady (the runner then drops a job that has nothing to resume)."""
         try:
-            llm = self.llm_factory(
+            return self.llm_factory(
                 self.manifest.model_to_load(),
                 ray=self.options.ray,
                 max_in_flight=self.options.max_in_flight,
@@ -285,6 +285,20 @@ class JobExecution:
                 should_stop=lambda: self.stop.is_stopping,
                 **engine_args,
             )
+        except (StopNow, StartupCancelled):
+            raise
+        except Exception as e:
+            if self.journal.state.num_records:
+                raise
+            raise EngineNeverReady(e) from e
+
+    def _run_engine(self) -> None:
+        self.metrics.set_state("loading model")
+        engine_args = dict(self.manifest.engine)
+        self.interruptible = not starts_briefly(self.options.ray)
+        self.stop.is_waiting = self.interruptible
+        try:
+            llm = self._open_engine_set(engine_args)
         except (StopNow, StartupCancelled):
             return
         finally:
@@ -487,6 +501,15 @@ class JobExecution:
             self.is_stop_shown = True
             self.metrics.set_state("draining")
             self.metrics.set_drain_deadline(self.stop.drain_deadline)
+
+
+class EngineNeverReady(VbatchError):
+    """The engine of a job that never committed a row failed to start (`cause`): a job with
+    nothing done and nothing to resume from."""
+
+    def __init__(self, cause: Exception) -> None:
+        self.cause = cause
+        super().__init__(str(cause) if isinstance(cause, VbatchError) else unexpected_error(cause))
 
 
 def _refused(result: Any) -> bool:

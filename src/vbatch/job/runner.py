@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import shlex
 import shutil
@@ -28,7 +29,7 @@ from vbatch.errors import (
     is_storage_failure,
     storage_error,
 )
-from vbatch.job.execution import JobExecution
+from vbatch.job.execution import EngineNeverReady, JobExecution
 from vbatch.job.finalize import finish_completion
 from vbatch.job.journal import JOURNAL_NAME, JobState, Journal, read_journal
 from vbatch.job.manifest import (
@@ -264,7 +265,9 @@ def _create_and_execute(
             shutil.rmtree(job_dir, ignore_errors=True)
         lock.release()
         raise
-    return _execute(output, job_dir, manifest, options, llm_factory, retry_errors=False, lock=lock)
+    return _execute(
+        output, job_dir, manifest, options, llm_factory, retry_errors=False, lock=lock, fresh=True
+    )
 
 
 def _prepare_job(
@@ -609,9 +612,10 @@ def _execute(
     *,
     retry_errors: bool,
     lock: JobLock,
+    fresh: bool = False,
 ) -> Outcome:
     """Run the job under its `lock` (released here); `output` is the path as the user wrote it
-    (for messages)."""
+    (for messages). A `fresh` job whose engine never started is removed (dropped_job)."""
     try:
         journal = Journal(job_dir)
         if journal.state.complete is None:
@@ -620,7 +624,13 @@ def _execute(
                     "retry", indices=journal.state.errors.ranges(), offset=journal.state.offset
                 )
             execution = JobExecution(job_dir, manifest, journal, options, llm_factory)
-            exit_code, message = execution.run(output)
+            try:
+                exit_code, message = execution.run(output)
+            except EngineNeverReady as e:
+                if not fresh:
+                    raise
+                journal.close()
+                raise dropped_job(e, job_dir, Path(manifest.output_path)) from e.cause
             shard = manifest.shard_spec
             if exit_code == 0 and shard is not None:
                 merged = shlex.quote(str(base_output(output, shard)))
@@ -642,6 +652,20 @@ def _execute(
     finally:
         lock.release()
     return Outcome(exit_code, message, status)
+
+
+def dropped_job(error: EngineNeverReady, job_dir: Path, output: Path) -> VbatchError:
+    """Remove a new job whose engine never started (its directory, and its output while still
+    empty), so that the same command, fixed, runs again; the error to show."""
+    shutil.rmtree(job_dir, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        if output.stat().st_size == 0:
+            output.unlink()
+    cause = error.cause
+    kind = type(cause) if isinstance(cause, VbatchError) else VbatchError
+    return kind(
+        f"{error}\nno row ran, so no job was kept: fix the cause and run the same command again"
+    )
 
 
 def _shard_record(shard: Shard, input_rows: int) -> ShardRecord:

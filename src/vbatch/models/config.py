@@ -37,7 +37,17 @@ def is_encoder_dir(path: str | Path) -> bool:
         raw = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return any(a in ENCODER_ARCHITECTURES for a in raw.get("architectures") or [])
+    return isinstance(raw, dict) and any(
+        a in ENCODER_ARCHITECTURES for a in raw.get("architectures") or []
+    )
+
+
+def json_object(text: str, path: Path) -> dict[str, Any]:
+    """The JSON object `text` (the contents of `path`); ModelLoadError for anything else."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -122,14 +132,14 @@ class ModelConfig:
         path = Path(path)
         config_path = path / "config.json"
         try:
-            raw = json.loads(config_path.read_text())
+            raw = json_object(config_path.read_text(), config_path)
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"cannot read model config {config_path}: {e}") from e
         generation: dict[str, Any] = {}
         generation_path = path / "generation_config.json"
         if generation_path.is_file():
             try:
-                generation = json.loads(generation_path.read_text())
+                generation = json_object(generation_path.read_text(), generation_path)
             except ValueError as e:
                 raise ModelLoadError(f"cannot parse {generation_path}: {e}") from e
         try:
