@@ -585,6 +585,24 @@ def test_an_engine_that_never_starts_leaves_no_job_to_resume_unless_rows_were_co
     assert_exactly_once(output, 20)
 
 
+def test_columns_first_seen_past_the_checked_rows_keep_and_identify(tmp_path: Path) -> None:
+    """--keep-all-columns takes a key that only row 150 has, and ids that start at row 130 fix
+    the id column: neither is a user's typo for the first-rows column check to refuse."""
+    model = model_file(tmp_path)
+    records: list[dict[str, Any]] = [{"prompt": f"prompt {i}"} for i in range(130)]
+    records += [{"id": f"r{i}", "prompt": f"prompt {i}"} for i in range(130, 160)]
+    records[150]["note"] = "late"
+    input_path = tmp_path / "in.jsonl"
+    input_path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    output = tmp_path / "out.jsonl"
+    proc = run_vbatch(tmp_path, *run_args(input_path, output, model, "--keep-all-columns"))
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["index"]: r for r in read_rows(output)}
+    assert len(rows) == 160 and rows[150]["note"] == "late" and rows[151]["note"] is None
+    assert rows[140]["id"] == "r140" and rows[140]["error"] is None
+    assert rows[0]["id"] is None and "the row has no 'id'" in rows[0]["error"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Anything unexpected
 

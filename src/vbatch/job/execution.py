@@ -77,7 +77,11 @@ class JobExecution:
         self.llm_factory = llm_factory or open_engine_set
         self.columns = manifest.options.columns
         self.defaults = SamplingParams.from_dict(manifest.sampling)
-        self.reader = InputReader(Path(manifest.input_path), manifest.input_format, self.columns)
+        # NOTE: the job's columns were checked against the input when it was created; these
+        # are resolved from the whole input (--keep-all-columns, a mixed id key).
+        self.reader = InputReader(
+            Path(manifest.input_path), manifest.input_format, self.columns, check_columns=False
+        )
         model = manifest.model
         lora_rows = manifest.lora_rows
         # NOTE: an OpenAI line may name an adapter as its body.model.

@@ -162,9 +162,18 @@ class RawRecord:
 
 class InputReader:
     """Streams one input file. Invariant: row `index` is the position among non-blank rows, the
-    same on every pass, so a journal of indices identifies rows across runs."""
+    same on every pass, so a journal of indices identifies rows across runs. With
+    `check_columns`, JSONL columns the options name must appear in the first rows (a user's
+    typo); a job's columns resolved from the whole input skip that."""
 
-    def __init__(self, path: Path, input_format: str | None, options: ColumnOptions) -> None:
+    def __init__(
+        self,
+        path: Path,
+        input_format: str | None,
+        options: ColumnOptions,
+        *,
+        check_columns: bool = True,
+    ) -> None:
         self.path = path
         if path.is_dir():
             raise InputError(
@@ -185,7 +194,8 @@ class InputReader:
             self._open_parquet()
         else:
             self._refuse_json_array()
-            self._check_jsonl_columns()
+            if check_columns:
+                self._check_jsonl_columns()
 
     @property
     def arrow_schema(self) -> Any:

@@ -456,7 +456,9 @@ def _start_shard_like(
 def _rescan_input(manifest: Manifest, shard: Shard | None) -> InputScan:
     """The id pre-pass over a job's input again, with the job's own columns and row settings."""
     columns = replace(manifest.options.columns, keep_all_columns=False)
-    reader = InputReader(Path(manifest.input_path), manifest.input_format, columns)
+    reader = InputReader(
+        Path(manifest.input_path), manifest.input_format, columns, check_columns=False
+    )
     parser = RowParser(
         columns,
         SamplingParams.from_dict(manifest.sampling),
