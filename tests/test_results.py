@@ -153,6 +153,9 @@ def test_parquet_values_stringify_stop_reason_and_ids() -> None:
     out = parquet_values(values, {"meta": {"k": 1}}, "str", True)
     assert out["id"] == "42" and out["stop_reason"] == "2" and out["meta"] == '{"k":1}'
     assert line_index(jsonl_bytes(values, None)) == 5
+    # NOTE: a JSONL null (or a missing key, read as None) is a Parquet null, not the text "null".
+    nothing = parquet_values(values, {"meta": None, "flag": False}, "str", True)
+    assert nothing["meta"] is None and nothing["flag"] == "false"
 
 
 def test_openai_custom_id_is_always_a_string() -> None:

@@ -511,5 +511,7 @@ def parquet_values(
         out["json"] = orjson.dumps(out["json"]).decode()
     if kept:
         for name, value in kept.items():
-            out[name] = orjson.dumps(value).decode() if json_kept else value
+            if json_kept and value is not None:
+                value = orjson.dumps(value).decode()
+            out[name] = value
     return out
