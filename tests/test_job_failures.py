@@ -603,6 +603,24 @@ def test_columns_first_seen_past_the_checked_rows_keep_and_identify(tmp_path: Pa
     assert rows[0]["id"] is None and "the row has no 'id'" in rows[0]["error"]
 
 
+@pytest.mark.parametrize("where", ["missing-dir", "a-directory"])
+def test_an_unwritable_metrics_file_is_refused_before_the_job_exists(
+    tmp_path: Path, where: str
+) -> None:
+    model = model_file(tmp_path)
+    input_path = write_input(tmp_path / "in.jsonl", 3)
+    output = tmp_path / "out.jsonl"
+    metrics = tmp_path / "nodir" / "m.json" if where == "missing-dir" else tmp_path
+    proc = run_vbatch(
+        tmp_path, *run_args(input_path, output, model, "--metrics-file", str(metrics))
+    )
+    problem = "which does not exist" if where == "missing-dir" else "it is a directory"
+    assert f"cannot write metrics file {metrics}: " in error_line(proc) and problem in proc.stderr
+    assert not output.exists() and not (tmp_path / "out.jsonl.vbatch").exists()
+    fixed = run_vbatch(tmp_path, *run_args(input_path, output, model))
+    assert fixed.returncode == 0, fixed.stderr
+
+
 # ---------------------------------------------------------------------------------------------
 # Anything unexpected
 

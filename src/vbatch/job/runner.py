@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import shlex
 import shutil
 import sys
@@ -129,7 +130,23 @@ def _refuse_clashes(
     }
     if metrics_file is not None:
         writes["the metrics file"] = metrics_file
+        _refuse_unwritable_metrics_file(metrics_file)
     refuse_clashing_paths(writes, {"the input file": input_path})
+
+
+def _refuse_unwritable_metrics_file(path: Path) -> None:
+    """Before a job exists: a metrics file that could not be written would fail it after."""
+    parent = path.parent
+    if path.is_dir():
+        problem = "is a directory"
+    elif not parent.is_dir():
+        state = "is not a directory" if parent.exists() else "does not exist"
+        problem = f"is in {parent}, which {state}"
+    elif not os.access(parent, os.W_OK):
+        problem = f"is in {parent}, which is not writable"
+    else:
+        return
+    raise InputError(f"cannot write metrics file {path}: it {problem}")
 
 
 def _remove_job(job_dir: Path, output: Path) -> None:
