@@ -303,3 +303,28 @@ def test_a_parquet_struct_field_left_null_is_absent(tmp_path: Path) -> None:
     assert (first.error, second.error) == (None, None)
     assert (first.sampling_params.max_tokens, first.sampling_params.temperature) == (4, 0.0)
     assert (second.sampling_params.max_tokens, second.sampling_params.temperature) == (8, 0.5)
+
+
+def test_a_nested_dictionary_column_over_row_groups_is_read_not_called_corrupt(
+    tmp_path: Path,
+) -> None:
+    """A list of dictionary strings (Polars' List(Categorical)) in two row groups: Arrow cannot
+    make one batch across them, which once read as a corrupt file."""
+    path = tmp_path / "in.parquet"
+    tags = pa.list_(pa.dictionary(pa.int32(), pa.string()))
+    with pq.ParquetWriter(path, pa.schema([("id", pa.int64()), ("prompt", pa.string()),
+                                           ("tags", tags)])) as writer:  # fmt: skip
+        for group in range(2):
+            writer.write_table(
+                pa.table(
+                    {
+                        "id": [2 * group, 2 * group + 1],
+                        "prompt": ["a", "b"],
+                        "tags": pa.array([[f"t{group}"], [f"u{group}"]], tags),
+                    }
+                )
+            )
+    columns = ColumnOptions(keep_columns=("tags",))
+    rows = list(InputReader(path, None, columns).rows(RowParser(columns, SamplingParams())))
+    assert [r.id for r in rows] == [0, 1, 2, 3] and all(r.error is None for r in rows)
+    assert [r.kept["tags"] for r in rows] == [["t0"], ["u0"], ["t1"], ["u1"]]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from decimal import Decimal
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -25,6 +25,19 @@ INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
 _EPOCH = dt.datetime(1970, 1, 1)
 _NANOS = 10**9
+
+
+def parquet_batches(
+    path: Any, batch_size: int, columns: list[str] | None = None
+) -> Iterator[pa.RecordBatch]:
+    """The record batches of Parquet file `path` (a path or an open pq.ParquetFile), one row
+    group at a time: across row groups, Arrow cannot build some nested columns (a list of
+    dictionary strings, as Polars writes List(Categorical)) as one batch."""
+    import pyarrow.parquet as pq
+
+    file = path if isinstance(path, pq.ParquetFile) else pq.ParquetFile(path)
+    for group in range(file.num_row_groups):
+        yield from file.iter_batches(batch_size=batch_size, row_groups=[group], columns=columns)
 
 
 def fits_int64(value: int) -> bool:

@@ -12,6 +12,7 @@ from typing import IO, TYPE_CHECKING, Any
 import numpy as np
 
 from vbatch.errors import StorageError, is_storage_failure, storage_error
+from vbatch.job.encoding import parquet_batches
 from vbatch.job.journal import JobState, Journal
 from vbatch.job.paths import fsync_dir, tmp_output_path
 from vbatch.job.results import line_index
@@ -254,9 +255,7 @@ class RowGroupSink:
 
 
 def _batches(path: Path, state: JobState, seq: int | None) -> Iterator[pa.RecordBatch]:
-    import pyarrow.parquet as pq
-
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS):
+    for batch in parquet_batches(path, BATCH_ROWS):
         if seq is not None and state.retries:
             indices = batch.column("index").to_numpy()
             batch = batch.filter(~_stale(state, indices, seq, None))

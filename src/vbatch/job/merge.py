@@ -17,6 +17,7 @@ import msgspec
 import numpy as np
 
 from vbatch.errors import JobStateError
+from vbatch.job.encoding import parquet_batches
 from vbatch.job.finalize import BATCH_ROWS, RowGroupSink, write_sorted_lines, write_sorted_parquet
 from vbatch.job.journal import JOURNAL_NAME, JobState, read_journal
 from vbatch.job.manifest import MANIFEST_NAME, Manifest
@@ -409,7 +410,7 @@ def _write_parquet(tmp: Path, jobs: list[ShardJob], work_dir: Path, *, ordered: 
             write_sorted_parquet(sink, schema, sources, JobState(), work_dir)
         else:
             for job in jobs:
-                for batch in pq.ParquetFile(job.output).iter_batches(batch_size=BATCH_ROWS):
+                for batch in parquet_batches(job.output, BATCH_ROWS):
                     sink.add(batch)
         sink.flush()
 
@@ -420,7 +421,7 @@ def _sorted_runs(job: ShardJob, work_dir: Path) -> list[tuple[Path, int | None]]
     import pyarrow.parquet as pq
 
     runs: list[tuple[Path, int | None]] = []
-    for number, batch in enumerate(pq.ParquetFile(job.output).iter_batches(batch_size=_RUN_ROWS)):
+    for number, batch in enumerate(parquet_batches(job.output, _RUN_ROWS)):
         table = pa.Table.from_batches([batch])
         path = work_dir / f"shard{job.shard.index}-run{number:06d}.parquet"
         pq.write_table(table.sort_by("index"), path)

@@ -18,7 +18,7 @@ import numpy as np
 import orjson
 
 from vbatch.errors import InputError
-from vbatch.job.encoding import batch_records, fits_int64
+from vbatch.job.encoding import batch_records, fits_int64, parquet_batches
 from vbatch.job.journal import IndexSet
 from vbatch.job.rows import ColumnOptions, InputRow, RowParser, is_openai_record
 from vbatch.job.shard import Shard
@@ -342,7 +342,7 @@ class InputReader:
         import pyarrow as pa
 
         start = 0
-        batches = self._parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=columns)
+        batches = parquet_batches(self._parquet, _PARQUET_BATCH_ROWS, columns)
         try:
             for batch in batches:
                 if limit is not None and start + batch.num_rows > limit:
