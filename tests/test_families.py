@@ -26,7 +26,7 @@ from vbatch.layers.activation import ACTIVATIONS
 from vbatch.layers.attention import AttentionBackend, TorchAttentionBackend
 from vbatch.layers.rotary import RotaryEmbedding
 from vbatch.models import families
-from vbatch.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from vbatch.models.config import MODEL_TYPES, SUPPORTED_ARCHITECTURES, ModelConfig
 from vbatch.models.llama import LlamaForCausalLM, load_model
 from vbatch.protocol import AddRequest, pack_token_ids
 from vbatch.sampling_params import SamplingParams
@@ -126,6 +126,18 @@ BASE = {
     "num_attention_heads": 4,
     "num_key_value_heads": 4,
 }
+
+
+@pytest.mark.parametrize("model_type", sorted(MODEL_TYPES))
+def test_a_config_without_architectures_is_read_by_its_model_type(model_type: str) -> None:
+    """As transformers' Auto classes read it; the model type names each supported family's
+    causal LM, each transformers' own name for the type."""
+    import transformers
+
+    assert transformers.AutoConfig.for_model(model_type).model_type == model_type
+    config = ModelConfig.from_dict({**BASE, "num_hidden_layers": 2, "model_type": model_type})
+    assert config.architecture == MODEL_TYPES[model_type]
+    assert set(MODEL_TYPES.values()) == set(SUPPORTED_ARCHITECTURES)
 
 
 def test_gemma3_hub_config_without_layer_types() -> None:

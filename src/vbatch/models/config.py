@@ -16,6 +16,19 @@ from vbatch.errors import ModelLoadError
 from vbatch.models import families, hf_defaults
 
 SUPPORTED_ARCHITECTURES = families.SUPPORTED_ARCHITECTURES
+# NOTE: a config.json's model_type (transformers' names) to its causal LM, for a config that
+# names no architectures.
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 SUPPORTED_ROPE_TYPES = families.SUPPORTED_ROPE_TYPES
 # NOTE: encoder-only models run by models/bert.py (XLM-RoBERTa and RoBERTa are BERT with
 # positions counted from the padding id + 1).
@@ -154,6 +167,9 @@ class ModelConfig:
         cls, raw: dict[str, Any], generation: dict[str, Any] | None = None
     ) -> ModelConfig:
         architectures = raw.get("architectures") or []
+        if not architectures and raw.get("model_type") in MODEL_TYPES:
+            # NOTE: as transformers' Auto classes: the model type names the causal LM.
+            architectures = [MODEL_TYPES[raw["model_type"]]]
         architecture, head = next(
             (found for a in architectures if (found := _decoder_architecture(a)) is not None),
             (None, "lm"),
@@ -233,6 +249,8 @@ def declared_head(model_path: Path) -> str:
     try:
         raw = json.loads((model_path / "config.json").read_text())
         names = list(raw.get("architectures") or [])
+        if not names and raw.get("model_type") in MODEL_TYPES:
+            names = [MODEL_TYPES[raw["model_type"]]]
     except (OSError, ValueError, AttributeError, TypeError):
         return "lm"
     for name in names:
