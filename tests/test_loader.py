@@ -155,6 +155,23 @@ def test_unsupported_architecture(tmp_path: Path, tiny_model_dir: Path) -> None:
         load_model(model_dir, torch.device("cpu"), torch.float32, TorchAttentionBackend())
 
 
+def test_a_config_with_more_kv_heads_than_the_weights_names_the_short_tensor(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The weights are all there, but k/v have fewer rows than num_key_value_heads implies:
+    the fused projection comes up short, which once read as weights missing."""
+    model_dir = tmp_path / "more-kv-heads"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    assert config["num_key_value_heads"] < heads
+    config["num_key_value_heads"] = heads
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"qkv_proj.weight got \d+ of the \d+ values") as info:
+        load_model(model_dir, torch.device("cpu"), torch.float32, TorchAttentionBackend())
+    assert "num_key_value_heads" in str(info.value) and "lacks weights" not in str(info.value)
+
+
 def test_hf_dir_resolves_as_is(tiny_model_dir: Path) -> None:
     resolved = resolve_model(tiny_model_dir)
     assert resolved.hf_dir == tiny_model_dir

@@ -648,7 +648,17 @@ def load_model(
             params[name].data = fused_from_store(store, name, params[name].data, parts)
     missing = [name for name, param in params.items() if num_loaded[name] != param.numel()]
     if missing:
-        raise ModelLoadError(f"model in {hf_dir} lacks weights for {', '.join(missing[:5])}")
+        source = model.local_path if isinstance(model, ResolvedModel) else hf_dir
+        short = [name for name in missing if num_loaded[name]]
+        if short:
+            name = short[0]
+            raise ModelLoadError(
+                f"model in {source}: {name} got {num_loaded[name]} of the "
+                f"{params[name].numel()} values its config implies from the checkpoint's "
+                "tensors; a tensor is smaller than config.json says (num_key_value_heads, "
+                "head_dim, intermediate_size?)"
+            )
+        raise ModelLoadError(f"model in {source} lacks weights for {', '.join(missing[:5])}")
     if quantization is not None:
         # NOTE: the MoE router stays float32: a rounding there changes which experts run.
         llm.quantization_choice = quantize_linears(
