@@ -31,6 +31,11 @@ class EngineStartupError(VbatchError):
     """The engine-core process failed before it reported READY."""
 
 
+class SettledStartupError(EngineStartupError):
+    """The engine core refused to start for a reason that starting it again with the same
+    settings would repeat: a model it cannot load, settings it refuses."""
+
+
 class EngineDeadError(VbatchError):
     """The engine-core process died while the client still needed it."""
 

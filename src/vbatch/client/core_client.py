@@ -33,7 +33,7 @@ from vbatch.config import (
 )
 from vbatch.engine.openmp_waits import openmp_waits
 from vbatch.engine.preload import adopt_preloaded, main_module_hidden, spawn_context
-from vbatch.errors import EngineDeadError, EngineStartupError, VbatchError
+from vbatch.errors import EngineDeadError, EngineStartupError, SettledStartupError, VbatchError
 from vbatch.protocol import (
     Abort,
     AddRequest,
@@ -320,7 +320,8 @@ class _Connection:
             elif isinstance(item, Ready):
                 return item
             elif isinstance(item, StartupFailed):
-                raise EngineStartupError(f"the engine core failed to start: {item.message}")
+                kind = SettledStartupError if item.kind else EngineStartupError
+                raise kind(f"the engine core failed to start: {item.message}")
             elif isinstance(item, BaseException):
                 raise EngineStartupError(f"{item} before it was ready.") from None
 

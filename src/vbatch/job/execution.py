@@ -12,7 +12,10 @@ from typing import Any
 from vbatch.engine_sets.base import EngineSet, StartupCancelled
 from vbatch.engine_sets.factory import open_engine_set, starts_briefly
 from vbatch.errors import (
+    ConfigError,
     InputError,
+    ModelLoadError,
+    SettledStartupError,
     VbatchError,
     is_storage_failure,
     storage_error,
@@ -276,8 +279,9 @@ class JobExecution:
         )
 
     def _open_engine_set(self, engine_args: dict[str, Any]) -> Any:
-        """The job's engine set, ready; a failure to start it, in a job that never committed a
-        row, is EngineNeverReady (the runner then drops a job that has nothing to resume)."""
+        """The job's engine set, ready. A settled failure to start it (a model that cannot load,
+        settings refused), in a job that never committed a row, is EngineNeverReady: the runner
+        then drops a job that a resume could only fail again."""
         try:
             return self.llm_factory(
                 self.manifest.model_to_load(),
@@ -291,7 +295,7 @@ class JobExecution:
             )
         except (StopNow, StartupCancelled):
             raise
-        except Exception as e:
+        except (ModelLoadError, ConfigError, SettledStartupError) as e:
             if self.journal.state.num_records:
                 raise
             raise EngineNeverReady(e) from e
@@ -508,8 +512,8 @@ class JobExecution:
 
 
 class EngineNeverReady(VbatchError):
-    """The engine of a job that never committed a row failed to start (`cause`): a job with
-    nothing done and nothing to resume from."""
+    """The engine of a job that never committed a row failed to start (`cause`) for a settled
+    reason: a job with nothing done that a resume would fail again."""
 
     def __init__(self, cause: Exception) -> None:
         self.cause = cause

@@ -130,8 +130,9 @@ def _refuse_clashes(
     }
     if metrics_file is not None:
         writes["the metrics file"] = metrics_file
-        _refuse_unwritable_metrics_file(metrics_file)
     refuse_clashing_paths(writes, {"the input file": input_path})
+    if metrics_file is not None:
+        _refuse_unwritable_metrics_file(metrics_file)
 
 
 def _refuse_unwritable_metrics_file(path: Path) -> None:
