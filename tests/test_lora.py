@@ -298,6 +298,20 @@ def test_read_adapter_config(lora_models: dict) -> None:
         read_adapter_config("a1", root / "a1", 4)
 
 
+def test_target_modules_as_dotted_paths_name_their_last_part(tmp_path: Path) -> None:
+    """PEFT writes "all-linear" out as full module paths, and matches a list entry by its
+    suffix: "model.layers.0.self_attn.q_proj" is a q_proj."""
+    base = {"r": 4, "lora_alpha": 8, "peft_type": "LORA"}
+    paths = [f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn.q_proj", "mlp.up_proj")]
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**base, "target_modules": paths}))
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    assert read_adapter_config("x", tmp_path, 64).rank == 4
+    router = {**base, "target_modules": ["self_attn.q_proj", "model.layers.0.mlp.router"]}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(router))
+    with pytest.raises(LoraError, match=r"targets model\.layers\.0\.mlp\.router; vbatch"):
+        read_adapter_config("x", tmp_path, 64)
+
+
 @pytest.fixture(scope="module")
 def text_lora_model(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory

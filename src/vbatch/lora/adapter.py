@@ -87,7 +87,11 @@ def read_adapter_config(name: str, path: str | Path, max_lora_rank: int) -> Adap
         raise fail("fan_in_fan_out adapters (Conv1D layers) are not supported")
     targets = raw.get("target_modules")
     if isinstance(targets, list):
-        unknown = sorted(set(targets) - SUPPORTED_MODULES)
+        # NOTE: as PEFT matches them: a dotted path ("model.layers.0.self_attn.q_proj", as
+        # PEFT writes "all-linear" out) names the module of its last part.
+        unknown = sorted(
+            t for t in set(targets) if str(t).rpartition(".")[2] not in SUPPORTED_MODULES
+        )
         if unknown:
             raise fail(
                 f"targets {', '.join(unknown)}; vbatch applies adapters to "
