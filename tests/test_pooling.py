@@ -4,6 +4,7 @@ chunked prefill and the prefix cache; the error rows."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from benchmarks.tiny_pooling import write_tiny_classifier, write_tiny_embedder
 from vbatch import LLM
 from vbatch.client.outputs import Request
 from vbatch.client.pooling_outputs import perplexity_of
+from vbatch.llm_pooling import CROSS_ENCODER
 from vbatch.models.loader import ResolvedModel
 from vbatch.pooling_params import PoolingParams, PoolingTask
 from vbatch.sampling_params import SamplingParams
@@ -76,6 +78,10 @@ def test_classifier_logits_match_transformers(classifier: tuple[Any, Path]) -> N
     with LLM(str(path), **ENGINE) as llm:
         outs = llm.classify(TEXTS)
         rewards = llm.reward(TEXTS[:1])
+        # NOTE: a cross-encoder scores a pair with its head; a cosine of embeddings would not.
+        scored = llm.score("query", TEXTS[:2], use_tqdm=False)
+    assert [s.error for s in scored] == [CROSS_ENCODER] * 2
+    assert all(math.isnan(s.outputs.score) for s in scored)
     for out in outs:
         with torch.no_grad():
             want = model(torch.tensor([out.prompt_token_ids])).logits[0].numpy()

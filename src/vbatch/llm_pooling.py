@@ -26,7 +26,7 @@ from vbatch.client.pooling_outputs import (
 )
 from vbatch.client.prompts import to_request
 from vbatch.errors import VbatchError
-from vbatch.models.config import read_id2label
+from vbatch.models.config import declared_head, read_id2label
 from vbatch.pooling_params import PoolingParams, PoolingTask
 from vbatch.protocol import AddRequest, pack_token_ids
 from vbatch.sampling_params import SamplingParams
@@ -39,6 +39,11 @@ if TYPE_CHECKING:
 # is what data-parallel placement counts it for besides its prompt.
 _PREFILL_ONLY = SamplingParams(max_tokens=1)
 PromptInput = str | list[str] | Request
+CROSS_ENCODER = (
+    "score with a classifier (cross-encoder) model is not supported: vbatch scores the cosine of "
+    "two embeddings, which would leave this model's classifier head out; score with an "
+    "embedding model, or classify the pairs"
+)
 
 
 class PoolingMethods:
@@ -154,13 +159,19 @@ class PoolingMethods:
         pooling_params: PoolingParams | None = None,
     ) -> list[ScoringRequestOutput]:
         """Cosine similarity of the embeddings of text_1 and text_2 pairwise (one text_1 against
-        every text_2), as vLLM scores with an embedding model."""
+        every text_2), as vLLM scores with an embedding model. A classifier (cross-encoder) model
+        gets error outputs: its head scores a pair, which this cosine would leave out."""
         firsts = [text_1] if isinstance(text_1, str) else list(text_1)
         seconds = [text_2] if isinstance(text_2, str) else list(text_2)
         if len(firsts) == 1:
             firsts = firsts * len(seconds)
         if len(firsts) != len(seconds):
             raise VbatchError(f"score: {len(firsts)} text_1 against {len(seconds)} text_2")
+        if declared_head(self.model.local_path) == "score":
+            return [
+                ScoringRequestOutput(str(i), ScoringOutput(float("nan")), [], error=CROSS_ENCODER)
+                for i in range(len(firsts))
+            ]
         outs = self.embed(
             [Request(prompt=[a, b]) for a, b in zip(firsts, seconds, strict=True)],
             normalize=True,
