@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import wait_gone
 
 from vbatch import LLM, SamplingParams
 from vbatch.errors import EngineDeadError, ModelLoadError, VbatchError
@@ -291,3 +292,80 @@ def test_a_tokenizer_that_fails_to_load_stops_the_core_started_beside_it(
     with pytest.raises(VbatchError):
         LLM(str(model_dir), device="cpu", num_threads=1, attention_backend="torch")
     assert cores() <= before
+
+
+def test_a_multiprocessing_child_holding_an_llm_exits_and_stops_its_core(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A multiprocessing child skips atexit, and its exit hook joins its children without a
+    timeout (the core ignores SIGTERM): it hung with an LLM still held in a global."""
+    script = tmp_path / "child.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import multiprocessing, sys
+            from vbatch import LLM, SamplingParams
+            KEPT = []
+
+            def work() -> None:
+                llm = LLM({str(tiny_model_dir)!r}, device="cpu", num_kv_blocks=64)
+                KEPT.append(llm)
+                out = llm.generate(["hello"], SamplingParams(max_tokens=2, ignore_eos=True))
+                print("core", llm.engine_info.pid, len(out[0].outputs[0].token_ids), flush=True)
+
+            if __name__ == "__main__":
+                child = multiprocessing.get_context(sys.argv[1]).Process(target=work)
+                child.start()
+                child.join(60)
+                print("alive", child.is_alive(), "exit", child.exitcode, flush=True)
+                if child.is_alive():
+                    child.kill()
+            """
+        )
+    )
+    for method in ("spawn", "fork"):
+        result = subprocess.run(
+            [sys.executable, str(script), method], capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode == 0, result.stderr
+        assert "alive False exit 0" in result.stdout, (method, result.stdout, result.stderr)
+        core = int(result.stdout.split("core ")[1].split()[0])
+        assert wait_gone(core, 10.0), f"{method}: core {core} outlived its child"
+
+
+def test_kept_results_do_not_keep_the_llm_and_its_core(tiny_model_dir: Path) -> None:
+    import gc
+
+    llm = LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=64)
+    core = llm.engine_info.pid
+    params = SamplingParams(max_tokens=2, ignore_eos=True, logprobs=1)
+    results = llm.generate(["hello"], params, use_tqdm=False)
+    del llm
+    gc.collect()
+    assert wait_gone(core, 10.0), "a kept result held the LLM"
+    assert results[0].outputs[0].logprobs is not None
+
+
+def test_stream_takes_one_prompt_as_one_and_waits_on_a_feed_without_spinning(
+    llm: LLM,
+) -> None:
+    (one,) = list(llm.stream("hello", SamplingParams(max_tokens=2, ignore_eos=True)))
+    assert one.prompt == "hello"
+    deadline = time.monotonic() + 1.0
+
+    def feed() -> Iterator[str | None]:
+        while time.monotonic() < deadline:
+            yield None
+        yield "hi"
+
+    start = time.process_time()
+    (out,) = list(llm.stream(feed(), SamplingParams(max_tokens=2, ignore_eos=True)))
+    # NOTE: 1 s of a feed with nothing ready: once this was 1 s of CPU polling it.
+    assert out.prompt == "hi" and time.process_time() - start < 0.5
+
+
+def test_what_vllm_has_and_vbatch_does_not_is_named(llm: LLM) -> None:
+    with pytest.raises(NotImplementedError, match="vbatch has no beam search: sample several"):
+        llm.beam_search(["a"], None)
+    with pytest.raises(AttributeError, match="vbatch has no llm_engine"):
+        _ = llm.llm_engine

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 
@@ -119,6 +120,9 @@ def _check_main_guard() -> None:
         frame = frame.f_back
 
 
+FEED_POLL_S = 0.01
+
+
 class _LocalStream:
     """`StreamEngine` over this process's core client: inputs tokenized in batches of
     TOKENIZE_BATCH, at most `max_in_flight` requests in the core. An input of None means that
@@ -138,14 +142,17 @@ class _LocalStream:
         self.live = live
         self.ready: list[tuple[int, RequestOutput]] = []
         self.is_exhausted = False
+        self.is_feed_waiting = False
 
     def fill(self) -> bool:
         room = self.llm.max_in_flight - len(self.live)
+        self.is_feed_waiting = False
         if not self.is_exhausted and room > 0:
             wanted = min(room, TOKENIZE_BATCH)
             batch = []
             for item in itertools.islice(self.source, wanted):
                 if item is None:
+                    self.is_feed_waiting = True
                     break
                 batch.append((self.num_taken, item))
                 self.num_taken += 1
@@ -162,7 +169,11 @@ class _LocalStream:
         return not self.live
 
     def wait_limit(self, is_more: bool) -> float | None:
-        return 0.0 if is_more and len(self.live) < self.llm.max_in_flight else None
+        if not is_more or len(self.live) >= self.llm.max_in_flight:
+            return None
+        # NOTE: a feed with nothing ready is asked again after a short wait for outputs, not
+        # at once in a loop that would take a whole CPU from the engine.
+        return FEED_POLL_S if self.is_feed_waiting else 0.0
 
     def wait(self, timeout: float | None) -> None:
         self.llm._collect(self.llm._client.get_outputs(timeout=timeout), self.live, self.ready)
@@ -278,6 +289,22 @@ class LLM(PoolingMethods):
         """A fresh copy of the defaults `generate` and `chat` use when given no params: the
         model's generation_config.json values (as vLLM), else SamplingParams()'s."""
         return self.default_sampling_params.clone()
+
+    def beam_search(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """vLLM's beam search, which vbatch does not have: raises, naming what it has."""
+        raise NotImplementedError(
+            "vbatch has no beam search: sample several with SamplingParams(n=..., seed=...) and "
+            "keep the best by cumulative_logprob (logprobs=0), or decode greedily "
+            "(temperature=0)"
+        )
+
+    @property
+    def llm_engine(self) -> NoReturn:
+        """vLLM's engine object, which vbatch does not expose: raises, naming what it has."""
+        raise AttributeError(
+            "vbatch has no llm_engine: its engine runs in a subprocess; use get_tokenizer(), "
+            "get_default_sampling_params() and get_stats() on the LLM itself"
+        )
 
     def get_tokenizer(self) -> HFTokenizer:
         """The model's tokenizer, with transformers' `encode`/`decode`/`apply_chat_template`."""
@@ -399,7 +426,10 @@ class LLM(PoolingMethods):
         yielded as outputs with `.error` set. `on_output` runs on its own thread. With `idle_s`,
         None is also yielded each time `idle_s` seconds pass without a finished request, so the
         caller can do periodic work (a job commits) while slow requests run or the engine stalls.
+        A single prompt (a string, a Request, a dict) is one input, as `generate` takes it.
         """
+        if isinstance(inputs, (str, Request, Mapping)):
+            inputs = [inputs]
         inner = self._stream(inputs, sampling_params, on_output, idle_s)
         try:
             for _, out in inner:
@@ -493,7 +523,7 @@ class LLM(PoolingMethods):
                 num_core_live=params.n,
                 structured=params.structured is not None,
                 reasoning_parser=self.reasoning_parser,
-                decode_token=self._decode_token,
+                decode_token=functools.partial(decode_one, self.tokenizer),
             )
             adds.append(AddRequest(rid, pack_token_ids(prompt_ids), params, time.time(), lora=lora))
         if adds:
@@ -524,9 +554,6 @@ class LLM(PoolingMethods):
         if truncate_prompt_tokens == -1:
             return self.engine_info.max_model_len
         return truncate_prompt_tokens
-
-    def _decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _tokenize(self, requests: list[Request]) -> list[tuple[list[int] | str, str | None]]:
         """Prompt token ids per request, or an error message, with a chat's rendered text; one
@@ -681,3 +708,9 @@ class _CallbackThread:
                     self._fn(out)
                 except BaseException as e:
                     self._error = e
+
+
+def decode_one(tokenizer: Any, token_id: int) -> str:
+    """One token's text, special tokens kept. An output's logprobs decode through it, holding the
+    tokenizer alone: a kept result must not keep its LLM (and engine core) alive."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)

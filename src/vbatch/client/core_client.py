@@ -239,6 +239,7 @@ class _Connection:
         self.stopping = threading.Event()
         self.dead: VbatchError | None = None
         self.closed = False
+        self._exit_finalizer: multiprocessing.util.Finalize | None = None
         self._close_lock = threading.Lock()
         self.shutdown_timeout = 5.0
         self.calls: dict[int, Future[SchedulerStats]] = {}
@@ -260,6 +261,9 @@ class _Connection:
         # before it: that hook SIGTERMs and joins daemonic children, and the core ignores
         # SIGTERM.
         atexit.register(self.close)
+        # NOTE: a multiprocessing child skips atexit and ends in that same hook, which would
+        # join the core forever: a finalizer it runs first stops the core there too.
+        self._exit_finalizer = multiprocessing.util.Finalize(None, self.close, exitpriority=10)
 
     def check_alive(self) -> None:
         if self.dead is not None:
@@ -283,6 +287,8 @@ class _Connection:
                 return
             self.closed = True
         atexit.unregister(self.close)
+        if self._exit_finalizer is not None:
+            self._exit_finalizer.cancel()
         self.shutdown_timeout = timeout
         self.stopping.set()
         self.wake()
