@@ -603,19 +603,29 @@ def test_columns_first_seen_past_the_checked_rows_keep_and_identify(tmp_path: Pa
     assert rows[0]["id"] is None and "the row has no 'id'" in rows[0]["error"]
 
 
-@pytest.mark.parametrize("where", ["missing-dir", "a-directory"])
-def test_an_unwritable_metrics_file_is_refused_before_the_job_exists(
+@pytest.mark.parametrize("where", ["new-dir", "a-directory", "below-a-file"])
+def test_a_metrics_file_is_checked_and_its_directory_made_before_the_job_exists(
     tmp_path: Path, where: str
 ) -> None:
+    """As for the output; a metrics file that could not be written failed the job after it was
+    created, stranding it."""
     model = model_file(tmp_path)
     input_path = write_input(tmp_path / "in.jsonl", 3)
     output = tmp_path / "out.jsonl"
-    metrics = tmp_path / "nodir" / "m.json" if where == "missing-dir" else tmp_path
+    metrics = {
+        "new-dir": tmp_path / "new" / "m.json",
+        "a-directory": tmp_path,
+        "below-a-file": input_path / "m.json",
+    }[where]
     proc = run_vbatch(
         tmp_path, *run_args(input_path, output, model, "--metrics-file", str(metrics))
     )
-    problem = "which does not exist" if where == "missing-dir" else "it is a directory"
-    assert f"cannot write metrics file {metrics}: " in error_line(proc) and problem in proc.stderr
+    if where == "new-dir":
+        assert proc.returncode == 0, proc.stderr
+        assert orjson.loads(metrics.read_bytes())
+        return
+    problem = "it is a directory" if where == "a-directory" else f"{input_path} is a file"
+    assert f"cannot write metrics file {metrics}: {problem}" in error_line(proc), proc.stderr
     assert not output.exists() and not (tmp_path / "out.jsonl.vbatch").exists()
     fixed = run_vbatch(tmp_path, *run_args(input_path, output, model))
     assert fixed.returncode == 0, fixed.stderr

@@ -132,22 +132,17 @@ def _refuse_clashes(
         writes["the metrics file"] = metrics_file
     refuse_clashing_paths(writes, {"the input file": input_path})
     if metrics_file is not None:
-        _refuse_unwritable_metrics_file(metrics_file)
+        _make_metrics_dir(metrics_file)
 
 
-def _refuse_unwritable_metrics_file(path: Path) -> None:
-    """Before a job exists: a metrics file that could not be written would fail it after."""
-    parent = path.parent
+def _make_metrics_dir(path: Path) -> None:
+    """Before a job exists, as for the output: create the metrics file's directory, refusing a
+    path it could not be written at (a directory, below a file, an unwritable directory)."""
     if path.is_dir():
-        problem = "is a directory"
-    elif not parent.is_dir():
-        state = "is not a directory" if parent.exists() else "does not exist"
-        problem = f"is in {parent}, which {state}"
-    elif not os.access(parent, os.W_OK):
-        problem = f"is in {parent}, which is not writable"
-    else:
-        return
-    raise InputError(f"cannot write metrics file {path}: it {problem}")
+        raise InputError(f"cannot write metrics file {path}: it is a directory")
+    _make_dir_for(path, "metrics file")
+    if not os.access(path.parent, os.W_OK):
+        raise InputError(f"cannot write metrics file {path}: {path.parent} is not writable")
 
 
 def _remove_job(job_dir: Path, output: Path) -> None:
@@ -201,7 +196,7 @@ def start_job(
     if options.ray is not None:
         require_ray()
     _refuse_clashes(spec.input_path, output, job_dir, options.metrics_file)
-    _make_output_dir(output)
+    _make_dir_for(output)
     lock = JobLock(job_dir, create=True)
     core = None
     if llm_factory is None and options.ray is None and options.data_parallel_size == 1:
@@ -543,15 +538,16 @@ def _adopt_moved_output(output: Path, job_dir: Path, manifest: Manifest) -> None
     manifest.save(job_dir)
 
 
-def _make_output_dir(output: Path) -> None:
-    """Create the output's directory, refusing a path below a file (`out.jsonl/x.jsonl`)."""
-    blocking = next((p for p in output.parents if p.exists() and not p.is_dir()), None)
+def _make_dir_for(path: Path, what: str = "") -> None:
+    """Create `path`'s directory, refusing a path below a file (`out.jsonl/x.jsonl`)."""
+    blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
-        raise InputError(f"cannot write {output}: {blocking} is a file, not a directory")
+        name = f"{what} {path}" if what else str(path)
+        raise InputError(f"cannot write {name}: {blocking} is a file, not a directory")
     try:
-        output.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise storage_error(e, output.parent, "then run the job again") from e
+        raise storage_error(e, path.parent, "then run the job again") from e
 
 
 def _refuse_lost_rows(job_dir: Path, manifest: Manifest, output: Path, num_rows: int) -> None:
