@@ -40,7 +40,7 @@ GRAMMAR_WAIT_S = 0.05
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 DEAD_END = (
     "no token satisfies the structured-output constraint together with this request's "
-    "allowed_token_ids, bad_words, logit_bias or min_tokens: generation cannot go on"
+    "allowed_token_ids, bad_words or logit_bias: generation cannot go on"
 )
 # NOTE: test-only fault injection (no real way exists to fail a step or wedge the loop once
 # requests are validated): "raise:<token id>", "fatal:<token id>", "sleep:<token id>:<s>" or

@@ -419,7 +419,7 @@ class StepMask:
     def accept(self, token_ids: list[int]) -> None:
         """Advance each constrained row's matcher by its sampled token. A row whose token its
         grammar forbids had every token masked (the grammar's together with the request's
-        allowed_token_ids, bans or min_tokens): its seq goes to `dead_ends`, for the caller to
+        allowed_token_ids or bans): its seq goes to `dead_ends`, for the caller to
         end; a forbidden token anywhere else is a bug, and raises."""
         for row, seq in zip(self.rows, self.seqs, strict=True):
             token = token_ids[row]
