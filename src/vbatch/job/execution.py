@@ -293,8 +293,6 @@ class JobExecution:
                 should_stop=lambda: self.stop.is_stopping,
                 **engine_args,
             )
-        except (StopNow, StartupCancelled):
-            raise
         except (ModelLoadError, ConfigError, SettledStartupError) as e:
             if self.journal.state.num_records:
                 raise
@@ -515,9 +513,9 @@ class EngineNeverReady(VbatchError):
     """The engine of a job that never committed a row failed to start (`cause`) for a settled
     reason: a job with nothing done that a resume would fail again."""
 
-    def __init__(self, cause: Exception) -> None:
+    def __init__(self, cause: VbatchError) -> None:
         self.cause = cause
-        super().__init__(str(cause) if isinstance(cause, VbatchError) else unexpected_error(cause))
+        super().__init__(str(cause))
 
 
 def _refused(result: Any) -> bool:

@@ -677,9 +677,7 @@ def dropped_job(error: EngineNeverReady, job_dir: Path, output: Path) -> VbatchE
     with contextlib.suppress(OSError):
         if output.stat().st_size == 0:
             output.unlink()
-    cause = error.cause
-    kind = type(cause) if isinstance(cause, VbatchError) else VbatchError
-    return kind(
+    return type(error.cause)(
         f"{error}\nno row ran, so no job was kept: fix the cause and run the same command again"
     )
 
