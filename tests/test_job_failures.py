@@ -575,7 +575,13 @@ def test_an_engine_that_never_starts_leaves_no_job_to_resume_unless_rows_were_co
     )
     assert "Resume with" not in failed.stderr
     assert not output.exists() and not (tmp_path / "out.jsonl.vbatch").exists()
-    crashed = run_vbatch(tmp_path, *args, VBATCH_STANDIN_EXIT_AFTER="12")
+    # NOTE: a job that exists keeps its resume command, committed rows or not.
+    never = run_vbatch(tmp_path, *args, VBATCH_STANDIN_EXIT_AFTER="0")
+    assert never.returncode == 9, never.stderr
+    again = run_vbatch(tmp_path, "resume", str(output), "-q", VBATCH_STANDIN_FAIL_START="still")
+    assert error_line(again) == "error: still"
+    assert "0 rows are committed. Resume with:" in again.stderr
+    crashed = run_vbatch(tmp_path, *args, "--overwrite", VBATCH_STANDIN_EXIT_AFTER="12")
     assert crashed.returncode == 9, crashed.stderr
     kept = run_vbatch(tmp_path, "resume", str(output), "-q", VBATCH_STANDIN_FAIL_START="gone")
     assert error_line(kept) == "error: gone"

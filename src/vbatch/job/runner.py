@@ -643,9 +643,10 @@ def _execute(
             try:
                 exit_code, message = execution.run(output)
             except EngineNeverReady as e:
-                if not fresh:
-                    raise
                 journal.close()
+                if not fresh:
+                    hint = f"0 rows are committed. Resume with: {resume_command(output)}"
+                    raise type(e.cause)(f"{e}\n{hint}") from e.cause
                 raise dropped_job(e, job_dir, Path(manifest.output_path)) from e.cause
             shard = manifest.shard_spec
             if exit_code == 0 and shard is not None:
