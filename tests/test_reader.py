@@ -328,3 +328,19 @@ def test_a_nested_dictionary_column_over_row_groups_is_read_not_called_corrupt(
     rows = list(InputReader(path, None, columns).rows(RowParser(columns, SamplingParams())))
     assert [r.id for r in rows] == [0, 1, 2, 3] and all(r.error is None for r in rows)
     assert [r.kept["tags"] for r in rows] == [["t0"], ["u0"], ["t1"], ["u1"]]
+
+
+def test_a_limit_reads_only_the_rows_a_job_counted(tmp_path: Path) -> None:
+    """Rows past the job's count (appended while it runs) are not its rows, in either format."""
+    table = pa.table({"id": list(range(10)), "prompt": [f"p{i}" for i in range(10)]})
+    parquet = tmp_path / "in.parquet"
+    pq.write_table(table, parquet, row_group_size=3)
+    jsonl = write_jsonl(
+        tmp_path / "in.jsonl", [orjson.dumps(r).decode() for r in table.to_pylist()]
+    )
+    for path in (parquet, jsonl):
+        reader = InputReader(path, None, ColumnOptions())
+        assert [r.id for r in reader.rows(PARSER, limit=4)] == [0, 1, 2, 3]
+        done = IndexSet()
+        done.add_ranges([[1, 3]])
+        assert [r.id for r in reader.rows(PARSER, done, limit=5)] == [0, 3, 4]

@@ -345,8 +345,10 @@ class InputReader:
         batches = parquet_batches(self._parquet, _PARQUET_BATCH_ROWS, columns)
         try:
             for batch in batches:
+                if limit is not None and start >= limit:
+                    break
                 if limit is not None and start + batch.num_rows > limit:
-                    batch = batch.slice(0, max(0, limit - start))
+                    batch = batch.slice(0, limit - start)
                 indices = np.arange(start, start + batch.num_rows)
                 start += batch.num_rows
                 if skip is not None and len(skip):
