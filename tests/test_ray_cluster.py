@@ -231,6 +231,10 @@ def test_a_new_run_sweeps_what_a_dead_cluster_left(
     assert leader.stdout is not None
     orphan = psutil.Process(int(leader.stdout.readline()))
     leader.wait()
+    # NOTE: the sweep reads each process's command line; mid-exec it can read empty.
+    deadline = time.monotonic() + 10
+    while "ray::DashboardAgent" not in " ".join(orphan.cmdline()) and time.monotonic() < deadline:
+        time.sleep(0.02)
     dead = subprocess.Popen(["true"])
     dead.wait()
     left = short_tmp / f"vbatch-ray-{dead.pid}-x"
