@@ -215,6 +215,18 @@ def test_get_tokenizer_as_transformers(llm: LLM) -> None:
     assert isinstance(text, str) and ids == tokenizer.encode(text, add_special_tokens=False)
     (via_chat,) = llm.chat(CONVERSATION, SHORT, use_tqdm=False)
     assert via_chat.prompt == text
+    # NOTE: as transformers' own tokenizer of the same files, without tensors.
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(llm.model.hf_dir)
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        assert getattr(tokenizer, name) == getattr(reference, name), name
+        assert getattr(tokenizer, f"{name}_id") == getattr(reference, f"{name}_id"), name
+    texts = ["Hello there", "a"]
+    assert tokenizer(texts[0]) == {k: v for k, v in reference(texts[0]).items()}
+    assert tokenizer(texts)["input_ids"] == reference(texts)["input_ids"]
+    ids = tokenizer(texts)["input_ids"]
+    assert tokenizer.batch_decode(ids) == reference.batch_decode(ids)
 
 
 def test_vllm_defaults_of_none_and_truncation_to_the_model_length(llm: LLM) -> None:

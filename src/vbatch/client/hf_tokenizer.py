@@ -1,33 +1,55 @@
 """HFTokenizer: what `LLM.get_tokenizer()` returns, the model's tokenizer with the
-transformers-style calls vLLM scripts make (`encode`, `decode`, `apply_chat_template`)."""
+transformers-style calls vLLM scripts make (`tokenizer(text)`, `encode`, `decode`,
+`batch_decode`, `apply_chat_template`, the special tokens)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from vbatch.client.tokenizer import TextTokenizer
+from vbatch.client.tokenizer import SPECIAL_TOKEN_NAMES, TextTokenizer
 
 
 class HFTokenizer:
     """A transformers-like face on a `TextTokenizer` (torch-free); `backend` is the
-    `tokenizers.Tokenizer` itself for anything else."""
+    `tokenizers.Tokenizer` itself for anything else. Each special token (`bos_token`, ...) and
+    its id (`bos_token_id`, ...) is an attribute, None where the model has none."""
 
     def __init__(self, tokenizer: TextTokenizer) -> None:
         self.text_tokenizer = tokenizer
         self.backend = tokenizer.backend
-        self.eos_token_id = tokenizer.eos_token_id
         self.vocab_size = tokenizer.vocab_size
         self.chat_template = tokenizer.chat_template
+        for name in SPECIAL_TOKEN_NAMES:
+            text = tokenizer.special_tokens.get(name)
+            setattr(self, name, text)
+            setattr(self, f"{name}_id", None if text is None else self.backend.token_to_id(text))
 
     def __len__(self) -> int:
         return self.vocab_size
+
+    def __call__(
+        self, text: str | Sequence[str], add_special_tokens: bool = True
+    ) -> dict[str, Any]:
+        """As transformers without tensors: {"input_ids", "attention_mask"}, lists of ids for a
+        string, lists of such lists for a list of strings (unpadded)."""
+        texts = [text] if isinstance(text, str) else list(text)
+        ids = self.text_tokenizer.encode_batch(texts, add_special_tokens)
+        masks = [[1] * len(row) for row in ids]
+        if isinstance(text, str):
+            return {"input_ids": ids[0], "attention_mask": masks[0]}
+        return {"input_ids": ids, "attention_mask": masks}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.text_tokenizer.encode_batch([text], add_special_tokens)[0]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.text_tokenizer.decode(token_ids, skip_special_tokens)
+
+    def batch_decode(
+        self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = False
+    ) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
 
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str | None]:
         return self.text_tokenizer.convert_ids_to_tokens(token_ids)
