@@ -496,6 +496,7 @@ class LLM(PoolingMethods):
                 continue
             requests.append((position, req, lora))
         adds = []
+        decode_token = functools.partial(decode_one, self.tokenizer)
         tokenized = self._tokenize([req for _, req, _ in requests])
         for (position, req, lora), (prompt_ids, prompt_text) in zip(
             requests, tokenized, strict=True
@@ -523,7 +524,7 @@ class LLM(PoolingMethods):
                 num_core_live=params.n,
                 structured=params.structured is not None,
                 reasoning_parser=self.reasoning_parser,
-                decode_token=functools.partial(decode_one, self.tokenizer),
+                decode_token=decode_token,
             )
             adds.append(AddRequest(rid, pack_token_ids(prompt_ids), params, time.time(), lora=lora))
         if adds:
