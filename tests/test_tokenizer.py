@@ -243,3 +243,31 @@ def test_text_parts_and_a_null_assistant_content_render_as_plain_text(
         {"role": "assistant", "content": None, "tool_calls": None},
     ]
     assert tokenizer.apply_chat_template(openai) == tokenizer.apply_chat_template(plain)
+
+
+TRIMMING_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+@pytest.mark.parametrize("final", ["The answer is ", "Well,\n", "  spaced  ", "plain", ""])
+@pytest.mark.parametrize("template", [None, TRIMMING_TEMPLATE])
+def test_continue_final_message_cuts_where_transformers_does(
+    tokenizer: TextTokenizer, hf_tokenizer, final: str, template: str | None
+) -> None:
+    conversation = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": final},
+    ]
+    expected = hf_tokenizer.apply_chat_template(
+        conversation,
+        chat_template=template,
+        tokenize=False,
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
+    got = tokenizer.apply_chat_template(
+        conversation, False, chat_template=template, continue_final_message=True
+    )
+    assert got == expected

@@ -389,3 +389,67 @@ def test_vllm_examples_on_the_default_model() -> None:
         )
         (car,) = llm.generate("Describe a famous car as JSON with its brand and year.", params)
     assert set(json.loads(car.outputs[0].text)) == {"brand", "year"}
+
+
+def test_vllm_keywords_scripts_pass_are_taken(llm: LLM) -> None:
+    made: list[dict] = []
+
+    def quiet_bar(**kwargs: object) -> object:
+        from tqdm import tqdm
+
+        made.append(kwargs)
+        return tqdm(**{**kwargs, "disable": True})
+
+    plain = llm.generate(["Hello"], SHORT, use_tqdm=False)[0]
+    (out,) = llm.generate(["Hello"], SHORT, use_tqdm=quiet_bar, priority=[0])
+    assert made and made[0]["total"] == 1
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert out.metrics is None and out.lora_request is None
+    with pytest.raises(ValueError, match="every priority must be 0"):
+        llm.generate(["Hello"], SHORT, use_tqdm=False, priority=[1])
+    with pytest.raises(ValueError, match="2 priorities for 1 prompts"):
+        llm.generate(["Hello"], SHORT, use_tqdm=False, priority=[0, 0])
+    (openai,) = llm.chat(
+        CONVERSATION[:2],
+        SHORT,
+        use_tqdm=False,
+        chat_template="{% for m in messages %}{% for p in m.content %}[{{ p.text }}]"
+        "{% endfor %}{% endfor %}",
+        chat_template_content_format="openai",
+    )
+    assert openai.prompt == "[You are a helpful assistant][Hello]"
+    partial = [*CONVERSATION[:2], {"role": "assistant", "content": "A"}]
+    with pytest.raises(ValueError, match="add_generation_prompt=False"):
+        llm.chat(partial, SHORT, use_tqdm=False, continue_final_message=True)
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of"):
+        llm.chat(CONVERSATION[:2], SHORT, use_tqdm=False, chat_template_content_format="x")
+
+
+def test_cache_salt_keeps_prefix_cache_blocks_apart(llm: LLM) -> None:
+    ids = list(range(5, 5 + 100))
+    first = llm.generate({"prompt_token_ids": ids, "cache_salt": "a"}, SHORT, use_tqdm=False)[0]
+    same = llm.generate({"prompt_token_ids": ids, "cache_salt": "a"}, SHORT, use_tqdm=False)[0]
+    other = llm.generate({"prompt_token_ids": ids, "cache_salt": "b"}, SHORT, use_tqdm=False)[0]
+    unsalted = llm.generate({"prompt_token_ids": ids}, SHORT, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and same.num_cached_tokens > 0
+    assert other.num_cached_tokens == 0 and unsalted.num_cached_tokens == 0
+    with pytest.raises(TypeError, match="cache_salt"):
+        llm.generate({"prompt": "x", "cache_salt": 3}, SHORT, use_tqdm=False)
+
+
+def test_structured_outputs_params_take_vllms_switches() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for kwargs in (
+        {"disable_any_whitespace": True},
+        {"disable_additional_properties": True},
+        {"disable_fallback": True},
+    ):
+        params = StructuredOutputsParams(json=schema, **kwargs)
+        assert params.to_structured() == StructuredOutputsParams(json=schema).to_structured()
+    assert GuidedDecodingParams(choice=["a", "b"], backend="xgrammar").to_structured().choice
+    with pytest.raises(ValueError, match="xgrammar"):
+        GuidedDecodingParams(choice=["a"], backend="outlines")
+    with pytest.raises(ValueError, match="whitespace_pattern is not supported"):
+        StructuredOutputsParams(json=schema, whitespace_pattern=r"[ ]?")
+    with pytest.raises(ValueError, match="structural_tag is not supported"):
+        StructuredOutputsParams(structural_tag='{"type": "structural_tag"}')

@@ -29,14 +29,16 @@ from vbatch.client.outputs import (
 )
 from vbatch.client.pooling_outputs import PoolingState
 from vbatch.client.prompts import (
+    UseTqdm,
     chat_conversations,
     check_params_type,
+    check_priority,
     generate_inputs,
     per_prompt_params,
     to_request,
 )
 from vbatch.client.reasoning import check_reasoning_parser
-from vbatch.client.tokenizer import TextTokenizer, check_template_kwargs
+from vbatch.client.tokenizer import CONTENT_FORMATS, TextTokenizer, check_template_kwargs
 from vbatch.config import EngineConfig
 from vbatch.engine_args import default_sampling_params, map_llm_args
 from vbatch.engine_sets.base import EngineReport, EngineState
@@ -46,6 +48,7 @@ from vbatch.errors import (
     ConfigError,
     LoraError,
     ModelLoadError,
+    PromptValueError,
     SamplingParamsError,
     VbatchError,
 )
@@ -315,8 +318,9 @@ class LLM(PoolingMethods):
         prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; results come back in input order.
 
@@ -326,9 +330,11 @@ class LLM(PoolingMethods):
         `get_default_sampling_params()`). Anything else raises TypeError/ValueError (as
         PromptTypeError/PromptValueError) before any prompt runs. `lora_request`
         (LLM(enable_lora=True)) runs every prompt with one adapter, or, a list, each prompt with
-        its own (None: the base model).
+        its own (None: the base model). `priority` (vLLM's, one per prompt) must be all 0:
+        vbatch schedules first come, first served, as vLLM does by default.
         """
         requests = [to_request(item) for item in generate_inputs(prompts)]
+        check_priority(priority, len(requests))
         if lora_request is not None:
             requests = _with_loras(requests, lora_request)
         return self._run(requests, sampling_params, use_tqdm)
@@ -338,24 +344,31 @@ class LLM(PoolingMethods):
         messages: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (lists of {"role",
         "content"} messages), rendered with the model's chat template or `chat_template`;
         `RequestOutput.prompt` is the rendered text. `continue_final_message` continues the
         last (assistant) message instead of opening a new turn. `tools` (JSON schemas) go to the
         template as its `tools` variable; the reply is text (no tool-call parsing).
-        `lora_request` as in `generate`."""
+        `lora_request` as in `generate`. `chat_template_content_format` "openai" gives the
+        template each message's content as a list of text parts ("auto", "string": as text)."""
         if add_generation_prompt and continue_final_message:
-            raise ConfigError(
+            raise PromptValueError(
                 "continue_final_message continues the last message, so it needs "
                 "add_generation_prompt=False"
+            )
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise PromptValueError(
+                "chat_template_content_format must be one of "
+                f"{', '.join(CONTENT_FORMATS)}, got {chat_template_content_format!r:.40}"
             )
         kwargs = check_template_kwargs(chat_template_kwargs) if chat_template_kwargs else None
         requests = [
@@ -366,6 +379,7 @@ class LLM(PoolingMethods):
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tools=tools,
+                chat_template_content_format=chat_template_content_format,
             )
             for conversation in chat_conversations(messages)
         ]
@@ -377,7 +391,7 @@ class LLM(PoolingMethods):
         self,
         requests: list[Request],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-        use_tqdm: bool,
+        use_tqdm: UseTqdm,
     ) -> list[RequestOutput]:
         params = per_prompt_params(sampling_params, len(requests), self.default_sampling_params)
         checked: dict[int, str | None] = {}
@@ -390,16 +404,18 @@ class LLM(PoolingMethods):
         return self._collect_all(requests, use_tqdm, self.default_sampling_params)
 
     def _collect_all(
-        self, requests: list[Request], use_tqdm: bool, defaults: SamplingParams | None = None
+        self, requests: list[Request], use_tqdm: UseTqdm, defaults: SamplingParams | None = None
     ) -> list[Any]:
-        """Every request's output, in input order, with a progress bar if `use_tqdm`."""
+        """Every request's output, in input order, with a progress bar if `use_tqdm` (True:
+        tqdm's; a callable: the bar it makes from tqdm's arguments, as vLLM takes)."""
         results: list[Any] = [None] * len(requests)
         stream = self._stream(requests, defaults, None)
         bar = None
         if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(requests), desc="Processed prompts", dynamic_ncols=True)
+            make_bar = use_tqdm
+            if not callable(make_bar):
+                from tqdm.auto import tqdm as make_bar
+            bar = make_bar(total=len(requests), desc="Processed prompts", dynamic_ncols=True)
         try:
             for position, out in stream:
                 results[position] = out
@@ -526,7 +542,16 @@ class LLM(PoolingMethods):
                 reasoning_parser=self.reasoning_parser,
                 decode_token=decode_token,
             )
-            adds.append(AddRequest(rid, pack_token_ids(prompt_ids), params, time.time(), lora=lora))
+            adds.append(
+                AddRequest(
+                    rid,
+                    pack_token_ids(prompt_ids),
+                    params,
+                    time.time(),
+                    lora=lora,
+                    cache_salt=req.cache_salt,
+                )
+            )
         if adds:
             self._client.add_requests(adds)
         if pooling:
@@ -579,6 +604,7 @@ class LLM(PoolingMethods):
                             kwargs,
                             chat_template=req.chat_template,
                             continue_final_message=req.continue_final_message,
+                            content_format=req.chat_template_content_format,
                         )
                     )
                     chats[0].append(k)

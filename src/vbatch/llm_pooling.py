@@ -24,7 +24,7 @@ from vbatch.client.pooling_outputs import (
     pooling_output,
     prompt_logprobs_of,
 )
-from vbatch.client.prompts import to_request
+from vbatch.client.prompts import UseTqdm, to_request
 from vbatch.errors import VbatchError
 from vbatch.models.config import declared_head, read_id2label
 from vbatch.pooling_params import PoolingParams, PoolingTask
@@ -63,7 +63,7 @@ class PoolingMethods:
         prompts: PromptInput | Iterable[PromptInput],
         pooling_params: PoolingParams | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         pooling_task: str | None = None,
     ) -> list[PoolingRequestOutput]:
         """Run every prompt through the model without generating; results in input order.
@@ -85,7 +85,7 @@ class PoolingMethods:
         dimensions: int | None = None,
         normalize: bool | None = None,
         truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         pooling_params: PoolingParams | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """Embeddings; `pooling_params` (vLLM's form) give dimensions and normalize where the
@@ -112,7 +112,7 @@ class PoolingMethods:
         prompts: PromptInput | Iterable[PromptInput],
         *,
         truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         pooling_params: PoolingParams | None = None,
     ) -> list[ClassificationRequestOutput]:
         """Class probabilities (softmax; a sigmoid for one label) from the classifier head."""
@@ -140,7 +140,7 @@ class PoolingMethods:
         prompts: PromptInput | Iterable[PromptInput],
         *,
         truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         pooling_params: PoolingParams | None = None,
     ) -> list[PoolingRequestOutput]:
         """A reward model's raw scores (the classifier head's logits)."""
@@ -155,7 +155,7 @@ class PoolingMethods:
         text_2: str | Sequence[str],
         *,
         truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         pooling_params: PoolingParams | None = None,
     ) -> list[ScoringRequestOutput]:
         """Cosine similarity of the embeddings of text_1 and text_2 pairwise (one text_1 against

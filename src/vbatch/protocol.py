@@ -44,6 +44,8 @@ class AddRequest(_Msg, tag=1):
     # NOTE: set for a prefill-only request: the core answers with a PooledOutput, not tokens.
     pooling: PoolingParams | None = None
     lora: LoraRef | None = None
+    # NOTE: vLLM's cache_salt: only requests with the same salt share prefix-cache blocks.
+    cache_salt: str | None = None
 
 
 class Abort(_Msg, tag=2):

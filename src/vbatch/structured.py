@@ -16,6 +16,7 @@ import msgspec
 from vbatch.errors import SamplingParamsError
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+BACKENDS = (None, "auto", "xgrammar")
 EXTRA_HINT = "structured output needs xgrammar: pip install 'vbatch[structured]'"
 # NOTE: checked before any recursive code (json, msgpack, xgrammar) sees the schema, so a deep
 # one is an error row rather than a RecursionError; real schemas nest a few dozen levels.
@@ -126,15 +127,36 @@ class StructuredOutput(msgspec.Struct, omit_defaults=True, gc=False, frozen=True
 class StructuredOutputsParams:
     """vLLM's structured-output settings: exactly one of `json` (a schema, as a dict or JSON
     text), `regex`, `choice`, `grammar` or `json_object`. `SamplingParams` folds it into its
-    `structured` field; vLLM's other settings (backend choice, whitespace) are not supported."""
+    `structured` field.
+
+    vLLM's switches are taken as far as they hold for vbatch's one grammar engine (xgrammar):
+    its JSON never has free whitespace and its schemas admit no properties they do not name
+    (vLLM's `disable_any_whitespace` and `disable_additional_properties` set, whatever they are
+    given), and there is no other backend to fall back to (`disable_fallback`).
+    `whitespace_pattern` and `structural_tag` raise SamplingParamsError."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
+        if self.whitespace_pattern is not None:
+            raise SamplingParamsError(
+                "whitespace_pattern is not supported: vbatch's JSON grammars allow no free "
+                "whitespace (as vLLM's disable_any_whitespace=True)"
+            )
+        if self.structural_tag is not None:
+            raise SamplingParamsError(
+                "structural_tag is not supported; constrain the output with json, regex, "
+                "choice or grammar"
+            )
         self.to_structured()
 
     def to_structured(self) -> StructuredOutput:
@@ -147,8 +169,20 @@ class StructuredOutputsParams:
         )
 
 
+@dataclass
 class GuidedDecodingParams(StructuredOutputsParams):
-    """vLLM's older name for `StructuredOutputsParams` (`SamplingParams(guided_decoding=...)`)."""
+    """vLLM's older name for `StructuredOutputsParams` (`SamplingParams(guided_decoding=...)`),
+    with its `backend`: None, "auto" or "xgrammar", the one vbatch has."""
+
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise SamplingParamsError(
+                f"structured output backend {self.backend!r:.40} is not available: vbatch "
+                "constrains with xgrammar (backend None, 'auto' or 'xgrammar')"
+            )
+        super().__post_init__()
 
 
 def coerce_structured(value: Any) -> StructuredOutput | None:

@@ -109,6 +109,10 @@ class Request:
     lora_request: LoRARequest | None = None
     # NOTE: a conversation's tool schemas, the chat template's `tools` variable.
     tools: list[dict[str, Any]] | None = None
+    # NOTE: "openai" hands the template each message's content as a list of text parts.
+    chat_template_content_format: str = "auto"
+    # NOTE: vLLM's cache_salt: only requests with the same salt share prefix-cache blocks.
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -129,6 +133,10 @@ class RequestOutput:
     error: str | None = None
     # NOTE: with SamplingParams.prompt_logprobs, vLLM's list: None, then {token id: Logprob}.
     prompt_logprobs: list[dict[int, Any] | None] | None = None
+    # NOTE: vLLM's attributes, for scripts that read them: the adapter the request ran with, and
+    # metrics, which vLLM's offline LLM leaves None (its timings are the fields above).
+    lora_request: LoRARequest | None = None
+    metrics: None = None
 
 
 @dataclass
@@ -262,6 +270,7 @@ def make_output(
         first_token_time=first_token_time,
         finish_time=time.time(),
         error=error,
+        lora_request=request.lora_request,
     )
 
 

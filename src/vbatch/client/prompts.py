@@ -3,7 +3,7 @@ input the API cannot use raises, naming what was passed and what is accepted."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from vbatch.client.outputs import Request
@@ -14,7 +14,9 @@ ACCEPTED = (
     "a prompt string, {'prompt': str}, {'prompt_token_ids': [int, ...]}, a conversation (a list "
     "of {'role', 'content'} messages) or a vbatch.llm.Request"
 )
-_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+# NOTE: vLLM's use_tqdm: a bool, or a callable that makes the progress bar from tqdm's arguments.
+UseTqdm = bool | Callable[..., Any]
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
 
 def _describe(item: Any) -> str:
@@ -38,9 +40,10 @@ def _from_dict(item: Mapping[str, Any]) -> Request:
         )
     keys = set(item)
     unknown = sorted(str(k) for k in keys - _PROMPT_KEYS)
-    if unknown or not keys:
+    if unknown or not keys & {"prompt", "prompt_token_ids"}:
         raise PromptValueError(
-            f"a prompt dict takes 'prompt' (str) or 'prompt_token_ids' (list of int); got keys "
+            f"a prompt dict takes 'prompt' (str) or 'prompt_token_ids' (list of int), and "
+            f"optionally 'cache_salt' (str); got keys "
             f"{sorted(map(str, keys))}"
             + (
                 " (multi-modal inputs are not supported: vbatch runs text models)"
@@ -60,7 +63,10 @@ def _from_dict(item: Mapping[str, Any]) -> Request:
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise PromptTypeError(f"'prompt_token_ids' must hold ints, got {_describe(ids)}")
         ids = list(ids)
-    return Request(prompt=prompt, prompt_token_ids=ids)
+    salt = item.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise PromptTypeError(f"'cache_salt' must be a non-empty string, got {_describe(salt)}")
+    return Request(prompt=prompt, prompt_token_ids=ids, cache_salt=salt)
 
 
 def to_request(item: Any) -> Request:
@@ -138,3 +144,19 @@ def per_prompt_params(
 def check_params_type(params: Any) -> None:
     if not isinstance(params, SamplingParams):
         raise PromptTypeError(f"sampling_params must be a SamplingParams, got {_describe(params)}")
+
+
+def check_priority(priority: Sequence[int] | None, num_prompts: int) -> None:
+    """vLLM's per-prompt `priority`: one int per prompt, all 0, as vbatch (like vLLM's default
+    policy) serves requests first come, first served."""
+    if priority is None:
+        return
+    if isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence):
+        raise PromptTypeError(f"priority must be a list of ints, got {_describe(priority)}")
+    if len(priority) != num_prompts:
+        raise PromptValueError(f"got {len(priority)} priorities for {num_prompts} prompts")
+    if any(p != 0 for p in priority):
+        raise PromptValueError(
+            "priority scheduling is not supported: vbatch serves requests first come, first "
+            "served (vLLM's default policy), so every priority must be 0"
+        )

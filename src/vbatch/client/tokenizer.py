@@ -20,6 +20,11 @@ from vbatch.models.config import json_object
 
 # NOTE: the names the renderer itself passes; a template kwarg may not replace them.
 RENDER_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+# NOTE: appended to the message continue_final_message continues, to find where its content ends
+# in the rendered text; its trailing space tells whether the template kept the content's own
+# trailing whitespace (then it stays, as in transformers).
+CONTINUE_MARK = "\x00vbatch-continue-final-message\x00 "
+CONTENT_FORMATS = ("auto", "string", "openai")
 SPECIAL_TOKEN_NAMES = (
     "bos_token",
     "eos_token",
@@ -240,11 +245,19 @@ class TextTokenizer:
         *,
         chat_template: str | None = None,
         continue_final_message: bool = False,
+        content_format: str = "auto",
     ) -> str:
         """Render one conversation to prompt text, exactly as transformers does; `template_kwargs`
         are extra template variables, as transformers' `apply_chat_template(**kwargs)` takes.
         `chat_template` replaces the model's; `continue_final_message` ends the text right
-        after the last message's content, so generation continues it."""
+        after the last message's content, so generation continues it. `content_format` is
+        vLLM's chat_template_content_format: "auto" and "string" give the template each
+        message's content as text, "openai" as a list of {"type": "text", "text": ...} parts."""
+        if content_format not in CONTENT_FORMATS:
+            raise InputError(
+                f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, "
+                f"got {content_format!r:.40}"
+            )
         template = self._template
         if chat_template is not None:
             template = self._other_templates.get(chat_template)
@@ -260,17 +273,23 @@ class TextTokenizer:
                 "pass a 'prompt' string instead"
             )
         checked = validate_messages(messages)
+        final = checked[-1]["content"]
+        if continue_final_message:
+            checked[-1] = {**checked[-1], "content": final + CONTINUE_MARK}
+        if content_format == "openai":
+            checked = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in checked]
         text = self._render(template, checked, add_generation_prompt, template_kwargs)
         if not continue_final_message:
             return text
-        final = checked[-1].get("content")
-        final = final.strip() if isinstance(final, str) else ""
-        end = text.rfind(final) if final else -1
-        if end < 0:
+        end = text.rfind(CONTINUE_MARK.strip())
+        if end < 0 or final.strip() not in text[:end]:
             raise InputError(
                 "continue_final_message: the last message's content is not in the rendered text"
             )
-        return text[: end + len(final)]
+        if text.startswith(CONTINUE_MARK, end):
+            return text[:end]
+        # NOTE: the template strips the content, so its trailing whitespace is gone as well.
+        return text[:end].rstrip()
 
     def _render(
         self,

@@ -38,10 +38,13 @@ def hash_block(parent_hash: BlockHash, token_ids: SequenceOf[int]) -> BlockHash:
 
 def root_hash(seq: Sequence) -> BlockHash:
     """The parent of `seq`'s first block: it keys what, besides the tokens, its K/V depend on
-    (longrope's long factors; its LoRA adapter, whose K/V of the same tokens differ)."""
+    (longrope's long factors; its LoRA adapter, whose K/V of the same tokens differ), and its
+    cache salt, which only requests with the same salt share."""
     root = LONG_ROPE_ROOT_HASH if seq.long_rope else ROOT_HASH
     if seq.lora_id:
-        return _sha256(root + b"lora:" + seq.lora_id.to_bytes(8, "little")).digest()
+        root = _sha256(root + b"lora:" + seq.lora_id.to_bytes(8, "little")).digest()
+    if seq.cache_salt is not None:
+        root = _sha256(root + b"salt:" + seq.cache_salt.encode("utf-8", "surrogatepass")).digest()
     return root
 
 

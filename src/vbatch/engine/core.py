@@ -206,7 +206,8 @@ class EngineCore:
                 return [_error(req.request_id, str(e))]
             lora_id = req.lora.lora_id
         seqs = [
-            Sequence(req.request_id, prompt_token_ids, params, i, lora_id) for i in range(params.n)
+            Sequence(req.request_id, prompt_token_ids, params, i, lora_id, req.cache_salt)
+            for i in range(params.n)
         ]
         prompt_job = None
         if params.prompt_logprobs is not None:

@@ -43,6 +43,7 @@ class Sequence:
         "argmax_changers",
         "block_row",
         "block_table",
+        "cache_salt",
         "finish_reason",
         "finish_token_ids",
         "full_block_hashes",
@@ -71,12 +72,14 @@ class Sequence:
         params: SamplingParams,
         index: int = 0,
         lora_id: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.seq_id = next(_seq_counter)
         self.request_id = request_id
         self.index = index
         # NOTE: the LoRA adapter it runs with (its id in the core), 0 for the base model.
         self.lora_id = lora_id
+        self.cache_salt = cache_salt
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_uncomputed_tokens = self.num_prompt_tokens
