@@ -97,6 +97,32 @@ __attribute__((noinline)) void micro_kernel(const float* x, int64_t ldx, const f
       acc1[r] = lanes_fmadd(a, w1, acc1[r]);
     }
   }
+  if constexpr (kSwiglu) {
+    // NOTE: one vector loop over the whole block, then full-width row stores. A short loop
+    // and a memmove call per row made the SwiGLU GEMM 10-13% slower than the plain one at 512
+    // and 2048 rows and 24-33% at 64; this form ran it 8-20% faster (Intel Sapphire Rapids
+    // class, AVX-512, 1 thread, 3 interleaved rounds against the per-row form).
+    alignas(64) float gate[R * kNumLanes], up[R * kNumLanes];
+    for (int r = 0; r < R; ++r) {
+      Lanes lo = acc0[r], hi = acc1[r];
+      if (bias != nullptr) {
+        lo = lanes_add(lo, lanes_load(bias));
+        hi = lanes_add(hi, lanes_load(bias + kNumLanes));
+      }
+      lanes_store(gate + r * kNumLanes, lo);
+      lanes_store(up + r * kNumLanes, hi);
+    }
+#pragma omp simd
+    for (int64_t i = 0; i < R * kNumLanes; ++i) gate[i] = silu_times(gate[i], up[i]);
+    for (int r = 0; r < R; ++r) {
+      if (cols == kNumLanes) {
+        lanes_store(out + r * ldo, lanes_load(gate + r * kNumLanes));
+      } else {
+        std::copy(gate + r * kNumLanes, gate + r * kNumLanes + cols, out + r * ldo);
+      }
+    }
+    return;
+  }
   alignas(64) float tile[kPanel];
   for (int r = 0; r < R; ++r) {
     Lanes lo = acc0[r], hi = acc1[r];
@@ -105,14 +131,7 @@ __attribute__((noinline)) void micro_kernel(const float* x, int64_t ldx, const f
       hi = lanes_add(hi, lanes_load(bias + kNumLanes));
     }
     float* row = out + r * ldo;
-    if constexpr (kSwiglu) {
-      lanes_store(tile, lo);
-      lanes_store(tile + kNumLanes, hi);
-      alignas(64) float act[kNumLanes];
-#pragma omp simd
-      for (int64_t c = 0; c < kNumLanes; ++c) act[c] = silu_times(tile[c], tile[kNumLanes + c]);
-      std::copy(act, act + cols, row);
-    } else if (cols == kPanel) {
+    if (cols == kPanel) {
       lanes_store(row, lo);
       lanes_store(row + kNumLanes, hi);
     } else {
