@@ -258,6 +258,9 @@ def test_bad_adapters_fail_at_start_naming_them(lora_models: dict, tmp_path: Pat
             },
             "made for another base model",
         ),
+        "untargeted": ({"target_modules": ["k_proj"]}, None, r"target_modules \['k_proj'\]"),
+        "rank": ({"r": 8}, None, "has rank 4, but adapter_config.json gives it r = 8"),
+        "pattern": ({"rank_pattern": {"v_proj": 2}}, None, "v_proj has rank 4, but .* r = 2"),
     }
     for name, (config_edit, tensor_edit, message) in cases.items():
         path = write_variant(tmp_path, name, config_edit, tensor_edit)
@@ -271,6 +274,23 @@ def test_bad_adapters_fail_at_start_naming_them(lora_models: dict, tmp_path: Pat
         assert f"'{name}'" in str(error.value) and "\n" not in str(error.value)
     with pytest.raises(ConfigError, match="enable_lora"):
         EngineConfig(model="x", loras=(("a", "b"),)).validate()
+
+
+def test_rank_pattern_and_regex_targets_are_read_as_peft_reads_them(
+    lora_models: dict, tmp_path: Path
+) -> None:
+    _, root, _ = lora_models["llama"]
+    (tmp_path / "a0").symlink_to(root / "a0")
+    edits = {
+        "pattern": {"r": 16, "rank_pattern": {"q_proj": 4, "v_proj": 4}},
+        "regex": {"target_modules": r".*\.(q|v)_proj"},
+    }
+    for name, edit in edits.items():
+        path = write_variant(tmp_path, name, edit)
+        config = EngineConfig(
+            model=str(root / "model"), enable_lora=True, loras=((name, str(path)),)
+        )
+        EngineCore(config)
 
 
 def test_unknown_adapter_is_a_request_error(lora_models: dict, tmp_path: Path) -> None:

@@ -107,3 +107,33 @@ def test_rows_pick_their_adapter() -> None:
     assert parser.parse(line, 4, "line 5").lora == "b"
     plain = RowParser(ColumnOptions(), SamplingParams())
     assert plain.parse({"prompt": "x", "lora": "zz"}, 5, "line 6").lora is None
+
+
+def test_an_adapter_the_model_cannot_take_keeps_no_job(
+    job_dir: tuple, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Like a bad setting, an adapter made for another base model fails the same way on every
+    start: the new job is dropped, with no resume hint, and a fixed command runs."""
+    from safetensors.torch import load_file, save_file
+
+    root, _, _ = job_dir
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "adapter_config.json").write_bytes((root / "a0" / "adapter_config.json").read_bytes())
+    tensors = load_file(root / "a0" / "adapter_model.safetensors")
+    wide = {k: torch.zeros(v.shape[0], 96) if "lora_A" in k else v for k, v in tensors.items()}
+    save_file(wide, other / "adapter_model.safetensors")
+    output = tmp_path / "out.jsonl"
+    base = ["run", str(root / "in.jsonl"), "-o", str(output), "--model", str(tiny_model_dir)]
+    run = [*base, "--max-tokens", "1", "--num-threads", "1", "-q"]
+    failed = subprocess.run(
+        vbatch(*run, f"--lora=a0={other}"), capture_output=True, text=True, timeout=300
+    )
+    assert failed.returncode == 1, failed.stderr
+    assert "made for another base model" in failed.stderr and "Resume" not in failed.stderr
+    assert "no job was kept" in failed.stderr
+    assert not Path(f"{output}.vbatch").exists()
+    fixed = subprocess.run(
+        vbatch(*run, f"--lora=a0={root / 'a0'}"), capture_output=True, text=True, timeout=300
+    )
+    assert fixed.returncode == 0, fixed.stderr

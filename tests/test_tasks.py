@@ -254,3 +254,83 @@ def test_a_pooling_job_refuses_generation_options_and_a_model_without_the_tasks_
     assert "generation needs a model with an LM head; this one has a classifier head" in (
         out.error or ""
     )
+
+
+def test_embeddings_line_widths_against_the_jobs_dimensions(
+    tmp_path: Path, models: dict[str, Any], engines: dict[str, Any]
+) -> None:
+    """A line without dimensions takes the job's --dimensions; in Parquet, whose vector column
+    has one width, a line asking for another is an error row, and the others commit."""
+    lines = [
+        {"custom_id": "eight", "url": "/v1/embeddings", "body": {"input": "a b", "dimensions": 8}},
+        {"custom_id": "plain", "url": "/v1/embeddings", "body": {"input": "a b"}},
+    ]
+    input_path = write_jsonl(tmp_path / "in.jsonl", lines)
+    full = JobSpec(input_path, tmp_path / "full.parquet", model=str(models["embed"]), task="embed")
+    assert start_job(full, QUIET, llm_factory=_factory(engines["embed"])).exit_code == 0
+    rows = {r["id"]: r for r in read_output(full.output_path)}
+    assert len(rows["plain"]["embedding"]) == 64 and rows["plain"]["error"] is None
+    assert "body.dimensions 8 is not this job's embedding width 64" in rows["eight"]["error"]
+    cut = dataclasses.replace(full, output_path=tmp_path / "cut.parquet", dimensions=8)
+    assert start_job(cut, QUIET, llm_factory=_factory(engines["embed"])).exit_code == 0
+    rows = {r["id"]: r for r in read_output(cut.output_path)}
+    assert len(rows["plain"]["embedding"]) == len(rows["eight"]["embedding"]) == 8
+    as_jsonl = dataclasses.replace(cut, output_path=tmp_path / "cut.jsonl")
+    assert start_job(as_jsonl, QUIET, llm_factory=_factory(engines["embed"])).exit_code == 0
+    for row in read_output(as_jsonl.output_path):
+        assert len(row["response"]["body"]["data"][0]["embedding"]) == 8
+
+
+def test_dimensions_are_refused_for_other_tasks_and_past_the_models_width(
+    tmp_path: Path, models: dict[str, Any], engines: dict[str, Any], tiny_model_dir: Path
+) -> None:
+    input_path = write_jsonl(tmp_path / "in.jsonl", RECORDS[:2])
+    wide = JobSpec(
+        input_path, tmp_path / "e.jsonl", model=str(models["embed"]), task="embed", dimensions=65
+    )
+    with pytest.raises(InputError, match="--dimensions 65 exceeds the model's embedding size 64"):
+        start_job(wide, QUIET, llm_factory=_factory(engines["embed"]))
+    ppl = JobSpec(
+        input_path, tmp_path / "p.jsonl", model=str(tiny_model_dir), task="perplexity", dimensions=8
+    )
+    with pytest.raises(InputError, match="--dimensions: --task embed only"):
+        start_job(ppl, QUIET, llm_factory=_factory(engines["lm"]))
+    assert not (tmp_path / "e.jsonl").exists() and not (tmp_path / "p.jsonl").exists()
+
+
+@pytest.mark.parametrize("task", ["generate", "embed"])
+def test_a_row_naming_an_adapter_in_a_job_without_adapters_is_an_error_row(
+    tmp_path: Path, models: dict[str, Any], engines: dict[str, Any], task: str
+) -> None:
+    records = [{"id": "a", "prompt": "hi", "lora": "sql"}, {"id": "b", "prompt": "hi"}]
+    input_path = write_jsonl(tmp_path / "in.jsonl", records)
+    llm = engines["embed" if task == "embed" else "lm"]
+    model = models["embed"] if task == "embed" else llm.model.local_path
+    sampling = {"max_tokens": 2} if task == "generate" else {}
+    job = JobSpec(
+        input_path, tmp_path / "out.jsonl", model=str(model), task=task, sampling=sampling
+    )
+    assert start_job(job, QUIET, llm_factory=_factory(llm)).exit_code == 0
+    rows = {r["id"]: r for r in read_output(job.output_path)}
+    assert "this job has no LoRA adapters" in rows["a"]["error"]
+    assert rows["b"]["error"] is None
+
+
+def test_score_takes_prompt_dicts_and_pooling_calls_name_what_they_refuse(
+    engines: dict[str, Any],
+) -> None:
+    llm = engines["embed"]
+    ids = llm.get_tokenizer().encode("a b", add_special_tokens=False)
+    (plain,) = llm.score("a b", "c", use_tqdm=False)
+    (as_dict,) = llm.score({"prompt": "a b"}, "c", use_tqdm=False)
+    (as_ids,) = llm.score([{"prompt_token_ids": ids}], [{"prompt": "c"}], use_tqdm=False)
+    assert as_dict.outputs.score == pytest.approx(plain.outputs.score, abs=1e-6)
+    assert as_ids.outputs.score == pytest.approx(plain.outputs.score, abs=1e-5)
+    assert as_dict.prompt_token_ids == plain.prompt_token_ids
+    with pytest.raises(ValueError, match="2 text_1 against 3 text_2"):
+        llm.score(["a", "b"], ["c", "d", "e"], use_tqdm=False)
+    adapter = LoRARequest("a", 1, "/nonexistent")
+    with pytest.raises(Exception, match="LoRA adapters run with generation only"):
+        llm.embed(["hi"], lora_request=adapter, use_tqdm=False)
+    with pytest.raises(TypeError, match="prompts must be a prompt string"):
+        llm.embed(None, use_tqdm=False)

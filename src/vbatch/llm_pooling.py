@@ -25,7 +25,8 @@ from vbatch.client.pooling_outputs import (
     prompt_logprobs_of,
 )
 from vbatch.client.prompts import UseTqdm, to_request
-from vbatch.errors import VbatchError
+from vbatch.errors import LoraError, PromptTypeError, PromptValueError
+from vbatch.lora.request import LoRARequest
 from vbatch.models.config import declared_head, read_id2label
 from vbatch.pooling_params import PoolingParams, PoolingTask
 from vbatch.protocol import AddRequest, pack_token_ids
@@ -39,6 +40,12 @@ if TYPE_CHECKING:
 # is what data-parallel placement counts it for besides its prompt.
 _PREFILL_ONLY = SamplingParams(max_tokens=1)
 PromptInput = str | list[str] | Request
+# NOTE: one text of LLM.score: a string, or a {"prompt"} or {"prompt_token_ids"} dict.
+ScoreInput = str | Mapping[str, Any]
+POOLING_ACCEPTED = (
+    "a prompt string, a list of them (pooled each on its own), a {'prompt'} or "
+    "{'prompt_token_ids'} dict or a vbatch.llm.Request"
+)
 CROSS_ENCODER = (
     "score with a classifier (cross-encoder) model is not supported: vbatch scores the cosine of "
     "two embeddings, which would leave this model's classifier head out; score with an "
@@ -65,17 +72,18 @@ class PoolingMethods:
         *,
         use_tqdm: UseTqdm = True,
         pooling_task: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[PoolingRequestOutput]:
         """Run every prompt through the model without generating; results in input order.
 
         A prompt is a string, a list of strings (pooled each on its own), {"prompt": str},
         {"prompt_token_ids": [int]} or a Request. `pooling_params` default to an embedding;
         `pooling_task` ("embed", "classify", ...) sets their task, as in vLLM."""
+        _refuse_lora(lora_request)
         params = pooling_params or PoolingParams()
         if pooling_task is not None:
             params = msgspec.structs.replace(params, task=pooling_task)
-        items = [prompts] if isinstance(prompts, (str, Request, Mapping)) else list(prompts)
-        requests = [_pooling_request(item, params) for item in items]
+        requests = [_pooling_request(item, params) for item in _prompt_items(prompts)]
         return self._collect_all(requests, use_tqdm)
 
     def embed(
@@ -87,6 +95,7 @@ class PoolingMethods:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: UseTqdm = True,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """Embeddings; `pooling_params` (vLLM's form) give dimensions and normalize where the
         keywords do not."""
@@ -104,7 +113,7 @@ class PoolingMethods:
                 out.prompt_token_ids,
                 error=out.error,
             )
-            for out in self.encode(prompts, params, use_tqdm=use_tqdm)
+            for out in self.encode(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
         ]
 
     def classify(
@@ -114,6 +123,7 @@ class PoolingMethods:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: UseTqdm = True,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[ClassificationRequestOutput]:
         """Class probabilities (softmax; a sigmoid for one label) from the classifier head."""
         params = _task_params(
@@ -121,7 +131,7 @@ class PoolingMethods:
         )
         labels = self.id2label()
         results = []
-        for out in self.encode(prompts, params, use_tqdm=use_tqdm):
+        for out in self.encode(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request):
             logits = out.outputs.data
             probs = class_probs(logits) if logits.size else logits
             label = labels.get(int(np.argmax(probs))) if probs.size else None
@@ -142,52 +152,59 @@ class PoolingMethods:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: UseTqdm = True,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[PoolingRequestOutput]:
         """A reward model's raw scores (the classifier head's logits)."""
         params = _task_params(
             PoolingTask.CLASSIFY, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens
         )
-        return self.encode(prompts, params, use_tqdm=use_tqdm)
+        return self.encode(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def score(
         self,
-        text_1: str | Sequence[str],
-        text_2: str | Sequence[str],
+        text_1: ScoreInput | Sequence[ScoreInput],
+        text_2: ScoreInput | Sequence[ScoreInput],
         *,
         truncate_prompt_tokens: int | None = None,
         use_tqdm: UseTqdm = True,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[ScoringRequestOutput]:
         """Cosine similarity of the embeddings of text_1 and text_2 pairwise (one text_1 against
-        every text_2), as vLLM scores with an embedding model. A classifier (cross-encoder) model
-        gets error outputs: its head scores a pair, which this cosine would leave out."""
-        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
-        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        every text_2), as vLLM scores with an embedding model; each text is a string or a
+        {"prompt"} or {"prompt_token_ids"} dict. A classifier (cross-encoder) model gets error
+        outputs: its head scores a pair, which this cosine would leave out."""
+        _refuse_lora(lora_request)
+        firsts = _score_inputs(text_1, "text_1")
+        seconds = _score_inputs(text_2, "text_2")
         if len(firsts) == 1:
             firsts = firsts * len(seconds)
         if len(firsts) != len(seconds):
-            raise VbatchError(f"score: {len(firsts)} text_1 against {len(seconds)} text_2")
+            raise PromptValueError(
+                f"score: {len(firsts)} text_1 against {len(seconds)} text_2; give one text_1, "
+                "or one per text_2"
+            )
         if declared_head(self.model.local_path) == "score":
             return [
                 ScoringRequestOutput(str(i), ScoringOutput(float("nan")), [], error=CROSS_ENCODER)
                 for i in range(len(firsts))
             ]
         outs = self.embed(
-            [Request(prompt=[a, b]) for a, b in zip(firsts, seconds, strict=True)],
+            [*firsts, *seconds],
             normalize=True,
             truncate_prompt_tokens=truncate_prompt_tokens,
             use_tqdm=use_tqdm,
             pooling_params=pooling_params,
         )
         results = []
-        for out in outs:
-            pair = np.asarray(out.outputs.embedding, dtype=np.float64)
-            value = float(pair[0] @ pair[1]) if out.error is None else float("nan")
-            results.append(
-                ScoringRequestOutput(
-                    out.request_id, ScoringOutput(value), out.prompt_token_ids, error=out.error
-                )
-            )
+        for i, (first, second) in enumerate(zip(outs, outs[len(firsts) :], strict=False)):
+            error = first.error or second.error
+            value = float("nan")
+            if error is None:
+                a = np.asarray(first.outputs.embedding, dtype=np.float64)
+                value = float(a @ np.asarray(second.outputs.embedding, dtype=np.float64))
+            ids = first.prompt_token_ids + second.prompt_token_ids
+            results.append(ScoringRequestOutput(str(i), ScoringOutput(value), ids, error=error))
         return results
 
     def id2label(self) -> dict[int, str]:
@@ -257,6 +274,38 @@ def _task_params(task: PoolingTask, given: PoolingParams | None, **settings: Any
     return msgspec.structs.replace(given or PoolingParams(), task=task, **changes)
 
 
+def _refuse_lora(lora_request: LoRARequest | Sequence[LoRARequest | None] | None) -> None:
+    """vLLM's pooling calls take lora_request; vbatch runs adapters with generation only."""
+    given = lora_request if isinstance(lora_request, Sequence) else [lora_request]
+    if any(r is not None for r in given):
+        raise LoraError("LoRA adapters run with generation only, not with pooling tasks")
+
+
+def _prompt_items(prompts: Any) -> list[Any]:
+    """The items of a pooling call's prompts: one prompt or an iterable of them."""
+    if isinstance(prompts, (str, Request, Mapping)):
+        return [prompts]
+    if prompts is None or isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
+        raise PromptTypeError(
+            f"prompts must be {POOLING_ACCEPTED}, or a list of them; got {prompts!r:.80}"
+        )
+    return list(prompts)
+
+
+def _score_inputs(texts: Any, name: str) -> list[Any]:
+    """score's text_1 or text_2: one text (a string or a prompt dict) or a list of them."""
+    items = _prompt_items(texts)
+    for item in items:
+        if not isinstance(item, (str, Mapping)):
+            raise PromptTypeError(
+                f"{name} must hold strings or {{'prompt'}} / {{'prompt_token_ids'}} dicts, "
+                f"got {type(item).__name__}"
+            )
+    if not items:
+        raise PromptValueError(f"score: {name} is empty")
+    return items
+
+
 def _pooling_request(item: PromptInput | Mapping[str, Any], params: PoolingParams) -> Request:
     if isinstance(item, Mapping):
         item = to_request(item)
@@ -266,7 +315,4 @@ def _pooling_request(item: PromptInput | Mapping[str, Any], params: PoolingParam
         return item
     if isinstance(item, (str, list)):
         return Request(prompt=item, pooling_params=params)
-    raise VbatchError(
-        f"each input must be a prompt string, a list of them, a {{'prompt'}} or "
-        f"{{'prompt_token_ids'}} dict or a vbatch.llm.Request, got {type(item).__name__}"
-    )
+    raise PromptTypeError(f"each input must be {POOLING_ACCEPTED}, got {type(item).__name__}")

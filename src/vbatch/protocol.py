@@ -184,8 +184,8 @@ class Ready(_Msg, tag=10):
 
 class StartupFailed(_Msg, tag=11):
     """The core could not start; `kind` names its error when that is a settled one (a model it
-    cannot load, settings it refuses: "ModelLoadError", "ConfigError"), which starting again
-    with the same settings would repeat; "" otherwise."""
+    cannot load, settings or LoRA adapters it refuses: "ModelLoadError", "ConfigError",
+    "LoraError"), which starting again with the same settings would repeat; "" otherwise."""
 
     message: str
     traceback: str = ""

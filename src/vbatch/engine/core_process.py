@@ -29,7 +29,7 @@ from vbatch.engine.cpu_share import CpuShare, shares_cpus
 from vbatch.engine.heap import keep_freed_memory
 from vbatch.engine.openmp_waits import set_core_waits
 from vbatch.engine.startup_gc import pause_collection, resume_collection
-from vbatch.errors import ConfigError, ModelLoadError, VbatchError
+from vbatch.errors import ConfigError, LoraError, ModelLoadError, VbatchError
 from vbatch.protocol import (
     Abort,
     AddRequest,
@@ -237,7 +237,7 @@ def _serve(config: EngineConfig, in_q: queue.Queue, out_q: queue.Queue, watchdog
 
         core = make_core(config, on_progress=lambda stage: out_q.put(StartupProgress(stage)))
     except BaseException as e:
-        kind = type(e).__name__ if isinstance(e, ModelLoadError | ConfigError) else ""
+        kind = type(e).__name__ if isinstance(e, ModelLoadError | ConfigError | LoraError) else ""
         out_q.put(StartupFailed(message=_describe(e), traceback=traceback.format_exc(), kind=kind))
         return 1
     info = core.info

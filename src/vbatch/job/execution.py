@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from vbatch.engine_sets.base import EngineSet, StartupCancelled
 from vbatch.engine_sets.factory import open_engine_set, starts_briefly
 from vbatch.errors import (
@@ -107,6 +109,8 @@ class JobExecution:
         self.task_params = pooling_params(self.task, manifest.options.dimensions)
         self.labels: dict[int, str] = {}
         self.schema = None
+        # NOTE: the width of a Parquet embed job's vector columns (None: any width).
+        self.dimension: int | None = None
         if manifest.output_format == "parquet":
             kept = self.columns.keep_columns
             self.schema = parquet_schema(
@@ -118,10 +122,11 @@ class JobExecution:
                 lora=manifest.lora_rows is not None,
             )
             if self.task_params is not None:
+                self.dimension = self._dimension()
                 self.schema = task_schema(
                     self.task,
                     manifest.id_kind,
-                    self._dimension(),
+                    self.dimension,
                     [self.schema.field(name) for name in kept],
                 )
         self.writer = open_writer(job_dir, journal, manifest, self.schema)
@@ -432,6 +437,20 @@ class JobExecution:
             return f"{where}: an embeddings line in a --task {self.task} job"
         if row.openai_kind == "embeddings" and self.task == "generate" and self.schema is not None:
             return f"{where}: embeddings lines in a Parquet output need --task embed"
+        params = row.pooling_params
+        if row.openai_kind == "embeddings" and params is not None:
+            job_dimensions = self.manifest.options.dimensions
+            if params.dimensions is None and job_dimensions is not None:
+                row.pooling_params = params = msgspec.structs.replace(
+                    params, dimensions=job_dimensions
+                )
+            wanted = params.dimensions
+            if self.dimension is not None and wanted is not None and wanted != self.dimension:
+                return (
+                    f"{where}: body.dimensions {wanted} is not this job's embedding width "
+                    f"{self.dimension}: a Parquet output holds one width (give --dimensions "
+                    f"{wanted}, or write JSONL)"
+                )
         return None
 
     def _result_values(self, row: InputRow, result: Any) -> dict[str, Any]:

@@ -183,6 +183,8 @@ class RowParser:
                 self._parse_plain(record, row)
             if self.loras is not None:
                 row.lora = self._lora(record, self.loras)
+            else:
+                self._refuse_unloaded_lora(record)
         except (RowError, SamplingParamsError, InputError) as e:
             _fail(row, f"{location}: {e}")
         except Exception as e:
@@ -208,6 +210,17 @@ class RowParser:
                 f"(--lora gave {', '.join(loras.names)})"
             )
         return name
+
+    def _refuse_unloaded_lora(self, record: dict[str, Any]) -> None:
+        """A row of a job without --lora that names an adapter in its `lora` field would run on
+        the base model under that name: it is a RowError (`lora` is an output field, so the
+        input column cannot be kept as data either)."""
+        name = None if is_openai_record(record) else record.get("lora")
+        if name is not None:
+            raise RowError(
+                f"lora {name!r:.60}: this job has no LoRA adapters; give --lora NAME=PATH "
+                "(generation jobs only), or rename the input column"
+            )
 
     def _kept(self, record: dict[str, Any]) -> dict[str, Any] | None:
         if self.options.keep_all_columns:

@@ -58,7 +58,7 @@ from vbatch.job.reader import InputReader, InputScan, scan_input
 from vbatch.job.results import OUTPUT_COLUMNS
 from vbatch.job.rows import ColumnOptions, LoraRows, RowParser
 from vbatch.job.shard import Shard, shard_of_output, shards_on_disk
-from vbatch.job.tasks import head_problem, task_columns
+from vbatch.job.tasks import embedding_dimension, head_problem, task_columns
 from vbatch.lora.adapter import read_adapter_config
 from vbatch.models.config import declared_head
 from vbatch.models.loader import locate_model
@@ -235,6 +235,18 @@ def _refuse_generation_options(spec: JobSpec, config: EngineConfig) -> None:
         raise InputError(f"{', '.join(names)}: generation only, not for a --task {spec.task} job")
 
 
+def _check_dimensions(spec: JobSpec) -> None:
+    """--dimensions cuts embeddings: refused for another task, or past the model's width."""
+    assert spec.dimensions is not None
+    if spec.task != "embed":
+        raise InputError(f"--dimensions: --task embed only, not for a --task {spec.task} job")
+    width = embedding_dimension(locate_model(spec.model).path, None)
+    if width is not None and spec.dimensions > width:
+        raise InputError(
+            f"--dimensions {spec.dimensions} exceeds the model's embedding size {width}"
+        )
+
+
 def _refuse_missing_adapters(identity: ModelIdentity) -> None:
     """A job's LoRA adapters load from the paths it started with: one whose files are gone from
     there stops a resume, which --force cannot help."""
@@ -304,6 +316,8 @@ def _prepare_job(
     config = EngineConfig.from_dict({**spec.engine_args, "model": spec.model})
     if spec.task != "generate":
         _refuse_generation_options(spec, config)
+    if spec.dimensions is not None:
+        _check_dimensions(spec)
     problem = head_problem(spec.task, declared_head(locate_model(spec.model).path))
     if problem is not None:
         raise InputError(problem)

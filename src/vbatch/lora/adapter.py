@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +43,29 @@ class AdapterConfig:
     rank: int
     lora_alpha: float
     use_rslora: bool
+    # NOTE: as adapter_config.json gives them: a list of module names, a regex, "all-linear".
+    target_modules: list[str] | str | None = None
+    rank_pattern: dict[str, int] = field(default_factory=dict)
 
     def scaling(self, rank: int) -> float:
         return self.lora_alpha / (math.sqrt(rank) if self.use_rslora else rank)
+
+    def targets(self, module: str) -> bool:
+        """Whether PEFT puts a LoRA layer on `module` (a dotted name under the base model): a
+        listed name equal to it or to its trailing parts, a regex matching it whole."""
+        targets = self.target_modules
+        if targets is None or targets == _ALL_LINEAR:
+            return True
+        if isinstance(targets, str):
+            return re.fullmatch(targets, module) is not None
+        return any(module == t or module.endswith(f".{t}") for t in targets)
+
+    def rank_of(self, module: str) -> int:
+        """The rank adapter_config.json gives `module`: its rank_pattern entry, else r."""
+        for pattern, rank in self.rank_pattern.items():
+            if re.match(rf"(.*\.)?({pattern})$", module):
+                return rank
+        return self.rank
 
     @property
     def files(self) -> list[Path]:
@@ -99,16 +120,34 @@ def read_adapter_config(name: str, path: str | Path, max_lora_rank: int) -> Adap
             )
     elif targets is not None and targets != _ALL_LINEAR and not isinstance(targets, str):
         raise fail(f"target_modules {targets!r} is neither a list nor a pattern")
+    if isinstance(targets, str) and targets != _ALL_LINEAR:
+        try:
+            re.compile(targets)
+        except re.error as e:
+            raise fail(f"target_modules {targets!r} is not a valid pattern: {e}") from None
     rank = raw.get("r")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise fail(f"r must be a positive integer, got {rank!r}")
-    ranks = [rank, *raw.get("rank_pattern", {}).values()]
+    rank_pattern = raw.get("rank_pattern") or {}
+    if not isinstance(rank_pattern, dict) or not all(
+        isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in rank_pattern.values()
+    ):
+        raise fail(f"rank_pattern must map module patterns to positive ranks, got {rank_pattern!r}")
+    ranks = [rank, *rank_pattern.values()]
     if max(ranks) > max_lora_rank:
         raise fail(f"rank {max(ranks)} is above max_lora_rank {max_lora_rank}")
     alpha = raw.get("lora_alpha", 8)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise fail(f"lora_alpha must be a number, got {alpha!r}")
-    return AdapterConfig(name, root, rank, float(alpha), bool(raw.get("use_rslora", False)))
+    return AdapterConfig(
+        name,
+        root,
+        rank,
+        float(alpha),
+        bool(raw.get("use_rslora", False)),
+        list(targets) if isinstance(targets, list) else targets,
+        dict(rank_pattern),
+    )
 
 
 def parse_lora_option(value: str) -> tuple[str, str]:

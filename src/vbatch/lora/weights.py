@@ -63,6 +63,11 @@ def read_adapter_weights(
                 f"adapts {module}, which is not an attention or dense MLP projection of this "
                 "model (vbatch adapts q, k, v, o, gate, up and down)"
             )
+        if not adapter.targets(module):
+            raise fail(
+                f"holds LoRA weights for {module}, which its target_modules "
+                f"{adapter.target_modules!r:.80} do not name (PEFT would not apply them)"
+            )
         in_features, out_features = shapes[projection]
         rank = a.shape[0]
         if rank > max_lora_rank:
@@ -75,6 +80,11 @@ def read_adapter_weights(
             )
         if end > out_features:
             raise fail(f"{module}: B has {b.shape[0]} rows, more than this model's projection")
+        if rank != adapter.rank_of(module):
+            raise fail(
+                f"{module} has rank {rank}, but adapter_config.json gives it "
+                f"r = {adapter.rank_of(module)}"
+            )
         piece = LoraPiece(target.row_start, a.contiguous(), b * adapter.scaling(rank))
         pieces.setdefault(projection, []).append(piece)
     for projection_pieces in pieces.values():
