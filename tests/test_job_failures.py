@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import gzip
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -35,7 +36,7 @@ import vbatch
 from vbatch.errors import JobStateError
 from vbatch.job.finalize import finalize
 from vbatch.job.journal import Journal, read_journal
-from vbatch.job.paths import tmp_output_path
+from vbatch.job.paths import job_dir_for, tmp_output_path
 from vbatch.job.results import error_row, parquet_schema
 from vbatch.job.rows import InputRow
 from vbatch.job.writer import ParquetWriter
@@ -449,22 +450,83 @@ def test_an_input_cut_short_while_the_job_runs_is_an_error_not_an_interruption(
     tmp_path: Path,
 ) -> None:
     """Exit 75 means a signal stopped the job (a scheduler requeues on it); an input that ends
-    early is an error naming the cause, and the rows committed stay."""
+    early is an error naming the cause, and the rows committed stay. The cut falls inside a
+    line, which is part of the cut, not an error row: once the input is restored, a resume
+    runs it."""
     model = model_file(tmp_path)
     input_path = write_input(tmp_path / "in.jsonl", 400)
+    original = input_path.read_bytes()
+    cut = original.index(b"\n", len(original) // 2) - 5
     output = tmp_path / "out.jsonl"
     proc = run_vbatch(
         tmp_path,
         *run_args(input_path, output, model),
         VBATCH_STANDIN_EDIT_AFTER="5",
         VBATCH_STANDIN_EDIT_PATH=str(input_path),
-        VBATCH_STANDIN_EDIT_SIZE=str(input_path.stat().st_size // 2),
+        VBATCH_STANDIN_EDIT_SIZE=str(cut),
     )
     line = error_line(proc)
     assert "ended before the 400 rows it had when the job started" in line, line
     assert "changed during the job" in line
     committed = run_vbatch(tmp_path, "status", str(output))
     assert "400" in committed.stdout, committed.stdout
+    input_path.write_bytes(original)
+    resumed = run_vbatch(tmp_path, "resume", str(output), "-q")
+    assert resumed.returncode == 0, resumed.stderr
+    assert_exactly_once(output, 400)
+
+
+def test_a_forced_resume_of_a_complete_job_takes_no_new_rows(tmp_path: Path) -> None:
+    """A complete job's output is final: resume --force on a grown input is refused, and the
+    manifest still describes the job that ran."""
+    model = model_file(tmp_path)
+    input_path = write_input(tmp_path / "in.jsonl", 20)
+    output = tmp_path / "out.jsonl"
+    assert run_vbatch(tmp_path, *run_args(input_path, output, model)).returncode == 0
+    with input_path.open("a") as f:
+        f.write('{"id": "new", "prompt": "appended"}\n')
+    line = error_line(run_vbatch(tmp_path, "resume", str(output), "--force"))
+    assert "is already complete" in line and "takes no new rows" in line, line
+    assert "--overwrite" in line
+    status = run_vbatch(tmp_path, "status", str(output), "--json")
+    assert json.loads(status.stdout)["remaining"] == 0, status.stdout
+    assert_exactly_once(output, 20)
+
+
+def test_directories_where_vbatch_keeps_files_are_named(tmp_path: Path) -> None:
+    model = model_file(tmp_path)
+    input_path = write_input(tmp_path / "in.jsonl", 10)
+    output = tmp_path / "out.parquet"
+    tmp_output_path(output).mkdir()
+    line = error_line(run_vbatch(tmp_path, *run_args(input_path, output, model)))
+    assert f"{tmp_output_path(output)} is a directory, where vbatch keeps a file" in line, line
+    tmp_output_path(output).rmdir()
+    proc = run_vbatch(
+        tmp_path, *run_args(input_path, output, model, "--commit-every-rows", "2"),
+        VBATCH_STANDIN_EXIT_AFTER="5",
+    )  # fmt: skip
+    assert proc.returncode != 0
+    (job_dir_for(output) / "parts" / "stray").mkdir()
+    resumed = run_vbatch(tmp_path, "resume", str(output), "-q")
+    assert resumed.returncode == 0, resumed.stderr
+    assert_exactly_once(output, 10)
+
+
+def test_a_job_resumed_by_another_spelling_of_its_path_has_not_moved(tmp_path: Path) -> None:
+    model = model_file(tmp_path)
+    (tmp_path / "a").mkdir()
+    input_path = write_input(tmp_path / "a" / "in.jsonl", 10)
+    output = tmp_path / "a" / "out.jsonl"
+    proc = run_vbatch(tmp_path, *run_args(input_path, output, model), VBATCH_STANDIN_EXIT_AFTER="3")
+    assert proc.returncode != 0
+    manifest = json.loads((job_dir_for(output) / "manifest.json").read_text())
+    assert manifest["input_path"] == str(input_path)
+    resumed = run_vbatch(tmp_path / "a", "resume", "../a/out.jsonl", "-q")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "note:" not in resumed.stderr, resumed.stderr
+    manifest = json.loads((job_dir_for(output) / "manifest.json").read_text())
+    assert manifest["output_path"] == str(output)
+    assert_exactly_once(output, 10)
 
 
 @pytest.mark.parametrize("damage", ["delete", "truncate", "garbage"])

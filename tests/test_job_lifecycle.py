@@ -474,6 +474,11 @@ def test_resume_force_refuses_an_input_that_now_ends_before_committed_rows(
     manifest = job_dir_for(job.output_path) / "manifest.json"
     before = manifest.read_bytes()
     write_jsonl(input_path, TEN_ROWS[:6])
+    with pytest.raises(JobStateError, match=r"is already complete, and .*--overwrite"):
+        resume_job(job.output_path, {"display": "quiet"}, force=True, llm_factory=shared_llm)
+    assert manifest.read_bytes() == before, "a refused resume changes nothing"
+    journal = job_dir_for(job.output_path) / JOURNAL_NAME
+    journal.write_bytes(b"".join(journal.read_bytes().splitlines(keepends=True)[:-1]))
     with pytest.raises(JobStateError, match=r"now has 6 rows, but rows up to index 9.*--overwrite"):
         resume_job(job.output_path, {"display": "quiet"}, force=True, llm_factory=shared_llm)
     assert manifest.read_bytes() == before, "a refused resume changes nothing"

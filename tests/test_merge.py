@@ -239,3 +239,43 @@ def test_shards_may_differ_in_threads_and_cores_as_the_docs_say(
     result = merge(str(output))
     assert result.exit_code == 0, result.output
     assert len(rows_of(output)) == 8
+
+
+def test_a_merge_removes_what_a_killed_merge_left_and_names_a_full_disk(
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    shared_llm: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGKILL leaves a merge's sort runs and temp file; the next merge (holding every shard's
+    lock) removes them. A full disk names the file and the room the merge needs."""
+    import errno
+
+    from vbatch.job import merge as merge_module
+
+    make_input(tmp_path / "in.jsonl", 6)
+    output = tmp_path / "out.jsonl"
+    for index in range(2):
+        job = spec(tmp_path, tiny_model_dir, output.name, Shard(index, 2))
+        assert start_job(job, QUIET, llm_factory=shared_llm).exit_code == 0
+    (tmp_path / ".out.jsonl.abc123.merge").mkdir()
+    (tmp_path / ".out.jsonl.abc123.merge" / "run-0").write_bytes(b"x" * 100)
+    (tmp_path / ".out.jsonl.def456.merge-tmp").write_bytes(b"y" * 100)
+    (tmp_path / ".other.jsonl.abc.merge-tmp").write_bytes(b"not ours")
+
+    def full_disk(tmp: Path, *args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(merge_module, "_write_merged_to", full_disk)
+        result = merge(str(output), "--ordered")
+    assert result.exit_code == 1, result.output
+    assert ".merge-tmp" in result.output and "MiB free in" in result.output, result.output
+    leftovers = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
+    assert leftovers == [".other.jsonl.abc.merge-tmp"], leftovers
+    (tmp_path / ".out.jsonl.abc123.merge").mkdir()
+    (tmp_path / ".out.jsonl.def456.merge-tmp").write_bytes(b"y")
+    assert merge(str(output)).exit_code == 0
+    assert sorted(r["index"] for r in rows_of(output)) == list(range(6))
+    leftovers = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
+    assert leftovers == [".other.jsonl.abc.merge-tmp"], leftovers

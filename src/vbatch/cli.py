@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Mapping
@@ -233,6 +234,10 @@ def _guarded(fn: Callable[[], T]) -> T:
             _fail(str(storage_error(e, then="then run the same command again")))
         _fail(unexpected_error(e))
     raise AssertionError("unreachable")
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _show_traceback() -> None:
@@ -467,6 +472,9 @@ def merge(
     """Merge the shards of a job array (`run --shard I/N`) into OUTPUT, once all are complete."""
     from vbatch.job.merge import merge_shards
 
+    # NOTE: SIGTERM (Slurm, Kubernetes, timeout) stops a merge as Ctrl-C does: its temp files
+    # go, and it says so.
+    signal.signal(signal.SIGTERM, _interrupt)
     message = _guarded(
         lambda: merge_shards(
             output, ordered=ordered, overwrite=overwrite, remove_shards=remove_shards

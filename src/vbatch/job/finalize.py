@@ -14,7 +14,7 @@ import numpy as np
 from vbatch.errors import StorageError, is_storage_failure, storage_error
 from vbatch.job.encoding import parquet_batches
 from vbatch.job.journal import JobState, Journal
-from vbatch.job.paths import fsync_dir, tmp_output_path
+from vbatch.job.paths import fsync_dir, remove_file, resume_command, tmp_output_path
 from vbatch.job.results import line_index
 from vbatch.job.writer import PARTS_DIR, check_parts
 
@@ -44,8 +44,8 @@ def finalize(
     if schema is not None:
         check_parts(job_dir, state)
     work_dir = job_dir / WORK_DIR
+    remove_file(tmp, f"then run `{resume_command(output)}`")
     try:
-        tmp.unlink(missing_ok=True)
         shutil.rmtree(work_dir, ignore_errors=True)
         work_dir.mkdir()
         if schema is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ def lora_records(loras: Any) -> list[LoraRecord] | None:
         for file_name in (CONFIG_FILE, WEIGHTS_FILE):
             file = Path(path) / file_name
             files[file_name] = hash_files([file]) if file.is_file() else "missing"
-        records.append(LoraRecord(name=name, path=str(Path(path).absolute()), files=files))
+        records.append(LoraRecord(name=name, path=os.path.abspath(path), files=files))
     return records or None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import itertools
 import os
 import shlex
@@ -16,7 +17,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from vbatch.errors import JobStateError
+from vbatch.errors import JobStateError, is_storage_failure, storage_error
 from vbatch.job.encoding import parquet_batches
 from vbatch.job.finalize import BATCH_ROWS, RowGroupSink, write_sorted_lines, write_sorted_parquet
 from vbatch.job.journal import JOURNAL_NAME, JobState, read_journal
@@ -327,7 +328,9 @@ def _check_rows(jobs: list[ShardJob], fmt: str) -> int:
     assert manifest is not None and manifest.shard is not None
     if len(indices) != manifest.shard.input_rows:
         raise JobStateError(
-            f"the shards hold {len(indices)} rows, but the input has {manifest.shard.input_rows}"
+            f"the shards hold {len(indices)} rows, but the input has {manifest.shard.input_rows}:"
+            " the shards did not all run on this input; run every shard again with `vbatch run "
+            "... --shard I/N --overwrite`"
         )
     return len(indices)
 
@@ -355,30 +358,56 @@ def _indices(job: ShardJob, fmt: str) -> np.ndarray:
 
 
 def _write_merged(output: Path, jobs: list[ShardJob], fmt: str, *, ordered: bool) -> None:
-    """Write the merged rows to a temp file next to `output`, fsync it, rename it into place."""
+    """Write the merged rows to a temp file next to `output`, fsync it, rename it into place.
+    Called under every shard's lock, so the temp files of an earlier merge of `output` that was
+    killed are stale, and go first."""
     prefix = f".{output.name}."
+    for stale in output.parent.glob(f"{glob.escape(prefix)}*.merge*"):
+        if stale.suffix == ".merge" and stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        elif stale.suffix == ".merge-tmp" and not stale.is_dir():
+            stale.unlink(missing_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=prefix, suffix=".merge-tmp", dir=output.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     work_dir = Path(tempfile.mkdtemp(prefix=prefix, suffix=".merge", dir=output.parent))
     try:
-        if fmt == "parquet":
-            _write_parquet(tmp, jobs, work_dir, ordered=ordered)
-        else:
-            with open(tmp, "wb") as dst:
-                if ordered:
-                    write_sorted_lines(_lines(jobs), work_dir, dst)
-                else:
-                    for job in jobs:
-                        with open(job.output, "rb") as src:
-                            shutil.copyfileobj(src, dst)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, output)
-        fsync_dir(output.parent)
+        _write_merged_to(tmp, output, jobs, fmt, work_dir, ordered=ordered)
+    except OSError as e:
+        if not is_storage_failure(e):
+            raise
+        size = sum(job.output.stat().st_size for job in jobs)
+        # NOTE: sorted rows need their sort runs beside the merged file until it is written.
+        needed = 2 * size if ordered else size
+        raise storage_error(
+            e,
+            e.filename or tmp,
+            f"then run the same command again (the merge needs about {needed / 2**20:.1f} MiB "
+            f"free in {output.parent})",
+        ) from e
     finally:
         tmp.unlink(missing_ok=True)
         shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _write_merged_to(
+    tmp: Path, output: Path, jobs: list[ShardJob], fmt: str, work_dir: Path, *, ordered: bool
+) -> None:
+    """_write_merged's writing: the rows to `tmp` (sort runs in `work_dir`), then into place."""
+    if fmt == "parquet":
+        _write_parquet(tmp, jobs, work_dir, ordered=ordered)
+    else:
+        with open(tmp, "wb") as dst:
+            if ordered:
+                write_sorted_lines(_lines(jobs), work_dir, dst)
+            else:
+                for job in jobs:
+                    with open(job.output, "rb") as src:
+                        shutil.copyfileobj(src, dst)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, output)
+    fsync_dir(output.parent)
 
 
 def _lines(jobs: list[ShardJob]) -> Iterator[tuple[int, bytes]]:

@@ -25,6 +25,14 @@ def tmp_output_path(output: Path) -> Path:
     return output.with_name(f".{output.name}.vbatch-tmp")
 
 
+def remove_file(path: Path, then: str) -> None:
+    """Remove the file vbatch keeps at `path`, if any; a directory there is not vbatch's, so it
+    stays, and the error names it (`then`: what to do once it is gone)."""
+    if path.is_dir() and not path.is_symlink():
+        raise InputError(f"{path} is a directory, where vbatch keeps a file: remove it, {then}")
+    path.unlink(missing_ok=True)
+
+
 def resume_command(output: Path) -> str:
     return f"vbatch resume {shlex.quote(str(output))}"
 

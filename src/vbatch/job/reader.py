@@ -314,6 +314,11 @@ class InputReader:
                         continue
                     if limit is not None and index >= limit:
                         return
+                    if limit is not None and index < limit - 1 and not line.endswith(b"\n"):
+                        # NOTE: a last line without its newline, before the rows the job
+                        # counted: the input was cut inside it, which the job reports (it ended
+                        # before its rows); it is not a row to commit as an error.
+                        return
                     if skip is None or index not in skip:
                         location = f"line {line_number}"
                         try:

@@ -51,7 +51,9 @@ from vbatch.job.paths import (
     job_dir_for,
     output_format,
     refuse_clashing_paths,
+    remove_file,
     resume_command,
+    same_file,
     tmp_output_path,
 )
 from vbatch.job.reader import InputReader, InputScan, scan_input
@@ -156,8 +158,8 @@ def _remove_job(job_dir: Path, output: Path) -> None:
             shutil.rmtree(entry)
         else:
             entry.unlink()
-    output.unlink(missing_ok=True)
-    tmp_output_path(output).unlink(missing_ok=True)
+    remove_file(output, "then run the same command again")
+    remove_file(tmp_output_path(output), "then run the same command again")
 
 
 def _resolve_columns(spec: JobSpec, reader: InputReader, scan: InputScan) -> ColumnOptions:
@@ -345,12 +347,12 @@ def _prepare_job(
 
     manifest = Manifest(
         vbatch_version=__version__,
-        input_path=str(spec.input_path.absolute()),
+        input_path=os.path.abspath(spec.input_path),
         input_format=reader.format,
         input=input_fingerprint(spec.input_path),
         num_rows=scan.num_rows,
         id_kind=scan.id_kind,
-        output_path=str(output.absolute()),
+        output_path=os.path.abspath(output),
         output_format=fmt,
         model=model_identity(spec.model, spec.engine_args.get("loras")),
         engine=dict(spec.engine_args),
@@ -469,7 +471,7 @@ def _start_shard_like(
         scan = _rescan_input(sibling, shard)
         manifest = msgspec.structs.replace(
             sibling,
-            output_path=str(output.absolute()),
+            output_path=os.path.abspath(output),
             num_rows=scan.num_rows,
             shard=_shard_record(shard, scan.input_rows),
             created=time.time(),
@@ -521,6 +523,7 @@ def _resume_locked(
             "`vbatch run ... --overwrite`"
         )
     if mismatches:
+        _refuse_forcing_complete(job_dir, output, mismatches)
         old_input, old_rows = manifest.input, manifest.num_rows
         scan = _rescan_input(manifest, manifest.shard_spec)
         _refuse_lost_rows(job_dir, manifest, output, scan.input_rows)
@@ -540,8 +543,11 @@ def _adopt_moved_output(output: Path, job_dir: Path, manifest: Manifest) -> None
     """The job directory beside `output` belongs to `output`: where its manifest names another
     path, the output and its job directory were moved or copied together, and the job goes on
     here (its rows are never written to the old path)."""
-    here = str(output.absolute())
+    here = os.path.abspath(output)
     if manifest.output_path == here:
+        return
+    if same_file(job_dir_for(Path(manifest.output_path)), job_dir):
+        # NOTE: the same job directory by another spelling (`..`, a symlinked folder).
         return
     print(
         f"note: this job was started as {manifest.output_path}; it goes on at {here}, beside "
@@ -562,6 +568,19 @@ def _make_dir_for(path: Path, what: str = "") -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise storage_error(e, path.parent, "then run the job again") from e
+
+
+def _refuse_forcing_complete(job_dir: Path, output: Path, mismatches: list[str]) -> None:
+    """resume --force on a complete job: its output is final, so it takes no new input rows or
+    settings (the manifest is left as it is)."""
+    state, _ = read_journal(job_dir / JOURNAL_NAME)
+    if state.complete is None:
+        return
+    raise JobStateError(
+        f"cannot resume: {output} is already complete, and " + "; ".join(mismatches) + ". A "
+        "complete job takes no new rows or settings: run the new rows as a new job, or start "
+        f"again with `vbatch run ... -o {shlex.quote(str(output))} --overwrite`"
+    )
 
 
 def _refuse_lost_rows(job_dir: Path, manifest: Manifest, output: Path, num_rows: int) -> None:
@@ -742,7 +761,7 @@ def job_status(output: Path) -> dict[str, Any]:
     state, _ = read_journal(job_dir / JOURNAL_NAME)
     manifest = Manifest.load(job_dir)
     # NOTE: a moved or copied job reports where it is now (resume adopts that path).
-    manifest.output_path = str(output.absolute())
+    manifest.output_path = os.path.abspath(output)
     status = _status(job_dir, manifest, state)
     return {**status, "shards": shards} if shards else status
 

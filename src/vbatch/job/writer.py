@@ -284,5 +284,6 @@ def _kept_json(manifest: Manifest) -> KeptJson | None:
 def remove_orphan_parts(parts_dir: Path, committed: set[str]) -> None:
     """Delete part files no commit names (written by a run killed before its journal record)."""
     for path in parts_dir.iterdir():
-        if f"{PARTS_DIR}/{path.name}" not in committed:
+        # NOTE: a directory is not a part vbatch wrote: it stays, and parts never go there.
+        if f"{PARTS_DIR}/{path.name}" not in committed and not path.is_dir():
             path.unlink()
