@@ -156,3 +156,31 @@ def test_a_seq_growing_past_the_length_is_recomputed_without_short_factor_hits()
     assert list(sched.waiting) == [short] and sched.running == [other, long]
     out = sched.schedule()
     assert out.seqs == [other, long, short] and out.num_new_tokens == [1, 1, 9]
+
+
+def test_prompt_logprobs_past_the_length_use_the_long_factors(
+    phi3: tuple[Any, Path], tmp_path: Path, smollm2: Any
+) -> None:
+    """A prompt longer than the pre-training length is scored on the long factors, as
+    transformers' forward (and vbatch's own generation) rotates it; they were the short ones."""
+    import shutil
+
+    from benchmarks.tiny_model import TOKENIZER_FILES
+    from vbatch import LLM
+
+    model, model_dir = phi3
+    local = tmp_path / "phi3"
+    shutil.copytree(model_dir, local)
+    for name in TOKENIZER_FILES:
+        if (smollm2.hf_dir / name).is_file():
+            shutil.copy(smollm2.hf_dir / name, local / name)
+    prompt = random.Random(5).sample(range(100, VOCAB), 3 * ORIGINAL_LEN)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    with LLM(str(local), num_threads=1) as llm:
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    with torch.inference_mode():
+        want = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), -1)
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    for j in range(1, len(prompt)):
+        got = out.prompt_logprobs[j][prompt[j]].logprob
+        assert abs(got - float(want[j - 1, prompt[j]])) <= 1e-4, j

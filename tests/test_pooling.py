@@ -77,12 +77,14 @@ def test_classifier_logits_match_transformers(classifier: tuple[Any, Path]) -> N
     model, path = classifier
     with LLM(str(path), **ENGINE) as llm:
         outs = llm.classify(TEXTS)
+        # NOTE: transformers scores the last token that is not the pad token (0 here).
+        padded = llm.classify([{"prompt_token_ids": [500, 600, 700, 0, 0]}], use_tqdm=False)
         rewards = llm.reward(TEXTS[:1])
         # NOTE: a cross-encoder scores a pair with its head; a cosine of embeddings would not.
         scored = llm.score("query", TEXTS[:2], use_tqdm=False)
     assert [s.error for s in scored] == [CROSS_ENCODER] * 2
     assert all(math.isnan(s.outputs.score) for s in scored)
-    for out in outs:
+    for out in [*outs, *padded]:
         with torch.no_grad():
             want = model(torch.tensor([out.prompt_token_ids])).logits[0].numpy()
         assert np.abs(np.array(out.outputs.logits) - want).max() <= 1e-4

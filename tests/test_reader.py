@@ -344,3 +344,31 @@ def test_a_limit_reads_only_the_rows_a_job_counted(tmp_path: Path) -> None:
         done = IndexSet()
         done.add_ranges([[1, 3]])
         assert [r.id for r in reader.rows(PARSER, done, limit=5)] == [0, 3, 4]
+
+
+def test_parquet_rows_read_their_constraint_template_and_adapter_columns(tmp_path: Path) -> None:
+    """response_format, guided (JSON text or structs, whose unset fields are null) and
+    chat_template_kwargs are read from a Parquet input as from JSONL."""
+    messages = [[{"role": "user", "content": "hi"}]] * 4
+    table = pa.table(
+        {
+            "messages": messages,
+            "guided": [{"regex": "[0-9]+", "choice": None}, None, None, None],
+            "response_format": [None, '{"type": "json_object"}', None, None],
+            "chat_template_kwargs": [None, None, '{"enable_thinking": false}', None],
+            "lora": [None, None, None, "sql"],
+        }
+    )
+    path = tmp_path / "in.parquet"
+    pq.write_table(table, path)
+    reader = InputReader(path, None, ColumnOptions())
+    parser = RowParser(ColumnOptions(), SamplingParams())
+    regex, json_object, kwargs, lora = reader.rows(parser)
+    assert regex.error is None and regex.sampling_params is not None
+    assert regex.sampling_params.structured is not None
+    assert regex.sampling_params.structured.regex == "[0-9]+"
+    assert json_object.sampling_params is not None
+    assert json_object.sampling_params.structured is not None
+    assert json_object.sampling_params.structured.json_object
+    assert kwargs.chat_template_kwargs == {"enable_thinking": False}
+    assert lora.error is not None and "this job has no LoRA adapters" in lora.error

@@ -271,3 +271,30 @@ def test_parse_json_keeps_integers_beyond_64_bits_exact() -> None:
     assert json.loads(stored) == json.loads(text)
     small = make_result([CompletionOutput(0, '{"n": 5}', [7], "stop", None, None, True)])
     assert result_row(row, small, include_token_ids=False, parse_json=True)["json"] == {"n": 5}
+
+
+def test_echo_and_reasoning_leave_a_constrained_completion_whole_for_its_checks() -> None:
+    """An echoed prompt is not part of what the JSON check and --parse-json read; a constrained
+    sample's untagged text is its answer even for deepseek_r1 (its grammar held from the first
+    token), and a completions line's text is not split (as vLLM's /v1/completions)."""
+
+    def check(texts: list[str]) -> str | None:
+        return None if list(texts) == ['{"a": 1}'] else f"bad {list(texts)}"
+
+    done = make_result([CompletionOutput(0, '{"a": 1}', [7], "stop", None, None, True)])
+    echoed = InputRow(3, "line 4", "r", prompt="Q:", openai_kind="completions", echo=True)
+    values = result_row(echoed, done, include_token_ids=False, check=check, parse_json=True)
+    assert values["text"] == 'Q:{"a": 1}' and values["structured_valid"] is True
+    assert values["json"] == {"a": 1}
+    chat = InputRow(3, "line 4", "r", openai_kind="chat")
+    values = result_row(
+        chat, done, include_token_ids=False, check=check, reasoning_parser="deepseek_r1"
+    )
+    assert values["text"] == '{"a": 1}' and values["reasoning"] is None
+    assert values["structured_valid"] is True
+    thought = make_result([CompletionOutput(0, "<think>x</think>y", [7], "stop", None)])
+    completion = InputRow(3, "line 4", "r", prompt="Q", openai_kind="completions")
+    values = result_row(completion, thought, include_token_ids=False, reasoning_parser="qwen3")
+    assert values["text"] == "<think>x</think>y" and values["reasoning"] is None
+    values = result_row(chat, thought, include_token_ids=False, reasoning_parser="qwen3")
+    assert (values["reasoning"], values["text"]) == ("x", "y")

@@ -211,6 +211,10 @@ def test_openai_fields_without_effect_are_accepted_and_logit_bias_and_echo_are_m
         ({"messages": CHAT, "echo": True}, "echo is a /v1/completions field"),
         ({"prompt": "x", "echo": True, "logprobs": 1}, "echo with logprobs"),
         ({"prompt": "x", "echo": "yes"}, "echo must be true or false"),
+        ({"messages": CHAT, "logprobs": False, "top_logprobs": 3}, "needs logprobs: true"),
+        ({"messages": CHAT, "top_logprobs": 3}, "top_logprobs needs logprobs: true"),
+        ({"messages": CHAT, "logprobs": True, "top_logprobs": 25}, "top_logprobs must be an"),
+        ({"messages": CHAT, "logprobs": 2}, "logprobs must be true or false"),
     ):
         url = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
         row = parse({"custom_id": "c", "url": url, "body": body})

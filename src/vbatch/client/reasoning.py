@@ -29,6 +29,13 @@ def check_reasoning_parser(name: str | None) -> str | None:
     return name
 
 
+def constrained_parser(parser: str | None) -> str | None:
+    """The parser for a sample under a grammar, which holds from its first token: the sample
+    cannot start inside a `<think>` its template opened (deepseek_r1's reading of an untagged
+    output), so only the tags the grammar let it write mark reasoning."""
+    return ReasoningParser.THINK.value if parser == ReasoningParser.DEEPSEEK_R1 else parser
+
+
 def split_reasoning(text: str, parser: str) -> tuple[str | None, str]:
     """(reasoning, answer) of one output; reasoning is None when the output has none.
 

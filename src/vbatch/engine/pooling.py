@@ -232,6 +232,11 @@ class PoolingQueue:
             prompt_chunks=torch.ones(len(seqs), dtype=torch.int32),
         )
         model = self.runner.model
+        # NOTE: longrope: a prompt longer than the pre-training length rotates by the long
+        # factors throughout, as the scheduler sets seq.long_rope for a generation's prompt.
+        long_from = self.runner.model_config.long_rope_from
+        if long_from is not None and model.long_rope_offset is not None:
+            positions = positions + np.repeat(lens > long_from, lens) * model.long_rope_offset
         return model.forward(
             torch.from_numpy(input_ids).to(device),
             torch.from_numpy(positions).to(device),
@@ -251,7 +256,9 @@ class PoolingQueue:
             return PooledOutput(job.request_id, float32_bytes(data))
         if params.task == PoolingTask.CLASSIFY:
             assert model.score is not None, "checked on add"
-            last = torch.stack([hidden[-1] for hidden in rows])
+            pad = self.runner.model_config.pad_token_id
+            pairs = zip(rows, job.prompts, strict=True)
+            last = torch.stack([hidden[scored_position(p, pad)] for hidden, p in pairs])
             return PooledOutput(job.request_id, float32_bytes(model.score(last).float()))
         raise AssertionError(f"{params.task} jobs are answered by _prompt_logprobs")
 
@@ -363,3 +370,14 @@ def float32_bytes(tensor: torch.Tensor) -> bytes:
 
 def _bytes(tensor: torch.Tensor, dtype: str) -> bytes:
     return np.ascontiguousarray(tensor.cpu().numpy(), dtype=dtype).tobytes()
+
+
+def scored_position(prompt: list[int], pad_token_id: int | None) -> int:
+    """The position a classifier scores: the last token that is not the pad token, as
+    transformers' *ForSequenceClassification picks it (the first when all are pad)."""
+    if pad_token_id is not None:
+        for position in range(len(prompt) - 1, -1, -1):
+            if prompt[position] != pad_token_id:
+                return position
+        return 0
+    return len(prompt) - 1

@@ -84,11 +84,15 @@ class JobExecution:
         self.defaults = SamplingParams.from_dict(manifest.sampling)
         # NOTE: the job's columns were checked against the input when it was created; these
         # are resolved from the whole input (--keep-all-columns, a mixed id key).
+        lora_rows = manifest.lora_rows
         self.reader = InputReader(
-            Path(manifest.input_path), manifest.input_format, self.columns, check_columns=False
+            Path(manifest.input_path),
+            manifest.input_format,
+            self.columns,
+            check_columns=False,
+            extra_columns=(lora_rows.column,) if lora_rows and lora_rows.column else (),
         )
         model = manifest.model
-        lora_rows = manifest.lora_rows
         # NOTE: an OpenAI line may name an adapter as its body.model.
         served = {
             model.source,

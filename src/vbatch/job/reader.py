@@ -28,7 +28,21 @@ _JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 _PARQUET_SUFFIXES = (".parquet", ".pq")
 _TABLE_SUFFIXES = (".csv", ".tsv")
 _PARQUET_BATCH_ROWS = 1024
-_ROW_COLUMNS = ("prompt", "messages", "id", "custom_id", "sampling_params", "url", "method", "body")
+# NOTE: the Parquet columns a row's parsing reads (besides those the job's options name).
+_ROW_COLUMNS = (
+    "prompt",
+    "messages",
+    "id",
+    "custom_id",
+    "sampling_params",
+    "response_format",
+    "guided",
+    "chat_template_kwargs",
+    "lora",
+    "url",
+    "method",
+    "body",
+)
 _COLUMN_CHECK_ROWS = 100
 _READ_BYTES = 1 << 16
 MAX_KEYS = 1000
@@ -173,8 +187,11 @@ class InputReader:
         options: ColumnOptions,
         *,
         check_columns: bool = True,
+        extra_columns: tuple[str, ...] = (),
     ) -> None:
+        """`extra_columns`: more columns a row's parsing reads (a --lora-column)."""
         self.path = path
+        self.extra_columns = extra_columns
         if path.is_dir():
             raise InputError(
                 f"the input {path} is a directory; give one .jsonl[.gz|.zst] or .parquet file"
@@ -205,6 +222,7 @@ class InputReader:
     def _named_columns(self) -> list[str]:
         o = self.options
         named = [o.prompt_column, o.messages_column, o.id_column, *o.keep_columns]
+        named += self.extra_columns
         return [c for c in named if c is not None]
 
     def _open_parquet(self) -> None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from vbatch.client.reasoning import split_reasoning
+from vbatch.client.reasoning import constrained_parser, split_reasoning
 from vbatch.errors import JobStateError
 from vbatch.job.encoding import fits_int64, json_default, parquet_kept_type
 from vbatch.job.rows import InputRow
@@ -125,12 +125,16 @@ def result_row(
     is_multi = len(outputs) > 1
     has_logprobs = any(o.token_logprobs is not None for o in outputs)
     stop_reason = first.stop_reason
-    reasonings, texts = zip(*(_split(o, reasoning_parser) for o in outputs), strict=True)
-    if row.echo:
-        texts = tuple(f"{row.prompt}{text}" for text in texts)
-    has_reasoning = any(r is not None for r in reasonings)
     complete = _structured_complete(outputs)
-    invalid = check(texts) if check is not None and complete else None
+    if complete is not None:
+        reasoning_parser = constrained_parser(reasoning_parser)
+    if row.openai_kind == "completions":
+        # NOTE: a completions line keeps its text whole, as vLLM's /v1/completions does.
+        reasoning_parser = None
+    reasonings, generated = zip(*(_split(o, reasoning_parser) for o in outputs), strict=True)
+    texts = tuple(f"{row.prompt}{text}" for text in generated) if row.echo else generated
+    has_reasoning = any(r is not None for r in reasonings)
+    invalid = check(generated) if check is not None and complete else None
     if invalid is not None and require_valid:
         values = error_row(row, f"{row.location}: {invalid}", len(result.prompt_token_ids))
         values["structured_valid"] = False
@@ -156,7 +160,7 @@ def result_row(
         "error": None,
         "structured_complete": complete,
         "structured_valid": (invalid is None) if check is not None and complete else None,
-        "json": _parsed(texts, is_multi) if parse_json else None,
+        "json": _parsed(generated, is_multi) if parse_json else None,
     }
 
 

@@ -10,7 +10,7 @@ from vbatch.client.tokenizer import check_template_kwargs, validate_messages
 from vbatch.errors import InputError, SamplingParamsError
 from vbatch.job.tasks import embeddings_request
 from vbatch.pooling_params import PoolingParams
-from vbatch.sampling_params import SamplingParams
+from vbatch.sampling_params import MAX_LOGPROBS, SamplingParams
 from vbatch.structured import from_response_format, row_structured
 
 OPENAI_URLS = {
@@ -256,7 +256,11 @@ class RowParser:
                     "with --task perplexity (--include-token-ids for each token's logprob)"
                 )
             row.sampling_params = self.defaults.updated(given)
-        response_format, guided = record.get("response_format"), record.get("guided")
+        response_format = _struct_fields(record.get("response_format"))
+        guided = _struct_fields(record.get("guided"))
+        if isinstance(response_format, dict) and "json_schema" in response_format:
+            spec = _struct_fields(response_format["json_schema"])
+            response_format = {**response_format, "json_schema": spec}
         if response_format is not None or guided is not None:
             # NOTE: {"type": "text"} (None) also overrides a job-wide constraint.
             structured = row_structured(response_format, guided)
@@ -318,6 +322,14 @@ class RowParser:
         self._template_kwargs(row, body.get("chat_template_kwargs"), "body.chat_template_kwargs")
 
 
+def _struct_fields(value: Any) -> Any:
+    """An object's fields without the null ones, which a Parquet struct has for each field
+    another row set: {"regex": "a+", "choice": None} is {"regex": "a+"}."""
+    if isinstance(value, dict):
+        return {key: field for key, field in value.items() if field is not None}
+    return value
+
+
 def _fail(row: InputRow, message: str) -> None:
     row.prompt = row.messages = row.sampling_params = None
     row.chat_template_kwargs = None
@@ -339,8 +351,12 @@ def openai_overrides(body: dict[str, Any], kind: str) -> dict[str, Any]:
         elif key == "logprobs" and kind == "completions":
             overrides["logprobs"] = value
         elif key == "logprobs":
+            if not isinstance(value, bool):
+                raise RowError(f"logprobs must be true or false, got {value!r:.40}")
             if value:
                 overrides.setdefault("logprobs", 0)
+        elif key == "top_logprobs" and kind == "chat":
+            overrides["logprobs"] = _top_logprobs(body, value)
         elif key == "top_logprobs":
             overrides["logprobs"] = value
         elif key == "response_format":
@@ -348,6 +364,16 @@ def openai_overrides(body: dict[str, Any], kind: str) -> dict[str, Any]:
         elif key not in OPENAI_IGNORED_KEYS:
             raise RowError(f"unsupported body field {key!r}")
     return overrides
+
+
+def _top_logprobs(body: dict[str, Any], value: Any) -> int:
+    """A chat body's `top_logprobs`: an integer in [0, 20], with `logprobs: true` (as OpenAI
+    requires)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+        raise RowError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {value!r:.40}")
+    if body.get("logprobs") is not True:
+        raise RowError("top_logprobs needs logprobs: true")
+    return value
 
 
 def logit_bias(value: Any) -> dict[int, float]:

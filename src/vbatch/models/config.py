@@ -115,6 +115,8 @@ class ModelConfig:
     # num_labels ("score", *ForSequenceClassification), or nothing ("none", the bare *Model).
     head: str = "lm"
     num_labels: int = 0
+    # NOTE: a classifier scores the last token that is not this one, as transformers does.
+    pad_token_id: int | None = None
 
     @property
     def attention_scale(self) -> float:
@@ -211,6 +213,7 @@ class ModelConfig:
             eos_token_ids=_eos_token_ids(raw, generation or {}),
             head=head,
             num_labels=_num_labels(raw) if head == "score" else 0,
+            pad_token_id=_pad_token_id(raw) if head == "score" else None,
         )
         # NOTE: the family reader sees the common fields and returns what it adds or overrides,
         # rope included (its parameters live in family-specific places).
@@ -234,6 +237,11 @@ class ModelConfig:
             raise ModelLoadError(
                 f"bad experts: top {self.num_experts_per_tok} of {self.num_experts}"
             )
+
+
+def _pad_token_id(raw: dict[str, Any]) -> int | None:
+    value = raw.get("pad_token_id")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 # NOTE: ModelConfig.head's values, as messages name them.
