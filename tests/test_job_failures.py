@@ -671,7 +671,7 @@ def test_columns_first_seen_past_the_checked_rows_keep_and_identify(tmp_path: Pa
     assert rows[0]["id"] is None and "the row has no 'id'" in rows[0]["error"]
 
 
-@pytest.mark.parametrize("where", ["new-dir", "a-directory", "below-a-file"])
+@pytest.mark.parametrize("where", ["new-dir", "a-directory", "below-a-file", "proc"])
 def test_a_metrics_file_is_checked_and_its_directory_made_before_the_job_exists(
     tmp_path: Path, where: str
 ) -> None:
@@ -684,6 +684,7 @@ def test_a_metrics_file_is_checked_and_its_directory_made_before_the_job_exists(
         "new-dir": tmp_path / "new" / "m.json",
         "a-directory": tmp_path,
         "below-a-file": input_path / "m.json",
+        "proc": Path("/proc/m.json"),
     }[where]
     proc = run_vbatch(
         tmp_path, *run_args(input_path, output, model, "--metrics-file", str(metrics))
@@ -692,7 +693,11 @@ def test_a_metrics_file_is_checked_and_its_directory_made_before_the_job_exists(
         assert proc.returncode == 0, proc.stderr
         assert orjson.loads(metrics.read_bytes())
         return
-    problem = "it is a directory" if where == "a-directory" else f"{input_path} is a file"
+    problem = {
+        "a-directory": "it is a directory",
+        "below-a-file": f"{input_path} is a file",
+        "proc": "/proc is not writable",
+    }[where]
     assert f"cannot write metrics file {metrics}: {problem}" in error_line(proc), proc.stderr
     assert not output.exists() and not (tmp_path / "out.jsonl.vbatch").exists()
     fixed = run_vbatch(tmp_path, *run_args(input_path, output, model))

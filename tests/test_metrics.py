@@ -303,3 +303,31 @@ def test_an_engine_set_gets_per_engine_figures_and_one_engine_none() -> None:
     assert data["engines"][1]["step_time_s"] == pytest.approx(0.03)
     reports[:] = reports[:1]
     assert metrics.snapshot().engines == ()
+
+
+def test_an_ended_job_shows_no_requests_in_flight_and_no_start_up_stage() -> None:
+    clock = FakeClock()
+    metrics = JobMetrics(total_rows=4, clock=clock)
+    metrics.set_startup_stage("sizing KV cache")
+    metrics.set_state("running")
+    assert metrics.snapshot().startup_stage == ""
+    metrics.on_engine_stats(SchedulerStats(num_running=3, num_waiting=2, num_prompt_tokens=9))
+    assert (metrics.snapshot().num_running, metrics.snapshot().num_waiting) == (3, 2)
+    clock.now += 1.0
+    metrics.set_state("failed")
+    snap = metrics.snapshot()
+    assert (snap.num_running, snap.num_waiting) == (0, 0)
+
+
+def test_window_and_job_prompt_rates_both_leave_out_cached_tokens() -> None:
+    """A job shorter than the window: both prompt rates count computed tokens only."""
+    clock = FakeClock()
+    metrics = JobMetrics(total_rows=8, clock=clock)
+    metrics.set_state("running")
+    for _ in range(8):
+        clock.now += 0.5
+        metrics.on_result(
+            finish_reason="stop", prompt_tokens=50, completion_tokens=20, cached_tokens=30
+        )
+    snap = metrics.snapshot()
+    assert snap.prompt_tps == pytest.approx(snap.prompt_tps_overall) == pytest.approx(40.0)

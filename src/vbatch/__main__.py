@@ -38,6 +38,10 @@ def main() -> None:
         cli_main()
     except SystemExit as e:
         exit_now(e.code)
+    except KeyboardInterrupt:
+        # NOTE: Ctrl-C before the command installed its own handling (while it imports).
+        print("error: interrupted", file=sys.stderr)
+        exit_now(130)
     finally:
         discard_preloaded()
 

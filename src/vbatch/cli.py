@@ -378,8 +378,9 @@ def resume(
     log_interval_s: o.LogInterval = RUN.log_interval_s,
     metrics_file: o.MetricsFile = RUN.metrics_file,
 ) -> None:
-    """Continue an interrupted job; the result equals an uninterrupted run. The job's options
-    left out here keep the values the job started with."""
+    """Continue an interrupted job; the result equals an uninterrupted run.
+
+    The job's options left out here keep the values the job started with."""
     from vbatch.job.runner import resume_job
 
     request = resume_request(parsed_params(ctx))
@@ -519,8 +520,9 @@ def run_batch(
     ],
     model: o.Model = None,
 ) -> None:
-    """vLLM's `run-batch` command line: `vbatch run-batch -i IN -o OUT --model M [run options]`
-    runs `vbatch run IN -o OUT --model M ...` (with its journal: `vbatch resume OUT`)."""
+    """vLLM's `run-batch` command line, run as `vbatch run` (resumable with `vbatch resume`).
+
+    Any `vbatch run` option may follow `-i IN -o OUT --model M`, and is passed on."""
     args = [str(input_file), "-o", str(output_file)]
     if model is not None:
         args += ["--model", model]

@@ -59,6 +59,14 @@ def number(least: float, *, above: bool = False, most: float | None = None) -> R
     return Range(float, least, above=above, most=most)
 
 
+def max_errors(value: str) -> float:
+    """--max-errors' parser: a count N (a whole number) or a fraction of the rows below 1."""
+    limit = number(0)(value)
+    if limit >= 1 and not float(limit).is_integer():
+        raise ValueError(f"{value} is neither a whole number of rows nor a fraction below 1")
+    return limit
+
+
 def input_format(value: str) -> str:
     """--input-format's parser: a format `--help` lists, else a usage error (exit 2)."""
     from vbatch.job.reader import INPUT_FORMATS
@@ -176,9 +184,14 @@ LoraColumn = Annotated[
     ),
 ]
 MaxLoras = Annotated[
-    int, typer.Option(help="Adapters held on the device at once.", rich_help_panel=LORA)
+    int,
+    typer.Option(
+        help="Adapters held on the device at once.", rich_help_panel=LORA, parser=count(1)
+    ),
 ]
-MaxLoraRank = Annotated[int, typer.Option(help="The largest adapter rank.", rich_help_panel=LORA)]
+MaxLoraRank = Annotated[
+    int, typer.Option(help="The largest adapter rank.", rich_help_panel=LORA, parser=count(1))
+]
 
 Model = Annotated[
     str | None,
@@ -223,7 +236,7 @@ GpuMemoryUtilization = Annotated[
         "--gpu-memory-utilization",
         help="Share of the GPU's memory the model and KV cache may take (CUDA).",
         rich_help_panel=ENGINE,
-        parser=number(0, above=True),
+        parser=number(0, above=True, most=1),
     ),
 ]
 KvCacheMemory = Annotated[
@@ -543,7 +556,7 @@ MaxErrors = Annotated[
     typer.Option(
         help="Stop when more rows error (N, or a fraction < 1).",
         rich_help_panel=JOB,
-        parser=number(0),
+        parser=max_errors,
     ),
 ]
 DrainTimeout = Annotated[

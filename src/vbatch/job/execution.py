@@ -226,9 +226,11 @@ class JobExecution:
                 self.writer.close()
         num_done = len(self.journal.state.committed)
         if self.is_over_error_limit:
+            given = self.options.max_errors
+            shown = f"{given:g}" if isinstance(given, float) else given
             raise InputError(
                 f"stopped: {self.num_errors} rows errored, more than --max-errors "
-                f"{self.options.max_errors}. {num_done} rows are committed; see the `error` field "
+                f"{shown}. {num_done} rows are committed; see the `error` field "
                 f"of the output rows. Fix the input, or continue with "
                 f"`{resume_command(output)} --max-errors N`"
             )

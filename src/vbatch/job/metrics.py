@@ -105,7 +105,7 @@ class JobSnapshot:
 class _Sample(NamedTuple):
     t: float
     num_rows: int
-    prompt_tokens: int
+    prompt_tokens: int  # computed ones: the prefix cache's are not prompt throughput
     completion_tokens: int
     stats: SchedulerStats | None
     reports: tuple[EngineReport, ...]
@@ -175,6 +175,8 @@ class JobMetrics:
         now = self._clock()
         with self._lock:
             self._state = state
+            if state == "running":
+                self._startup_stage = ""
             if state == "running" and self._run_start_t is None:
                 # NOTE: start the rate window here so model loading does not dilute it.
                 self._run_start_t = now
@@ -257,7 +259,7 @@ class JobMetrics:
         return _Sample(
             now,
             self._num_rows,
-            self._prompt_tokens,
+            self._prompt_tokens - self._cached_tokens,
             self._completion_tokens,
             self._stats,
             self._reports,
@@ -299,23 +301,25 @@ class JobMetrics:
         base = self._samples[0]
         window_s = end - base.t
         stats = self._stats
+        ended = self._state in TERMINAL_STATES
         rows_per_s = _rate(self._num_rows - base.num_rows, window_s)
+        # NOTE: prompt rates count computed tokens (the engine's own count), not cached ones.
+        computed_prompt = self._prompt_tokens - self._cached_tokens
         if stats is not None and base.stats is not None:
             prompt_now, gen_now = _engine_tokens(stats)
             prompt_base, gen_base = _engine_tokens(base.stats)
         else:
-            prompt_now, gen_now = self._prompt_tokens, self._completion_tokens
+            prompt_now, gen_now = computed_prompt, self._completion_tokens
             prompt_base, gen_base = base.prompt_tokens, base.completion_tokens
         # NOTE: the engine's counters may lag the rows (a Ray replica's come with its polls, and
         # a short job can end before its first fresh ones), so the rows' own counts bound them.
-        computed_prompt = self._prompt_tokens - self._cached_tokens
         prompt_total, gen_total = (
             (
                 max(stats.num_prompt_tokens, computed_prompt),
                 max(stats.num_generation_tokens, self._completion_tokens),
             )
             if stats
-            else (self._prompt_tokens, self._completion_tokens)
+            else (computed_prompt, self._completion_tokens)
         )
         num_done = self._rows_done_before + self._num_rows
         remaining = None if self._total_rows is None else max(self._total_rows - num_done, 0)
@@ -359,8 +363,9 @@ class JobMetrics:
             gen_tps_overall=_rate(gen_total, running_s),
             gen_tps_history=tuple(self._gen_tps_history),
             has_engine_stats=stats is not None,
-            num_running=stats.num_running if stats else 0,
-            num_waiting=stats.num_waiting if stats else 0,
+            # NOTE: the engine's last gauges are not the state of a job that has ended.
+            num_running=stats.num_running if stats and not ended else 0,
+            num_waiting=stats.num_waiting if stats and not ended else 0,
             kv_usage=stats.kv_usage if stats else 0.0,
             num_preemptions=stats.num_preemptions if stats else 0,
             **_step_figures(stats, base.stats),

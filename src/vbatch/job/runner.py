@@ -8,6 +8,7 @@ import os
 import shlex
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -143,8 +144,15 @@ def _make_metrics_dir(path: Path) -> None:
     if path.is_dir():
         raise InputError(f"cannot write metrics file {path}: it is a directory")
     _make_dir_for(path, "metrics file")
-    if not os.access(path.parent, os.W_OK):
-        raise InputError(f"cannot write metrics file {path}: {path.parent} is not writable")
+    # NOTE: a file is made there and removed: permissions alone do not say (root on a read-only
+    # file system, /proc).
+    try:
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe"):
+            pass
+    except OSError as e:
+        raise InputError(
+            f"cannot write metrics file {path}: {path.parent} is not writable ({e.strerror})"
+        ) from None
 
 
 def _remove_job(job_dir: Path, output: Path) -> None:
