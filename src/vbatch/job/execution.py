@@ -435,7 +435,8 @@ class JobExecution:
         return None if self.task_params is None else self.task
 
     def _task_mismatch(self, row: InputRow) -> str | None:
-        """Why `row` cannot run in this job's task, or None."""
+        """Why `row` cannot run in this job's task, or None; an embeddings line that gives no
+        `dimensions` takes the job's `--dimensions` here."""
         where = row.location
         if self.task_params is not None and row.openai_kind in ("chat", "completions"):
             return f"{where}: a {row.openai_kind} line in a --task {self.task} job"
