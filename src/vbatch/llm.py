@@ -37,7 +37,7 @@ from vbatch.client.prompts import (
     per_prompt_params,
     to_request,
 )
-from vbatch.client.reasoning import check_reasoning_parser, constrained_parser
+from vbatch.client.reasoning import check_reasoning_parser, sample_parser
 from vbatch.client.tokenizer import CONTENT_FORMATS, TextTokenizer, check_template_kwargs
 from vbatch.config import EngineConfig
 from vbatch.engine_args import default_sampling_params, map_llm_args
@@ -539,10 +539,8 @@ class LLM(PoolingMethods):
                 logprobs=[[] if params.logprobs is not None else None for _ in range(params.n)],
                 num_core_live=params.n,
                 structured=params.structured is not None,
-                reasoning_parser=(
-                    constrained_parser(self.reasoning_parser)
-                    if params.structured is not None
-                    else self.reasoning_parser
+                reasoning_parser=sample_parser(
+                    self.reasoning_parser, params.structured is not None
                 ),
                 decode_token=decode_token,
             )

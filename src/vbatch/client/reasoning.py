@@ -29,11 +29,13 @@ def check_reasoning_parser(name: str | None) -> str | None:
     return name
 
 
-def constrained_parser(parser: str | None) -> str | None:
-    """The parser for a sample under a grammar, which holds from its first token: the sample
+def sample_parser(parser: str | None, constrained: bool) -> str | None:
+    """The parser for one sample. Under a grammar, which holds from its first token, a sample
     cannot start inside a `<think>` its template opened (deepseek_r1's reading of an untagged
     output), so only the tags the grammar let it write mark reasoning."""
-    return ReasoningParser.THINK.value if parser == ReasoningParser.DEEPSEEK_R1 else parser
+    if constrained and parser == ReasoningParser.DEEPSEEK_R1:
+        return ReasoningParser.THINK.value
+    return parser
 
 
 def split_reasoning(text: str, parser: str) -> tuple[str | None, str]:

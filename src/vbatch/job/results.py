@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from vbatch.client.reasoning import constrained_parser, split_reasoning
+from vbatch.client.reasoning import sample_parser, split_reasoning
 from vbatch.errors import JobStateError
 from vbatch.job.encoding import fits_int64, json_default, parquet_kept_type
 from vbatch.job.rows import InputRow
@@ -126,8 +126,7 @@ def result_row(
     has_logprobs = any(o.token_logprobs is not None for o in outputs)
     stop_reason = first.stop_reason
     complete = _structured_complete(outputs)
-    if complete is not None:
-        reasoning_parser = constrained_parser(reasoning_parser)
+    reasoning_parser = sample_parser(reasoning_parser, complete is not None)
     if row.openai_kind == "completions":
         # NOTE: a completions line keeps its text whole, as vLLM's /v1/completions does.
         reasoning_parser = None

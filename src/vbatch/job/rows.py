@@ -248,8 +248,7 @@ class RowParser:
         if overrides is not None:
             if not isinstance(overrides, dict):
                 raise RowError(f"sampling_params must be an object, got {overrides!r}")
-            # NOTE: a null field is an absent one (Parquet writes nulls for unset struct fields).
-            given = {key: value for key, value in overrides.items() if value is not None}
+            given = _struct_fields(overrides)
             if "prompt_logprobs" in given:
                 raise RowError(
                     "sampling_params.prompt_logprobs is not written by jobs; score prompts "
@@ -278,8 +277,7 @@ class RowParser:
                 value = json.loads(value)
             except ValueError as e:
                 raise RowError(f"{name} is not valid JSON: {e}") from None
-        if isinstance(value, dict):
-            value = {key: v for key, v in value.items() if v is not None}
+        value = _struct_fields(value)
         own = check_template_kwargs(value, name) if value is not None else {}
         if row.messages is not None and (self.template_kwargs or own):
             row.chat_template_kwargs = {**(self.template_kwargs or {}), **own}

@@ -245,16 +245,13 @@ def _refuse_generation_options(spec: JobSpec, config: EngineConfig) -> None:
         raise InputError(f"{', '.join(names)}: generation only, not for a --task {spec.task} job")
 
 
-def _check_dimensions(spec: JobSpec) -> None:
+def _check_dimensions(spec: JobSpec, dimensions: int) -> None:
     """--dimensions cuts embeddings: refused for another task, or past the model's width."""
-    assert spec.dimensions is not None
     if spec.task != "embed":
         raise InputError(f"--dimensions: --task embed only, not for a --task {spec.task} job")
     width = embedding_dimension(locate_model(spec.model).path, None)
-    if width is not None and spec.dimensions > width:
-        raise InputError(
-            f"--dimensions {spec.dimensions} exceeds the model's embedding size {width}"
-        )
+    if width is not None and dimensions > width:
+        raise InputError(f"--dimensions {dimensions} exceeds the model's embedding size {width}")
 
 
 def _refuse_missing_adapters(identity: ModelIdentity) -> None:
@@ -327,7 +324,7 @@ def _prepare_job(
     if spec.task != "generate":
         _refuse_generation_options(spec, config)
     if spec.dimensions is not None:
-        _check_dimensions(spec)
+        _check_dimensions(spec, spec.dimensions)
     problem = head_problem(spec.task, declared_head(locate_model(spec.model).path))
     if problem is not None:
         raise InputError(problem)
