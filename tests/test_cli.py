@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -347,6 +348,32 @@ def test_quiet_job_prints_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
         assert proc.returncode == 0, proc.stderr
         assert (proc.stdout, proc.stderr) == ("", ""), args
     assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 3
+
+
+def test_unreadable_weights_leave_no_job_and_the_fixed_model_runs_the_same_command(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A truncated safetensors file (an interrupted download) once failed the core's start-up
+    as a bug would, unsettled: the job was kept, and once the file was fixed, the same command
+    found a job directory and its resume a changed model."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    weights = model_dir / "model.safetensors"
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[: len(intact) // 2])
+    (tmp_path / "in.jsonl").write_text('{"prompt": "one"}\n{"prompt": "two"}\n')
+    args = ["run", "in.jsonl", "-o", "out.jsonl", "--model", str(model_dir), "-q"]
+    command = [sys.executable, "-m", "vbatch", *args, "--max-tokens", "2", "--num-threads", "1"]
+    failed = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert failed.returncode == 1
+    assert f"cannot read weights {weights}" in failed.stderr
+    assert "no row ran, so no job was kept" in failed.stderr and "Traceback" not in failed.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+    assert not (tmp_path / "out.jsonl.vbatch").exists()
+    weights.write_bytes(intact)
+    fixed = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert fixed.returncode == 0, fixed.stderr
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 2
 
 
 def test_user_errors_print_one_line_without_traceback(tmp_path: Path) -> None:

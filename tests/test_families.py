@@ -437,3 +437,76 @@ def test_window_bounds_the_kv_blocks_of_long_prompts(
     assert all(len(t) == 20 for t in got)
     greedy_check(reference, prompts, got)
     assert num_released > 30 and block_manager.num_free_blocks == 12
+
+
+def _transformers_rope(raw: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    import transformers
+
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return transformers.AutoConfig.from_pretrained(tmp_path).rope_parameters
+
+
+def test_a_rope_scaling_beside_rope_parameters_wins_as_in_transformers(tmp_path: Path) -> None:
+    """A transformers-5 config (rope_parameters) given a rope_scaling as a user extends the
+    context: transformers runs the scaling, with the top-level theta or the default."""
+    raw = {
+        **BASE,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
+        "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+    }
+    expected = _transformers_rope(raw, tmp_path)
+    assert expected == {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    config = ModelConfig.from_dict(raw)
+    assert (config.rope_theta, config.rope_scaling) == (
+        10000.0,
+        {"rope_type": "linear", "factor": 4.0},
+    )
+    with pytest.raises(ModelLoadError, match="unsupported rope scaling 'yarn'"):
+        ModelConfig.from_dict({**raw, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ModelLoadError, match="rope_scaling must be an object, not 'linear'"):
+        ModelConfig.from_dict({**raw, "rope_scaling": "linear"})
+    alone = {k: v for k, v in raw.items() if k != "rope_scaling"}
+    with pytest.raises(ModelLoadError, match="rope_parameters must be an object, not 'linear'"):
+        ModelConfig.from_dict({**alone, "rope_parameters": "linear"})
+
+
+def test_gemma3_rope_scaling_beside_nested_rope_parameters_scales_the_global_layers(
+    tmp_path: Path,
+) -> None:
+    raw = {
+        **BASE,
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 6,
+        "sliding_window": 512,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    }
+    expected = _transformers_rope(raw, tmp_path)
+    assert expected["full_attention"] == {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}
+    config = ModelConfig.from_dict(raw)
+    assert (config.rope_theta, config.rope_scaling) == (1e6, {"rope_type": "linear", "factor": 8.0})
+    assert (config.sliding_rope_theta, config.sliding_rope_scaling) == (10000.0, None)
+
+
+def test_architectures_as_one_name_is_read_and_anything_else_refused() -> None:
+    raw = {**BASE, "num_hidden_layers": 2}
+    config = ModelConfig.from_dict({**raw, "architectures": "MistralForCausalLM"})
+    assert config.architecture == "MistralForCausalLM"
+    with pytest.raises(
+        ModelLoadError, match=r"architectures must be a list of class names, not \[1\]"
+    ):
+        ModelConfig.from_dict({**raw, "architectures": [1]})
+
+
+@pytest.mark.parametrize("heads", [{"num_attention_heads": 0}, {"num_key_value_heads": -1}])
+def test_zero_or_negative_heads_are_a_model_load_error(heads: dict[str, int]) -> None:
+    raw = {**BASE, "num_hidden_layers": 2, "architectures": ["LlamaForCausalLM"], **heads}
+    with pytest.raises(ModelLoadError, match="bad attention shape"):
+        ModelConfig.from_dict(raw)

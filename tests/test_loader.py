@@ -12,13 +12,16 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from vbatch.errors import ModelLoadError
+from vbatch.job.manifest import model_identity
 from vbatch.layers.attention import TorchAttentionBackend
 from vbatch.models.config import ModelConfig
 from vbatch.models.gguf import unpermute_qk
 from vbatch.models.llama import load_model
 from vbatch.models.loader import (
+    CONVERSION_RECORD,
     DEFAULT_GGUF_NAME,
     ResolvedModel,
     cache_dir,
@@ -137,6 +140,67 @@ def test_dir_without_config(tmp_path: Path) -> None:
         resolve_model(tmp_path)
 
 
+def test_a_dir_of_gguf_files_is_told_to_pass_one_by_the_job_and_the_api(tmp_path: Path) -> None:
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    hint = (
+        "has no config.json but GGUF files: pass one of them, for example "
+        f"--model {tmp_path}/model.gguf"
+    )
+    with pytest.raises(ModelLoadError, match=hint):
+        resolve_model(tmp_path)
+    with pytest.raises(ModelLoadError, match=hint):
+        model_identity(str(tmp_path))
+
+
+def test_a_damaged_cached_conversion_is_converted_afresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A truncated weights file, a lost tokenizer or an edited config in the conversion cache
+    once failed every later run of that GGUF file; each is now found at the next start."""
+    monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    first = resolve_model(None)
+    record = json.loads((first.hf_dir / CONVERSION_RECORD).read_text())
+    assert set(record) >= {"config.json", "model.safetensors", "tokenizer.json"}
+    intact = {name: (first.hf_dir / name).read_bytes() for name in record}
+
+    def truncate(path: Path) -> None:
+        path.write_bytes(path.read_bytes()[:1000])
+
+    def garble(path: Path) -> None:
+        data = path.read_bytes()
+        path.write_bytes(data[:-2] + b"0}")
+
+    damages: list[tuple[str, Callable[[Path], None]]] = [
+        ("model.safetensors", truncate),
+        ("tokenizer.json", Path.unlink),
+        ("config.json", garble),
+        (CONVERSION_RECORD, Path.unlink),
+    ]
+    for name, damage in damages:
+        damage(first.hf_dir / name)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="vbatch.models.loader"):
+            again = resolve_model(None)
+        assert again == first
+        assert "is damaged; converting afresh" in caplog.text, name
+        assert {n: (again.hf_dir / n).read_bytes() for n in record} == intact, name
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vbatch.models.loader"):
+        assert resolve_model(None) == first
+    assert not caplog.text
+    assert sorted(p.name for p in first.hf_dir.parent.iterdir()) == [first.hf_dir.name]
+
+
+def test_a_cache_dir_that_is_a_file_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = tmp_path / "cache"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("VBATCH_CACHE_DIR", str(blocker))
+    with pytest.raises(ModelLoadError, match=f"under {blocker}/gguf .*set VBATCH_CACHE_DIR"):
+        resolve_model(None)
+
+
 def test_dir_without_weights(tmp_path: Path, smollm2: ResolvedModel) -> None:
     shutil.copy(smollm2.hf_dir / "config.json", tmp_path / "config.json")
     with pytest.raises(ModelLoadError, match="safetensors"):
@@ -159,17 +223,85 @@ def test_a_config_with_more_kv_heads_than_the_weights_names_the_short_tensor(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     """The weights are all there, but k/v have fewer rows than num_key_value_heads implies:
-    the fused projection comes up short, which once read as weights missing."""
-    model_dir = tmp_path / "more-kv-heads"
-    shutil.copytree(tiny_model_dir, model_dir)
+    the tensor and the config's shape are named, where this once read as weights missing."""
+    model_dir = copy_model(tiny_model_dir, tmp_path / "more-kv-heads")
     config = json.loads((model_dir / "config.json").read_text())
     heads = config["num_attention_heads"]
     assert config["num_key_value_heads"] < heads
     config["num_key_value_heads"] = heads
     (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"qkv_proj.weight got \d+ of the \d+ values") as info:
-        load_model(model_dir, torch.device("cpu"), torch.float32, TorchAttentionBackend())
+    with pytest.raises(
+        ModelLoadError,
+        match=r"k_proj.weight has shape \(32, 64\), where config.json implies \(64, 64\)",
+    ) as info:
+        load_tiny(model_dir)
     assert "num_key_value_heads" in str(info.value) and "lacks weights" not in str(info.value)
+
+
+def copy_model(source: Path, model_dir: Path) -> Path:
+    shutil.copytree(source, model_dir)
+    return model_dir
+
+
+def load_tiny(model_dir: Path) -> object:
+    return load_model(model_dir, torch.device("cpu"), torch.float32, TorchAttentionBackend())
+
+
+def edit_weights(model_dir: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    tensors = load_file(model_dir / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, model_dir / "model.safetensors")
+
+
+def test_a_query_tensor_larger_than_its_rows_is_named_not_counted(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """80 rows of q_proj where the config implies 64: the slice once took 80 rows of the fused
+    qkv (running into k), and only the value count caught it, as "smaller than config.json"."""
+    model_dir = copy_model(tiny_model_dir, tmp_path / "big-q")
+    name = "model.layers.0.self_attn.q_proj.weight"
+
+    def grow(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[name] = torch.cat([tensors[name], tensors[name][:16]])
+
+    edit_weights(model_dir, grow)
+    with pytest.raises(
+        ModelLoadError, match=rf"{name} has shape \(80, 64\), where config.json implies \(64, 64\)"
+    ):
+        load_tiny(model_dir)
+
+
+def test_a_scalar_tensor_is_named(tmp_path: Path, tiny_model_dir: Path) -> None:
+    model_dir = copy_model(tiny_model_dir, tmp_path / "scalar")
+    name = "model.layers.0.self_attn.q_proj.weight"
+
+    def scalar(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[name] = torch.tensor(1.0)
+
+    edit_weights(model_dir, scalar)
+    with pytest.raises(ModelLoadError, match=rf"{name} has shape \(\)"):
+        load_tiny(model_dir)
+
+
+def test_two_weight_files_holding_the_same_tensors_say_so(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    model_dir = copy_model(tiny_model_dir, tmp_path / "twice")
+    shutil.copy(model_dir / "model.safetensors", model_dir / "consolidated.safetensors")
+    with pytest.raises(ModelLoadError, match="holds a tensor more than once"):
+        load_tiny(model_dir)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_an_unreadable_safetensors_file_is_a_model_load_error_naming_it(
+    tmp_path: Path, tiny_model_dir: Path, damage: str
+) -> None:
+    model_dir = copy_model(tiny_model_dir, tmp_path / damage)
+    weights = model_dir / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\xff" * 4096)
+    with pytest.raises(ModelLoadError, match=f"cannot read weights {weights}"):
+        load_tiny(model_dir)
 
 
 def test_hf_dir_resolves_as_is(tiny_model_dir: Path) -> None:
@@ -258,7 +390,6 @@ def test_synthetic_gguf_round_trips(
     tokenizer_fields: dict[str, Any],
 ) -> None:
     """A Mistral GGUF is a llama one with a sliding window; Qwen3 adds per-head q/k norms."""
-    from safetensors.torch import load_file
     from transformers import (
         AutoModelForCausalLM,
         LlamaConfig,

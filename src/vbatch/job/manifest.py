@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from vbatch.engine_sets.base import RaySettings
-from vbatch.errors import JobStateError, ModelLoadError
+from vbatch.errors import JobStateError
 from vbatch.job.options import RunOptions
 from vbatch.job.paths import write_atomic
 from vbatch.job.rows import ColumnOptions, LoraRows
@@ -137,17 +137,17 @@ def model_identity(model: str | None, loras: Any = ()) -> ModelIdentity:
     id also records its repo id, the revision asked for and the snapshot commit it resolved to;
     `loras`, the job's (name, path) adapters, their files' hashes."""
     from vbatch.models.gguf_file import check_gguf_header
-    from vbatch.models.loader import hash_files, locate_model, model_file_hashes, weight_files
+    from vbatch.models.loader import (
+        check_model_path,
+        hash_files,
+        locate_model,
+        model_file_hashes,
+        weight_files,
+    )
 
     location = locate_model(model)
     path = location.path
-    if (path.is_dir() and not (path / "config.json").is_file()) or (
-        not path.is_dir() and path.suffix.lower() != ".gguf"
-    ):
-        raise ModelLoadError(
-            f"{path} is not a model: give a GGUF file or a Hugging Face directory with "
-            "config.json and *.safetensors"
-        )
+    check_model_path(path)
     if not path.is_dir():
         check_gguf_header(path)
     hub = location.hub

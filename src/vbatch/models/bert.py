@@ -17,7 +17,7 @@ from torch import nn
 from vbatch.errors import ModelLoadError
 from vbatch.layers.linear_choice import NATIVE, ChosenLinear
 from vbatch.layers.native import has_fused_ops
-from vbatch.models.config import ENCODER_ARCHITECTURES
+from vbatch.models.config import ENCODER_ARCHITECTURES, architecture_names
 from vbatch.models.loader import weight_files
 
 _PREFIXES = ("bert.", "roberta.", "model.")
@@ -40,7 +40,7 @@ class EncoderConfig:
     @classmethod
     def from_hf_dir(cls, path: Path) -> EncoderConfig:
         raw = json.loads((path / "config.json").read_text())
-        architecture = next(a for a in raw["architectures"] if a in ENCODER_ARCHITECTURES)
+        architecture = next(a for a in architecture_names(raw) if a in ENCODER_ARCHITECTURES)
         if raw.get("hidden_act", "gelu") != "gelu":
             raise ModelLoadError(f"{path}: activation {raw['hidden_act']!r} is not supported")
         if raw.get("position_embedding_type", "absolute") != "absolute":

@@ -50,9 +50,23 @@ def is_encoder_dir(path: str | Path) -> bool:
         raw = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(raw, dict) and any(
-        a in ENCODER_ARCHITECTURES for a in raw.get("architectures") or []
-    )
+    if not isinstance(raw, dict):
+        return False
+    try:
+        return any(a in ENCODER_ARCHITECTURES for a in architecture_names(raw))
+    except ModelLoadError:
+        return False
+
+
+def architecture_names(raw: dict[str, Any]) -> list[str]:
+    """config.json's `architectures`: a list of class names (one name alone taken as a list of
+    one); ModelLoadError for any other value."""
+    value = raw.get("architectures") or []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        raise ModelLoadError(f"architectures must be a list of class names, not {value!r}")
+    return value
 
 
 def json_object(text: str, path: Path) -> dict[str, Any]:
@@ -168,7 +182,7 @@ class ModelConfig:
     def from_dict(
         cls, raw: dict[str, Any], generation: dict[str, Any] | None = None
     ) -> ModelConfig:
-        architectures = raw.get("architectures") or []
+        architectures = architecture_names(raw)
         if not architectures and raw.get("model_type") in MODEL_TYPES:
             # NOTE: as transformers' Auto classes: the model type names the causal LM.
             architectures = [MODEL_TYPES[raw["model_type"]]]
@@ -185,6 +199,8 @@ class ModelConfig:
         num_heads = int(raw["num_attention_heads"])
         hidden_size = int(raw["hidden_size"])
         num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+        if num_heads < 1 or num_kv_heads < 1:
+            raise ModelLoadError(f"bad attention shape: {num_heads} heads, {num_kv_heads} kv heads")
         head_dim = int(raw.get("head_dim") or hidden_size // num_heads)
         if num_heads % num_kv_heads or head_dim % 2:
             raise ModelLoadError(
@@ -256,13 +272,13 @@ def declared_head(model_path: Path) -> str:
         return "lm"
     try:
         raw = json.loads((model_path / "config.json").read_text())
-        names = list(raw.get("architectures") or [])
+        names = architecture_names(raw)
         if not names and raw.get("model_type") in MODEL_TYPES:
             names = [MODEL_TYPES[raw["model_type"]]]
-    except (OSError, ValueError, AttributeError, TypeError):
+    except (OSError, ValueError, AttributeError, TypeError, ModelLoadError):
         return "lm"
     for name in names:
-        found = _decoder_architecture(str(name))
+        found = _decoder_architecture(name)
         if found is not None:
             return found[1]
     return "none"

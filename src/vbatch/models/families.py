@@ -28,7 +28,10 @@ Hooks = dict[str, Any]
 def read_family(architecture: str, raw: Raw, base: dict[str, Any]) -> Hooks:
     """The hooks of `architecture` (one of SUPPORTED_ARCHITECTURES): rope settings, then the
     family's own."""
-    hooks = _rope_hooks(raw.get("rope_parameters") or raw.get("rope_scaling") or {}, raw, base)
+    # NOTE: as transformers 5: a rope_scaling replaces rope_parameters whole (its theta then
+    # comes from the top-level rope_theta).
+    params = _rope_dict(raw, "rope_scaling") or _rope_dict(raw, "rope_parameters")
+    hooks = _rope_hooks(params, raw, base)
     hooks["hidden_act"] = raw.get("hidden_act") or "silu"
     # NOTE: only transformers' Llama reads mlp_bias; the other families ignore the key.
     hooks["mlp_bias"] = False
@@ -42,6 +45,14 @@ def read_family(architecture: str, raw: Raw, base: dict[str, Any]) -> Hooks:
 
 
 # --- rope ---
+
+
+def _rope_dict(raw: Raw, key: str) -> dict[str, Any]:
+    """config.json's rope parameter object under `key` ({} when absent)."""
+    value = raw.get(key) or {}
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{key} must be an object, not {value!r}")
+    return value
 
 
 def _rope_hooks(params: dict[str, Any], raw: Raw, base: dict[str, Any]) -> Hooks:
@@ -206,13 +217,14 @@ def _gemma3(raw: Raw, base: dict[str, Any]) -> Hooks:
         # NOTE: five local layers, then one global (pattern 6), unless layer_types says.
         "sliding_windows": _window_by_layer_type(raw, base, lambda i: (i + 1) % pattern != 0),
     }
-    params = raw.get("rope_parameters") or {}
+    params = _rope_dict(raw, "rope_parameters")
     if "full_attention" in params or "sliding_attention" in params:
-        full = params.get("full_attention") or {}
+        # NOTE: as transformers: a rope_scaling beside them updates the global layers' own.
+        full = {**(params.get("full_attention") or {}), **_rope_dict(raw, "rope_scaling")}
         local = params.get("sliding_attention") or {}
     else:
         # NOTE: older configs: rope_scaling and rope_theta (global), rope_local_base_freq.
-        full = {**(raw.get("rope_scaling") or {}), "rope_theta": raw.get("rope_theta", 1e6)}
+        full = {**_rope_dict(raw, "rope_scaling"), "rope_theta": raw.get("rope_theta", 1e6)}
         local = {"rope_theta": raw.get("rope_local_base_freq", 10000.0)}
     full.setdefault("rope_theta", 1e6)
     local.setdefault("rope_theta", 10000.0)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from vbatch.errors import ConfigError, ModelLoadError
@@ -630,18 +630,21 @@ def load_model(
                         continue
                     if target.expert is not None:
                         param = param[target.expert]
-                    rows = param[target.row_start : target.row_start + tensor.shape[0]]
+                    num_rows = param.shape[0] if target.num_rows is None else target.num_rows
+                    rows = param[target.row_start : target.row_start + num_rows]
                     if rows.shape != tensor.shape:
                         raise ModelLoadError(
-                            f"{path}: tensor {hf_name} has shape {tuple(tensor.shape)}, "
-                            f"expected {tuple(rows.shape)}"
+                            f"{path}: tensor {hf_name} has shape {tuple(tensor.shape)}, where "
+                            f"config.json implies {tuple(rows.shape)} (hidden_size, "
+                            "num_attention_heads, num_key_value_heads, head_dim, "
+                            "intermediate_size, vocab_size?)"
                         )
                     if store is not None and stores_fused(target, param):
                         fused_parts.setdefault(target.name, []).append((target.row_start, tensor))
                     else:
                         rows.copy_(tensor)
                     num_loaded[target.name] += tensor.numel()
-        except (OSError, RuntimeError) as e:
+        except (OSError, RuntimeError, SafetensorError) as e:
             raise ModelLoadError(f"cannot read weights {path}: {e}") from e
     if store is not None:
         for name, parts in fused_parts.items():
@@ -649,14 +652,19 @@ def load_model(
     missing = [name for name, param in params.items() if num_loaded[name] != param.numel()]
     if missing:
         source = model.local_path if isinstance(model, ResolvedModel) else hf_dir
-        short = [name for name in missing if num_loaded[name]]
-        if short:
-            name = short[0]
+        partial = [name for name in missing if num_loaded[name]]
+        if partial:
+            name = partial[0]
+            got, want = num_loaded[name], params[name].numel()
+            why = (
+                "a part of it is missing from the checkpoint"
+                if got < want
+                else "the checkpoint holds a tensor more than once (several weight files "
+                "without a model.safetensors.index.json naming one for each tensor?)"
+            )
             raise ModelLoadError(
-                f"model in {source}: {name} got {num_loaded[name]} of the "
-                f"{params[name].numel()} values its config implies from the checkpoint's "
-                "tensors; a tensor is smaller than config.json says (num_key_value_heads, "
-                "head_dim, intermediate_size?)"
+                f"model in {source}: {name} got {got} of the {want} values its config implies "
+                f"from the checkpoint's tensors; {why}"
             )
         raise ModelLoadError(f"model in {source} lacks weights for {', '.join(missing[:5])}")
     if quantization is not None:

