@@ -796,3 +796,24 @@ def test_directories_are_fsynced_before_the_records_that_need_them(
     synced_tmp = position(("fsync", str(tmp)))
     assert position(("fsync", str(base)), synced_tmp) < complete, "temp file entry not durable"
     assert output.exists()
+
+
+def test_a_job_names_sampling_settings_given_beside_the_prompt_once(tmp_path: Path) -> None:
+    model = model_file(tmp_path)
+    input_path = tmp_path / "in.jsonl"
+    input_path.write_bytes(
+        b"".join(
+            orjson.dumps({"id": f"r{i}", "prompt": f"p {i}", "max_tokens": 5, "seed": i}) + b"\n"
+            for i in range(4)
+        )
+    )
+    args = [a for a in run_args(input_path, tmp_path / "out.jsonl", model) if a != "-q"]
+    done = run_vbatch(tmp_path, *args)
+    assert done.returncode == 0, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if "beside its prompt" in line]
+    assert warnings == [
+        "vbatch: warning: line 1 holds max_tokens, seed beside its prompt, where a row's sampling "
+        'settings are not read: give them under "sampling_params" ({"sampling_params": '
+        '{"max_tokens": ...}}) or as the run\'s flags'
+    ], done.stderr
+    assert len(read_rows(tmp_path / "out.jsonl")) == 4

@@ -251,3 +251,25 @@ def test_an_integral_float_id_says_where_it_comes_from(value: float | None, has_
     )
     assert row.id is None and row.error is not None
     assert ("pandas stores integer ids as float64" in row.error) == has_hint, row.error
+
+
+def test_sampling_settings_beside_the_prompt_are_warned_of_once_and_not_applied() -> None:
+    """`{"prompt": ..., "max_tokens": 50}` reads naturally but a job reads a row's settings only
+    under `sampling_params`: the first such row is named once, and the settings stay unread."""
+    warnings: list[str] = []
+    parser = RowParser(ColumnOptions(keep_columns=("seed",)), DEFAULTS)
+    parser.warn = warnings.append
+    quiet = parser.parse({"prompt": "a", "sampling_params": {"max_tokens": 3}, "seed": 5}, 0, "l1")
+    assert warnings == [] and quiet.sampling_params.max_tokens == 3
+    stray = parser.parse({"prompt": "b", "max_tokens": 50, "temperature": 0.7}, 1, "line 2")
+    assert stray.sampling_params is None and stray.error is None
+    parser.parse({"prompt": "c", "top_p": 0.5}, 2, "line 3")
+    (message,) = warnings
+    assert message.startswith("warning: line 2 holds max_tokens, temperature beside its prompt")
+    assert '{"sampling_params": {"max_tokens": ...}}' in message
+    openai = RowParser(ColumnOptions(), DEFAULTS)
+    openai.warn = warnings.append
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    line = {"custom_id": "x", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    assert openai.parse(line, 0, "line 1").sampling_params.max_tokens == 4
+    assert len(warnings) == 1

@@ -184,6 +184,7 @@ class JobExecution:
             output_path=str(output),
             task=self.manifest.options.task,
         )
+        self.parser.warn = self.metrics.add_notice
         display = ProgressDisplay(
             self.metrics,
             mode=self.options.display,

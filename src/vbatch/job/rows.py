@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ OPENAI_IGNORED_KEYS = frozenset(
     }
 )
 LOGIT_BIAS_LIMIT = 100.0
+SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
 OPENAI_SAMPLING_KEYS = {
     "max_tokens": "max_tokens",
     "max_completion_tokens": "max_tokens",
@@ -119,7 +121,9 @@ class RowParser:
     chat-template variables (a row's own `chat_template_kwargs` are merged over them).
 
     OpenAI Batch lines take their sampling defaults from `openai_defaults` (default: `defaults`),
-    and a line whose body names a model outside `model_names` is an error row (None: any)."""
+    and a line whose body names a model outside `model_names` is an error row (None: any).
+    `warn`, when set, is told once of a plain row holding sampling settings at its top level,
+    which are not read there."""
 
     def __init__(
         self,
@@ -137,6 +141,7 @@ class RowParser:
         self.template_kwargs = template_kwargs
         self.model_names = model_names
         self.openai_defaults = openai_defaults or defaults
+        self.warn: Callable[[str], None] | None = None
 
     def id_column(self, record: dict[str, Any]) -> str | None:
         """The column a row's id is read from: the id column, else `id`, else `custom_id`, else
@@ -229,6 +234,24 @@ class RowParser:
             return {name: record.get(name) for name in self.options.keep_columns}
         return None
 
+    def _warn_of_stray_settings(self, record: dict[str, Any], location: str) -> None:
+        """The first row with a sampling setting as a column (`max_tokens`, `temperature` beside
+        the prompt), which a job reads only under `sampling_params`, is told to `warn`; a column
+        --keep-columns names is data."""
+        if self.warn is None:
+            return
+        stray = [
+            key for key in record if key in SAMPLING_FIELDS and key not in self.options.keep_columns
+        ]
+        if stray:
+            self.warn(
+                f"warning: {location} holds {', '.join(stray)} beside its "
+                "prompt, where a row's sampling settings are not read: give them under "
+                f'"sampling_params" ({{"sampling_params": {{"{stray[0]}": ...}}}}) or as the '
+                "run's flags"
+            )
+            self.warn = None
+
     def _parse_plain(self, record: dict[str, Any], row: InputRow) -> None:
         prompt_column = self.options.prompt_column or "prompt"
         messages_column = self.options.messages_column or "messages"
@@ -244,6 +267,7 @@ class RowParser:
             raise RowError(
                 f"missing prompt: expected a {prompt_column!r} string or a {messages_column!r} list"
             )
+        self._warn_of_stray_settings(record, row.location)
         overrides = record.get("sampling_params")
         if overrides is not None:
             if not isinstance(overrides, dict):
