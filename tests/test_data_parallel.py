@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -185,3 +186,37 @@ def test_two_cores_match_one_and_a_killed_core_fails_cleanly_then_resume_finishe
         "core 0",
         "core 1",
     ]
+
+
+def test_a_job_interrupted_while_a_core_is_stuck_starting_stops_that_core_and_exits(
+    workdir: Path, tiny_model_dir: Path
+) -> None:
+    """SIGTERM while one of two cores hangs before READY (here SIGSTOPped, as a core stuck in a
+    driver call): the job once printed its resume command and then waited for that core's
+    start-up limit (600 s), deaf to a second signal; the stuck core is now stopped with it, at
+    the first signal."""
+    args = ["run", "in.jsonl", "-o", "stuck.jsonl", "--model", str(tiny_model_dir), *FLAGS]
+    proc = vbatch(workdir, *args, "-dp", "2", "--num-threads", "2")
+    stuck = None
+    try:
+        deadline = time.monotonic() + 60
+        while stuck is None and time.monotonic() < deadline:
+            stuck = next(iter(core_pids(proc)), None)
+            time.sleep(0.02)
+        assert stuck is not None, "no core was spawned"
+        os.kill(stuck, signal.SIGSTOP)
+        time.sleep(2.0)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        code, stderr = finish(proc)
+        assert code == 75, stderr
+        # NOTE: not the drain's 30 s: no row runs yet, so the first signal stops the start-up.
+        assert time.monotonic() - sent < 25.0
+        assert "Resume with" in stderr
+        assert wait_gone(stuck, 10.0)
+    finally:
+        if stuck is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stuck, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()

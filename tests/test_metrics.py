@@ -301,6 +301,16 @@ def test_an_engine_set_gets_per_engine_figures_and_one_engine_none() -> None:
     data = snapshot_to_json(snap)
     assert [e["name"] for e in data["engines"]] == ["core 0", "core 1"]
     assert data["engines"][1]["step_time_s"] == pytest.approx(0.03)
+    # NOTE: once the job has ended its engines hold no requests, as the job's own gauges say,
+    # and the one that was up is stopped, not live.
+    metrics.set_state("failed")
+    ended = metrics.snapshot()
+    assert (ended.num_running, ended.num_waiting) == (0, 0)
+    assert [(e.state, e.num_in_flight, e.num_running, e.num_waiting) for e in ended.engines] == [
+        ("stopped", 0, 0, 0),
+        ("dead", 0, 0, 0),
+    ]
+    assert ended.engines[0].step_time_s == pytest.approx(0.01)
     reports[:] = reports[:1]
     assert metrics.snapshot().engines == ()
 

@@ -316,6 +316,8 @@ class _Connection:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise EngineStartupError(f"the engine core did not report READY within {limit:g} s")
+            if self.closed:
+                raise EngineStartupError("the engine core was shut down before it was ready")
             try:
                 item = self.result_q.get(timeout=min(remaining, _POLL_MS / 1000))
             except queue.Empty:

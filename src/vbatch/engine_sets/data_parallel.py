@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 from vbatch.client.core_client import EngineCoreClient, check_request_params
 from vbatch.client.placement import LoadBalancer, core_placements
@@ -161,25 +161,28 @@ def _start_cores(
     on_progress: Callable[[str], None] | None,
 ) -> list[EngineCoreClient]:
     """Start every core at once and wait for all to be READY; if one fails (or this thread is
-    interrupted), the others are shut down as they come up and the error is raised."""
+    interrupted), every core is shut down, those still starting too (a core stuck before READY
+    would otherwise hold the job until its start-up limit), and the error is raised."""
+    clients: list[EngineCoreClient] = []
 
-    def start(i: int, config: EngineConfig, placement: CorePlacement) -> EngineCoreClient:
+    def ready(i: int, client: EngineCoreClient) -> EngineCoreClient:
         progress = None
         if on_progress is not None:
             progress = lambda stage: on_progress(f"core {i}: {stage}")  # noqa: E731
-        return EngineCoreClient(config, progress, placement=placement, on_result=wake.set)
+        client.wait_ready(progress)
+        return client
 
-    pool = ThreadPoolExecutor(len(placements), thread_name_prefix="vbatch-dp-start")
-    futures = [pool.submit(start, i, *placed) for i, placed in enumerate(placements)]
-    pool.shutdown(wait=False)
     try:
+        for config, placement in placements:
+            clients.append(
+                EngineCoreClient(config, placement=placement, on_result=wake.set, wait=False)
+            )
+        pool = ThreadPoolExecutor(len(clients), thread_name_prefix="vbatch-dp-start")
+        futures = [pool.submit(ready, i, client) for i, client in enumerate(clients)]
+        pool.shutdown(wait=False)
         return [future.result() for future in futures]
     except BaseException:
-        for future in futures:
-            future.add_done_callback(_shutdown_started)
+        # NOTE: no core has run a request yet, so none has work to finish.
+        for client in clients:
+            client.shutdown(timeout=0.0)
         raise
-
-
-def _shutdown_started(future: Future[EngineCoreClient]) -> None:
-    if not future.cancelled() and future.exception() is None:
-        future.result().shutdown()

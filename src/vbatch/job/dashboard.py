@@ -23,7 +23,13 @@ STATE_STYLES = {
     "failed": "bold red",
     "interrupted": "bold yellow",
 }
-ENGINE_STATE_STYLES = {"live": "green", "starting": "cyan", "restarting": "yellow", "dead": "red"}
+ENGINE_STATE_STYLES = {
+    "live": "green",
+    "starting": "cyan",
+    "restarting": "yellow",
+    "dead": "red",
+    "stopped": "dim",
+}
 FINISH_STYLES = {"length": "bold yellow", "error": "red", "abort": "yellow"}
 SPARK_BLOCKS = " ▁▂▃▄▅▆▇█"
 LABEL_WIDTH = 13

@@ -315,12 +315,13 @@ class JobExecution:
         engine_args = dict(self.manifest.engine)
         self.interruptible = not starts_briefly(self.options.ray)
         self.stop.is_waiting = self.interruptible
+        self.stop.starting = True
         try:
             llm = self._open_engine_set(engine_args)
         except (StopNow, StartupCancelled):
             return
         finally:
-            self.stop.is_waiting = False
+            self.stop.is_waiting = self.stop.starting = False
         self.interruptible = not getattr(llm, "waits_briefly", False)
         try:
             self.metrics.set_engine_info(llm.engine_info)

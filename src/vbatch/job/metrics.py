@@ -9,11 +9,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from vbatch.engine_sets.base import EngineReport
+from vbatch.engine_sets.base import EngineReport, EngineState
 from vbatch.protocol import Ready, SchedulerStats
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 TERMINAL_STATES = ("done", "failed", "interrupted")
+# NOTE: an engine that was up when its job ended (engine_sets.base.EngineState has no such state).
+STOPPED = "stopped"
 WINDOW_S = 10.0
 SAMPLE_PERIOD_S = 1.0
 MIN_RATE_SPAN_S = 1.0
@@ -377,31 +379,38 @@ class JobMetrics:
             drain_left_s=(
                 max(self._drain_deadline - now, 0.0) if self._drain_deadline is not None else None
             ),
-            engines=_engine_snapshots(self._reports, base.reports),
+            engines=_engine_snapshots(self._reports, base.reports, ended),
             task=self._task,
         )
 
 
 def _engine_snapshots(
-    reports: tuple[EngineReport, ...], base: tuple[EngineReport, ...]
+    reports: tuple[EngineReport, ...], base: tuple[EngineReport, ...], ended: bool
 ) -> tuple[EngineSnapshot, ...]:
     """Each engine as shown, its per-step figures over the window since `base` (matched by
-    name); empty for a single engine, whose figures are the job's own."""
+    name); empty for a single engine, whose figures are the job's own. Once the job has ended,
+    as the job's own gauges, no engine has requests, and one that was up is "stopped"."""
     if len(reports) < 2:
         return ()
     base_stats = {report.name: report.stats for report in base}
-    return tuple(
-        EngineSnapshot(
-            name=report.name,
-            state=report.state.value,
-            num_in_flight=report.num_in_flight,
-            num_running=report.stats.num_running if report.stats else 0,
-            num_waiting=report.stats.num_waiting if report.stats else 0,
-            kv_usage=report.stats.kv_usage if report.stats else 0.0,
-            **_step_figures(report.stats, base_stats.get(report.name)),
+    snapshots = []
+    for report in reports:
+        stats = report.stats if not ended else None
+        state = report.state.value
+        if ended and report.state is not EngineState.DEAD:
+            state = STOPPED
+        snapshots.append(
+            EngineSnapshot(
+                name=report.name,
+                state=state,
+                num_in_flight=report.num_in_flight if not ended else 0,
+                num_running=stats.num_running if stats else 0,
+                num_waiting=stats.num_waiting if stats else 0,
+                kv_usage=report.stats.kv_usage if report.stats else 0.0,
+                **_step_figures(report.stats, base_stats.get(report.name)),
+            )
         )
-        for report in reports
-    )
+    return tuple(snapshots)
 
 
 def _rate(count: float, seconds: float) -> float:

@@ -24,12 +24,14 @@ class StopControl:
 
     Invariants: handlers only set flags and take no locks; they raise StopNow only while
     `is_waiting` (the main thread is inside the engine client), never mid-write. The first stop
-    request starts the drain deadline; a second signal, or the deadline, sets `stop_now`.
+    request starts the drain deadline; a second signal, or the deadline, sets `stop_now`, as
+    does the first signal while `starting` (the engine starts: no row runs yet to drain).
     """
 
     def __init__(self, drain_timeout_s: float) -> None:
         self.drain_timeout_s = max(drain_timeout_s, 0.001)
         self.is_waiting = False
+        self.starting = False
         self.stop_requested = False
         self.stop_now = False
         self.drain_deadline: float | None = None
@@ -53,6 +55,8 @@ class StopControl:
         _stop_signal_seen.set()
         if not self.stop_requested:
             self.request_stop()
+            if self.starting:
+                self._on_deadline(signum, frame)
         else:
             self._on_deadline(signum, frame)
 
