@@ -19,7 +19,7 @@ import pytest
 from helpers import wait_gone
 
 from vbatch import LLM, SamplingParams
-from vbatch.errors import EngineDeadError, ModelLoadError, VbatchError
+from vbatch.errors import ConfigError, EngineDeadError, ModelLoadError, VbatchError
 from vbatch.llm import TOKENIZE_BATCH, Request, RequestOutput
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -369,3 +369,10 @@ def test_what_vllm_has_and_vbatch_does_not_is_named(llm: LLM) -> None:
         llm.beam_search(["a"], None)
     with pytest.raises(AttributeError, match="vbatch has no llm_engine"):
         _ = llm.llm_engine
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, True])
+def test_a_bad_max_in_flight_is_a_config_error_as_at_the_cli(value: object) -> None:
+    """It was raised to 1 without a word, where `--max-in-flight 0` is refused."""
+    with pytest.raises(ConfigError, match="max_in_flight must be an integer of at least 1"):
+        LLM(None, max_in_flight=value)  # type: ignore[arg-type]

@@ -224,6 +224,14 @@ class LLM(PoolingMethods):
             raise ConfigError(f"data_parallel_size must be an integer, got {data_parallel_size!r}")
         if data_parallel_size < 1:
             raise ConfigError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
+        if max_in_flight is not None and (
+            isinstance(max_in_flight, bool)
+            or not isinstance(max_in_flight, int)
+            or max_in_flight < 1
+        ):
+            raise ConfigError(
+                f"max_in_flight must be an integer of at least 1, got {max_in_flight!r}"
+            )
         from vbatch.models.loader import resolve_model
 
         settings = map_llm_args(engine_args, _LLM_PARAMS)
@@ -266,7 +274,7 @@ class LLM(PoolingMethods):
         max_num_seqs = config.max_num_seqs * data_parallel_size
         # NOTE: an encoder's engine has no KV blocks (num_kv_blocks 0).
         default = 2 * min(max_num_seqs, self.engine_info.num_kv_blocks or max_num_seqs)
-        self.max_in_flight = max(1, max_in_flight if max_in_flight is not None else default)
+        self.max_in_flight = max_in_flight if max_in_flight is not None else max(1, default)
         self._request_ids = itertools.count()
         self._is_streaming = False
         self._live: dict[str, RequestState | PoolingState] = {}
