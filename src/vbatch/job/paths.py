@@ -66,7 +66,8 @@ def refuse_clashing_paths(writes: dict[str, Path], reads: dict[str, Path]) -> No
 
 
 def fsync_dir(path: Path) -> None:
-    """Make a rename or a file creation inside `path` durable."""
+    """Make a rename or a file creation inside the directory `path` durable (or, given a file,
+    its contents)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

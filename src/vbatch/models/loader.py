@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vbatch.errors import ModelLoadError
+from vbatch.job.paths import fsync_dir
 from vbatch.models.config import ModelConfig, is_encoder_dir
 from vbatch.models.hub import HubSnapshot, find_snapshot, parse_hub_id
 
@@ -269,9 +270,9 @@ def _convert_into_cache(path: Path, out_dir: Path) -> None:
             if size <= _HASHED_RECORD_BYTES:
                 entry["sha256"] = _sha256(file)
             record[file.name] = entry
-            _fsync(file)
+            fsync_dir(file)
         (tmp_dir / CONVERSION_RECORD).write_text(json.dumps(record, indent=2))
-        _fsync(tmp_dir / CONVERSION_RECORD)
+        fsync_dir(tmp_dir / CONVERSION_RECORD)
         tmp_dir.chmod(0o755)
         try:
             tmp_dir.rename(out_dir)
@@ -279,17 +280,9 @@ def _convert_into_cache(path: Path, out_dir: Path) -> None:
             # NOTE: another process finished the same conversion first; keep theirs.
             if not (out_dir / CONVERSION_RECORD).is_file():
                 raise
-        _fsync(out_dir.parent)
+        fsync_dir(out_dir.parent)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def model_file_hashes(path: Path) -> dict[str, str]:
