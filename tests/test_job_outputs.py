@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import read_jsonl, write_jsonl
 
-from vbatch.errors import JobStateError
+from vbatch.errors import ConfigError, JobStateError
 from vbatch.job.paths import job_dir_for
 from vbatch.job.rows import ColumnOptions
 from vbatch.job.runner import JobSpec, RunOptions, resume_job, start_job
@@ -432,6 +432,21 @@ def test_openai_batch_output_shapes(
         if "\ufffd" not in token:
             assert full[offset : offset + len(token)] == token
     assert offsets == sorted(offsets)
+
+
+@pytest.mark.parametrize("flag", ["parse_json", "include_token_ids"])
+def test_openai_jsonl_output_refuses_flags_it_has_no_field_for(
+    tmp_path: Path, tiny_model_dir: Path, flag: str
+) -> None:
+    """--parse-json on OpenAI Batch lines once wrote them without any `json`, silently."""
+    line = {"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions"}
+    input_path = tmp_path / "in.jsonl"
+    write_jsonl(input_path, [{**line, "body": {"messages": CHAT, "max_tokens": 2}}])
+    job = JobSpec(input_path, tmp_path / "out.jsonl", model=str(tiny_model_dir), **{flag: True})
+    with pytest.raises(ConfigError, match=f"--{flag.replace('_', '-')}: an OpenAI Batch output"):
+        start_job(job, QUIET)
+    assert not (tmp_path / "out.jsonl").exists()
+    assert not job_dir_for(tmp_path / "out.jsonl").exists()
 
 
 def test_openai_lines_echo_parts_logit_bias_and_model_names_in_a_job(

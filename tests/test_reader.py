@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 import shlex
 import subprocess
 import sys
@@ -344,6 +345,45 @@ def test_a_limit_reads_only_the_rows_a_job_counted(tmp_path: Path) -> None:
         done = IndexSet()
         done.add_ranges([[1, 3]])
         assert [r.id for r in reader.rows(PARSER, done, limit=5)] == [0, 3, 4]
+
+
+def test_parquet_struct_schemas_read_each_row_s_own_fields_at_every_depth(
+    tmp_path: Path,
+) -> None:
+    """Arrow merges the rows' struct types, so each row's schema came with the fields of every
+    other row's, null: `maxLength: null` (refused as not an integer), a property of another
+    row's schema as a null schema, and so for OpenAI Batch bodies in Parquet."""
+    schemas = [
+        {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5}}},
+        {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
+        {"type": "object", "properties": {"n": {"type": "integer", "enum": [1, None]}}},
+    ]
+    formats = [{"type": "json_schema", "json_schema": {"name": "s", "schema": s}} for s in schemas]
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b", "c"], "response_format": formats}), path)
+    rows = list(
+        InputReader(path, None, ColumnOptions()).rows(RowParser(ColumnOptions(), SamplingParams()))
+    )
+    assert [row.error for row in rows] == [None, None, None]
+    assert [json.loads(row.sampling_params.structured.json_schema) for row in rows] == schemas
+    bodies = [
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "response_format": f}
+        for f in formats
+    ]
+    lines = pa.table(
+        {
+            "custom_id": ["x", "y", "z"],
+            "method": ["POST"] * 3,
+            "url": ["/v1/chat/completions"] * 3,
+            "body": bodies,
+        }
+    )
+    pq.write_table(lines, path)
+    rows = list(
+        InputReader(path, None, ColumnOptions()).rows(RowParser(ColumnOptions(), SamplingParams()))
+    )
+    assert [row.error for row in rows] == [None, None, None]
+    assert [json.loads(row.sampling_params.structured.json_schema) for row in rows] == schemas
 
 
 def test_parquet_rows_read_their_constraint_template_and_adapter_columns(tmp_path: Path) -> None:

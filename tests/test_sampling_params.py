@@ -157,3 +157,20 @@ def test_assigning_a_constraint_replaces_it_and_none_clears_it(field: str) -> No
         setattr(params, field if field != "structured" else "guided_decoding", "x+")
     assert params.structured == StructuredOutput(choice=["x", "y"])
     assert wire_round_trip(params) == params
+
+
+def test_a_constraint_given_as_fields_overrides_the_defaults_one_whichever_name() -> None:
+    """A job row's `"sampling_params": {"structured_outputs": {"regex": ...}}` under a job-wide
+    --regex: once "must be a StructuredOutputsParams", then a clash with a `structured` the row
+    never gave; the row's constraint wins, as a row's `structured` does."""
+    defaults = SamplingParams(structured=StructuredOutput(regex="[a-z]{3}"))
+    for name in ("structured_outputs", "guided_decoding", "structured"):
+        row = defaults.updated({name: {"regex": "[0-9]{2}"}})
+        assert row.structured == StructuredOutput(regex="[0-9]{2}"), name
+    assert SamplingParams(guided_decoding={"choice": ["x", "y"]}).structured == StructuredOutput(
+        choice=["x", "y"]
+    )
+    with pytest.raises(SamplingParamsError, match=r"structured_outputs: .*unexpected keyword"):
+        SamplingParams(structured_outputs={"regexp": "a"})
+    with pytest.raises(SamplingParamsError, match="give one of structured, structured_outputs"):
+        defaults.updated({"structured": {"regex": "a"}, "structured_outputs": {"regex": "b"}})

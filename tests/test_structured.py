@@ -226,6 +226,11 @@ def test_schema_messages_remote_refs_and_strict() -> None:
     assert from_response_format({"type": "json_schema", "json_schema": spec}).strict is False
     spec = {"schema": SCHEMA, "strict": True}
     assert from_response_format({"type": "json_schema", "json_schema": spec}).strict is True
+    # NOTE: "false" and 0 once ran as strict, to fail with a hint to give strict: false.
+    for strict in ("false", 0):
+        spec = {"schema": SCHEMA, "strict": strict}
+        with pytest.raises(SamplingParamsError, match="strict must be true or false, got"):
+            from_response_format({"type": "json_schema", "json_schema": spec})
     with pytest.raises(SamplingParamsError, match="strict: false applies to json_schema only"):
         StructuredOutput(regex="a", strict=False)
 

@@ -343,8 +343,15 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         for name in ("structured_outputs", "guided_decoding"):
             value = getattr(self, name)
             if value is not None:
+                if isinstance(value, Mapping):
+                    try:
+                        value = StructuredOutputsParams(**value)
+                    except TypeError as e:
+                        fail(f"{name}: {e}")
                 if not isinstance(value, StructuredOutputsParams):
-                    fail(f"{name} must be a StructuredOutputsParams, got {value!r:.80}")
+                    fail(
+                        f"{name} must be a StructuredOutputsParams or its fields, got {value!r:.80}"
+                    )
                 structured = value.to_structured()
                 _set(self, name, None)
         _set(self, "structured", coerce_structured(structured))
@@ -435,6 +442,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
                 f"valid ones are {', '.join(self.field_names())}"
             )
         merged = self.to_dict()
+        if any(name in overrides for name in _STRUCTURED_FIELDS):
+            # NOTE: a constraint given as any of its three fields replaces this one's.
+            merged.update(dict.fromkeys(_STRUCTURED_FIELDS))
         merged.update(overrides)
         try:
             return SamplingParams(**merged)

@@ -231,6 +231,10 @@ def from_response_format(value: Any) -> StructuredOutput | None:
                 "response_format.json_schema.schema is null; give a JSON schema object"
             )
         strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise SamplingParamsError(
+                f"response_format.json_schema.strict must be true or false, got {strict!r}"
+            )
         return StructuredOutput(json_schema=spec["schema"], strict=strict is not False)
     raise SamplingParamsError(
         f"response_format.type must be json_schema, json_object or text, got {kind!r}"

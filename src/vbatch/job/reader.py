@@ -43,6 +43,10 @@ _ROW_COLUMNS = (
     "method",
     "body",
 )
+# NOTE: the columns a row reads as objects. Arrow gives each value of a struct column every
+# field any row's value has, null where the row had none (at every depth: a schema's
+# `maxLength` from another row's schema), so a null field is read as an absent one.
+_OBJECT_COLUMNS = ("sampling_params", "response_format", "guided", "chat_template_kwargs", "body")
 _COLUMN_CHECK_ROWS = 100
 _READ_BYTES = 1 << 16
 MAX_KEYS = 1000
@@ -378,7 +382,10 @@ class InputReader:
                     keep = ~skip.contains_array(indices)
                     batch, indices = batch.filter(keep), indices[keep]
                 records = batch_records(batch, self.options.keep_columns)
+                objects = [name for name in _OBJECT_COLUMNS if name in batch.schema.names]
                 for index, record in zip(indices.tolist(), records, strict=False):
+                    for name in objects:
+                        record[name] = without_null_fields(record[name])
                     yield RawRecord(index, f"row {index + 1}", record)
         except (OSError, pa.ArrowException) as e:
             # NOTE: the id pre-pass reads only the id columns; other pages are first read here.
@@ -508,3 +515,16 @@ def _first_duplicate(reader: InputReader, parser: RowParser, repeated: set[int])
             return f"duplicate id {row_id!r} at {raw.location} (first at {first_seen[key]})"
         first_seen[key] = raw.location
     return None
+
+
+def without_null_fields(value: Any) -> Any:
+    """A Parquet struct value as its row wrote it: the null fields of every object in it left
+    out, at any depth (a list's null items stay). A schema that needs a null `const` or
+    `default` is given as JSON text instead."""
+    if isinstance(value, dict):
+        return {
+            key: without_null_fields(field) for key, field in value.items() if field is not None
+        }
+    if isinstance(value, list):
+        return [without_null_fields(item) for item in value]
+    return value

@@ -170,6 +170,25 @@ def _remove_job(job_dir: Path, output: Path) -> None:
     remove_file(tmp_output_path(output), "then run the same command again")
 
 
+def _check_openai_output(spec: JobSpec) -> None:
+    """An OpenAI Batch output line is OpenAI's response and has no place for what these flags
+    add: refused before the job exists, rather than left out of every line."""
+    flags = [
+        name
+        for name, given in (
+            ("--parse-json", spec.parse_json),
+            ("--include-token-ids", spec.include_token_ids),
+        )
+        if given
+    ]
+    if flags:
+        raise ConfigError(
+            f"{' and '.join(flags)}: an OpenAI Batch output line is OpenAI's response, with no "
+            "field for it; write Parquet output (-o OUT.parquet), where each line is a vbatch "
+            "row with that column, or leave the flag out"
+        )
+
+
 def _resolve_columns(spec: JobSpec, reader: InputReader, scan: InputScan) -> ColumnOptions:
     """Turn --keep-all-columns into an explicit list and refuse kept names that shadow outputs;
     fix the id column where some rows have ids and others none (those are error rows then: an
@@ -348,6 +367,8 @@ def _prepare_job(
     if scan.duplicate is not None:
         raise InputError(f"{spec.input_path}: {scan.duplicate}; ids must be unique")
     columns = _resolve_columns(spec, reader, scan)
+    if scan.is_openai and fmt == "jsonl":
+        _check_openai_output(spec)
     from vbatch import __version__
 
     manifest = Manifest(
