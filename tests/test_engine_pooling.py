@@ -131,7 +131,12 @@ def test_pooling_params_are_checked() -> None:
 def test_pooling_config_follows_the_sentence_transformers_files(tmp_path: Path) -> None:
     assert read_pooling_config(tmp_path, "cls") == PoolingConfig("cls", True)
     write_sentence_transformers_files(tmp_path, "mean", normalize=False)
-    assert read_pooling_config(tmp_path, "cls") == PoolingConfig("mean", False)
+    assert read_pooling_config(tmp_path, "cls") == PoolingConfig("mean", False, 512)
+    for bad in ('{"max_seq_length": "512"}', '{"do_lower_case": "yes"}', "[]"):
+        (tmp_path / "sentence_bert_config.json").write_text(bad)
+        with pytest.raises(ModelLoadError, match=r"sentence_bert_config\.json"):
+            read_pooling_config(tmp_path, "cls")
+    write_sentence_transformers_files(tmp_path, "mean", normalize=False)
     modules = json.loads((tmp_path / "modules.json").read_text())
     modules.append({"idx": 3, "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
     (tmp_path / "modules.json").write_text(json.dumps(modules))

@@ -183,3 +183,35 @@ def test_pooling_and_prompt_logprobs_under_data_parallel(
         targets = want.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
         got = [entry[ids[pos + 1]].logprob for pos, entry in enumerate(out.prompt_logprobs[1:])]
         assert np.abs(np.array(got) - targets).max() <= 1e-4
+
+
+def test_sentence_bert_config_caps_and_lowercases_as_sentence_transformers(
+    tmp_path: Path, embedder: Path
+) -> None:
+    """A decoder embedder's `max_seq_length` below its positions was ignored (a longer prompt
+    embedded whole, unlike sentence-transformers' and the BERT path), and `do_lower_case`
+    nowhere: a text with capitals embedded differently from sentence-transformers."""
+    import shutil
+
+    from sentence_transformers import SentenceTransformer
+
+    model = tmp_path / "lower"
+    shutil.copytree(embedder, model)
+    (model / "sentence_bert_config.json").write_text(
+        '{"max_seq_length": 24, "do_lower_case": true}'
+    )
+    texts = ["Hello World", "THE Quick Brown Fox", "word " * 30]
+    reference = SentenceTransformer(str(model), device="cpu").encode(texts[:2])
+    chat = [{"role": "user", "content": "Hello World"}]
+    with LLM(str(model), **ENGINE) as llm:
+        outs = llm.embed(texts)
+        (lowered,) = llm.embed(texts[0].lower())
+        (message,) = llm.embed([Request(messages=chat)])
+        (message_lowered,) = llm.embed([Request(messages=[{**chat[0], "content": "hello world"}])])
+    for out, ref in zip(outs[:2], reference, strict=True):
+        assert out.error is None
+        assert np.abs(np.array(out.outputs.embedding) - ref).max() <= 1e-4
+    assert outs[0].prompt_token_ids == lowered.prompt_token_ids
+    assert message.prompt_token_ids == message_lowered.prompt_token_ids
+    assert outs[2].error is not None
+    assert "more than sentence-transformers' max_seq_length of 24" in outs[2].error

@@ -3,6 +3,8 @@ output shapes, the submission of pooling requests, and prompt logprobs on genera
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,7 +29,7 @@ from vbatch.client.pooling_outputs import (
 from vbatch.client.prompts import UseTqdm, to_request
 from vbatch.errors import LoraError, PromptTypeError, PromptValueError
 from vbatch.lora.request import LoRARequest
-from vbatch.models.config import declared_head, read_id2label
+from vbatch.models.config import declared_head, read_id2label, read_sentence_bert_config
 from vbatch.pooling_params import PoolingParams, PoolingTask
 from vbatch.protocol import AddRequest, pack_token_ids
 from vbatch.sampling_params import SamplingParams
@@ -207,6 +209,10 @@ class PoolingMethods:
             results.append(ScoringRequestOutput(str(i), ScoringOutput(value), ids, error=error))
         return results
 
+    @functools.cached_property
+    def _lowercases(self) -> bool:
+        return read_sentence_bert_config(self.model.hf_dir).do_lower_case
+
     def id2label(self) -> dict[int, str]:
         """The classifier's label names from config.json (empty without them)."""
         return read_id2label(self.model.hf_dir)
@@ -217,13 +223,16 @@ class PoolingMethods:
         live: dict[str, Any],
         ready: list[tuple[int, Any]],
     ) -> None:
-        """Tokenize pooling requests (each string of a list prompt on its own) and send them."""
+        """Tokenize pooling requests (each string of a list prompt on its own; lowercased first
+        where the model's sentence-transformers config says) and send them."""
         pieces: list[Request] = []
         for _, req in batch:
             if isinstance(req.prompt, list):
                 pieces.extend(Request(prompt=text) for text in req.prompt)
             else:
                 pieces.append(req)
+        if self._lowercases:
+            pieces = [_lowercased(piece) for piece in pieces]
         tokenized = iter(ids for ids, _ in self._tokenize(pieces))
         adds = []
         for position, req in batch:
@@ -316,3 +325,29 @@ def _pooling_request(item: PromptInput | Mapping[str, Any], params: PoolingParam
     if isinstance(item, (str, list)):
         return Request(prompt=item, pooling_params=params)
     raise PromptTypeError(f"each input must be {POOLING_ACCEPTED}, got {type(item).__name__}")
+
+
+def _lowercased(req: Request) -> Request:
+    """`req` with its text lowercased, as sentence-transformers does for a `do_lower_case`
+    model: a prompt, or a conversation's message texts (not the template's own tokens)."""
+    if isinstance(req.prompt, str):
+        return dataclasses.replace(req, prompt=req.prompt.lower())
+    if req.messages is not None:
+        messages = [_lowercased_message(message) for message in req.messages]
+        return dataclasses.replace(req, messages=messages)
+    return req
+
+
+def _lowercased_message(message: Any) -> Any:
+    content = message.get("content") if isinstance(message, Mapping) else None
+    if isinstance(content, str):
+        return {**message, "content": content.lower()}
+    if isinstance(content, list):
+        parts = [
+            {**part, "text": part["text"].lower()}
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str)
+            else part
+            for part in content
+        ]
+        return {**message, "content": parts}
+    return message

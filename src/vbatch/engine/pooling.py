@@ -26,12 +26,14 @@ LOGITS_CHUNK = 512
 _PREFILL_ONLY = SamplingParams(max_tokens=1)
 
 
-def too_long_prompt(num_tokens: int, max_model_len: int) -> str:
+def too_long_prompt(
+    num_tokens: int, max_model_len: int, limit_name: str = "the maximum model length"
+) -> str:
     """Why a pooling prompt of `num_tokens` cannot run, and how to keep part of it."""
     return (
-        f"the prompt has {num_tokens} tokens, more than the maximum model length of "
-        f"{max_model_len}; shorten it, or keep its last tokens with "
-        "PoolingParams(truncate_prompt_tokens=...) in the Python API"
+        f"the prompt has {num_tokens} tokens, more than {limit_name} of {max_model_len}; "
+        "shorten it, or keep its last tokens with PoolingParams(truncate_prompt_tokens=...) in "
+        "the Python API"
     )
 
 
@@ -116,6 +118,10 @@ class PoolingQueue:
             pooling = self.pooling_config
             if isinstance(pooling, str):
                 return pooling
+            limit = pooling.max_seq_length
+            longest = max(len(prompt) for prompt in prompts)
+            if limit is not None and longest > limit:
+                return too_long_prompt(longest, limit, "sentence-transformers' max_seq_length")
             if params.dimensions is not None and params.dimensions > config.hidden_size:
                 return (
                     f"dimensions {params.dimensions} exceeds the model's embedding size "

@@ -17,7 +17,11 @@ from torch import nn
 from vbatch.errors import ModelLoadError
 from vbatch.layers.linear_choice import NATIVE, ChosenLinear
 from vbatch.layers.native import has_fused_ops
-from vbatch.models.config import ENCODER_ARCHITECTURES, architecture_names
+from vbatch.models.config import (
+    ENCODER_ARCHITECTURES,
+    architecture_names,
+    read_sentence_bert_config,
+)
 from vbatch.models.loader import weight_files
 
 _PREFIXES = ("bert.", "roberta.", "model.")
@@ -48,11 +52,8 @@ class EncoderConfig:
         is_roberta = "Roberta" in architecture
         offset = int(raw.get("pad_token_id", 1)) + 1 if is_roberta else 0
         max_positions = int(raw["max_position_embeddings"]) - offset
-        st_config = path / "sentence_bert_config.json"
-        max_seq_length = max_positions
-        if st_config.is_file():
-            given = json.loads(st_config.read_text()).get("max_seq_length")
-            max_seq_length = min(max_positions, int(given or max_positions))
+        given = read_sentence_bert_config(path).max_seq_length
+        max_seq_length = min(max_positions, given or max_positions)
         return cls(
             architecture=architecture,
             vocab_size=int(raw["vocab_size"]),

@@ -44,6 +44,36 @@ def read_id2label(path: str | Path) -> dict[int, str]:
         return {}
 
 
+@dataclass(frozen=True)
+class SentenceBertConfig:
+    """A checkpoint's `sentence_bert_config.json`: the longest prompt sentence-transformers
+    embeds (None: the model's), and whether it lowercases the text first."""
+
+    max_seq_length: int | None = None
+    do_lower_case: bool = False
+
+
+def read_sentence_bert_config(hf_dir: str | Path) -> SentenceBertConfig:
+    path = Path(hf_dir) / "sentence_bert_config.json"
+    if not path.is_file():
+        return SentenceBertConfig()
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object")
+    length = raw.get("max_seq_length")
+    if length is not None and (
+        isinstance(length, bool) or not isinstance(length, int) or length < 1
+    ):
+        raise ModelLoadError(f"{path}: max_seq_length must be a positive integer, got {length!r}")
+    lower = raw.get("do_lower_case", False)
+    if not isinstance(lower, bool):
+        raise ModelLoadError(f"{path}: do_lower_case must be true or false, got {lower!r}")
+    return SentenceBertConfig(length, lower)
+
+
 def is_encoder_dir(path: str | Path) -> bool:
     """Whether the model in `path` is an encoder-only one (by its config.json)."""
     try:

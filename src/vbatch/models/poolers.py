@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from vbatch.errors import ModelLoadError
+from vbatch.models.config import read_sentence_bert_config
 
 POOLING_MODES = ("cls", "lasttoken", "mean", "max")
 _NORMALIZE = "sentence_transformers.models.Normalize"
@@ -27,10 +28,12 @@ _CONFIG_KEYS = {
 
 @dataclass(frozen=True)
 class PoolingConfig:
-    """`mode` is one of POOLING_MODES; `normalize` is the default for requests that do not say."""
+    """`mode` is one of POOLING_MODES; `normalize` is the default for requests that do not say;
+    `max_seq_length`, sentence-transformers' limit on an embedded prompt (None: none)."""
 
     mode: str
     normalize: bool
+    max_seq_length: int | None = None
 
 
 def read_pooling_config(hf_dir: str | Path, default_mode: str) -> PoolingConfig:
@@ -38,9 +41,10 @@ def read_pooling_config(hf_dir: str | Path, default_mode: str) -> PoolingConfig:
     (`default_mode`, normalized) without them, as vLLM does; modules vbatch cannot run (a Dense
     projection, for instance) are refused rather than skipped."""
     hf_dir = Path(hf_dir)
+    max_seq_length = read_sentence_bert_config(hf_dir).max_seq_length
     modules_path = hf_dir / "modules.json"
     if not modules_path.is_file():
-        return PoolingConfig(default_mode, True)
+        return PoolingConfig(default_mode, True, max_seq_length)
     try:
         modules = json.loads(modules_path.read_text())
     except (OSError, ValueError) as e:
@@ -57,7 +61,7 @@ def read_pooling_config(hf_dir: str | Path, default_mode: str) -> PoolingConfig:
                 f"{modules_path}: sentence-transformers module {kind!r} is not supported "
                 "(vbatch runs Transformer, Pooling and Normalize)"
             )
-    return PoolingConfig(mode, normalize)
+    return PoolingConfig(mode, normalize, max_seq_length)
 
 
 def _pooling_mode(path: Path) -> str:
