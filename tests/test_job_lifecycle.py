@@ -498,11 +498,16 @@ def test_a_job_moved_or_copied_with_its_directory_goes_on_where_it_is_now(
     )
     copy = tmp_path / "copy"
     shutil.copytree(first, copy)
+    quiet_copy = tmp_path / "quiet"
+    shutil.copytree(first, quiet_copy)
     original = job.output_path.read_bytes()
     capsys.readouterr()
-    done = resume_job(copy / "out.jsonl", {"display": "quiet"}, llm_factory=shared_llm)
+    done = resume_job(copy / "out.jsonl", {"display": "plain"}, llm_factory=shared_llm)
     assert done.exit_code == 0
     assert "goes on at" in capsys.readouterr().err
+    # NOTE: --quiet prints errors and warnings only; the note is neither.
+    done = resume_job(quiet_copy / "out.jsonl", {"display": "quiet"}, llm_factory=shared_llm)
+    assert done.exit_code == 0 and "goes on at" not in capsys.readouterr().err
     assert sorted(r["id"] for r in read_jsonl(copy / "out.jsonl")) == sorted(
         r["id"] for r in TEN_ROWS
     )

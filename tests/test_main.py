@@ -88,3 +88,36 @@ def test_the_command_runs_numpys_blas_on_one_thread_unless_told_otherwise(
     lines = done.stdout.splitlines()
     assert lines[0] == "numpy loaded before main: False"
     assert lines[-1] == seen
+
+
+def test_a_ctrl_c_anywhere_in_the_start_up_is_one_line_never_a_traceback(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """SIGINT at moments spread over the command's start-up: once, it could land in vbatch's
+    package imports or the preloaded core's (a traceback), or in Typer's dispatch, which turned
+    it into exit 130 silently. Each landing now says `error: interrupted` (130), or, once the
+    job runs, stops it (75) or lets it finish; only the interpreter's own start-up, before any
+    vbatch code, is left to Python."""
+    import signal
+    import time
+
+    (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
+    args = ["run", "in.jsonl", "-o", "out.jsonl", "--model", str(tiny_model_dir)]
+    command = [sys.executable, "-m", "vbatch", *args, "--max-tokens", "2", "--overwrite"]
+    outcomes = []
+    for delay in (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.9):
+        proc = subprocess.Popen(
+            command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+        outcomes.append((delay, proc.returncode, stderr))
+        if proc.returncode == -signal.SIGINT:
+            assert "vbatch" not in stderr, stderr
+            continue
+        assert "Traceback" not in stderr, stderr
+        assert proc.returncode in (0, 75, 130), (delay, proc.returncode, stderr)
+        if proc.returncode == 130:
+            assert stderr.splitlines()[-1] == "error: interrupted", stderr
+    assert any(code == 130 for _, code, _ in outcomes), outcomes

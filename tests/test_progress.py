@@ -58,11 +58,13 @@ def test_auto_mode_is_live_on_a_terminal() -> None:
     assert text.count("vbatch job summary") == 1
 
 
-def test_quiet_mode_prints_only_errors() -> None:
+def test_quiet_mode_prints_only_errors_and_warnings() -> None:
     console, out = make_console(is_terminal=True)
     metrics = JobMetrics(total_rows=2)
     display = ProgressDisplay(metrics, mode="quiet", console=console, refresh_per_second=50)
     display.start()
+    metrics.add_notice("using the Ray cluster at 10.0.0.1")
+    metrics.add_notice("warning: line 1 holds max_tokens beside its prompt")
     metrics.set_state("running")
     metrics.on_result(finish_reason="stop", prompt_tokens=4, completion_tokens=2)
     metrics.on_result(finish_reason="error", prompt_tokens=0, completion_tokens=0, error_kind="oom")
@@ -75,6 +77,8 @@ def test_quiet_mode_prints_only_errors() -> None:
     text = out.getvalue()
     assert "summary" not in text
     assert text.count("rows are failing with oom") == 1
+    assert text.count("vbatch: warning: line 1 holds max_tokens") == 1
+    assert "Ray cluster" not in text
 
 
 def test_bad_mode_or_metrics_path_is_a_config_error(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -412,3 +413,23 @@ def test_parquet_rows_read_their_constraint_template_and_adapter_columns(tmp_pat
     assert json_object.sampling_params.structured.json_object
     assert kwargs.chat_template_kwargs == {"enable_thinking": False}
     assert lora.error is not None and "this job has no LoRA adapters" in lora.error
+
+
+@pytest.mark.parametrize(
+    ("name", "target"), [("in.json", "in.jsonl"), ("in.jsonl", "in.lines.jsonl")]
+)
+def test_the_json_array_hint_converts_into_another_file_than_the_input(
+    tmp_path: Path, name: str, target: str
+) -> None:
+    """For an array in `in.jsonl` the hint once read `jq -c '.[]' in.jsonl > in.jsonl`, which
+    empties the input before jq reads it."""
+    path = tmp_path / name
+    path.write_text('[{"prompt": "a"}, {"prompt": "b"}]\n')
+    with pytest.raises(InputError, match="looks like a JSON array") as info:
+        InputReader(path, None, ColumnOptions())
+    command = str(info.value).split("Convert it with: ")[1]
+    assert command == f"jq -c '.[]' {path} > {tmp_path / target}"
+    if shutil.which("jq") is not None:
+        subprocess.run(command, shell=True, check=True, cwd=tmp_path)
+        rows = InputReader(tmp_path / target, None, ColumnOptions()).rows(PARSER)
+        assert [r.prompt for r in rows] == ["a", "b"]

@@ -8,8 +8,6 @@ import os
 import sys
 import threading
 
-from vbatch.engine.preload import discard_preloaded, preload_core
-
 PRELOADING_COMMANDS = ("run", "resume")
 # NOTE: these start several cores, or none in this process, or only print.
 NOT_PRELOADING_OPTIONS = ("--help", "-h", "--ray", "--replicas", "--data-parallel-size", "-dp")
@@ -30,9 +28,12 @@ def runs_one_core(args: list[str]) -> bool:
 def main() -> None:
     for name, value in BLAS_THREADS.items():
         os.environ.setdefault(name, value)
-    if runs_one_core(sys.argv[1:]):
-        preload_core()
     try:
+        # NOTE: imported here, so that a Ctrl-C while they load is handled below.
+        from vbatch.engine.preload import preload_core
+
+        if runs_one_core(sys.argv[1:]):
+            preload_core()
         from vbatch.cli import main as cli_main
 
         cli_main()
@@ -43,7 +44,7 @@ def main() -> None:
         print("error: interrupted", file=sys.stderr)
         exit_now(130)
     finally:
-        discard_preloaded()
+        _discard_preloaded()
 
 
 def exit_now(code: int | str | None) -> None:
@@ -57,7 +58,7 @@ def exit_now(code: int | str | None) -> None:
     """
     if any(not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         raise SystemExit(code)
-    discard_preloaded()
+    _discard_preloaded()
     atexit._run_exitfuncs()
     if code is None:
         status = 0
@@ -72,6 +73,12 @@ def exit_now(code: int | str | None) -> None:
         except (OSError, ValueError):
             status = status or 1
     os._exit(status)
+
+
+def _discard_preloaded() -> None:
+    preload = sys.modules.get("vbatch.engine.preload")
+    if preload is not None:
+        preload.discard_preloaded()
 
 
 if __name__ == "__main__":

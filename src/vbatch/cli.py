@@ -49,6 +49,8 @@ RUN = RunOptions()
 RAY = RaySettings()
 RAY_OPTIONS = tuple(f.name for f in fields(RaySettings) if f.name != "address")
 SAMPLING = JOB_SAMPLING
+# NOTE: as a shell reports a command ended by SIGINT.
+INTERRUPTED_EXIT = 130
 
 
 class RunRequest(NamedTuple):
@@ -224,8 +226,6 @@ def _guarded(fn: Callable[[], T]) -> T:
     except VbatchError as e:
         _show_traceback()
         _fail(str(e), e.exit_code)
-    except KeyboardInterrupt:
-        _fail("interrupted", 130)
     except (typer.Exit, typer.Abort):
         raise
     except Exception as e:
@@ -561,7 +561,13 @@ def main() -> None:
     from vbatch.job.stopping import command_signals
 
     with command_signals():
-        app(prog_name="vbatch")
+        try:
+            app(prog_name="vbatch")
+        except SystemExit as e:
+            # NOTE: Typer turns a KeyboardInterrupt, wherever it lands, into this exit, silently.
+            if e.code == INTERRUPTED_EXIT:
+                typer.echo("error: interrupted", err=True)
+            raise
 
 
 if __name__ == "__main__":

@@ -591,7 +591,7 @@ Quiet = Annotated[
     typer.Option(
         "--quiet",
         "-q",
-        help="Print nothing but errors (and how to resume an interrupted job).",
+        help="Print nothing but errors and warnings (and how to resume an interrupted job).",
         rich_help_panel=DISPLAY,
     ),
 ]

@@ -24,6 +24,8 @@ METRICS_FILE_PERIOD_S = 1.0
 # NOTE: a render took 2.3-5.4 ms of CPU on a 2-vCPU AVX2 EPYC, so two a second keep the
 # display thread's hold on the GIL near 1%.
 REFRESH_PER_SECOND = 2.0
+# NOTE: a notice that starts so is shown in quiet mode too.
+WARNING_PREFIX = "warning:"
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -149,9 +151,9 @@ class ProgressDisplay:
         self.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def _show_notices(self, snap: JobSnapshot) -> None:
-        """Print each new notice once (above the live view), in every mode but quiet."""
+        """Print each new notice once (above the live view); in quiet mode, the warnings only."""
         for text in snap.notices[self._num_notices_shown :]:
-            if self.mode != "quiet":
+            if self.mode != "quiet" or text.startswith(WARNING_PREFIX):
                 self._print_plain(f"vbatch: {text}")
         self._num_notices_shown = len(snap.notices)
 

@@ -268,10 +268,14 @@ class InputReader:
         except orjson.JSONDecodeError:
             is_array = True
         if is_array:
+            # NOTE: never the input's own name, which the shell would empty before jq reads it.
+            target = self.path.with_name(Path(name).stem + ".jsonl")
+            if target.name == self.path.name:
+                target = self.path.with_name(Path(name).stem + ".lines.jsonl")
             raise InputError(
                 f"{self.path} looks like a JSON array; vbatch reads JSONL, one JSON object per "
                 f"line. Convert it with: jq -c '.[]' {shlex.quote(str(self.path))} > "
-                f"{shlex.quote(Path(name).stem + '.jsonl')}"
+                f"{shlex.quote(str(target))}"
             )
 
     def _check_jsonl_columns(self) -> None:

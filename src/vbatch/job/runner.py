@@ -534,7 +534,8 @@ def _resume_locked(
 ) -> Outcome:
     """resume_job's checks, under the job's lock (--force rewrites the manifest)."""
     manifest = Manifest.load(job_dir)
-    _adopt_moved_output(output, job_dir, manifest)
+    quiet = (overrides or {}).get("display") == "quiet"
+    _adopt_moved_output(output, job_dir, manifest, quiet=quiet)
     input_path = Path(manifest.input_path)
     if not input_path.is_file():
         raise InputError(f"the job's input file {input_path} no longer exists")
@@ -565,7 +566,9 @@ def _resume_locked(
     )
 
 
-def _adopt_moved_output(output: Path, job_dir: Path, manifest: Manifest) -> None:
+def _adopt_moved_output(
+    output: Path, job_dir: Path, manifest: Manifest, *, quiet: bool = False
+) -> None:
     """The job directory beside `output` belongs to `output`: where its manifest names another
     path, the output and its job directory were moved or copied together, and the job goes on
     here (its rows are never written to the old path)."""
@@ -575,11 +578,12 @@ def _adopt_moved_output(output: Path, job_dir: Path, manifest: Manifest) -> None
     if same_file(job_dir_for(Path(manifest.output_path)), job_dir):
         # NOTE: the same job directory by another spelling (`..`, a symlinked folder).
         return
-    print(
-        f"note: this job was started as {manifest.output_path}; it goes on at {here}, beside "
-        "its job directory",
-        file=sys.stderr,
-    )
+    if not quiet:
+        print(
+            f"note: this job was started as {manifest.output_path}; it goes on at {here}, "
+            "beside its job directory",
+            file=sys.stderr,
+        )
     manifest.output_path = here
     manifest.save(job_dir)
 
