@@ -267,6 +267,10 @@ def test_sampling_settings_beside_the_prompt_are_warned_of_once_and_not_applied(
     (message,) = warnings
     assert message.startswith("warning: line 2 holds max_tokens, temperature beside its prompt")
     assert '{"sampling_params": {"max_tokens": ...}}' in message
+    named = RowParser(ColumnOptions(prompt_column="stop"), DEFAULTS)
+    named.warn = warnings.append
+    assert named.parse({"stop": "a prompt"}, 0, "line 1").prompt == "a prompt"
+    assert len(warnings) == 1
     openai = RowParser(ColumnOptions(), DEFAULTS)
     openai.warn = warnings.append
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

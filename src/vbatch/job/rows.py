@@ -237,12 +237,16 @@ class RowParser:
     def _warn_of_stray_settings(self, record: dict[str, Any], location: str) -> None:
         """The first row with a sampling setting as a column (`max_tokens`, `temperature` beside
         the prompt), which a job reads only under `sampling_params`, is told to `warn`; a column
-        --keep-columns names is data."""
+        the column options name is data."""
         if self.warn is None:
             return
-        stray = [
-            key for key in record if key in SAMPLING_FIELDS and key not in self.options.keep_columns
-        ]
+        named = (
+            self.options.prompt_column,
+            self.options.messages_column,
+            self.options.id_column,
+            *self.options.keep_columns,
+        )
+        stray = [key for key in record if key in SAMPLING_FIELDS and key not in named]
         if stray:
             self.warn(
                 f"warning: {location} holds {', '.join(stray)} beside its "
