@@ -8,7 +8,7 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from vbatch.errors import JobStateError
+from vbatch.errors import JobStateError, OutputLostError
 from vbatch.job.journal import Journal
 from vbatch.job.results import error_row, parquet_schema
 from vbatch.job.rows import InputRow
@@ -55,6 +55,31 @@ def test_jsonl_shorter_than_committed_is_refused(tmp_path: Path) -> None:
         JsonlWriter(journal, output)
 
 
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_an_output_lost_mid_job_stops_at_the_next_commit_and_cannot_be_resumed(
+    tmp_path: Path, how: str
+) -> None:
+    """An output deleted (or replaced) while the job ran was appended to, unlinked, until the
+    job's end, which then failed as "a bug in vbatch" with a resume command that could not
+    work (the resume said the missing file was "0 bytes")."""
+    output = tmp_path / "out.jsonl"
+    journal = Journal(tmp_path)
+    writer = JsonlWriter(journal, output)
+    writer.add(row_values(0), None, None)
+    writer.commit()
+    output.unlink()
+    if how == "replaced":
+        output.write_bytes(b"someone else's file, long enough to pass a size check " * 100)
+    writer.add(row_values(1), None, None)
+    with pytest.raises(OutputLostError, match=f"{output} was {how} outside vbatch while the job"):
+        writer.commit()
+    assert journal.state.committed.ranges() == [[0, 1]]
+    writer.close()
+    output.unlink(missing_ok=True)
+    with pytest.raises(OutputLostError, match=f"{output} is gone, but .* bytes of rows were"):
+        JsonlWriter(journal, output)
+
+
 def test_parquet_parts_are_sorted_when_ordered_and_orphans_removed(tmp_path: Path) -> None:
     journal = Journal(tmp_path)
     schema = parquet_schema("str", [])
@@ -70,3 +95,27 @@ def test_parquet_parts_are_sorted_when_ordered_and_orphans_removed(tmp_path: Pat
     orphan.write_bytes(b"half written")
     ParquetWriter(journal, tmp_path, schema, id_kind="str", json_kept=False, ordered=True)
     assert not orphan.exists() and (tmp_path / name).exists()
+
+
+def test_a_failed_atomic_write_names_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENOSPC from a flush names no file, so a full disk under the manifest's rewrite read "no
+    space left on the device holding a job file"."""
+    import errno
+    import os
+
+    from vbatch.errors import storage_error
+    from vbatch.job.paths import write_atomic
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    target = tmp_path / "manifest.json"
+    with pytest.raises(OSError) as info:
+        write_atomic(target, b"{}")
+    assert str(storage_error(info.value)).startswith(
+        f"no space left on the device holding {target} (ENOSPC)"
+    )
+    assert list(tmp_path.iterdir()) == []

@@ -56,6 +56,11 @@ class JobStateError(VbatchError):
     """The job directory is missing, corrupt, or does not match this run."""
 
 
+class OutputLostError(JobStateError):
+    """The output that holds a job's committed rows was deleted, cut or replaced outside vbatch:
+    a resume cannot bring those rows back, so the job can only start again."""
+
+
 class StorageError(VbatchError):
     """A job file could not be written or created: the disk is full, read-only, or not ours."""
 

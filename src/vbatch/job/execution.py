@@ -17,6 +17,7 @@ from vbatch.errors import (
     ConfigError,
     InputError,
     ModelLoadError,
+    OutputLostError,
     SettledStartupError,
     VbatchError,
     is_storage_failure,
@@ -271,7 +272,10 @@ class JobExecution:
         """The error to show when a run fails: its cause, what is committed, how to resume.
 
         With `commit`, finished rows are committed first: every row handed to the writer is
-        complete, so that is safe (a writer whose own write failed refuses; its rows rerun)."""
+        complete, so that is safe (a writer whose own write failed refuses; its rows rerun). An
+        output lost outside vbatch cannot be resumed, and says so itself."""
+        if isinstance(error, OutputLostError):
+            return error
         note = ""
         if commit:
             try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import heapq
 import os
 import shutil
@@ -16,7 +17,7 @@ from vbatch.job.encoding import parquet_batches
 from vbatch.job.journal import JobState, Journal
 from vbatch.job.paths import fsync_dir, remove_file, resume_command, tmp_output_path
 from vbatch.job.results import line_index
-from vbatch.job.writer import PARTS_DIR, check_parts
+from vbatch.job.writer import PARTS_DIR, check_jsonl_output, check_parts
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -37,8 +38,10 @@ def finalize(
     state = journal.state
     tmp = tmp_output_path(output)
     counts = {"rows": len(state.committed), "errors": len(state.errors)}
+    if schema is None:
+        size = check_jsonl_output(output, state.offset)
     if schema is None and not ordered and not state.retries:
-        journal.append("complete", tmp=None, size=output.stat().st_size, **counts)
+        journal.append("complete", tmp=None, size=size, **counts)
         finish_completion(job_dir, output, journal.state)
         return
     if schema is not None:
@@ -62,16 +65,17 @@ def finalize(
         shutil.rmtree(work_dir, ignore_errors=True)
         if not is_storage_failure(e):
             raise
-        # NOTE: a sorted JSONL output needs its sort runs and the temp file at once.
-        needed = 2 * state.offset if schema is None and ordered else state.offset
-        if schema is not None:
-            needed = _parts_size(job_dir, state)
-        raise storage_error(
-            e,
-            e.filename or tmp,
-            f"then resume the job (finishing it needs about {needed / 2**20:.1f} MiB free for "
-            "a new copy of the output)",
-        ) from e
+        then = "then resume the job"
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            # NOTE: a sorted JSONL output needs its sort runs and the temp file at once.
+            needed = 2 * state.offset if schema is None and ordered else state.offset
+            if schema is not None:
+                needed = _parts_size(job_dir, state)
+            then += (
+                f" (finishing it needs about {needed / 2**20:.1f} MiB free for a new copy of "
+                "the output)"
+            )
+        raise storage_error(e, e.filename or tmp, then) from e
     try:
         journal.append("complete", tmp=tmp.name, size=tmp.stat().st_size, **counts)
     except StorageError:

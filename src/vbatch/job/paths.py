@@ -85,8 +85,11 @@ def write_atomic(path: Path, data: bytes, *, sync_dir: bool = True) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None:
+            # NOTE: a failed write or flush names no file; the message names this one.
+            e.filename = str(path)
         raise
     if sync_dir:
         fsync_dir(path.parent)

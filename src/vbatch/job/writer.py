@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vbatch.errors import JobStateError, StorageError, storage_error
+from vbatch.errors import JobStateError, OutputLostError, StorageError, storage_error
 from vbatch.job.encoding import KeptJson, table_from_rows
 from vbatch.job.journal import JobState, Journal, to_ranges, write_all
 from vbatch.job.paths import fsync_dir
@@ -111,12 +111,7 @@ class JsonlWriter(OutputWriter):
         self.path = path
         self.kept_json = kept_json or None
         committed = journal.state.offset
-        size = path.stat().st_size if path.exists() else 0
-        if size < committed:
-            raise JobStateError(
-                f"{path} is {size} bytes but {committed} bytes were committed: the output was "
-                "truncated or replaced outside vbatch; the job cannot be resumed safely"
-            )
+        size = check_jsonl_output(path, committed)
         # NOTE: unbuffered, with our own buffer: after a failed write nothing stays queued.
         self._buffer = bytearray()
         try:
@@ -154,7 +149,22 @@ class JsonlWriter(OutputWriter):
             os.fsync(self._file.fileno())
         except OSError as e:
             raise storage_error(e, self.path, RESUME_HINT) from e
+        self._check_still_there()
         return {"offset": self._offset}
+
+    def _check_still_there(self) -> None:
+        """OutputLostError once the output path no longer names the file this writer appends
+        to (deleted, or replaced), rather than committing rows that nothing holds."""
+        mine = os.fstat(self._file.fileno())
+        try:
+            here = os.stat(self.path)
+        except FileNotFoundError:
+            here = None
+        if here is None or (here.st_dev, here.st_ino) != (mine.st_dev, mine.st_ino):
+            raise OutputLostError(
+                f"{self.path} was {'deleted' if here is None else 'replaced'} outside vbatch "
+                f"while the job ran; {OUTPUT_LOST_FIX}"
+            )
 
     def _discard(self) -> None:
         self._buffer.clear()
@@ -165,6 +175,31 @@ class JsonlWriter(OutputWriter):
 
     def close(self) -> None:
         self._file.close()
+
+
+OUTPUT_LOST_FIX = (
+    "the rows it held cannot be resumed: start the job again (`vbatch run` with --overwrite)"
+)
+
+
+def check_jsonl_output(path: Path, committed: int) -> int:
+    """The size of a JSONL job's output, which holds its first `committed` bytes of rows;
+    OutputLostError if it is gone or shorter (deleted, cut or replaced outside vbatch)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        if committed == 0:
+            return 0
+        raise OutputLostError(
+            f"{path} is gone, but {committed} bytes of rows were committed to it: it was deleted "
+            f"or moved outside vbatch; {OUTPUT_LOST_FIX}"
+        ) from None
+    if size < committed:
+        raise OutputLostError(
+            f"{path} is {size} bytes but {committed} bytes were committed: the output was "
+            f"truncated or replaced outside vbatch; {OUTPUT_LOST_FIX}"
+        )
+    return size
 
 
 def check_parts(job_dir: Path, state: JobState) -> None:
