@@ -269,9 +269,23 @@ def test_int8_that_is_not_faster_warns_with_the_measured_figures(
     )
     info = EngineCore(config).info
     (warning,) = info.kernel_warnings
-    assert "is not 1.3x faster than fp32 on this CPU" in warning
+    assert "may not make a job 1.3x faster than fp32 on this CPU" in warning
     assert "0.5x fp32" in warning and "fp32 1.50 ms" in warning and "int_mm 3.00 ms" in warning
     assert any(note.startswith("int8 linears through int_mm") for note in info.kernels)
+
+
+@pytest.mark.parametrize(("speedup", "warns"), [(1.82, True), (2.07, False)])
+def test_int8_warns_unless_its_layer_gemms_gain_enough_for_a_job_to_gain_1_3x(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, speedup: float, warns: bool
+) -> None:
+    """The Intel Sapphire Rapids class timed its layer GEMMs 1.82x fp32 while the 64-prompt job
+    ran 1.21-1.29x, without a warning; the AVX-512 EPYC's 2.07x gave a 1.55x job."""
+    timed = {"backend": INT_MM, "ms": {"fp32": 1.0, INT_MM: 1.0 / speedup}, "speedup": speedup}
+    monkeypatch.setattr(quantization, "choose_int8_backend", lambda shapes: timed)
+    config = EngineConfig(
+        model=str(tiny_model_dir), device="cpu", quantization="int8", num_kv_blocks=16
+    )
+    assert bool(EngineCore(config).info.kernel_warnings) is warns
 
 
 def test_int8_gain_is_timed_against_the_engines_fastest_fp32_gemm(

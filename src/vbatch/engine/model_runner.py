@@ -44,7 +44,11 @@ from vbatch.layers.greedy_screen import (
 from vbatch.layers.linear_choice import ChosenLinear, runs_at_any_thread_count, settle_linears
 from vbatch.layers.native import has_fused_ops
 from vbatch.layers.packed_store import PackedStore, store_path
-from vbatch.layers.quantization import WORTHWHILE_SPEEDUP, describe_int8_choice
+from vbatch.layers.quantization import (
+    WORTHWHILE_GEMM_SPEEDUP,
+    WORTHWHILE_SPEEDUP,
+    describe_int8_choice,
+)
 from vbatch.lora.slots import LoraSlots
 from vbatch.models.config import ModelConfig
 from vbatch.models.llama import load_model
@@ -123,10 +127,12 @@ class ModelRunner:
         choice = self.model.quantization_choice
         if choice and "backend" in choice:
             self.kernel_notes.append(describe_int8_choice(choice))
-            if float(choice["speedup"]) < WORTHWHILE_SPEEDUP:  # type: ignore[arg-type]
+            if float(choice["speedup"]) < WORTHWHILE_GEMM_SPEEDUP:  # type: ignore[arg-type]
                 self.kernel_warnings.append(
-                    f"--quantization int8 is not {WORTHWHILE_SPEEDUP:g}x faster than fp32 on "
-                    f"this CPU: {describe_int8_choice(choice)}"
+                    f"--quantization int8 may not make a job {WORTHWHILE_SPEEDUP:g}x faster than "
+                    f"fp32 on this CPU: its layer GEMMs timed under {WORTHWHILE_GEMM_SPEEDUP:g}x "
+                    "fp32, and attention and the LM head stay float32 "
+                    f"({describe_int8_choice(choice)})"
                 )
         has_lm_head = model_config.head == "lm"
         if config.batch_invariant:
