@@ -21,6 +21,7 @@ from helpers import wait_gone
 from vbatch import LLM, SamplingParams
 from vbatch.errors import ConfigError, EngineDeadError, ModelLoadError, VbatchError
 from vbatch.llm import TOKENIZE_BATCH, Request, RequestOutput
+from vbatch.lora import LoRARequest
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -159,6 +160,25 @@ def test_per_request_errors_are_outputs_not_exceptions(llm: LLM) -> None:
         assert outs[rid].error, rid
         assert outs[rid].outputs[0].finish_reason == "error"
     assert "content" in outs["bad"].error
+
+
+def test_an_error_output_has_one_empty_completion_whatever_its_n_and_cause(llm: LLM) -> None:
+    """A request the core rejected (a token outside the vocabulary, a prompt too long) once
+    came back with n error completions, one refused in the client with one (python-api.md:
+    "its one CompletionOutput")."""
+    params = SamplingParams(n=2, max_tokens=2)
+    inputs = [
+        Request(id="oov", prompt_token_ids=[10**6]),
+        Request(id="long", prompt_token_ids=[1] * 600),
+        Request(id="bad", messages=[{"role": "user"}]),
+        Request(id="lora", prompt="x", lora_request=LoRARequest("a", 1, "/nowhere")),
+    ]
+    outs = {o.request_id: o for o in llm.stream(inputs, params)}
+    for rid, out in outs.items():
+        assert out.error, rid
+        assert [(o.index, o.text, o.token_ids, o.finish_reason) for o in out.outputs] == [
+            (0, "", [], "error")
+        ], rid
 
 
 def test_n_samples_and_on_output(llm: LLM) -> None:

@@ -516,7 +516,7 @@ class LLM(PoolingMethods):
                 except LoraError as e:
                     problem = str(e)
             if problem is not None:
-                ready.append((position, error_output(req, position, [], problem, 1)))
+                ready.append((position, error_output(req, position, [], problem)))
                 continue
             requests.append((position, req, lora))
         adds = []
@@ -527,7 +527,7 @@ class LLM(PoolingMethods):
         ):
             params = req.sampling_params or defaults
             if isinstance(prompt_ids, str):
-                ready.append((position, error_output(req, position, [], prompt_ids, params.n)))
+                ready.append((position, error_output(req, position, [], prompt_ids)))
                 continue
             keep = self._kept_prompt_tokens(params.truncate_prompt_tokens)
             if keep is not None:

@@ -210,6 +210,20 @@ class RequestState:
             self.reasons[i] = (str(finish.finish_reason), finish.stop_reason)
 
     def to_output(self) -> RequestOutput:
+        outputs = error_completions() if self.error is not None else self._completions()
+        return make_output(
+            self.request,
+            self.position,
+            self.prompt_token_ids,
+            outputs,
+            self.error,
+            self.arrival_time,
+            self.first_token_time,
+            self.num_cached_tokens,
+            self.prompt_text,
+        )
+
+    def _completions(self) -> list[CompletionOutput]:
         outputs = []
         for i, (detok, reason) in enumerate(zip(self.detoks, self.reasons, strict=True)):
             finish_reason, stop_reason = reason or (None, None)
@@ -233,17 +247,7 @@ class RequestState:
                     self.decode_token,
                 )
             )
-        return make_output(
-            self.request,
-            self.position,
-            self.prompt_token_ids,
-            outputs,
-            self.error,
-            self.arrival_time,
-            self.first_token_time,
-            self.num_cached_tokens,
-            self.prompt_text,
-        )
+        return outputs
 
 
 def make_output(
@@ -275,7 +279,11 @@ def make_output(
 
 
 def error_output(
-    request: Request, position: int, prompt_token_ids: list[int], error: str, n: int
+    request: Request, position: int, prompt_token_ids: list[int], error: str
 ) -> RequestOutput:
-    outputs = [CompletionOutput(i, "", [], "error") for i in range(n)]
-    return make_output(request, position, prompt_token_ids, outputs, error, time.time())
+    return make_output(request, position, prompt_token_ids, error_completions(), error, time.time())
+
+
+def error_completions() -> list[CompletionOutput]:
+    """A failed request's outputs, whatever its n: one, empty, finished with "error"."""
+    return [CompletionOutput(0, "", [], "error")]
