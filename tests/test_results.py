@@ -298,3 +298,31 @@ def test_echo_and_reasoning_leave_a_constrained_completion_whole_for_its_checks(
     assert values["text"] == "<think>x</think>y" and values["reasoning"] is None
     values = result_row(chat, thought, include_token_ids=False, reasoning_parser="qwen3")
     assert (values["reasoning"], values["text"]) == ("x", "y")
+
+
+def test_text_offsets_count_an_invalid_byte_as_its_one_replacement_character(
+    tokenizer: TextTokenizer,
+) -> None:
+    """A lone continuation byte decodes to one U+FFFD in the text; offsets counted lead bytes
+    only, so every token after it was one character early (`[0, 5, 5]` for ' plas', 0x83,
+    ' exploratory')."""
+    tokens = TokenStrings(lambda: tokenizer)
+    stray = next(t for t in range(tokenizer.vocab_size) if tokens.bytes(t) == [0x83])
+    ids = [
+        *tokenizer.encode_batch([" plas"], add_special_tokens=False)[0],
+        stray,
+        *tokenizer.encode_batch([" exploratory 😀 ok"], add_special_tokens=False)[0],
+    ]
+    text = tokenizer.decode(ids)
+    entries = [TokenLogprobs(-0.1, [t], [-0.1]) for t in ids]
+    result = make_result([CompletionOutput(0, text, ids, "length", None, entries)])
+    row = InputRow(0, "line 1", "t", prompt="", openai_kind="completions")
+    values = result_row(row, result, include_token_ids=False)
+    choice = openai_line(row, values, "smol", tokens.text, tokens.bytes)["response"]["body"][
+        "choices"
+    ][0]
+    logprobs = choice["logprobs"]
+    for token, offset in zip(logprobs["tokens"], logprobs["text_offset"], strict=True):
+        if "\ufffd" not in token:
+            assert choice["text"][offset : offset + len(token)] == token, (token, offset)
+    assert logprobs["text_offset"][:3] == [0, 5, 6]

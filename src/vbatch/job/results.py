@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import re
@@ -385,12 +386,13 @@ def _completion_logprobs(
     if entries is None:
         return None
     offsets = []
-    position = start
+    # NOTE: characters as the text's own lossy decode has them (an invalid byte is one U+FFFD);
+    # a character split over tokens is counted once, at the token holding its first byte.
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    settled = 0
     for e in entries:
-        offsets.append(position)
-        # NOTE: a character starts at each byte that is not a UTF-8 continuation byte, so a
-        # character split over tokens is counted once, at the token holding its first byte.
-        position += sum(1 for b in token_bytes(e["token_id"]) if b & 0xC0 != 0x80)
+        offsets.append(start + settled + (1 if decoder.getstate()[0] else 0))
+        settled += len(decoder.decode(bytes(token_bytes(e["token_id"]))))
     return {
         "tokens": [token_text(e["token_id"]) for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
