@@ -43,12 +43,18 @@ def test_jsonl_commit_records_offset_and_resume_truncates_the_tail(tmp_path: Pat
     assert [orjson.loads(line)["index"] for line in lines] == [2, 0, 1]
 
 
-def test_jsonl_shorter_than_committed_is_refused(tmp_path: Path) -> None:
+def one_committed_row(tmp_path: Path) -> tuple[Path, Journal, JsonlWriter]:
+    """(output, journal, writer) of a JSONL job that committed row 0."""
     output = tmp_path / "out.jsonl"
     journal = Journal(tmp_path)
     writer = JsonlWriter(journal, output)
     writer.add(row_values(0), None, None)
     writer.commit()
+    return output, journal, writer
+
+
+def test_jsonl_shorter_than_committed_is_refused(tmp_path: Path) -> None:
+    output, journal, writer = one_committed_row(tmp_path)
     writer.close()
     output.write_bytes(b"")
     with pytest.raises(JobStateError, match="truncated or replaced outside vbatch"):
@@ -62,11 +68,7 @@ def test_an_output_lost_mid_job_stops_at_the_next_commit_and_cannot_be_resumed(
     """An output deleted (or replaced) while the job ran was appended to, unlinked, until the
     job's end, which then failed as "a bug in vbatch" with a resume command that could not
     work (the resume said the missing file was "0 bytes")."""
-    output = tmp_path / "out.jsonl"
-    journal = Journal(tmp_path)
-    writer = JsonlWriter(journal, output)
-    writer.add(row_values(0), None, None)
-    writer.commit()
+    output, journal, writer = one_committed_row(tmp_path)
     output.unlink()
     if how == "replaced":
         output.write_bytes(b"someone else's file, long enough to pass a size check " * 100)
