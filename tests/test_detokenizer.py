@@ -146,6 +146,27 @@ def test_a_finish_on_a_stop_token_leaves_its_text_out(
     assert at_length.text == "Paris is big."
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_the_token_a_sample_stopped_on_is_not_checked_for_stop_strings(
+    tokenizer: TextTokenizer, include: bool
+) -> None:
+    """As vLLM: the core's stop token completes no stop string (its text is left out), unless
+    include_stop_str_in_output, where the stop string it completes wins."""
+    ids = tokenizer.encode_batch(["Paris is big."])[0]
+    params = SamplingParams(
+        stop=["g."], stop_token_ids=[ids[-1]], include_stop_str_in_output=include
+    )
+    detok = IncrementalDetokenizer(tokenizer, params)
+    assert detok.update(ids[:-1]) is None
+    hit = detok.update(ids[-1:], stop_terminated=True)
+    assert detok.finalize(stopped_on_token=True) is None
+    assert detok.token_ids == ids
+    assert (hit, detok.text) == (("g.", "Paris is big.") if include else (None, "Paris is big"))
+    stopped_early = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["big"]))
+    assert stopped_early.update(ids, stop_terminated=True) == "big"
+    assert (stopped_early.token_ids, stopped_early.text) == (ids[:-1], "Paris is ")
+
+
 def check_stop(
     tokenizer: TextTokenizer, text: str, stops: list[str], include: bool, expected_text: str
 ) -> IncrementalDetokenizer:

@@ -116,6 +116,35 @@ def test_a_stop_token_id_ends_the_tokens_and_its_text_is_left_out(llm: LLM, incl
     assert sample.text == llm.tokenizer.decode(tokens[: cut if include else cut - 1])
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_token_whose_text_completes_a_stop_string(llm: LLM, include: bool) -> None:
+    """As vLLM: the token the core stopped on is not checked against stop strings, so the
+    finish keeps the token id as its stop_reason; with include_stop_str_in_output its text is
+    checked, and the stop string wins."""
+    (free,) = llm.generate(["stop on a token"], GREEDY)
+    tokens = free.outputs[0].token_ids
+    decode = llm.tokenizer.decode
+    cut = next(
+        k + 1
+        for k in range(len(tokens))
+        if decode([tokens[k]]).strip() and decode([tokens[k]]) not in decode(tokens[:k])
+    )
+    stop_id, stop = tokens[cut - 1], decode([tokens[cut - 1]])
+    params = SamplingParams(
+        max_tokens=12,
+        temperature=0.0,
+        ignore_eos=True,
+        stop_token_ids=[stop_id],
+        stop=[stop],
+        include_stop_str_in_output=include,
+    )
+    (sample,) = llm.generate(["stop on a token"], params)[0].outputs
+    assert sample.token_ids == tokens[:cut]
+    assert sample.finish_reason == "stop"
+    assert sample.stop_reason == (stop if include else stop_id)
+    assert sample.text == decode(tokens[: cut if include else cut - 1])
+
+
 def test_breaking_out_of_stream_aborts_everything_in_flight(llm: LLM) -> None:
     params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     short = Request(prompt="quick", sampling_params=SamplingParams(max_tokens=1))

@@ -57,6 +57,7 @@ from vbatch.lora.request import LoRARequest
 from vbatch.protocol import (
     AddRequest,
     EngineOutputs,
+    FinishReason,
     Ready,
     SchedulerStats,
     pack_token_ids,
@@ -658,11 +659,14 @@ class LLM(PoolingMethods):
                 if entry is not None:
                     entry.num_cached_tokens = max(entry.num_cached_tokens, num_cached)
             logprobs = step.logprobs or itertools.repeat(None)
-            for rid, index, token_id, token_logprobs in zip(
-                step.request_ids, step.indices, step.token_ids, logprobs
+            ended_at = _stop_terminated_positions(step)
+            for j, (rid, index, token_id, token_logprobs) in enumerate(
+                zip(step.request_ids, step.indices, step.token_ids, logprobs)
             ):
                 entry = live.get(rid)
-                if entry is not None and entry.add_token(index, token_id, token_logprobs):
+                if entry is not None and entry.add_token(
+                    index, token_id, token_logprobs, j in ended_at
+                ):
                     done.append(rid)
                     stopped.append((rid, index))
             for finish in step.finished:
@@ -751,3 +755,16 @@ def decode_one(tokenizer: Any, token_id: int) -> str:
     """One token's text, special tokens kept. An output's logprobs decode through it, holding the
     tokenizer alone: a kept result must not keep its LLM (and engine core) alive."""
     return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _stop_terminated_positions(step: EngineOutputs) -> set[int]:
+    """Where in `step`'s columns a sample took the token the core stopped it on (EOS or a stop
+    id): its last token in `step`, since that finish comes with the token."""
+    ended = {(f.request_id, f.index) for f in step.finished if f.finish_reason == FinishReason.STOP}
+    if not ended:
+        return set()
+    last_at = {}
+    for j, key in enumerate(zip(step.request_ids, step.indices)):
+        if key in ended:
+            last_at[key] = j
+    return set(last_at.values())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 from tokenizers.decoders import DecodeStream
 
@@ -53,11 +53,20 @@ class IncrementalDetokenizer:
     def is_stopped(self) -> bool:
         return self.stop_str is not None
 
-    def update(self, new_token_ids: Iterable[int]) -> str | None:
-        """Append tokens; return the stop string if one was completed (the caller aborts)."""
+    def update(self, new_token_ids: Sequence[int], stop_terminated: bool = False) -> str | None:
+        """Append tokens; return the stop string if one was completed (the caller aborts).
+
+        `stop_terminated`: the core ended the sample on the last of these tokens (EOS or a stop
+        token id). As in vLLM, that token's text is not checked for stop strings unless
+        include_stop_str_in_output, so the finish keeps its own stop_reason."""
         assert not self._is_finalized, "update() after finalize()"
         if self.stop_str is not None:
             return None
+        if stop_terminated and not self._include_stop and new_token_ids:
+            hit = self.update(new_token_ids[:-1])
+            if hit is None:
+                self._token_ids.append(new_token_ids[-1])
+            return hit
         for token_id in new_token_ids:
             self._token_ids.append(token_id)
             chunk = self._stream.step(self._backend, token_id)

@@ -175,15 +175,23 @@ class RequestState:
         # NOTE: a counter, not a scan of `reasons`: done is asked once per finish, n per request.
         return self.num_open == 0
 
-    def add_token(self, index: int, token_id: int, logprobs: TokenLogprobs | None) -> bool:
-        """Sample `index` got `token_id` from the core; True if that completed a stop string."""
+    def add_token(
+        self,
+        index: int,
+        token_id: int,
+        logprobs: TokenLogprobs | None,
+        stop_terminated: bool = False,
+    ) -> bool:
+        """Sample `index` got `token_id` from the core; True if that completed a stop string.
+
+        `stop_terminated`: the core ended the sample on this token (its finish follows)."""
         if self.reasons[index] is not None:
             return False
         if self.first_token_time is None:
             self.first_token_time = time.time()
         if logprobs is not None and self.logprobs[index] is not None:
             self.logprobs[index].append(logprobs)
-        stop = self.detoks[index].update((token_id,))
+        stop = self.detoks[index].update((token_id,), stop_terminated)
         if stop is None:
             return False
         self.reasons[index] = ("stop", stop)

@@ -148,7 +148,9 @@ class PoolingState:
     num_core_live: int = 1
     num_cached_tokens: int = 0
 
-    def add_token(self, index: int, token_id: int, logprobs: object) -> bool:
+    def add_token(
+        self, index: int, token_id: int, logprobs: object, stop_terminated: bool = False
+    ) -> bool:
         return False
 
     def finish(self, finish: SampleFinish) -> None:
