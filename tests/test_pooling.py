@@ -16,6 +16,7 @@ from benchmarks.tiny_pooling import write_tiny_classifier, write_tiny_embedder
 from vbatch import LLM
 from vbatch.client.outputs import Request
 from vbatch.client.pooling_outputs import perplexity_of
+from vbatch.errors import PromptTypeError
 from vbatch.llm_pooling import CROSS_ENCODER
 from vbatch.models.loader import ResolvedModel
 from vbatch.pooling_params import PoolingParams, PoolingTask
@@ -145,6 +146,27 @@ def test_prompt_logprobs_match_transformers(tiny_model_dir: Path) -> None:
     total, perplexity = perplexity_of(scored.outputs.data)
     assert abs(perplexity - np.exp(-targets.astype(np.float64).mean())) <= 1e-3 * perplexity
     assert abs(total - targets.sum()) <= 1e-3
+
+
+def test_conversations_are_embedded_through_the_chat_template(embedder: Path) -> None:
+    """A conversation, alone or in a list, is embedded as a Request with those messages (the
+    form a job's `messages` rows take); a list of anything else is refused, not an error row."""
+    first = [{"role": "user", "content": "hello world"}]
+    second = [*first, {"role": "assistant", "content": "hi"}]
+    with LLM(str(embedder), **ENGINE) as llm:
+        (alone,) = llm.embed(first)
+        listed = llm.embed([first, second, "hello world"])
+        by_request = llm.embed([Request(messages=first), Request(messages=second)])
+        with pytest.raises(PromptTypeError, match="conversation"):
+            llm.embed([["hello", {"prompt": "world"}]])
+        assert llm.embed("x")[0].error is None
+    template = llm.get_tokenizer().apply_chat_template(first, add_generation_prompt=True)
+    assert alone.prompt_token_ids == by_request[0].prompt_token_ids == template
+    for out, ref in zip([alone, *listed[:2]], [by_request[0], *by_request], strict=True):
+        assert out.error is None
+        assert out.prompt_token_ids == ref.prompt_token_ids
+        assert out.outputs.embedding == ref.outputs.embedding
+    assert listed[2].prompt_token_ids == llm.get_tokenizer().encode("hello world")
 
 
 def test_long_prompts_are_errors_unless_truncated(embedder: Path) -> None:

@@ -26,7 +26,7 @@ from vbatch.client.pooling_outputs import (
     pooling_output,
     prompt_logprobs_of,
 )
-from vbatch.client.prompts import UseTqdm, to_request
+from vbatch.client.prompts import UseTqdm, is_conversation, to_request
 from vbatch.errors import LoraError, PromptTypeError, PromptValueError
 from vbatch.lora.request import LoRARequest
 from vbatch.models.config import declared_head, read_id2label, read_sentence_bert_config
@@ -41,12 +41,13 @@ if TYPE_CHECKING:
 # NOTE: the wire needs sampling params; a pooling request samples nothing, and its one token
 # is what data-parallel placement counts it for besides its prompt.
 _PREFILL_ONLY = SamplingParams(max_tokens=1)
-PromptInput = str | list[str] | Request
+PromptInput = str | list[str] | list[Mapping[str, Any]] | Request
 # NOTE: one text of LLM.score: a string, or a {"prompt"} or {"prompt_token_ids"} dict.
 ScoreInput = str | Mapping[str, Any]
 POOLING_ACCEPTED = (
     "a prompt string, a list of them (pooled each on its own), a {'prompt'} or "
-    "{'prompt_token_ids'} dict or a vbatch.llm.Request"
+    "{'prompt_token_ids'} dict, a conversation (a list of {'role', 'content'} messages) or a "
+    "vbatch.llm.Request"
 )
 CROSS_ENCODER = (
     "score with a classifier (cross-encoder) model is not supported: vbatch scores the cosine of "
@@ -79,8 +80,9 @@ class PoolingMethods:
         """Run every prompt through the model without generating; results in input order.
 
         A prompt is a string, a list of strings (pooled each on its own), {"prompt": str},
-        {"prompt_token_ids": [int]} or a Request. `pooling_params` default to an embedding;
-        `pooling_task` ("embed", "classify", ...) sets their task, as in vLLM."""
+        {"prompt_token_ids": [int]}, a conversation (its chat template applied) or a Request.
+        `pooling_params` default to an embedding; `pooling_task` ("embed", "classify", ...) sets
+        their task, as in vLLM."""
         _refuse_lora(lora_request)
         params = pooling_params or PoolingParams()
         if pooling_task is not None:
@@ -292,7 +294,7 @@ def _refuse_lora(lora_request: LoRARequest | Sequence[LoRARequest | None] | None
 
 def _prompt_items(prompts: Any) -> list[Any]:
     """The items of a pooling call's prompts: one prompt or an iterable of them."""
-    if isinstance(prompts, (str, Request, Mapping)):
+    if isinstance(prompts, (str, Request, Mapping)) or is_conversation(prompts):
         return [prompts]
     if prompts is None or isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
         raise PromptTypeError(
@@ -322,8 +324,17 @@ def _pooling_request(item: PromptInput | Mapping[str, Any], params: PoolingParam
         if item.pooling_params is None:
             item = Request(**{**item.__dict__, "pooling_params": params})
         return item
-    if isinstance(item, (str, list)):
+    if is_conversation(item):
+        return Request(messages=item, pooling_params=params)
+    if isinstance(item, str) or (
+        isinstance(item, list) and all(isinstance(text, str) for text in item)
+    ):
         return Request(prompt=item, pooling_params=params)
+    if isinstance(item, list):
+        raise PromptTypeError(
+            "a list inside the prompts must hold strings (pooled each on its own) or be a "
+            "conversation's {'role', 'content'} messages"
+        )
     raise PromptTypeError(f"each input must be {POOLING_ACCEPTED}, got {type(item).__name__}")
 
 
