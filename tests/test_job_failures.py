@@ -529,6 +529,27 @@ def test_a_job_resumed_by_another_spelling_of_its_path_has_not_moved(tmp_path: P
     assert_exactly_once(output, 10)
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_an_output_that_is_a_symlink_is_written_through_it(tmp_path: Path, suffix: str) -> None:
+    """The job writes the file the link points to, keeps the link, and resumes through it."""
+    model = model_file(tmp_path)
+    input_path = write_input(tmp_path / "in.jsonl", 30)
+    (tmp_path / "elsewhere").mkdir()
+    target = tmp_path / "elsewhere" / f"out{suffix}"
+    link = tmp_path / f"out{suffix}"
+    link.symlink_to(Path("elsewhere") / target.name)
+    args = run_args(input_path, link, model, "--commit-every-rows", "5")
+    crashed = run_vbatch(tmp_path, *args, VBATCH_STANDIN_EXIT_AFTER="17")
+    assert crashed.returncode == 9, crashed.stderr
+    assert job_dir_for(target).is_dir() and not job_dir_for(link).exists()
+    resumed = run_vbatch(tmp_path, "resume", link.name, "-q")
+    assert resumed.returncode == 0, resumed.stderr
+    assert link.is_symlink() and link.resolve() == target
+    assert_exactly_once(target, 30)
+    status = run_vbatch(tmp_path, "status", link.name)
+    assert status.returncode == 0 and "(complete)" in status.stdout, status.stderr
+
+
 @pytest.mark.parametrize("damage", ["delete", "truncate", "garbage"])
 def test_a_committed_parquet_part_damaged_outside_vbatch_is_refused_at_resume(
     tmp_path: Path, damage: str

@@ -77,11 +77,14 @@ def input_format(value: str) -> str:
 
 
 def file_path(value: str) -> Path:
-    """A job output's parser: a path that names a file, else a usage error (exit 2)."""
+    """A job output's parser: a path that names a file, else a usage error (exit 2); a symlink
+    there is followed (job/paths.py `through_link`)."""
+    from vbatch.job.paths import through_link
+
     path = Path(value)
     if not path.name or path.name == "..":
         raise ValueError(f"{value!r} names no file: give the output file's path, e.g. out.jsonl")
-    return path
+    return through_link(path)
 
 
 def shard(value: str) -> str:

@@ -21,6 +21,15 @@ def job_dir_for(output: Path) -> Path:
     return output.with_name(output.name + JOB_DIR_SUFFIX)
 
 
+def through_link(output: Path) -> Path:
+    """The output file a command means by `output`: where a symlink there points, so that a job
+    writes through the link (as `open` would) instead of replacing it with its own file; the
+    link itself where a job directory sits beside it (a job started there before the link)."""
+    if output.is_symlink() and not job_dir_for(output).exists():
+        return Path(os.path.realpath(output))
+    return output
+
+
 def tmp_output_path(output: Path) -> Path:
     return output.with_name(f".{output.name}.vbatch-tmp")
 
