@@ -59,16 +59,18 @@ def sample(
 def reference_kept(
     row: torch.Tensor, p: SamplingParams, tolerance: float = 0.0
 ) -> tuple[set[int], set[int]]:
-    """Token ids kept by temperature, top-k, top-p (renormalised after top-k), min-p by a full
-    sort in float64, and the ids within `tolerance` (relative) of a top-p or min-p boundary."""
+    """Token ids kept by temperature, then (vLLM V1's order) min-p, top-k, and top-p over what
+    those two keep, renormalised, by a full sort in float64; and the ids within `tolerance`
+    (relative) of a top-p or min-p boundary."""
     probs = torch.softmax(row.double() / p.temperature, dim=-1)
     sorted_probs, order = probs.sort(descending=True)
     in_top_k = torch.arange(row.numel()) < (p.top_k if p.top_k > 0 else row.numel())
-    renorm = sorted_probs * in_top_k
+    ratio = sorted_probs / sorted_probs[0]
+    survives = in_top_k & (ratio >= p.min_p)
+    renorm = sorted_probs * survives
     renorm /= renorm.sum()
     before = renorm.cumsum(0) - renorm
-    ratio = sorted_probs / sorted_probs[0]
-    keep = in_top_k & (before < p.top_p) & (ratio >= p.min_p)
+    keep = survives & (before < p.top_p)
     near = ((before - p.top_p).abs() <= tolerance) | ((ratio - p.min_p).abs() <= tolerance)
     return set(order[keep].tolist()), set(order[near & in_top_k].tolist())
 
@@ -266,6 +268,55 @@ def test_penalties_follow_the_formula() -> None:
         expected[2, token] += 0.4 * (count > 0)
     torch.testing.assert_close(penalized, expected)
     assert penalized[0, 1] == pytest.approx(1.5 / 1.3) and penalized[0, 3] < -0.7 * 1.3 - 1.6
+
+
+def test_logit_bias_comes_before_the_repetition_penalty() -> None:
+    """vLLM V1's order: (logit + bias) / penalty, so a biased repeated token loses here."""
+    vocab = 10
+    logits = torch.full((1, vocab), -5.0)
+    logits[0, 1], logits[0, 2] = 0.29, 0.0
+    p = SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={1: 1.71, 2: 1.2})
+    seqs = make_seqs(p, prompt=[1, 3])
+    meta = SamplingMetadata.build(seqs, CPU, vocab, {})
+    transformed = _apply_transforms(logits, meta)
+    assert transformed[0, 1].item() == pytest.approx((0.29 + 1.71) / 2.0)
+    assert transformed[0, 2].item() == pytest.approx(1.2)
+    assert Sampler()(logits, meta).token_ids.tolist() == [2]
+
+
+def test_min_p_comes_before_top_p() -> None:
+    """vLLM V1's order: min-p, then top-p over what it keeps. Probabilities 0.5, 0.3, 0.1, 0.1:
+    min-p 0.3 keeps the first two (0.625, 0.375 renormalised), and top-p 0.6 then the first
+    only; top-p over the raw mass would have kept both."""
+    vocab = 300
+    logits = torch.full((1, vocab), -1e9)
+    logits[0, :4] = torch.tensor([0.5, 0.3, 0.1, 0.1]).log()
+    for k in (0, 3, 200):
+        p = SamplingParams(min_p=0.3, top_p=0.6, top_k=k, seed=0)
+        seqs = make_seqs(*[p] * 64)
+        for seq, seed in zip(seqs, range(64), strict=True):
+            seq.params = SamplingParams(min_p=0.3, top_p=0.6, top_k=k, seed=seed)
+        assert set(sample(logits.expand(64, vocab).contiguous(), seqs).tolist()) == {0}
+
+
+def test_a_row_left_with_no_token_is_flagged_and_reads_token_zero() -> None:
+    """allowed_token_ids all among the bans: every sampling mode gives token 0 and flags the
+    row (the core ends its request); the other rows sample as ever."""
+    vocab = 300
+    logits = torch.randn(4, vocab)
+    logits[:, 7] = 10.0
+    stuck = dict(allowed_token_ids=[5], bad_words_token_ids=[[5]])
+    params = [
+        SamplingParams(temperature=0.0, **stuck),
+        SamplingParams(top_p=0.5, seed=1, **stuck),
+        SamplingParams(top_k=3, min_p=0.1, seed=2, **stuck),
+        SamplingParams(temperature=0.0),
+    ]
+    meta = SamplingMetadata.build(make_seqs(*params), CPU, vocab, {})
+    out = Sampler()(logits, meta)
+    token_ids, _ = out.to_host()
+    assert token_ids == [0, 0, 0, 7]
+    assert out.exhausted_rows == [0, 1, 2]
 
 
 def test_min_tokens_bars_eos_and_stop_ids() -> None:

@@ -39,8 +39,9 @@ GRAMMAR_WAIT_S = 0.05
 # itself is broken rather than one of its requests.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 DEAD_END = (
-    "no token satisfies the structured-output constraint together with this request's "
-    "allowed_token_ids, bad_words or logit_bias: generation cannot go on"
+    "no token is left to sample: this request's allowed_token_ids, bad_words, min_tokens (which "
+    "bars EOS and the stop token ids) and structured-output constraint together exclude every "
+    "token, so generation cannot go on"
 )
 # NOTE: test-only fault injection (no real way exists to fail a step or wedge the loop once
 # requests are validated): "raise:<token id>", "fatal:<token id>", "sleep:<token id>:<s>" or
@@ -473,12 +474,13 @@ class EngineCore:
         update = self.scheduler.update(out, token_ids, logprobs)
         outputs = self._outputs(out, update)
         self._is_applying = False
-        if sampled is not None and sampled.grammar is not None and sampled.grammar.dead_ends:
-            self._end_dead_ends(sampled.grammar.dead_ends, outputs)
+        dead_ends = sampled.dead_ends() if sampled is not None else []
+        if dead_ends:
+            self._end_dead_ends(dead_ends, outputs)
         return outputs
 
     def _end_dead_ends(self, seqs: list[Sequence], outputs: EngineOutputs) -> None:
-        """End the requests of `seqs`, constrained seqs left with no token to sample, with an
+        """End the requests of `seqs`, seqs left with no token to sample, with an
         ERROR finish each, in place of their entries and finishes in the step's `outputs` (the
         token sampled from nothing); the rest of the step stands."""
         dropped = dict.fromkeys(seq.request_id for seq in seqs)

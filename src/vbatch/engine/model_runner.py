@@ -369,7 +369,7 @@ class ModelRunner:
             logits = self.graph_runner.run(
                 inputs.input_ids, inputs.model_positions, inputs.meta, inputs.logits_rows
             )
-            return self._sample(logits, sampling, mask)
+            return self._sample(logits, sampling, mask, sampling_seqs)
         # NOTE: forward() itself: Module.__call__'s hook checks cost ~20 µs a step once a CPU
         # forward pass has evicted them from the caches, and nothing here registers hooks.
         hidden = self.model.forward(
@@ -381,7 +381,7 @@ class ModelRunner:
         if sampling.is_plain_greedy and mask is None:
             return SamplerOutput.of_token_ids(self.model.greedy_token_ids(hidden))
         logits = self.model.compute_logits(hidden, out=self._logits_buffer(len(sampling_seqs)))
-        return self._sample(logits, sampling, mask)
+        return self._sample(logits, sampling, mask, sampling_seqs)
 
     def _copy_kv(self, copies: list[tuple[int, int, int]]) -> None:
         """Copy the first n token slots of block `source` to block `dest` in every layer."""
@@ -391,15 +391,21 @@ class ModelRunner:
                 v_cache[dest, :n] = v_cache[source, :n]
 
     def _sample(
-        self, logits: torch.Tensor, sampling: SamplingMetadata, mask: StepMask | None
+        self,
+        logits: torch.Tensor,
+        sampling: SamplingMetadata,
+        mask: StepMask | None,
+        seqs: list[Sequence],
     ) -> SamplerOutput:
         """Sample `logits` after the grammar mask, if any: constrained rows pick among the
-        tokens their grammar allows, in every sampling mode (the int8 greedy screen is skipped)."""
-        if mask is None:
-            return self.sampler(logits, sampling)
-        mask.apply(logits)
+        tokens their grammar allows, in every sampling mode (the int8 greedy screen is skipped).
+        `seqs` are the rows' seqs, kept where a row may be left with no token."""
+        if mask is not None:
+            mask.apply(logits)
         sampled = self.sampler(logits, sampling)
         sampled.grammar = mask
+        if sampled.exhausted is not None:
+            sampled.row_seqs = seqs
         return sampled
 
     def _choose_linears(

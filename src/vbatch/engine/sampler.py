@@ -1,17 +1,18 @@
-"""Sampler: one step's logits to next tokens (penalties, logit bias, allowed tokens, bans,
-top-k/top-p/min-p, seeds, logprobs)."""
+"""Sampler: one step's logits to next tokens (allowed tokens, logit bias, penalties, bans,
+min-p/top-k/top-p, seeds, logprobs)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from vbatch.engine.grammar import StepMask
 from vbatch.engine.sampling_metadata import SamplingMetadata, to_host
+from vbatch.engine.sequence import Sequence
 from vbatch.protocol import TokenLogprobs
 
 # NOTE: top-p rows whose nucleus is wider than the first NUM_CANDIDATES tokens retry with this
@@ -34,6 +35,20 @@ class SamplerOutput:
     num_logprobs: list[int]
     grammar: StepMask | None = None  # the constrained rows, whose matchers take the tokens
     chosen_ranks: torch.Tensor | None = None  # [m] int64, 1 + tokens more likely than chosen
+    # NOTE: [n] bool, rows whose allowed tokens and bans left no token (their id reads 0); None
+    # when no row has either. `to_host` lists them in `exhausted_rows`.
+    exhausted: torch.Tensor | None = None
+    exhausted_rows: list[int] = field(default_factory=list)
+    row_seqs: list[Sequence] | None = None  # each row's seq, where `exhausted` is set
+
+    def dead_ends(self) -> list[Sequence]:
+        """After to_host and the grammar's accept: the seqs left with no token to sample, by
+        their grammar or by their allowed tokens and bans."""
+        dead = list(self.grammar.dead_ends) if self.grammar is not None else []
+        if self.exhausted_rows:
+            assert self.row_seqs is not None
+            dead += [self.row_seqs[row] for row in self.exhausted_rows]
+        return list({id(seq): seq for seq in dead}.values())
 
     @classmethod
     def of_token_ids(cls, token_ids: torch.Tensor) -> SamplerOutput:
@@ -42,18 +57,21 @@ class SamplerOutput:
 
     def to_host(self) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """The sampled token ids and per-row logprobs (None: no row asked), as Python values."""
+        tensors = [self.token_ids]
+        if self.exhausted is not None:
+            tensors.append(self.exhausted)
+        if self.chosen_logprobs is not None:
+            assert self.top_logprobs is not None and self.top_token_ids is not None
+            assert self.chosen_ranks is not None
+            tensors += [self.chosen_logprobs, self.top_logprobs, self.top_token_ids]
+            tensors.append(self.chosen_ranks)
+        host = [t.tolist() for t in to_host(tensors)]
+        token_ids = host.pop(0)
+        if self.exhausted is not None:
+            self.exhausted_rows = [row for row, is_empty in enumerate(host.pop(0)) if is_empty]
         if self.chosen_logprobs is None:
-            return to_host([self.token_ids])[0].tolist(), None
-        assert self.top_logprobs is not None and self.top_token_ids is not None
-        assert self.chosen_ranks is not None
-        tensors = [
-            self.token_ids,
-            self.chosen_logprobs,
-            self.top_logprobs,
-            self.top_token_ids,
-            self.chosen_ranks,
-        ]
-        token_ids, chosen, top_vals, top_ids, ranks = (t.tolist() for t in to_host(tensors))
+            return token_ids, None
+        chosen, top_vals, top_ids, ranks = host
         logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
         for j, (row, k) in enumerate(zip(self.logprob_rows_cpu, self.num_logprobs, strict=True)):
             logprobs[row] = TokenLogprobs(chosen[j], top_ids[j][:k], top_vals[j][:k], ranks[j])
@@ -63,9 +81,10 @@ class SamplerOutput:
 class Sampler:
     """Stateless: a call reads `logits` and `meta` only and never writes to `logits`.
 
-    Order: penalties, logit bias, allowed tokens, min_tokens and bad-word bans, then greedy
-    argmax, or temperature, top-k, top-p (over the top-k renormalised mass), min-p, and an
-    inverse-CDF draw over kept tokens in id order.
+    Order (vLLM V1's): allowed tokens, logit bias, penalties, min_tokens and bad-word bans,
+    then greedy argmax, or temperature, min-p, top-k, top-p (over the mass min-p and top-k
+    keep, renormalised), and an inverse-CDF draw over kept tokens in id order. A row left with
+    no token reads token 0 and is flagged in `exhausted`.
     Logprobs are of the raw model output, before any of these transforms (as vLLM V1 does).
     A call never waits for the device, except top-p's check of its candidate widths.
     """
@@ -79,7 +98,12 @@ class Sampler:
             )
         logits = _apply_transforms(logits, meta)
         token_ids = logits.argmax(dim=-1) if meta.is_all_greedy else _sample(logits, meta)
+        exhausted = None
+        if meta.allowed is not None or meta.banned is not None:
+            exhausted = torch.isneginf(logits.amax(dim=-1))
+            token_ids = token_ids.masked_fill(exhausted, 0)
         out = SamplerOutput(token_ids, None, None, None, meta.logprob_rows_cpu, meta.num_logprobs)
+        out.exhausted = exhausted
         if raw_logprobs is not None:
             assert meta.logprob_rows is not None
             chosen_ids = token_ids.index_select(0, meta.logprob_rows).unsqueeze(1)
@@ -91,23 +115,24 @@ class Sampler:
 
 
 def _apply_transforms(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """A float32 copy with penalties, bias, allowed tokens and bans applied; `logits` itself
-    (as float32) when there are none."""
+    """A float32 copy with allowed tokens, bias, penalties and bans applied, in that order (the
+    bias before the multiplicative repetition penalty, as vLLM); `logits` itself (as float32)
+    when there are none."""
     pen = meta.penalties
     if pen is None and meta.banned is None and meta.logit_bias is None and meta.allowed is None:
         return logits.float()
     logits = logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
+    if meta.allowed is not None:
+        rows, mask = meta.allowed
+        logits[rows] = logits[rows].masked_fill(~mask, -math.inf)
+    if meta.logit_bias is not None:
+        rows, ids, values = meta.logit_bias
+        logits.index_put_((rows, ids), values, accumulate=True)
     if pen is not None:
         flat = logits.view(-1)
         seen = flat[pen.keys]
         seen = torch.where(seen > 0, seen / pen.repetition, seen * pen.repetition)
         flat[pen.keys] = seen - pen.subtract
-    if meta.logit_bias is not None:
-        rows, ids, values = meta.logit_bias
-        logits.index_put_((rows, ids), values, accumulate=True)
-    if meta.allowed is not None:
-        rows, mask = meta.allowed
-        logits[rows] = logits[rows].masked_fill(~mask, -math.inf)
     if meta.banned is not None:
         # NOTE: a Python scalar as index_put_'s value is copied from the host, a sync on CUDA.
         logits.index_put_(meta.banned, logits.new_full((), -math.inf))
@@ -160,11 +185,13 @@ def _nucleus_groups(
     vocab_size = meta.vocab_size
     all_rows = torch.arange(meta.num_rows, device=logits.device)
     rows = all_rows if meta.restricted_rows is None else meta.restricted_rows
-    full_mass = None  # [n, 1]: sum over the vocab of p / p_max
+    full_mass = None  # [n, 1]: sum over the vocab of p / p_max, of the tokens min-p keeps
     if meta.needs_full_mass:
-        # NOTE: sum of p / p_max is 1 / p_max; softmax is the cheapest full pass that gives it.
-        full_mass = torch.softmax(logits / meta.temperature, dim=-1).amax(dim=-1, keepdim=True)
-        full_mass.reciprocal_()
+        weights = ((logits - logits.amax(dim=-1, keepdim=True)) / meta.temperature).exp_()
+        if meta.min_p is not None:
+            weights.masked_fill_(weights < meta.min_p, 0.0)
+        full_mass = weights.sum(dim=-1, keepdim=True)
+        del weights
     width = meta.num_candidates
     while True:
         vals, ids = (logits if rows is all_rows else logits.index_select(0, rows)).topk(
@@ -197,7 +224,8 @@ def _keep_prefix(
     rows: torch.Tensor,
     full_mass: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Which descending candidates survive top-k, top-p and min-p; which rows are short.
+    """Which descending candidates survive min-p, top-k and top-p (over the mass of the first
+    two); which rows are short.
 
     `weights` are exp((logit - max) / temperature) of the candidates of `rows`; a row is short
     when its top-p nucleus may extend past its candidates. None: no row can be (no top-p, or
@@ -207,6 +235,8 @@ def _keep_prefix(
     width = weights.shape[1]
     top_k = meta.top_k[rows]
     keep = torch.arange(width, device=weights.device) < top_k  # [rows, width]
+    if meta.min_p is not None:
+        keep &= weights >= meta.min_p[rows]
     is_short = None
     if meta.top_p is not None:
         top_p = meta.top_p[rows]
@@ -216,11 +246,7 @@ def _keep_prefix(
             mass = torch.where(top_k <= width, mass, full_mass[rows])
         keep &= F.pad(cdf[:, :-1], (1, 0)) < top_p * mass
         if width < meta.vocab_size:
-            is_short = ((cdf[:, -1:] < top_p * mass) & (top_k > width)).squeeze(1)
-    if meta.min_p is not None:
-        keep &= weights >= meta.min_p[rows]
-        if is_short is not None:
-            is_short &= keep[:, -1]
+            is_short = ((cdf[:, -1:] < top_p * mass) & (top_k > width) & keep[:, -1:]).squeeze(1)
     return keep, is_short
 
 
