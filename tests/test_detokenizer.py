@@ -244,15 +244,20 @@ def test_updates_after_a_stop_are_ignored(tokenizer: TextTokenizer) -> None:
     assert (detok.text, detok.is_stopped) == ("one", True)
 
 
-def test_stop_strings_wait_for_min_tokens(tokenizer: TextTokenizer) -> None:
+@pytest.mark.parametrize(("min_tokens", "num_tokens"), [(0, 2), (1, 2), (2, 4), (3, 4), (4, 6)])
+def test_stop_strings_wait_for_min_tokens(
+    tokenizer: TextTokenizer, min_tokens: int, num_tokens: int
+) -> None:
+    """As vLLM: a stop string must end in the text of a token after the first min_tokens (the
+    earliest stop is token min_tokens + 1, as for EOS and stop ids)."""
     ids = tokenizer.encode_batch(["a b a b a b"])[0]
     assert len(ids) == 6
-    detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=[" b"], min_tokens=3))
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=[" b"], min_tokens=min_tokens))
     for token_id in ids:
         if detok.update([token_id]) is not None:
             break
-    assert detok.text == "a b a"
-    assert len(detok.token_ids) == 4
+    assert len(detok.token_ids) == num_tokens
+    assert detok.text == tokenizer.decode(ids[: num_tokens - 1])
 
 
 def test_random_stop_strings_match_reference(tokenizer: TextTokenizer) -> None:

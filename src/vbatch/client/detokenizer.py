@@ -17,7 +17,8 @@ class IncrementalDetokenizer:
     cut at the stop-string match that ends first (the longest one among those ending together);
     after a finish on EOS or a stop token id, `decode(token_ids[:-1])` (see `finalize`).
     Once a stop string is hit, `token_ids` ends with the token that completed it, `stop_str` is
-    set, and later tokens are ignored. Stop strings are not checked before `min_tokens` tokens.
+    set, and later tokens are ignored. As in vLLM, a stop string must end in the text of a token
+    after the first `min_tokens`.
     """
 
     def __init__(self, tokenizer: TextTokenizer, params: SamplingParams) -> None:
@@ -117,7 +118,7 @@ class IncrementalDetokenizer:
             return False
         tail = self._tail
         match: tuple[int, int, str] | None = None  # (end, start, stop) in `tail + chunk`
-        if self._stops and len(self._token_ids) >= self._min_tokens:
+        if self._stops and len(self._token_ids) > self._min_tokens:
             window = tail + chunk
             for stop in self._stops:
                 # NOTE: only matches that end inside `chunk` are new; earlier ones were checked.
