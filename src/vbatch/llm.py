@@ -67,6 +67,7 @@ from vbatch.sampling_params import SamplingParams
 __all__ = ["LLM", "CompletionOutput", "Request", "RequestOutput"]
 
 TOKENIZE_BATCH = 64
+BAD_WORDS_CACHE = 64
 _MAIN_GUARD_MESSAGE = (
     "vbatch.LLM was created while multiprocessing re-imported your script to start the engine "
     "core (the 'spawn' start method runs the main module again in the child). Put the code that "
@@ -277,6 +278,7 @@ class LLM(PoolingMethods):
         default = 2 * min(max_num_seqs, self.engine_info.num_kv_blocks or max_num_seqs)
         self.max_in_flight = max_in_flight if max_in_flight is not None else max(1, default)
         self._request_ids = itertools.count()
+        self._bad_words_cache: dict[tuple[str, ...], list[list[int]]] = {}
         self._is_streaming = False
         self._live: dict[str, RequestState | PoolingState] = {}
 
@@ -533,9 +535,10 @@ class LLM(PoolingMethods):
             keep = self._kept_prompt_tokens(params.truncate_prompt_tokens)
             if keep is not None:
                 prompt_ids = prompt_ids[-keep:]
-            if params.bad_words and not params.bad_words_token_ids:
-                msgspec.structs.force_setattr(
-                    params, "bad_words_token_ids", self._bad_words_ids(params.bad_words)
+            if params.bad_words:
+                # NOTE: on a copy: the caller's params may change, or go to another model.
+                params = msgspec.structs.replace(
+                    params, bad_words_token_ids=self._bad_words_ids(params.bad_words)
                 )
             rid = str(next(self._request_ids))
             live[rid] = RequestState(
@@ -581,10 +584,18 @@ class LLM(PoolingMethods):
         return checked[key]
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
-        """Each bad word's token ids without and with a leading space (as vLLM bans both)."""
-        variants = sorted({v for w in words for v in (w.lstrip(), " " + w.lstrip())})
-        encoded = self.tokenizer.encode_batch(variants, add_special_tokens=False)
-        return [list(ids) for ids in dict.fromkeys(map(tuple, encoded)) if ids]
+        """Each bad word's token ids without and with a leading space (as vLLM bans both),
+        remembered for the last BAD_WORDS_CACHE lists (a job's rows share a few)."""
+        key = tuple(words)
+        ids = self._bad_words_cache.pop(key, None)
+        if ids is None:
+            variants = sorted({v for w in words for v in (w.lstrip(), " " + w.lstrip())})
+            encoded = self.tokenizer.encode_batch(variants, add_special_tokens=False)
+            ids = [list(ids) for ids in dict.fromkeys(map(tuple, encoded)) if ids]
+            if len(self._bad_words_cache) >= BAD_WORDS_CACHE:
+                del self._bad_words_cache[next(iter(self._bad_words_cache))]
+        self._bad_words_cache[key] = ids
+        return ids
 
     def _kept_prompt_tokens(self, truncate_prompt_tokens: int | None) -> int | None:
         """How many last prompt tokens truncate_prompt_tokens keeps (-1: the model's length)."""
