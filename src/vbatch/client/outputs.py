@@ -76,13 +76,11 @@ class CompletionOutput:
                 )
                 if v != -math.inf
             }
-            if token_id not in ranked:
-                rank = entry.rank or None
-                ranked = {
-                    token_id: Logprob(entry.logprob, rank, decode(token_id) if decode else None),
-                    **ranked,
-                }
-            result.append(ranked)
+            # NOTE: the sampled token is the first key, whatever its rank, as in vLLM.
+            own = ranked.pop(token_id, None) or Logprob(
+                entry.logprob, entry.rank or None, decode(token_id) if decode else None
+            )
+            result.append({token_id: own, **ranked})
         return result
 
 
