@@ -16,7 +16,7 @@ from benchmarks.tiny_pooling import write_tiny_classifier, write_tiny_embedder
 from vbatch import LLM
 from vbatch.client.outputs import Request
 from vbatch.client.pooling_outputs import perplexity_of
-from vbatch.errors import PromptTypeError
+from vbatch.errors import PromptTypeError, PromptValueError
 from vbatch.llm_pooling import CROSS_ENCODER
 from vbatch.models.loader import ResolvedModel
 from vbatch.pooling_params import PoolingParams, PoolingTask
@@ -167,6 +167,22 @@ def test_conversations_are_embedded_through_the_chat_template(embedder: Path) ->
         assert out.prompt_token_ids == ref.prompt_token_ids
         assert out.outputs.embedding == ref.outputs.embedding
     assert listed[2].prompt_token_ids == llm.get_tokenizer().encode("hello world")
+
+
+def test_pooling_params_may_be_one_per_prompt(embedder: Path) -> None:
+    """As vLLM's pooling calls: a list of PoolingParams, one per prompt; request ids are
+    strings, as generation's."""
+    per_prompt = [PoolingParams(dimensions=8), PoolingParams()]
+    with LLM(str(embedder), **ENGINE) as llm:
+        embedded = llm.embed(["hello world", "x"], pooling_params=per_prompt)
+        encoded = llm.encode(["hello world", "x"], per_prompt)
+        with pytest.raises(PromptValueError, match="one per prompt"):
+            llm.embed(["hello world", "x"], pooling_params=per_prompt[:1])
+        with pytest.raises(PromptTypeError, match="PoolingParams"):
+            llm.embed(["x"], pooling_params=["dimensions=8"])
+    assert [len(out.outputs.embedding) for out in embedded] == [8, 64]
+    assert [out.outputs.data.shape for out in encoded] == [(8,), (64,)]
+    assert [out.request_id for out in [*embedded, *encoded]] == ["0", "1", "0", "1"]
 
 
 def test_long_prompts_are_errors_unless_truncated(embedder: Path) -> None:

@@ -71,7 +71,7 @@ class PoolingMethods:
     def encode(
         self,
         prompts: PromptInput | Iterable[PromptInput],
-        pooling_params: PoolingParams | None = None,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         *,
         use_tqdm: UseTqdm = True,
         pooling_task: str | None = None,
@@ -84,10 +84,13 @@ class PoolingMethods:
         `pooling_params` default to an embedding; `pooling_task` ("embed", "classify", ...) sets
         their task, as in vLLM."""
         _refuse_lora(lora_request)
-        params = pooling_params or PoolingParams()
+        items = _prompt_items(prompts)
+        per_prompt = _per_prompt(pooling_params, len(items))
         if pooling_task is not None:
-            params = msgspec.structs.replace(params, task=pooling_task)
-        requests = [_pooling_request(item, params) for item in _prompt_items(prompts)]
+            per_prompt = [msgspec.structs.replace(p, task=pooling_task) for p in per_prompt]
+        requests = [
+            _pooling_request(item, params) for item, params in zip(items, per_prompt, strict=True)
+        ]
         return self._collect_all(requests, use_tqdm)
 
     def embed(
@@ -98,7 +101,7 @@ class PoolingMethods:
         normalize: bool | None = None,
         truncate_prompt_tokens: int | None = None,
         use_tqdm: UseTqdm = True,
-        pooling_params: PoolingParams | None = None,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """Embeddings; `pooling_params` (vLLM's form) give dimensions and normalize where the
@@ -126,7 +129,7 @@ class PoolingMethods:
         *,
         truncate_prompt_tokens: int | None = None,
         use_tqdm: UseTqdm = True,
-        pooling_params: PoolingParams | None = None,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[ClassificationRequestOutput]:
         """Class probabilities (softmax; a sigmoid for one label) from the classifier head."""
@@ -155,7 +158,7 @@ class PoolingMethods:
         *,
         truncate_prompt_tokens: int | None = None,
         use_tqdm: UseTqdm = True,
-        pooling_params: PoolingParams | None = None,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[PoolingRequestOutput]:
         """A reward model's raw scores (the classifier head's logits)."""
@@ -279,10 +282,39 @@ class PoolingMethods:
         return {t: self.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids}
 
 
-def _task_params(task: PoolingTask, given: PoolingParams | None, **settings: Any) -> PoolingParams:
-    """`given` (or default) params for `task`, with each setting that is not None applied."""
+def _task_params(
+    task: PoolingTask, given: PoolingParams | Sequence[PoolingParams] | None, **settings: Any
+) -> PoolingParams | list[PoolingParams]:
+    """`given` (or default) params for `task`, with each setting that is not None applied; one
+    per prompt where `given` is a list."""
     changes = {name: value for name, value in settings.items() if value is not None}
+    if isinstance(given, Sequence):
+        return [
+            msgspec.structs.replace(p, task=task, **changes) for p in _per_prompt(given, len(given))
+        ]
     return msgspec.structs.replace(given or PoolingParams(), task=task, **changes)
+
+
+def _per_prompt(
+    given: PoolingParams | Sequence[PoolingParams] | None, num_prompts: int
+) -> list[PoolingParams]:
+    """The params of each of `num_prompts` prompts: `given` for all, or one each (vLLM's list)."""
+    if given is None or isinstance(given, PoolingParams):
+        return [given or PoolingParams()] * num_prompts
+    if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
+        raise PromptTypeError(
+            f"pooling_params must be a PoolingParams or a list of one per prompt, got "
+            f"{type(given).__name__}"
+        )
+    if len(given) != num_prompts:
+        raise PromptValueError(
+            f"pooling_params is a list of {len(given)}, for {num_prompts} prompts: give one "
+            "PoolingParams, or one per prompt"
+        )
+    for p in given:
+        if not isinstance(p, PoolingParams):
+            raise PromptTypeError(f"pooling_params must hold PoolingParams, got {type(p).__name__}")
+    return list(given)
 
 
 def _refuse_lora(lora_request: LoRARequest | Sequence[LoRARequest | None] | None) -> None:

@@ -28,7 +28,7 @@ class PoolingOutput:
 
 @dataclass
 class PoolingRequestOutput:
-    request_id: Any
+    request_id: str
     index: int
     prompt: str | list[str] | None
     prompt_token_ids: list[int]
@@ -185,7 +185,7 @@ def pooling_output(
     index = request.index if request.index is not None else position
     now = time.time()
     return PoolingRequestOutput(
-        request_id=request.id if request.id is not None else index,
+        request_id=str(request.id if request.id is not None else index),
         index=index,
         prompt=request.prompt,
         prompt_token_ids=prompt_token_ids,
