@@ -145,6 +145,56 @@ def test_a_stop_token_whose_text_completes_a_stop_string(llm: LLM, include: bool
     assert sample.text == decode(tokens[: cut if include else cut - 1])
 
 
+def test_a_request_whose_every_token_is_excluded_is_an_error_alone(llm: LLM) -> None:
+    """Its allowed token is a bad word: greedy and top-p alike end it with an error (top-p's
+    placeholder id once reached the embedding and failed the whole step); its batch goes on."""
+    cat = llm.get_tokenizer().encode(" cat", add_special_tokens=False)
+    assert len(cat) == 1
+    stuck = [
+        SamplingParams(max_tokens=4, allowed_token_ids=cat, bad_words=["cat"], **mode)
+        for mode in ({"temperature": 0.0}, {"top_p": 0.5, "seed": 0})
+    ]
+    outs = llm.generate(["Hi", "Hello there", "One two"], [*stuck, GREEDY])
+    for out in outs[:2]:
+        assert out.error is not None and "no token is left to sample" in out.error
+    (alone,) = llm.generate(["One two"], GREEDY)
+    assert outs[2].error is None
+    assert outs[2].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert_idle(llm)
+
+
+def test_bad_words_are_tokenized_for_each_call(llm: LLM) -> None:
+    """The caller's SamplingParams is not written to: a word appended to its bad_words list in
+    place is banned in the next call, as vLLM tokenizes bad words per request."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, bad_words=["zq"])
+    (free,) = llm.generate(["stop on a token"], params)
+    first = free.outputs[0].token_ids[0]
+    params.bad_words.append(llm.tokenizer.decode([first]).strip())
+    (banned,) = llm.generate(["stop on a token"], params)
+    assert first not in banned.outputs[0].token_ids
+    assert params.bad_words_token_ids == []
+
+
+def test_the_sampled_token_is_the_first_key_of_its_logprobs(llm: LLM) -> None:
+    """As vLLM: each position's logprobs dict starts with the sampled token, whatever its rank,
+    then the top tokens by rank."""
+    params = [
+        SamplingParams(max_tokens=8, top_k=3, logprobs=3, seed=seed, ignore_eos=True)
+        for seed in range(4)
+    ]
+    samples = [out.outputs[0] for out in llm.generate(["stop on a token"] * 4, params)]
+    positions = [
+        (token_id, entry)
+        for sample in samples
+        for token_id, entry in zip(sample.token_ids, sample.logprobs, strict=True)
+    ]
+    assert any(entry[token_id].rank > 1 for token_id, entry in positions)
+    for token_id, entry in positions:
+        assert next(iter(entry)) == token_id
+        ranks = [logprob.rank for logprob in entry.values()][1:]
+        assert ranks == sorted(ranks)
+
+
 def test_breaking_out_of_stream_aborts_everything_in_flight(llm: LLM) -> None:
     params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     short = Request(prompt="quick", sampling_params=SamplingParams(max_tokens=1))
