@@ -495,6 +495,40 @@ def test_gemma3_rope_scaling_beside_nested_rope_parameters_scales_the_global_lay
     assert (config.sliding_rope_theta, config.sliding_rope_scaling) == (10000.0, None)
 
 
+def test_gemma3_local_layers_keep_their_rope_where_the_window_never_binds(
+    tmp_path: Path, make_attention_metadata: Callable
+) -> None:
+    """A window as long as the context binds nowhere, but transformers still rotates the
+    sliding_attention layers with their own base: so must vbatch."""
+    from transformers import Gemma3TextConfig
+
+    from benchmarks.tiny_model import build_tiny_model
+
+    config = Gemma3TextConfig(
+        **{**TINY_SHAPE, "num_hidden_layers": 3, "max_position_embeddings": 64},
+        head_dim=16,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        },
+    )
+    reference = build_tiny_model(config)
+    reference.save_pretrained(tmp_path, safe_serialization=True)
+    model = load(tmp_path, "torch")
+    assert model.config.sliding_windows == ()
+    assert [model.config.uses_sliding_rope(layer) for layer in range(3)] == [True, False, True]
+    ids = [random.Random(3).randrange(VOCAB) for _ in range(40)]
+    kv_caches = make_kv_caches(model.config, 16, 4)
+    meta = make_attention_metadata([len(ids)], [len(ids)], [list(range(10))], 4)
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)), kv_caches, meta)
+        got = model.compute_logits(hidden)
+        expected = reference(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(got, expected, atol=TOLERANCE, rtol=0)
+
+
 def test_architectures_as_one_name_is_read_and_anything_else_refused() -> None:
     raw = {**BASE, "num_hidden_layers": 2}
     config = ModelConfig.from_dict({**raw, "architectures": "MistralForCausalLM"})

@@ -113,7 +113,8 @@ class ModelConfig:
 
     Invariants: num_attention_heads % num_key_value_heads == 0; head_dim and rotary_dim are
     even, rotary_dim <= head_dim; rope_scaling (and sliding_rope_scaling) is None or has a
-    rope_type in SUPPORTED_ROPE_TYPES; sliding_windows and moe_layers have one entry per layer.
+    rope_type in SUPPORTED_ROPE_TYPES; sliding_windows, sliding_rope_layers and moe_layers have
+    one entry per layer (or none).
     Every hook's default is the plain Llama behaviour.
     """
 
@@ -146,9 +147,11 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # the same on the logits (Gemma 2)
     rotary_dim: int = 0  # the leading dims of each head that rotate (all but with Phi-4-mini)
     sliding_windows: tuple[int | None, ...] = ()  # per layer; () means none anywhere
-    # Rope base and scaling of the sliding-window layers where they differ (Gemma 3).
+    # Rope base and scaling of the sliding-window layers where they differ (Gemma 3), and which
+    # layers those are (per layer, whether or not their window binds).
     sliding_rope_theta: float | None = None
     sliding_rope_scaling: dict[str, Any] | None = None
+    sliding_rope_layers: tuple[bool, ...] = ()
     # Mixture of experts (Mixtral, Qwen3-MoE): top-k of num_experts per token.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -184,7 +187,9 @@ class ModelConfig:
         return int(scaling["original_max_position_embeddings"])
 
     def uses_sliding_rope(self, layer: int) -> bool:
-        return self.sliding_rope_theta is not None and self.sliding_window(layer) is not None
+        return self.sliding_rope_theta is not None and bool(
+            self.sliding_rope_layers and self.sliding_rope_layers[layer]
+        )
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> ModelConfig:
@@ -271,7 +276,7 @@ class ModelConfig:
     def _check(self) -> None:
         if self.rotary_dim <= 0 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ModelLoadError(f"bad rotary_dim {self.rotary_dim} for head_dim {self.head_dim}")
-        for name in ("sliding_windows", "moe_layers"):
+        for name in ("sliding_windows", "sliding_rope_layers", "moe_layers"):
             value = getattr(self, name)
             if value and len(value) != self.num_hidden_layers:
                 raise ModelLoadError(

@@ -129,6 +129,19 @@ def _window_on_every_layer(raw: Raw, base: dict[str, Any]) -> tuple[int | None, 
     return () if window is None else (window,) * base["num_hidden_layers"]
 
 
+def _sliding_layers(
+    raw: Raw, base: dict[str, Any], is_sliding: Callable[[int], bool]
+) -> tuple[bool, ...]:
+    """Which layers `layer_types` (else `is_sliding(layer)`) calls sliding."""
+    num_layers = base["num_hidden_layers"]
+    types = raw.get("layer_types") or [
+        "sliding_attention" if is_sliding(i) else "full_attention" for i in range(num_layers)
+    ]
+    if len(types) != num_layers:
+        raise ModelLoadError(f"layer_types has {len(types)} entries for {num_layers} layers")
+    return tuple(t == "sliding_attention" for t in types)
+
+
 def _window_by_layer_type(
     raw: Raw, base: dict[str, Any], is_sliding: Callable[[int], bool]
 ) -> tuple[int | None, ...]:
@@ -136,13 +149,7 @@ def _window_by_layer_type(
     window = _window(raw, base)
     if window is None:
         return ()
-    num_layers = base["num_hidden_layers"]
-    types = raw.get("layer_types") or [
-        "sliding_attention" if is_sliding(i) else "full_attention" for i in range(num_layers)
-    ]
-    if len(types) != num_layers:
-        raise ModelLoadError(f"layer_types has {len(types)} entries for {num_layers} layers")
-    return tuple(window if t == "sliding_attention" else None for t in types)
+    return tuple(window if sliding else None for sliding in _sliding_layers(raw, base, is_sliding))
 
 
 def _qwen_windows(raw: Raw, base: dict[str, Any]) -> tuple[int | None, ...]:
@@ -209,13 +216,19 @@ def _gemma3(raw: Raw, base: dict[str, Any]) -> Hooks:
     if raw.get("use_bidirectional_attention"):
         raise ModelLoadError("Gemma 3 with bidirectional attention is not a causal LM")
     pattern = int(raw.get("sliding_window_pattern", GEMMA3_DEFAULT_SLIDING_PATTERN))
+
+    def is_sliding(layer: int) -> bool:
+        # NOTE: five local layers, then one global (pattern 6), unless layer_types says.
+        return (layer + 1) % pattern != 0
+
     hooks = {
         **_gemma_common(raw, base),
         # NOTE: transformers 5 applies no attention soft cap to Gemma 3, whatever the config says.
         "final_logit_softcapping": raw.get("final_logit_softcapping"),
         "qk_norm": True,
-        # NOTE: five local layers, then one global (pattern 6), unless layer_types says.
-        "sliding_windows": _window_by_layer_type(raw, base, lambda i: (i + 1) % pattern != 0),
+        "sliding_windows": _window_by_layer_type(raw, base, is_sliding),
+        # NOTE: local layers rotate with their own base even where their window never binds.
+        "sliding_rope_layers": _sliding_layers(raw, base, is_sliding),
     }
     params = _rope_dict(raw, "rope_parameters")
     if "full_attention" in params or "sliding_attention" in params:
