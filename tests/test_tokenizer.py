@@ -185,6 +185,30 @@ def test_template_from_tokenizer_config_list_form(
     assert loaded.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi<|endoftext|>"
 
 
+def test_special_tokens_map_names_tokens_as_in_transformers(hf_dir: Path, tmp_path: Path) -> None:
+    """Older repos name their special tokens in special_tokens_map.json only, or there and
+    otherwise in tokenizer_config.json: transformers takes the map's."""
+    from transformers import AutoTokenizer
+
+    shutil.copy(hf_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    template = "{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}"
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template}
+    special = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(special))
+    messages = [{"role": "user", "content": "hi"}]
+    for config_eos in (None, "<|endoftext|>"):
+        (tmp_path / "tokenizer_config.json").write_text(
+            json.dumps({**config, "eos_token": config_eos})
+        )
+        loaded = TextTokenizer.from_dir(tmp_path)
+        reference = AutoTokenizer.from_pretrained(tmp_path)
+        assert loaded.apply_chat_template(messages) == "<|im_start|>hi<|im_end|>"
+        assert loaded.apply_chat_template(messages) == reference.apply_chat_template(
+            messages, tokenize=False
+        )
+        assert loaded.eos_token_id == reference.eos_token_id == 2
+
+
 def test_from_dir_errors(hf_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match=r"no tokenizer\.json"):
         TextTokenizer.from_dir(tmp_path)

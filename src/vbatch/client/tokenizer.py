@@ -148,6 +148,16 @@ def check_template_kwargs(value: Any, what: str = "chat_template_kwargs") -> dic
     return dict(value)
 
 
+def _json_file(path: Path) -> dict[str, Any]:
+    """A tokenizer directory's JSON object file; empty where there is none."""
+    if not path.is_file():
+        return {}
+    try:
+        return json_object(path.read_text(encoding="utf-8"), path)
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"cannot parse {path}: {exc}") from None
+
+
 def _token_content(value: Any) -> str | None:
     # NOTE: tokenizer_config stores special tokens as a string or as a serialized AddedToken.
     if isinstance(value, Mapping):
@@ -197,7 +207,8 @@ class TextTokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> TextTokenizer:
-        """Load tokenizer.json, tokenizer_config.json and the chat template from a directory."""
+        """Load tokenizer.json, tokenizer_config.json (with special_tokens_map.json) and the chat
+        template from a directory."""
         path = Path(path)
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -206,17 +217,13 @@ class TextTokenizer:
             backend = Tokenizer.from_file(str(tokenizer_file))
         except Exception as exc:
             raise ModelLoadError(f"cannot read {tokenizer_file}: {exc}") from None
-        config_file = path / "tokenizer_config.json"
-        config: dict[str, Any] = {}
-        if config_file.is_file():
-            try:
-                config = json_object(config_file.read_text(encoding="utf-8"), config_file)
-            except json.JSONDecodeError as exc:
-                raise ModelLoadError(f"cannot parse {config_file}: {exc}") from None
+        config = _json_file(path / "tokenizer_config.json")
+        # NOTE: as transformers: special_tokens_map.json (older repos) wins over the config.
+        named = {**config, **_json_file(path / "special_tokens_map.json")}
         special_tokens = {
             name: content
             for name in SPECIAL_TOKEN_NAMES
-            if (content := _token_content(config.get(name))) is not None
+            if (content := _token_content(named.get(name))) is not None
         }
         chat_template = _read_chat_template(path, config)
         try:
