@@ -78,21 +78,35 @@ def write_tiny_embedder(
     return model
 
 
-def write_tiny_classifier(out_dir: Path, tokenizer_dir: Path, num_labels: int = 3) -> Any:
-    """A seeded LlamaForSequenceClassification with named labels; returns the model."""
+def write_tiny_classifier(
+    out_dir: Path, tokenizer_dir: Path, num_labels: int = 3, family: str = "llama"
+) -> Any:
+    """A seeded LlamaForSequenceClassification (or, family "gemma3",
+    Gemma3TextForSequenceClassification) with named labels; returns the model."""
     import torch
-    from transformers import LlamaConfig, LlamaForSequenceClassification
+    from transformers import (
+        Gemma3TextConfig,
+        Gemma3TextForSequenceClassification,
+        LlamaConfig,
+        LlamaForSequenceClassification,
+    )
 
     labels = {i: f"label_{i}" for i in range(num_labels)}
-    config = LlamaConfig(
-        **{k: v for k, v in TINY_DECODER.items() if k != "head_dim"},
+    settings = dict(
         num_labels=num_labels,
         id2label=labels,
         label2id={v: k for k, v in labels.items()},
         pad_token_id=0,
     )
     torch.manual_seed(0)
-    model = LlamaForSequenceClassification(config).float().eval()
+    if family == "gemma3":
+        config = Gemma3TextConfig(**TINY_DECODER, sliding_window=6, **settings)
+        model = Gemma3TextForSequenceClassification(config).float().eval()
+    else:
+        config = LlamaConfig(
+            **{k: v for k, v in TINY_DECODER.items() if k != "head_dim"}, **settings
+        )
+        model = LlamaForSequenceClassification(config).float().eval()
     with torch.no_grad():
         model.score.weight.normal_(0.0, 1.0)
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -39,12 +39,16 @@ def embedder(tmp_path_factory: pytest.TempPathFactory, smollm2: ResolvedModel) -
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
 def classifier(
-    tmp_path_factory: pytest.TempPathFactory, smollm2: ResolvedModel
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    smollm2: ResolvedModel,
 ) -> tuple[Any, Path]:
-    out = tmp_path_factory.mktemp("tiny-classifier")
-    return write_tiny_classifier(out, smollm2.hf_dir), out
+    """A tiny LlamaForSequenceClassification, and Gemma3TextForSequenceClassification (a
+    text-only class name that is not `<the causal LM's prefix>ForSequenceClassification`)."""
+    out = tmp_path_factory.mktemp(f"tiny-classifier-{request.param}")
+    return write_tiny_classifier(out, smollm2.hf_dir, family=request.param), out
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:

@@ -16,6 +16,8 @@ from vbatch.errors import ModelLoadError
 from vbatch.models import families, hf_defaults
 
 SUPPORTED_ARCHITECTURES = families.SUPPORTED_ARCHITECTURES
+# NOTE: transformers' text-only class prefixes whose causal LM goes by the family's own name.
+TEXT_ONLY_FAMILIES = {"Gemma3Text": "Gemma3"}
 # NOTE: a config.json's model_type (transformers' names) to its causal LM, for a config that
 # names no architectures.
 MODEL_TYPES = {
@@ -321,14 +323,17 @@ def declared_head(model_path: Path) -> str:
 
 def _decoder_architecture(name: str) -> tuple[str, str] | None:
     """(the supported causal-LM architecture, head) that `name` is: `XForCausalLM` itself,
-    `XForSequenceClassification` with a score head, the bare `XModel` with none."""
-    for suffix, head in (("ForCausalLM", "lm"), ("ForSequenceClassification", "score")):
+    `XForSequenceClassification` with a score head, the bare `XModel` with none; Gemma 3's
+    text-only classes (`Gemma3TextForSequenceClassification`) are Gemma3ForCausalLM's."""
+    for suffix, head in (
+        ("ForCausalLM", "lm"),
+        ("ForSequenceClassification", "score"),
+        ("Model", "none"),
+    ):
         if name.endswith(suffix):
-            causal = name.removesuffix(suffix) + "ForCausalLM"
+            family = name.removesuffix(suffix)
+            causal = TEXT_ONLY_FAMILIES.get(family, family) + "ForCausalLM"
             return (causal, head) if causal in SUPPORTED_ARCHITECTURES else None
-    if name.endswith("Model"):
-        causal = name.removesuffix("Model") + "ForCausalLM"
-        return (causal, "none") if causal in SUPPORTED_ARCHITECTURES else None
     return None
 
 
