@@ -261,6 +261,43 @@ def test_structured_flags_reach_openai_lines_and_an_invalid_output_can_be_an_err
     assert refused["error"] == "line 4: bad" and refused["structured_valid"] is False
 
 
+def test_each_openai_choice_has_its_own_sample_s_structured_flags() -> None:
+    """n = 3: a sample cut at the length limit, one complete and valid, one complete and
+    invalid; the row's flags are over all three, each choice's its own."""
+
+    def check(texts: list[str]) -> str | None:
+        return None if all(text == '{"a": 1}' for text in texts) else "bad"
+
+    outputs = [
+        CompletionOutput(0, '{"a": ', [7], "length", None, None, False),
+        CompletionOutput(1, '{"a": 1}', [7], "stop", None, None, True),
+        CompletionOutput(2, '{"a": 2}', [7], "stop", None, None, True),
+    ]
+    chat_row = InputRow(3, "line 4", "r", openai_kind="chat")
+    values = result_row(chat_row, make_result(outputs), include_token_ids=False, check=check)
+    assert (values["structured_complete"], values["structured_valid"]) == (False, None)
+    choices = openai_line(chat_row, values, "smol", str)["response"]["body"]["choices"]
+    flags = [(c["structured_complete"], c.get("structured_valid")) for c in choices]
+    assert flags == [(False, None), (True, True), (True, False)]
+
+
+def test_completions_top_logprobs_hold_the_sampled_token_first() -> None:
+    """As OpenAI's legacy completions and vLLM: up to logprobs + 1 entries, the sampled token
+    first, whatever its rank; logprobs 0 gives the sampled token's alone."""
+    entries = [
+        TokenLogprobs(-2.0, [5], [-0.5], 3),
+        TokenLogprobs(-0.5, [6], [-0.5], 1),
+        TokenLogprobs(-1.0, [], [], 2),
+    ]
+    result = make_result([CompletionOutput(0, "abc", [7, 6, 8], "length", None, entries)])
+    row = InputRow(3, "line 4", "t", prompt="p", openai_kind="completions")
+    values = result_row(row, result, include_token_ids=False)
+    choice = openai_line(row, values, "smol", str)["response"]["body"]["choices"][0]
+    top = choice["logprobs"]["top_logprobs"]
+    assert top == [{"7": -2.0, "5": -0.5}, {"6": -0.5}, {"8": -1.0}]
+    assert [next(iter(t)) for t in top] == ["7", "6", "8"]
+
+
 def test_parse_json_keeps_integers_beyond_64_bits_exact() -> None:
     text = '{"big": 1234567890123456789012345, "neg": -98765432109876543210, "f": 1.5}'
     result = make_result([CompletionOutput(0, text, [7], "stop", None, None, True)])

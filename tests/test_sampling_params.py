@@ -172,5 +172,11 @@ def test_a_constraint_given_as_fields_overrides_the_defaults_one_whichever_name(
     )
     with pytest.raises(SamplingParamsError, match=r"structured_outputs: .*unexpected keyword"):
         SamplingParams(structured_outputs={"regexp": "a"})
+    # NOTE: vLLM's guided_decoding fields include its backend; vbatch has xgrammar only.
+    for backend in (None, "auto", "xgrammar"):
+        row = defaults.updated({"guided_decoding": {"regex": "a+", "backend": backend}})
+        assert row.structured == StructuredOutput(regex="a+")
+    with pytest.raises(SamplingParamsError, match="backend 'outlines' is not available"):
+        SamplingParams(guided_decoding={"regex": "a+", "backend": "outlines"})
     with pytest.raises(SamplingParamsError, match="give one of structured, structured_outputs"):
         defaults.updated({"structured": {"regex": "a"}, "structured_outputs": {"regex": "b"}})

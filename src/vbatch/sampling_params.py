@@ -344,8 +344,14 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             value = getattr(self, name)
             if value is not None:
                 if isinstance(value, Mapping):
+                    # NOTE: vLLM's guided_decoding fields include its backend.
+                    kind = (
+                        GuidedDecodingParams
+                        if name == "guided_decoding"
+                        else StructuredOutputsParams
+                    )
                     try:
-                        value = StructuredOutputsParams(**value)
+                        value = kind(**value)
                     except TypeError as e:
                         fail(f"{name}: {e}")
                 if not isinstance(value, StructuredOutputsParams):

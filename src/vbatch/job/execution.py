@@ -31,6 +31,7 @@ from vbatch.job.options import RunOptions
 from vbatch.job.paths import resume_command
 from vbatch.job.reader import InputReader
 from vbatch.job.results import (
+    SAMPLE_FLAGS,
     TokenStrings,
     error_row,
     openai_line,
@@ -493,7 +494,9 @@ class JobExecution:
         """Hand one output row to the writer. A row that cannot be encoded (a kept value nested
         too deep for JSON, say) is written as an error row without its kept columns."""
         try:
-            self.writer.add(values, row.kept, self._line(row, values))
+            line = self._line(row, values)
+            values.pop(SAMPLE_FLAGS, None)
+            self.writer.add(values, row.kept, line)
         except VbatchError:
             raise
         except Exception as e:

@@ -67,6 +67,10 @@ OPTIONAL_COLUMNS = frozenset(
         "json",
     }
 )
+# NOTE: a key of result_row's values that is not an output column: each sample's
+# (structured_complete, structured_valid), for an OpenAI line's choices; taken out before the
+# row is written (job/execution.py).
+SAMPLE_FLAGS = "structured_samples"
 OPENAI_ID_PREFIX = "vbatch_req_"
 # NOTE: a run of digits that may not fit 64 bits, which orjson would parse as a float.
 _LONG_DIGITS = re.compile(r"\d{19}")
@@ -139,7 +143,7 @@ def result_row(
         values = error_row(row, f"{row.location}: {invalid}", len(result.prompt_token_ids))
         values["structured_valid"] = False
         return values
-    return {
+    values = {
         "id": row.id,
         "index": row.index,
         "lora": row.lora,
@@ -162,6 +166,15 @@ def result_row(
         "structured_valid": (invalid is None) if check is not None and complete else None,
         "json": _parsed(generated, is_multi) if parse_json else None,
     }
+    if complete is not None:
+        values[SAMPLE_FLAGS] = [
+            (
+                o.structured_complete,
+                None if check is None or not o.structured_complete else check([text]) is None,
+            )
+            for o, text in zip(outputs, generated, strict=True)
+        ]
+    return values
 
 
 def _structured_complete(outputs: list[CompletionOutput]) -> bool | None:
@@ -316,6 +329,7 @@ def _completion_body(
     reasonings = values["reasonings"] or [values["reasoning"]] * len(texts)
     reasons = values["finish_reasons"] or [values["finish_reason"]]
     logprobs = values["logprobs"] or [None] * len(texts)
+    samples = values.get(SAMPLE_FLAGS)
     is_chat = row.openai_kind == "chat" or (row.openai_kind is None and row.messages is not None)
     choices = []
     for i, (text, reason, entries) in enumerate(zip(texts, reasons, logprobs, strict=False)):
@@ -331,9 +345,11 @@ def _completion_body(
                 entries, token_text, token_bytes, len(row.prompt or "")
             )
         choice["finish_reason"] = reason
-        for name in ("structured_complete", "structured_valid"):
-            if values.get(name) is not None:
-                choice[name] = values[name]
+        if samples is not None:
+            complete, valid = samples[i]
+            choice["structured_complete"] = complete
+            if valid is not None:
+                choice["structured_valid"] = valid
         choices.append(choice)
     return {
         "id": f"{'chatcmpl' if is_chat else 'cmpl'}-vbatch-{row.index}",
@@ -396,15 +412,18 @@ def _completion_logprobs(
     return {
         "tokens": [token_text(e["token_id"]) for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [
-            {
-                token_text(t): lp
-                for t, lp in zip(e["top_token_ids"], e["top_logprobs"], strict=False)
-            }
-            for e in entries
-        ],
+        "top_logprobs": [_completion_top(e, token_text) for e in entries],
         "text_offset": offsets,
     }
+
+
+def _completion_top(entry: dict[str, Any], token_text: Callable[[int], str]) -> dict[str, float]:
+    """One position's legacy `top_logprobs`: the sampled token, then the top ones (up to
+    logprobs + 1 entries, as OpenAI and vLLM give them)."""
+    top = {token_text(entry["token_id"]): entry["logprob"]}
+    for t, lp in zip(entry["top_token_ids"], entry["top_logprobs"], strict=False):
+        top.setdefault(token_text(t), lp)
+    return top
 
 
 def line_index(line: bytes) -> int:
