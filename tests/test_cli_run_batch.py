@@ -57,3 +57,27 @@ def test_run_batch_refuses_more_than_one_tensor_parallel_rank(tmp_path: Path) ->
     )
     assert proc.returncode == 2 and "use -dp N" in proc.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_a_first_line_missing_its_body_is_an_openai_error_line(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The first line decides the output's format: one with custom_id, method and url but no
+    body is still an OpenAI line (an error one), so the rest stay OpenAI lines too."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    head = {"method": "POST", "url": "/v1/chat/completions"}
+    lines = [{"custom_id": "bad", **head, "bdy": body}, {"custom_id": "good", **head, "body": body}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "--model", str(tiny_model_dir)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "vbatch", *args, "--num-threads", "1", "-q"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "Traceback" not in proc.stderr, proc.stderr
+    out = {row["custom_id"]: row for row in map(json.loads, (tmp_path / "out.jsonl").open())}
+    assert out["bad"]["response"] is None
+    assert "needs a 'body' object" in out["bad"]["error"]["message"]
+    assert out["good"]["error"] is None and out["good"]["response"]["status_code"] == 200

@@ -102,7 +102,11 @@ class RowError(ValueError):
 
 
 def is_openai_record(record: dict[str, Any]) -> bool:
-    return "body" in record and ("url" in record or "custom_id" in record)
+    """An OpenAI Batch line: a body with a url or custom_id, or (a line missing its body) all
+    three of custom_id, method and url, which no plain row has together."""
+    if "body" in record:
+        return "url" in record or "custom_id" in record
+    return {"custom_id", "method", "url"} <= record.keys()
 
 
 def bad_id_message(column: str, value: Any) -> str:
@@ -203,7 +207,8 @@ class RowParser:
         """The adapter a row names (its lora column, or an OpenAI body's `model` when that
         names an adapter), else the default one; a name no --lora gave is a RowError."""
         if is_openai_record(record):
-            model = record["body"].get("model")
+            body = record.get("body")
+            model = body.get("model") if isinstance(body, dict) else None
             return model if model in loras.names else loras.default
         column = loras.column or "lora"
         name = record.get(column)
@@ -317,6 +322,8 @@ class RowParser:
         method = record.get("method", "POST")
         if method != "POST":
             raise RowError(f"method must be POST, got {method!r}")
+        if "body" not in record:
+            raise RowError("an OpenAI Batch line needs a 'body' object, the request")
         body = record["body"]
         if not isinstance(body, dict):
             raise RowError(f"body must be an object, got {type(body).__name__}")
