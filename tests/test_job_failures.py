@@ -20,9 +20,11 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -527,6 +529,44 @@ def test_a_job_resumed_by_another_spelling_of_its_path_has_not_moved(tmp_path: P
     manifest = json.loads((job_dir_for(output) / "manifest.json").read_text())
     assert manifest["output_path"] == str(output)
     assert_exactly_once(output, 10)
+
+
+def test_sigterm_before_the_job_exists_interrupts_and_leaves_no_directory(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM (timeout, Slurm) while `run` still scans its input acts as SIGINT does: exit
+    130, `error: interrupted`, and no lock-only directory that resume would call no job."""
+    model = model_file(tmp_path)
+    input_path = tmp_path / "in.jsonl"
+    # NOTE: a scan of seconds, so the signal lands in it once the job directory appears.
+    input_path.write_bytes(b"".join(b'{"id": "r%d", "prompt": "p"}\n' % i for i in range(10**6)))
+    output = tmp_path / "out.jsonl"
+    proc = subprocess.Popen(
+        vbatch_cmd(*run_args(input_path, output, model)),
+        cwd=tmp_path,
+        env=standin_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    while not job_dir_for(output).exists() and proc.poll() is None:
+        time.sleep(0.005)
+    # NOTE: past taking the job's lock, into the scan.
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stderr = proc.communicate(timeout=TIMEOUT_S)[1]
+    assert proc.returncode == 130, stderr
+    assert "error: interrupted" in stderr and "Traceback" not in stderr
+    assert not job_dir_for(output).exists() and not output.exists()
+
+
+def test_a_lock_only_job_directory_says_how_to_go_on(tmp_path: Path) -> None:
+    """What a run killed (SIGKILL) before its job existed leaves: resume and status say so."""
+    output = tmp_path / "out.jsonl"
+    job_dir_for(output).mkdir()
+    (job_dir_for(output) / "lock").touch()
+    for command in ("resume", "status"):
+        line = error_line(run_vbatch(tmp_path, command, str(output)))
+        assert "holds no job: a `vbatch run` stopped before its job was created" in line
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])

@@ -13,7 +13,7 @@ import msgspec
 from vbatch.engine_sets.base import RaySettings
 from vbatch.errors import JobStateError
 from vbatch.job.options import RunOptions
-from vbatch.job.paths import write_atomic
+from vbatch.job.paths import LOCK_NAME, write_atomic
 from vbatch.job.rows import ColumnOptions, LoraRows
 from vbatch.job.shard import Shard
 
@@ -217,6 +217,12 @@ class Manifest(msgspec.Struct, kw_only=True, omit_defaults=True):
         try:
             data = path.read_bytes()
         except FileNotFoundError:
+            if {p.name for p in job_dir.iterdir()} <= {LOCK_NAME}:
+                # NOTE: a run killed before its job existed leaves its lock alone.
+                raise JobStateError(
+                    f"{job_dir} holds no job: a `vbatch run` stopped before its job was created; "
+                    "run that command again"
+                ) from None
             raise JobStateError(
                 f"{job_dir} has no {MANIFEST_NAME}; it is not a vbatch job"
             ) from None

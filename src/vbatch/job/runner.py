@@ -61,6 +61,7 @@ from vbatch.job.reader import InputReader, InputScan, scan_input
 from vbatch.job.results import OUTPUT_COLUMNS
 from vbatch.job.rows import ColumnOptions, LoraRows, RowParser
 from vbatch.job.shard import Shard, shard_of_output, shards_on_disk
+from vbatch.job.stopping import sigterm_interrupts
 from vbatch.job.tasks import embedding_dimension, head_problem, task_columns
 from vbatch.lora.adapter import read_adapter_config
 from vbatch.models.config import declared_head
@@ -226,13 +227,20 @@ def start_job(
         require_ray()
     _refuse_clashes(spec.input_path, output, job_dir, options.metrics_file)
     _make_dir_for(output)
-    lock = JobLock(job_dir, create=True)
+    # NOTE: until the job exists, SIGTERM interrupts as SIGINT does (the lock's directory goes).
+    pre_job = contextlib.ExitStack()
+    pre_job.enter_context(sigterm_interrupts())
     core = None
-    if llm_factory is None and options.ray is None and options.data_parallel_size == 1:
-        core = _start_core_early(spec)
-        if core is not None:
-            llm_factory = functools.partial(open_engine_set, started_core=core)
     try:
+        lock = JobLock(job_dir, create=True)
+        try:
+            if llm_factory is None and options.ray is None and options.data_parallel_size == 1:
+                core = _start_core_early(spec)
+                if core is not None:
+                    llm_factory = functools.partial(open_engine_set, started_core=core)
+        except BaseException:
+            _drop_unmade_job(job_dir, lock)
+            raise
         return _create_and_execute(
             output,
             job_dir,
@@ -240,8 +248,10 @@ def start_job(
             lambda: _prepare_job(spec, options, job_dir, fmt, overwrite=overwrite),
             options,
             llm_factory,
+            pre_job,
         )
     finally:
+        pre_job.close()
         if core is not None:
             # NOTE: a no-op once the job's LLM has shut it down; else a start nothing waits for.
             core.shutdown(timeout=0.0)
@@ -298,6 +308,14 @@ def _start_core_early(spec: JobSpec) -> EngineCoreClient | None:
         return None
 
 
+def _drop_unmade_job(job_dir: Path, lock: JobLock) -> None:
+    """Release `lock`, removing its directory unless a manifest made it a job: without one it
+    holds only the lock we made."""
+    if not (job_dir / MANIFEST_NAME).exists():
+        shutil.rmtree(job_dir, ignore_errors=True)
+    lock.release()
+
+
 def _create_and_execute(
     output: Path,
     job_dir: Path,
@@ -305,17 +323,18 @@ def _create_and_execute(
     write_manifest: Callable[[], Manifest],
     options: RunOptions,
     llm_factory: Callable[..., Any] | None,
+    pre_job: contextlib.ExitStack | None = None,
 ) -> Outcome:
     """Under `lock`, write a new job's manifest, then execute the job. If writing fails, the
-    lock is released, and the directory removed unless a manifest made it a job."""
+    lock is released, and the directory removed unless a manifest made it a job. `pre_job`
+    (what holds until the job exists) is closed once it does."""
     try:
         manifest = write_manifest()
     except BaseException:
-        # NOTE: a directory without a manifest holds no job: it is only the lock we made.
-        if not (job_dir / MANIFEST_NAME).exists():
-            shutil.rmtree(job_dir, ignore_errors=True)
-        lock.release()
+        _drop_unmade_job(job_dir, lock)
         raise
+    if pre_job is not None:
+        pre_job.close()
     return _execute(
         output, job_dir, manifest, options, llm_factory, retry_errors=False, lock=lock, fresh=True
     )

@@ -132,6 +132,27 @@ def command_signals() -> Iterator[None]:
                 signal.signal(signum, signal.SIG_IGN)
 
 
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """While a job is being created (before it exists): SIGTERM raises KeyboardInterrupt, as
+    SIGINT does, so the command removes what it made and says it was interrupted."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    ):
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 class StopOnSignal:
     """SIGINT and SIGTERM raise StopNow at once, wherever the main thread is.
 
