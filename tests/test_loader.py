@@ -126,10 +126,14 @@ def test_missing_path(tmp_path: Path) -> None:
         resolve_model(missing)
 
 
-def test_truncated_gguf(tmp_path: Path, smollm2: ResolvedModel) -> None:
+def test_truncated_gguf(
+    tmp_path: Path, smollm2: ResolvedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
     truncated = tmp_path / "truncated.gguf"
     with open(smollm2.source, "rb") as f:
         truncated.write_bytes(f.read(1 << 20))
+    # NOTE: a cache of its own: another test's conversion may be under way in the shared one.
+    monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(ModelLoadError, match=str(truncated)):
         resolve_model(truncated)
     assert not list((cache_dir() / "gguf").glob(".converting-*"))

@@ -126,6 +126,56 @@ def test_a_dead_address_fails_in_one_line_and_at_once(
     assert not ray.is_initialized()
 
 
+def _kill_cluster_under(tmp: Path) -> None:
+    """Kill the processes of the cluster whose session directory is under `tmp` (its GCS,
+    raylet and workers name it), and no other cluster's."""
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error, OSError):
+            if str(tmp) in " ".join(proc.info["cmdline"] or ()):
+                proc.kill()
+
+
+@pytest.mark.slow
+def test_a_ray_start_cluster_is_joined_by_auto_and_an_address_names_its_token(
+    short_tmp: Path, tiny_model_dir: Path
+) -> None:
+    """`ray start --head` turns Ray's token authentication on. `--ray-address auto` takes the
+    token it wrote down, as ray.init(address="auto") does; an explicit address does not (Ray
+    sends none there unless RAY_AUTH_MODE=token), and its failure says so."""
+    env = env_for(short_tmp)
+    env.pop("RAY_AUTH_MODE", None)
+    head = subprocess.run(
+        ["ray", "start", "--head", "--num-cpus", "2", "--port", "0", "--disable-usage-stats"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        start_new_session=True,
+    )
+    try:
+        assert head.returncode == 0, head.stderr
+        assert "Token authentication is enabled" in head.stdout + head.stderr
+        address = (short_tmp / "ray" / "ray_current_cluster").read_text().strip()
+        write_jsonl(short_tmp / "in.jsonl", [{"id": "a", "prompt": "x"}])
+        base = [sys.executable, "-m", "vbatch", "run", "in.jsonl", "--model", str(tiny_model_dir)]
+        base += ["--max-tokens", "2", "--num-threads", "1", "-q", "--ray", "--replicas", "1"]
+        auto = subprocess.run(
+            [*base, "-o", "auto.jsonl", "--ray-address", "auto"],
+            cwd=short_tmp, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+        )  # fmt: skip
+        assert auto.returncode == 0, auto.stderr
+        assert "Token authentication" not in auto.stderr
+        given = subprocess.run(
+            [*base, "-o", "given.jsonl", "--ray-address", address],
+            cwd=short_tmp, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+        )  # fmt: skip
+        assert given.returncode == 1
+        assert f"cannot join the Ray cluster at {address}" in given.stderr
+        assert "set RAY_AUTH_MODE=token" in given.stderr
+    finally:
+        _kill_cluster_under(short_tmp)
+
+
 def test_dp_with_ray_is_refused(tmp_path: Path, tiny_model_dir: Path) -> None:
     """-dp N with --ray silently became N cores inside each replica."""
     write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}])

@@ -40,7 +40,8 @@ TIMEOUT_S = 300
 @pytest.fixture(scope="module")
 def ray_address() -> Iterator[str]:
     """A local Ray cluster for this module (2 CPUs: one per replica)."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # NOTE: a new cluster, whatever cluster `ray start` left running on this machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 

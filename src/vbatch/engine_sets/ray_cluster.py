@@ -97,6 +97,10 @@ def open_cluster(
         if not gcs.startswith("ray://"):
             _check_answers(gcs, address, should_stop)
         cluster = RayCluster(gcs, f"the Ray cluster at {gcs} (not started by vbatch)")
+        if address == "auto":
+            # NOTE: as ray.init(address="auto") does (vbatch passes the address it resolved):
+            # the cluster `ray start` made here takes the token it wrote down, if any.
+            _use_local_token()
     try:
         _init_ray(cluster.address)
     except BaseException:
@@ -228,6 +232,33 @@ def _use_token_auth() -> None:
         Config.initialize("")
 
 
+def _use_local_token() -> None:
+    """Turn Ray's token authentication on where RAY_AUTH_MODE is unset and this machine holds
+    a token (`ray start` writes ~/.ray/auth_token)."""
+    with contextlib.suppress(ImportError):
+        from ray._private.authentication import authentication_token_setup as setup
+
+        # NOTE: its notice that token auth is on would break up the dashboard.
+        level = setup.logger.level
+        setup.logger.setLevel(logging.ERROR)
+        try:
+            setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+        finally:
+            setup.logger.setLevel(level)
+
+
+def _auth_hint() -> str:
+    """Where a join failed: the likely cause when the cluster may want a token this process is
+    not sending (Ray sends none to an explicit address unless RAY_AUTH_MODE=token)."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        return ""
+    return (
+        ". If the cluster uses Ray's token authentication (`ray start` turns it on by default), "
+        "set RAY_AUTH_MODE=token, with the cluster's token in ~/.ray/auth_token, "
+        "RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN"
+    )
+
+
 def sweep_dead_clusters() -> list[int]:
     """Kill what is left of clusters whose vbatch driver and keeper both died by SIGKILL (the
     keeper's process group) and remove their directories; returns the groups killed."""
@@ -298,7 +329,8 @@ def _init_ray(address: str) -> None:
     except (ConnectionError, RuntimeError, ray.exceptions.RayError) as e:
         text = str(e).strip().splitlines()
         raise EngineStartupError(
-            f"cannot join the Ray cluster at {address}: {text[0] if text else type(e).__name__}"
+            f"cannot join the Ray cluster at {address}: "
+            f"{text[0] if text else type(e).__name__}{_auth_hint()}"
         ) from None
     for signum, handler in handlers.items():
         if handler is not None:

@@ -217,7 +217,7 @@ class Manifest(msgspec.Struct, kw_only=True, omit_defaults=True):
         try:
             data = path.read_bytes()
         except FileNotFoundError:
-            if {p.name for p in job_dir.iterdir()} <= {LOCK_NAME}:
+            if {p.name for p in job_dir.iterdir()} == {LOCK_NAME}:
                 # NOTE: a run killed before its job existed leaves its lock alone.
                 raise JobStateError(
                     f"{job_dir} holds no job: a `vbatch run` stopped before its job was created; "
