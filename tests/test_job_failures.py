@@ -732,12 +732,15 @@ def test_columns_first_seen_past_the_checked_rows_keep_and_identify(tmp_path: Pa
     assert rows[0]["id"] is None and "the row has no 'id'" in rows[0]["error"]
 
 
-@pytest.mark.parametrize("where", ["new-dir", "a-directory", "below-a-file", "proc"])
+@pytest.mark.parametrize(
+    "where", ["new-dir", "a-directory", "below-a-file", "proc", "a-pipe", "a-symlink"]
+)
 def test_a_metrics_file_is_checked_and_its_directory_made_before_the_job_exists(
     tmp_path: Path, where: str
 ) -> None:
     """As for the output; a metrics file that could not be written failed the job after it was
-    created, stranding it."""
+    created, stranding it. A pipe (or a device: /dev/null) was replaced by a regular file, and
+    a symlink by the file it should have been written through to."""
     model = model_file(tmp_path)
     input_path = write_input(tmp_path / "in.jsonl", 3)
     output = tmp_path / "out.jsonl"
@@ -746,18 +749,27 @@ def test_a_metrics_file_is_checked_and_its_directory_made_before_the_job_exists(
         "a-directory": tmp_path,
         "below-a-file": input_path / "m.json",
         "proc": Path("/proc/m.json"),
+        "a-pipe": tmp_path / "pipe",
+        "a-symlink": tmp_path / "link.json",
     }[where]
+    if where == "a-pipe":
+        os.mkfifo(metrics)
+    if where == "a-symlink":
+        (tmp_path / "real").mkdir()
+        metrics.symlink_to(tmp_path / "real" / "m.json")
     proc = run_vbatch(
         tmp_path, *run_args(input_path, output, model, "--metrics-file", str(metrics))
     )
-    if where == "new-dir":
+    if where in ("new-dir", "a-symlink"):
         assert proc.returncode == 0, proc.stderr
         assert orjson.loads(metrics.read_bytes())
+        assert metrics.is_symlink() == (where == "a-symlink")
         return
     problem = {
         "a-directory": "it is a directory",
         "below-a-file": f"{input_path} is a file",
         "proc": "/proc is not writable",
+        "a-pipe": "it is not a regular file (a pipe, a device or a socket)",
     }[where]
     assert f"cannot write metrics file {metrics}: {problem}" in error_line(proc), proc.stderr
     assert not output.exists() and not (tmp_path / "out.jsonl.vbatch").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from pathlib import Path
@@ -29,7 +30,10 @@ WARNING_PREFIX = "warning:"
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Replace `path` with `data` as JSON so that a reader sees the old or the new file, whole."""
+    """Replace `path` with `data` as JSON so that a reader sees the old or the new file, whole;
+    a symlink there is written through (its target replaced, the link kept)."""
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     write_atomic(path, orjson.dumps(data, option=orjson.OPT_INDENT_2), sync_dir=False)
 
 

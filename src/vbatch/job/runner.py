@@ -144,6 +144,11 @@ def _make_metrics_dir(path: Path) -> None:
     path it could not be written at (a directory, below a file, an unwritable directory)."""
     if path.is_dir():
         raise InputError(f"cannot write metrics file {path}: it is a directory")
+    if path.exists() and not path.is_file():
+        raise InputError(
+            f"cannot write metrics file {path}: it is not a regular file (a pipe, a device or a "
+            "socket), and vbatch replaces the file at each update"
+        )
     _make_dir_for(path, "metrics file")
     # NOTE: a file is made there and removed: permissions alone do not say (root on a read-only
     # file system, /proc).
