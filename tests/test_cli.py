@@ -376,6 +376,22 @@ def test_unreadable_weights_leave_no_job_and_the_fixed_model_runs_the_same_comma
     assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 2
 
 
+def test_a_kv_cache_past_the_machine_s_memory_leaves_no_job(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """--kv-cache-memory beyond the RAM once failed in torch's allocator, unsettled: the job
+    was kept, with a resume command that failed the same way."""
+    (tmp_path / "in.jsonl").write_text('{"prompt": "one"}\n')
+    command = [sys.executable, "-m", "vbatch", "run", "in.jsonl", "-o", "out.jsonl", "-q"]
+    command += ["--model", str(tiny_model_dir), "--num-threads", "1", "--kv-cache-memory", "1e9"]
+    failed = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert failed.returncode == 1
+    assert "exceeds this machine's memory" in failed.stderr
+    assert "no row ran, so no job was kept" in failed.stderr and "Traceback" not in failed.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+    assert not (tmp_path / "out.jsonl.vbatch").exists()
+
+
 def test_user_errors_print_one_line_without_traceback(tmp_path: Path) -> None:
     runner = CliRunner()
     result = runner.invoke(

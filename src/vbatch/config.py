@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -190,8 +191,13 @@ class EngineConfig:
             raise ConfigError(f"seed must be a signed 64-bit integer, got {self.seed}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
-        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
-            raise ConfigError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
+        memory = self.kv_cache_memory_gb
+        if memory is not None and (
+            isinstance(memory, bool)
+            or not isinstance(memory, (int, float))
+            or not 0 < memory < math.inf
+        ):
+            raise ConfigError(f"kv_cache_memory_gb must be a positive number, got {memory!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ConfigError(f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

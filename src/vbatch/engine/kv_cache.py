@@ -89,8 +89,21 @@ def allocate_kv_cache(
     """A (K, V) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim]; `zeroed`
     for readers of slots past a context, else left untouched (no page is written)."""
     shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
+    size = num_blocks * kv_block_bytes(model_config, block_size, dtype)
+    what = f"the KV cache ({num_blocks} blocks, {size / 1024**3:.2f} GiB)"
+    then = "lower --kv-cache-memory (kv_cache_memory_gb) or --num-kv-blocks"
+    total = psutil.virtual_memory().total
+    if device.type == "cpu" and size > total:
+        raise ConfigError(
+            f"{what} exceeds this machine's memory ({total / 1024**3:.1f} GiB); {then}"
+        )
     alloc = torch.zeros if zeroed else torch.empty
-    return [
-        (alloc(shape, dtype=dtype, device=device), alloc(shape, dtype=dtype, device=device))
-        for _ in range(model_config.num_hidden_layers)
-    ]
+    try:
+        return [
+            (alloc(shape, dtype=dtype, device=device), alloc(shape, dtype=dtype, device=device))
+            for _ in range(model_config.num_hidden_layers)
+        ]
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if "alloc" not in str(e).lower():
+            raise
+        raise ConfigError(f"cannot allocate {what} on {device.type}; {then}") from None
