@@ -300,13 +300,22 @@ def test_engine_args_parse_back_into_llm_arguments() -> None:
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
     parser.add_argument("--max-tokens", type=int)
-    args = vars(parser.parse_args(["--dtype", "half", "--max-num-seqs", "4", "--max-tokens", "3"]))
+    argv = ["--dtype", "half", "--max-num-seqs", "4", "--max-tokens", "3", "--block-size", "32"]
+    argv += ["--kv-cache-dtype", "bfloat16", "--quantization", "int8"]
+    argv += ["--num-gpu-blocks-override", "64", "--pipeline-parallel-size", "1"]
+    args = vars(parser.parse_args(argv))
     assert args.pop("max_tokens") == 3
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         own = frozenset({"model", "data_parallel_size"})
         settings = map_llm_args({k: v for k, v in args.items() if k not in own}, own)
     assert settings.engine["dtype"] == "float16" and settings.engine["max_num_seqs"] == 4
+    assert (settings.engine["block_size"], settings.engine["kv_cache_dtype"]) == (32, "bfloat16")
+    assert (settings.engine["quantization"], settings.engine["num_kv_blocks"]) == ("int8", 64)
+    assert settings.engine["async_scheduling"] is False
+    assert map_llm_args({"generation_config": None}, frozenset()).generation_config == "vllm"
+    with pytest.raises(ConfigError, match="generation_config must be"):
+        map_llm_args({"generation_config": 3}, frozenset())
     with pytest.warns(UserWarning, match="swap_space"):
         map_llm_args({"swap_space": 4, "disable_log_stats": True}, frozenset())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -107,7 +108,7 @@ def map_llm_args(args: dict[str, Any], llm_params: frozenset[str]) -> LLMSetting
         if name == "tokenizer":
             settings.tokenizer = value
         elif name == "generation_config":
-            settings.generation_config = value
+            settings.generation_config = _generation_config(value)
         elif name == "dtype":
             settings.engine["dtype"] = _dtype(value)
         elif name == "seed":
@@ -140,6 +141,20 @@ def map_llm_args(args: dict[str, Any], llm_params: frozenset[str]) -> LLMSetting
             stacklevel=3,
         )
     return settings
+
+
+def _generation_config(value: Any) -> str:
+    """ "auto", "vllm" or a folder; None, older vLLM's default, is its "use none" ("vllm")."""
+    if value is None:
+        return "vllm"
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"generation_config must be 'auto', 'vllm' or a folder holding "
+            f"generation_config.json, got {value!r:.80}"
+        )
+    return value
 
 
 def _dtype(value: Any) -> str:
@@ -190,6 +205,12 @@ class EngineArgs:
     disable_log_stats: bool = False
     generation_config: str = "auto"
     device: str = "auto"
+    block_size: int | None = None
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    num_gpu_blocks_override: int | None = None
+    async_scheduling: bool = False
+    pipeline_parallel_size: int = 1
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
