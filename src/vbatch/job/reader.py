@@ -382,10 +382,21 @@ class InputReader:
                     batch = batch.slice(0, limit - start)
                 indices = np.arange(start, start + batch.num_rows)
                 start += batch.num_rows
+                records = None
                 if skip is not None and len(skip):
                     keep = ~skip.contains_array(indices)
-                    batch, indices = batch.filter(keep), indices[keep]
-                records = batch_records(batch, self.options.keep_columns)
+                    if not keep.any():
+                        continue
+                    if not keep.all():
+                        try:
+                            batch = batch.filter(keep)
+                        except pa.ArrowNotImplementedError:
+                            # NOTE: view types (string_view, binary_view) have no filter kernel.
+                            every = batch_records(batch, self.options.keep_columns)
+                            records = [r for r, kept in zip(every, keep, strict=True) if kept]
+                        indices = indices[keep]
+                if records is None:
+                    records = batch_records(batch, self.options.keep_columns)
                 objects = [name for name in _OBJECT_COLUMNS if name in batch.schema.names]
                 for index, record in zip(indices.tolist(), records, strict=False):
                     for name in objects:
