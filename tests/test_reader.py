@@ -116,6 +116,21 @@ def test_parquet_view_columns_are_read_past_a_skip_set(tmp_path: Path) -> None:
     assert all(r.id == f"r{r.index}" and r.prompt == f"p{r.index}" for r in rows)
 
 
+def test_a_value_python_cannot_hold_fails_its_row_alone(tmp_path: Path) -> None:
+    """A date past year 9999 in a kept column: the batch's conversion raised and the job died
+    with 'unexpected OverflowError', in every resume too."""
+    path = tmp_path / "in.parquet"
+    days = [0, 3_000_000, 1]
+    table = pa.table({"prompt": ["a", "b", "c"], "day": pa.array(days, pa.date32())})
+    pq.write_table(table, path)
+    reader = InputReader(path, None, ColumnOptions(keep_columns=("day",)))
+    rows = list(reader.rows(PARSER))
+    assert [r.index for r in rows] == [0, 1, 2]
+    assert rows[0].error is None and rows[2].error is None and rows[2].prompt == "c"
+    assert rows[1].error is not None
+    assert rows[1].error.startswith("row 2: a value cannot be read in Python: ")
+
+
 def test_missing_input_and_unreadable_parquet(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="does not exist"):
         InputReader(tmp_path / "nope.jsonl", None, ColumnOptions())

@@ -12,7 +12,7 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
@@ -22,6 +22,9 @@ from vbatch.job.encoding import batch_records, fits_int64, parquet_batches
 from vbatch.job.journal import IndexSet
 from vbatch.job.rows import ColumnOptions, InputRow, RowParser, is_openai_record
 from vbatch.job.shard import Shard
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 INPUT_FORMATS = ("jsonl", "parquet")
 _JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -392,22 +395,42 @@ class InputReader:
                             batch = batch.filter(keep)
                         except pa.ArrowNotImplementedError:
                             # NOTE: view types (string_view, binary_view) have no filter kernel.
-                            every = batch_records(batch, self.options.keep_columns)
+                            every = self._batch_records(batch)
                             records = [r for r, kept in zip(every, keep, strict=True) if kept]
                         indices = indices[keep]
                 if records is None:
-                    records = batch_records(batch, self.options.keep_columns)
+                    records = self._batch_records(batch)
                 objects = [name for name in _OBJECT_COLUMNS if name in batch.schema.names]
                 for index, record in zip(indices.tolist(), records, strict=False):
+                    location = f"row {index + 1}"
+                    if isinstance(record, Exception):
+                        error = f"{location}: a value cannot be read in Python: {record}"
+                        yield RawRecord(index, location, None, error)
+                        continue
                     for name in objects:
                         record[name] = without_null_fields(record[name])
-                    yield RawRecord(index, f"row {index + 1}", record)
+                    yield RawRecord(index, location, record)
         except (OSError, pa.ArrowException) as e:
             # NOTE: the id pre-pass reads only the id columns; other pages are first read here.
             raise InputError(
                 f"cannot read {self.path} near row {start}: {str(e).rstrip('.')}. The Parquet "
                 "file is corrupt or truncated; write it again from its source"
             ) from None
+
+    def _batch_records(self, batch: pa.RecordBatch) -> list[dict[str, Any] | Exception]:
+        """The batch's rows as records; where a value has no Python form (a date past year
+        9999), row by row, each such row its exception."""
+        columns = self.options.keep_columns
+        try:
+            return batch_records(batch, columns)
+        except (OverflowError, ValueError):
+            records: list[dict[str, Any] | Exception] = []
+            for i in range(batch.num_rows):
+                try:
+                    records.extend(batch_records(batch.slice(i, 1), columns))
+                except (OverflowError, ValueError) as e:
+                    records.append(e)
+            return records
 
     def rows(
         self,
