@@ -81,7 +81,8 @@ RUN_OPTIONS: dict[str, tuple[list[str], str, Any]] = {
     "prompt_column": (["--prompt-column", "q"], "spec.columns.prompt_column", "q"),
     "messages_column": (["--messages-column", "m"], "spec.columns.messages_column", "m"),
     "id_column": (["--id-column", "key"], "spec.columns.id_column", "key"),
-    "keep_columns": (["--keep-columns", "a, b"], "spec.columns.keep_columns", ("a", "b")),
+    # NOTE: a name given twice is one column (twice, a Parquet output had it twice, unreadable).
+    "keep_columns": (["--keep-columns", "a, b,a"], "spec.columns.keep_columns", ("a", "b")),
     "keep_all_columns": (["--keep-all-columns"], "spec.columns.keep_all_columns", True),
     "model": (["--model", "m.gguf"], "spec.model", "m.gguf"),
     "served_model_names": (

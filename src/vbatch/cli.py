@@ -117,7 +117,7 @@ def run_request(params: Mapping[str, Any], defaulted: frozenset[str] = frozenset
     keep = values.pop("keep_columns") or ""
     columns = ColumnOptions(
         **take(tuple(f.name for f in fields(ColumnOptions))),
-        keep_columns=tuple(c.strip() for c in keep.split(",") if c.strip()),
+        keep_columns=tuple(dict.fromkeys(c.strip() for c in keep.split(",") if c.strip())),
     )
     loras = tuple(parse_lora_option(value) for value in values.pop("lora") or ())
     lora_rows = _lora_rows(loras, values.pop("lora_column"), values.pop("lora_default"))
