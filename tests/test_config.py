@@ -58,6 +58,14 @@ def test_the_defaults_validate_and_each_limit_accepts_its_boundary() -> None:
         ({"num_threads": -1}, "num_threads must be from 1 to"),
         ({"num_threads": 100_000}, "num_threads must be from 1 to .*got 100000"),
         ({"seed": 2**70}, "seed must be a signed 64-bit integer"),
+        (
+            {"batch_invariant": True, "linear_backend": "torch"},
+            "batch_invariant does not go with linear_backend torch",
+        ),
+        (
+            {"batch_invariant": True, "linear_backend": "native", "greedy_screen": True},
+            "batch_invariant does not go with the greedy screen, linear_backend native",
+        ),
     ],
 )
 def test_invalid_settings_raise_config_error(values: dict[str, object], message: str) -> None:

@@ -241,6 +241,8 @@ class EngineConfig:
                 "enable_lora": self.enable_lora,
                 "the greedy screen": self.greedy_screen is True,
                 f"attention_backend {self.attention_backend}": self.attention_backend == "torch",
+                # NOTE: its linears are oneDNN's, row by row as in any batch.
+                f"linear_backend {self.linear_backend}": self.linear_backend in ("torch", "native"),
             }
             if any(refused.values()):
                 names = ", ".join(name for name, on in refused.items() if on)
