@@ -532,6 +532,7 @@ def test_bad_chat_template_kwargs_and_reasoning_parser_are_one_line_errors(
         ("--drain-timeout", "inf"),
         ("--heartbeat-timeout", "nan"),
         ("--max-num-seqs", "0"),
+        ("--max-num-batched-tokens", "15"),
         ("--max-tokens", "0"),
         ("--temperature", "nan"),
         ("--top-p", "0"),

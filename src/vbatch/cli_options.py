@@ -9,7 +9,14 @@ from typing import Annotated, Any
 import typer
 
 from vbatch.client.reasoning import ReasoningParser
-from vbatch.config import AttentionBackend, Device, Dtype, LinearBackend, Quantization
+from vbatch.config import (
+    AttentionBackend,
+    Device,
+    Dtype,
+    EngineConfig,
+    LinearBackend,
+    Quantization,
+)
 from vbatch.errors import VbatchError
 from vbatch.job.tasks import Task
 from vbatch.sampling_params import MAX_LOGPROBS, MAX_N
@@ -223,7 +230,11 @@ MaxNumSeqs = Annotated[
 ]
 MaxNumBatchedTokens = Annotated[
     int,
-    typer.Option(help="Token budget of one engine step.", rich_help_panel=ENGINE, parser=count()),
+    typer.Option(
+        help="Token budget of one engine step (at least the KV block size, 16).",
+        rich_help_panel=ENGINE,
+        parser=count(EngineConfig.block_size),
+    ),
 ]
 MaxModelLen = Annotated[
     int | None,
