@@ -131,6 +131,23 @@ def test_a_value_python_cannot_hold_fails_its_row_alone(tmp_path: Path) -> None:
     assert rows[1].error.startswith("row 2: a value cannot be read in Python: ")
 
 
+def test_a_kept_settings_struct_keeps_its_null_fields(tmp_path: Path) -> None:
+    """The row reads its sampling_params without their null fields; the kept column is the
+    file's value, nulls and all, as any other struct column is."""
+    path = tmp_path / "in.parquet"
+    kind = pa.struct([("max_tokens", pa.int64()), ("temperature", pa.float64())])
+    value = [{"max_tokens": 2, "temperature": None}]
+    table = pa.table(
+        {"prompt": ["a"], "sampling_params": pa.array(value, kind), "other": pa.array(value, kind)}
+    )
+    pq.write_table(table, path)
+    options = ColumnOptions(keep_columns=("sampling_params", "other"))
+    (row,) = InputReader(path, None, options).rows(RowParser(options, SamplingParams()))
+    assert row.error is None and row.sampling_params is not None
+    assert row.sampling_params.max_tokens == 2
+    assert row.kept == {"sampling_params": value[0], "other": value[0]}
+
+
 def test_missing_input_and_unreadable_parquet(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="does not exist"):
         InputReader(tmp_path / "nope.jsonl", None, ColumnOptions())

@@ -179,6 +179,9 @@ class RawRecord:
     location: str
     record: Any = None
     error: str | None = None
+    # NOTE: kept struct columns as the file holds them, where `record` has them without their
+    # null fields (for the row's own settings).
+    kept_structs: dict[str, Any] | None = None
 
 
 class InputReader:
@@ -407,15 +410,19 @@ class InputReader:
                         error = f"{location}: a value cannot be read in Python: {record}"
                         yield RawRecord(index, location, None, error)
                         continue
+                    structs = {name: record[name] for name in objects if self._keeps(name)}
                     for name in objects:
                         record[name] = without_null_fields(record[name])
-                    yield RawRecord(index, location, record)
+                    yield RawRecord(index, location, record, kept_structs=structs or None)
         except (OSError, pa.ArrowException) as e:
             # NOTE: the id pre-pass reads only the id columns; other pages are first read here.
             raise InputError(
                 f"cannot read {self.path} near row {start}: {str(e).rstrip('.')}. The Parquet "
                 "file is corrupt or truncated; write it again from its source"
             ) from None
+
+    def _keeps(self, name: str) -> bool:
+        return self.options.keep_all_columns or name in self.options.keep_columns
 
     def _batch_records(self, batch: pa.RecordBatch) -> list[dict[str, Any] | Exception]:
         """The batch's rows as records; where a value has no Python form (a date past year
@@ -452,7 +459,11 @@ class InputReader:
                 )
                 yield InputRow(raw.index, raw.location, row_id, error=raw.error)
             else:
-                yield parser.parse(raw.record, raw.index, raw.location)
+                row = parser.parse(raw.record, raw.index, raw.location)
+                if raw.kept_structs is not None and row.kept is not None:
+                    kept = row.kept
+                    kept.update((k, v) for k, v in raw.kept_structs.items() if k in kept)
+                yield row
 
     def id_records(self) -> Iterator[RawRecord]:
         """Rows decoded only as far as the id needs (for Parquet: only the id columns)."""
