@@ -116,6 +116,11 @@ def test_a_ctrl_c_anywhere_in_the_start_up_is_one_line_never_a_traceback(
         if proc.returncode == -signal.SIGINT:
             assert "vbatch" not in stderr, stderr
             continue
+        if stderr.startswith("Fatal Python error: init_import_site"):
+            # NOTE: on a busy machine the signal can land in the site module's .pth imports,
+            # the interpreter's start-up before `-m vbatch` runs anything of ours.
+            assert "vbatch/__main__" not in stderr and "vbatch/cli" not in stderr, stderr
+            continue
         assert "Traceback" not in stderr, stderr
         assert proc.returncode in (0, 75, 130), (delay, proc.returncode, stderr)
         if proc.returncode == 130:
