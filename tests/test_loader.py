@@ -27,6 +27,7 @@ from vbatch.models.loader import (
     cache_dir,
     default_model_path,
     resolve_model,
+    weight_files,
 )
 
 PROMPTS = (
@@ -334,9 +335,14 @@ def tokenizer_fields() -> dict[str, Any]:
 
 
 def write_gguf(
-    path: Path, arch: str, reference: torch.nn.Module, tokenizer_fields: dict[str, Any]
+    path: Path,
+    arch: str,
+    reference: torch.nn.Module,
+    tokenizer_fields: dict[str, Any],
+    metadata: dict[str, Any] | None = None,
 ) -> None:
-    """A float32 GGUF laid out as llama.cpp's converter does (Q/K permuted for llama)."""
+    """A float32 GGUF laid out as llama.cpp's converter does (Q/K permuted for llama);
+    `metadata` replaces values (an int as uint32, a str as string)."""
     import gguf
 
     config = reference.config
@@ -359,6 +365,8 @@ def write_gguf(
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_chat_template(tokenizer_fields["tokenizer.chat_template"])
+    for key, value in (metadata or {}).items():
+        (writer.add_uint32 if isinstance(value, int) else writer.add_string)(key, value)
     names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
     names |= {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
     names |= {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
@@ -442,6 +450,52 @@ def test_synthetic_gguf_round_trips(
     assert got.rms_norm_eps == pytest.approx(config.rms_norm_eps)
     assert (got.bos_token_id, got.eos_token_ids) == (1, (2,))
     assert resolve_model(tmp_path / f"tiny-{arch}.gguf") == resolved
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        ({"general.alignment": 0}, "cannot read GGUF file"),
+        ({"llama.attention.head_count_kv": 0}, "cannot convert GGUF file .*: bad metadata"),
+        ({"llama.attention.layer_norm_rms_epsilon": "abc"}, "cannot convert GGUF file .*: bad"),
+    ],
+)
+def test_gguf_metadata_of_the_wrong_value_is_a_model_load_error(
+    metadata: dict[str, Any],
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tokenizer_fields: dict[str, Any],
+) -> None:
+    """A zero alignment or head count, a string epsilon: these escaped as ZeroDivisionError or
+    ValueError, which the CLI reported as a bug in vbatch."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer_fields["tokenizer.ggml.tokens"]),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, "llama", LlamaForCausalLM(config).eval(), tokenizer_fields, metadata)
+    with pytest.raises(ModelLoadError, match=message):
+        resolve_model(path)
+    assert not list((tmp_path / "cache" / "gguf").glob(".converting-*"))
+
+
+def test_a_weights_link_whose_file_is_gone_is_an_incomplete_download(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "model.safetensors").unlink()
+    (model / "model.safetensors").symlink_to(tmp_path / "blob-gone")
+    with pytest.raises(ModelLoadError, match=r"lacks model\.safetensors .*download is incomplete"):
+        weight_files(model)
 
 
 def test_unsupported_gguf_architecture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -159,7 +159,14 @@ def read_gguf(path: Path) -> GGUFFile:
                 raise ValueError(f"tensor {name} runs past the end of the file")
             data = whole[start : start + rows * row_bytes].reshape(rows, row_bytes)
             tensors.append(GGUFTensor(name, shape, qtype, data))
-    except (OSError, ValueError, KeyError, struct.error, UnicodeDecodeError) as e:
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+        struct.error,
+        UnicodeDecodeError,
+        ZeroDivisionError,
+    ) as e:
         raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
     return GGUFFile(metadata, tensors)
 

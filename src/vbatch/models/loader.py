@@ -150,6 +150,12 @@ def weight_files(hf_dir: Path) -> list[Path]:
         files = sorted(hf_dir.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(f"model directory {hf_dir} has no *.safetensors weights")
+        gone = [file.name for file in files if not file.is_file()]
+        if gone:
+            raise ModelLoadError(
+                f"model directory {hf_dir} lacks {', '.join(gone)} (a link whose file is gone): "
+                "the download is incomplete"
+            )
         return files
     try:
         names = set(json.loads(index.read_text())["weight_map"].values())
@@ -262,7 +268,11 @@ def _convert_into_cache(path: Path, out_dir: Path) -> None:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=".converting-", dir=out_dir.parent))
     try:
-        convert_gguf(path, tmp_dir)
+        try:
+            convert_gguf(path, tmp_dir)
+        except (ValueError, TypeError, ZeroDivisionError) as e:
+            # NOTE: metadata of the wrong type or value (a zero head count, an epsilon "abc").
+            raise ModelLoadError(f"cannot convert GGUF file {path}: bad metadata: {e}") from e
         record = {}
         for file in sorted(p for p in tmp_dir.iterdir() if p.is_file()):
             size = file.stat().st_size
