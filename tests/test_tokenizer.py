@@ -209,6 +209,62 @@ def test_special_tokens_map_names_tokens_as_in_transformers(hf_dir: Path, tmp_pa
         assert loaded.eos_token_id == reference.eos_token_id == 2
 
 
+def test_named_templates_continued_json_and_reasoning_aliases_as_in_transformers(
+    hf_dir: Path, tmp_path: Path
+) -> None:
+    """A named template list ("tool_use" for tools, a name as chat_template), a
+    chat_template.jinja with additional_chat_templates/, a final message continued through
+    `tojson`, and reasoning under `reasoning` or `thinking`: each rendered as transformers does
+    (vbatch kept only "default", rendered a name as text, lost its NUL-marked tag in `tojson`,
+    and passed the fields unaliased)."""
+    from transformers import AutoTokenizer
+
+    shutil.copy(hf_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    body = "{% for m in messages %}{{ m.role }}[{{ m.thinking }}]{{ m.content | tojson }}"
+    body += "{% endfor %}"
+    named = [
+        {"name": "default", "template": "DEFAULT:" + body},
+        {"name": "tool_use", "template": "TOOLS({{ tools | length }}):" + body},
+        {"name": "rag", "template": "RAG:" + body},
+    ]
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": named}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    files = tmp_path / "files"
+    files.mkdir()
+    shutil.copy(hf_dir / "tokenizer.json", files / "tokenizer.json")
+    (files / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": None}))
+    (files / "chat_template.jinja").write_text("DEFAULT:" + body)
+    (files / "additional_chat_templates").mkdir()
+    (files / "additional_chat_templates" / "tool_use.jinja").write_text("TOOLS:" + body)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    user = {"role": "user", "content": "hi"}
+    cases = [
+        ([user], {"tools": tools}, None, False),
+        ([user], {}, "rag", False),
+        ([user, {"role": "assistant", "content": "Sure, the"}], {}, None, True),
+        ([user, {"role": "assistant", "content": "ans", "reasoning": "thought"}], {}, None, False),
+    ]
+    for directory in (tmp_path, files):
+        ours = TextTokenizer.from_dir(directory)
+        theirs = AutoTokenizer.from_pretrained(directory)
+        for messages, kwargs, name, cont in cases:
+            got = ours.apply_chat_template(
+                messages, not cont, kwargs, chat_template=name, continue_final_message=cont
+            )
+            want = theirs.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=not cont,
+                chat_template=name,
+                continue_final_message=cont,
+                **kwargs,
+            )
+            assert got == want, (directory.name, messages, kwargs, name)
+    assert "TOOLS(1):" in TextTokenizer.from_dir(tmp_path).apply_chat_template(
+        [user], True, {"tools": tools}
+    )
+
+
 def test_from_dir_errors(hf_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match=r"no tokenizer\.json"):
         TextTokenizer.from_dir(tmp_path)

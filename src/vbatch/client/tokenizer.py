@@ -23,7 +23,11 @@ RENDER_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prom
 # NOTE: appended to the message continue_final_message continues, to find where its content ends
 # in the rendered text; its trailing space tells whether the template kept the content's own
 # trailing whitespace (then it stays, as in transformers).
-CONTINUE_MARK = "\x00vbatch-continue-final-message\x00 "
+# NOTE: transformers' own tag: plain ASCII, so a template's `tojson` keeps it as it is.
+CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "
+# NOTE: a message's reasoning under any of these names reaches a template under the first two,
+# as transformers aliases them.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 CONTENT_FORMATS = ("auto", "string", "openai")
 SPECIAL_TOKEN_NAMES = (
     "bos_token",
@@ -165,15 +169,32 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _read_chat_template(path: Path, config: Mapping[str, Any]) -> str | None:
+def _read_chat_templates(path: Path, config: Mapping[str, Any]) -> dict[str, str]:
+    """The model's chat templates by name, as transformers reads them: chat_template.jinja
+    ("default") with additional_chat_templates/*.jinja, else tokenizer_config.json's
+    `chat_template` (one string, or a list of {"name", "template"})."""
+    templates: dict[str, str] = {}
     jinja_file = path / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
+        templates["default"] = jinja_file.read_text(encoding="utf-8")
+        for extra in sorted((path / "additional_chat_templates").glob("*.jinja")):
+            templates[extra.stem] = extra.read_text(encoding="utf-8")
+        return templates
     template = config.get("chat_template")
     if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
-        template = named.get("default")
-    return template if isinstance(template, str) else None
+        for entry in template:
+            if isinstance(entry, Mapping) and isinstance(entry.get("template"), str):
+                templates[str(entry.get("name"))] = entry["template"]
+    elif isinstance(template, str):
+        templates["default"] = template
+    return templates
+
+
+def _with_reasoning_aliases(message: dict[str, Any]) -> dict[str, Any]:
+    reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 class TextTokenizer:
@@ -189,6 +210,7 @@ class TextTokenizer:
         backend: Tokenizer,
         special_tokens: Mapping[str, str],
         chat_template: str | None = None,
+        named_templates: Mapping[str, str] | None = None,
     ) -> None:
         # NOTE: a tokenizer.json may pad or truncate (sentence-transformers checkpoints do): a
         # prompt's ids are its own, whole; a too long one is refused, or truncated when asked.
@@ -198,6 +220,11 @@ class TextTokenizer:
         self.special_tokens = dict(special_tokens)
         self.chat_template = chat_template
         self._template = compile_chat_template(chat_template) if chat_template else None
+        # NOTE: the model's other named templates ("tool_use", "rag"), chosen as transformers
+        # chooses: by name, or "tool_use" when tools are given.
+        self._named = {
+            name: compile_chat_template(text) for name, text in (named_templates or {}).items()
+        }
         self._other_templates: dict[str, jinja2.Template] = {}
         added = backend.get_added_tokens_decoder()
         self.special_token_ids = frozenset(i for i, tok in added.items() if tok.special)
@@ -225,15 +252,16 @@ class TextTokenizer:
             for name in SPECIAL_TOKEN_NAMES
             if (content := _token_content(named.get(name))) is not None
         }
-        chat_template = _read_chat_template(path, config)
+        templates = _read_chat_templates(path, config)
+        default = templates.pop("default", None)
         try:
-            return cls(backend, special_tokens, chat_template)
+            return cls(backend, special_tokens, default, templates)
         except jinja2.TemplateSyntaxError as exc:
             raise ModelLoadError(f"the chat template in {path} does not compile: {exc}") from None
 
     @property
     def has_chat_template(self) -> bool:
-        return self._template is not None
+        return self._template is not None or bool(self._named)
 
     def encode_batch(
         self, texts: Sequence[str], add_special_tokens: bool = True
@@ -256,7 +284,9 @@ class TextTokenizer:
     ) -> str:
         """Render one conversation to prompt text, exactly as transformers does; `template_kwargs`
         are extra template variables, as transformers' `apply_chat_template(**kwargs)` takes.
-        `chat_template` replaces the model's; `continue_final_message` ends the text right
+        `chat_template` replaces the model's, or names one of its named templates (tools given
+        without one pick "tool_use" where the model has it, as transformers does);
+        `continue_final_message` ends the text right
         after the last message's content, so generation continues it. `content_format` is
         vLLM's chat_template_content_format: "auto" and "string" give the template each
         message's content as text, "openai" as a list of {"type": "text", "text": ...} parts."""
@@ -266,7 +296,12 @@ class TextTokenizer:
                 f"got {content_format!r:.40}"
             )
         template = self._template
-        if chat_template is not None:
+        tools = (template_kwargs or {}).get("tools")
+        if chat_template is None and tools is not None and "tool_use" in self._named:
+            template = self._named["tool_use"]
+        elif chat_template in self._named:
+            template = self._named[chat_template]
+        elif chat_template is not None:
             template = self._other_templates.get(chat_template)
             if template is None:
                 try:
@@ -274,12 +309,17 @@ class TextTokenizer:
                 except jinja2.TemplateSyntaxError as exc:
                     raise InputError(f"chat_template does not compile: {exc}") from None
                 self._other_templates[chat_template] = template
+        if template is None and self._named:
+            raise InputError(
+                f"this model's chat templates are named ({', '.join(sorted(self._named))}) with "
+                "no default: name one with chat_template"
+            )
         if template is None:
             raise InputError(
                 "this model has no chat template, so 'messages' rows cannot be used; "
                 "pass a 'prompt' string instead"
             )
-        checked = validate_messages(messages)
+        checked = [_with_reasoning_aliases(m) for m in validate_messages(messages)]
         final = checked[-1]["content"]
         if continue_final_message:
             checked[-1] = {**checked[-1], "content": final + CONTINUE_MARK}
@@ -289,7 +329,7 @@ class TextTokenizer:
         if not continue_final_message:
             return text
         end = text.rfind(CONTINUE_MARK.strip())
-        if end < 0 or final.strip() not in text[:end]:
+        if end < 0 or final.strip() not in text:
             raise InputError(
                 "continue_final_message: the last message's content is not in the rendered text"
             )
