@@ -18,6 +18,8 @@ from vbatch.errors import InputError
         ("Let me add.\n</think>\n\n4", ("Let me add.", "4")),
         ("<think>\nstill thinking when max_tokens hit", ("still thinking when max_tokens hit", "")),
         ("<think>a</think>b</think>c", ("a", "b</think>c")),
+        # NOTE: as vLLM's parsers: text before <think> is dropped, not reasoning with the tag.
+        ("Sure. <think>plan</think> Answer", ("plan", "Answer")),
     ],
 )
 def test_tags_split_reasoning_from_the_answer(

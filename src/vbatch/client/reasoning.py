@@ -44,11 +44,11 @@ def split_reasoning(text: str, parser: str) -> tuple[str | None, str]:
     The reasoning runs from an opening `<think>` (or from the start, when the template opened
     it and only `</think>` appears) to `</think>`, or to the end when the output stopped
     before closing it (the answer is then empty). Whitespace around the reasoning and before
-    the answer is dropped."""
-    body = text.lstrip()
-    is_open = body.startswith(THINK_OPEN)
-    if is_open:
-        body = body[len(THINK_OPEN) :]
+    the answer is dropped, and so, as vLLM's parsers do, is any text before `<think>`."""
+    opening = text.find(THINK_OPEN)
+    closing = text.find(THINK_CLOSE)
+    is_open = opening >= 0 and (closing < 0 or opening < closing)
+    body = text[opening + len(THINK_OPEN) :] if is_open else text.lstrip()
     end = body.find(THINK_CLOSE)
     if end >= 0:
         return body[:end].strip(), body[end + len(THINK_CLOSE) :].lstrip()
