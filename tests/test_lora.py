@@ -258,12 +258,22 @@ def test_bad_adapters_fail_at_start_naming_them(lora_models: dict, tmp_path: Pat
             },
             "made for another base model",
         ),
+        "short-b": (
+            {},
+            lambda t: {k: v[:16] if "v_proj.lora_B" in k else v for k, v in t.items()},
+            "B has 16 rows where this model's v_proj has 32",
+        ),
         "untargeted": ({"target_modules": ["k_proj"]}, None, r"target_modules \['k_proj'\]"),
         "rank": ({"r": 8}, None, "has rank 4, but adapter_config.json gives it r = 8"),
         "pattern": ({"rank_pattern": {"v_proj": 2}}, None, "v_proj has rank 4, but .* r = 2"),
     }
-    for name, (config_edit, tensor_edit, message) in cases.items():
+    for name, (config_edit, tensor_edit, message) in [
+        *cases.items(),
+        ("corrupt", ({}, None, "cannot read adapter_model.safetensors: .*header")),
+    ]:
         path = write_variant(tmp_path, name, config_edit, tensor_edit)
+        if name == "corrupt":
+            (path / "adapter_model.safetensors").write_bytes(b"\x01")
         config = EngineConfig(
             model=str(root / "model"),
             enable_lora=True,

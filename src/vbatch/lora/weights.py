@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from vbatch.errors import LoraError
 from vbatch.lora.adapter import WEIGHTS_FILE, AdapterConfig
@@ -47,7 +47,7 @@ def read_adapter_weights(
                 if part is None:
                     raise fail(f"tensor {key} is not a LoRA A/B matrix (DoRA, embedding?)")
                 halves.setdefault(module, {})[part] = f.get_tensor(key).float()
-    except (OSError, RuntimeError, ValueError) as e:
+    except (OSError, RuntimeError, ValueError, SafetensorError) as e:
         raise fail(f"cannot read {WEIGHTS_FILE}: {e}") from e
     if not halves:
         raise fail(f"{WEIGHTS_FILE} holds no LoRA tensors")
@@ -69,17 +69,21 @@ def read_adapter_weights(
                 f"{adapter.target_modules!r:.80} do not name (PEFT would not apply them)"
             )
         in_features, out_features = shapes[projection]
-        rank = a.shape[0]
-        if rank > max_lora_rank:
-            raise fail(f"{module} has rank {rank}, above max_lora_rank {max_lora_rank}")
-        end = target.row_start + b.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or b.shape[1] != rank:
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or b.shape[1] != a.shape[0]:
             raise fail(
                 f"{module}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit this model's "
                 f"{in_features} inputs (made for another base model?)"
             )
-        if end > out_features:
-            raise fail(f"{module}: B has {b.shape[0]} rows, more than this model's projection")
+        rank = a.shape[0]
+        if rank > max_lora_rank:
+            raise fail(f"{module} has rank {rank}, above max_lora_rank {max_lora_rank}")
+        # NOTE: q, k, v (and gate, up) are row ranges of one fused projection here.
+        rows = target.num_rows if target.num_rows is not None else out_features
+        if b.shape[0] != rows:
+            raise fail(
+                f"{module}: B has {b.shape[0]} rows where this model's {module.rsplit('.', 1)[-1]} "
+                f"has {rows} (made for another base model?)"
+            )
         if rank != adapter.rank_of(module):
             raise fail(
                 f"{module} has rank {rank}, but adapter_config.json gives it "
