@@ -38,7 +38,7 @@ import vbatch
 from vbatch.errors import JobStateError
 from vbatch.job.finalize import finalize
 from vbatch.job.journal import Journal, read_journal
-from vbatch.job.paths import job_dir_for, tmp_output_path
+from vbatch.job.paths import JobLock, job_dir_for, tmp_output_path
 from vbatch.job.results import error_row, parquet_schema
 from vbatch.job.rows import InputRow
 from vbatch.job.writer import ParquetWriter
@@ -567,6 +567,13 @@ def test_a_lock_only_job_directory_says_how_to_go_on(tmp_path: Path) -> None:
     for command in ("resume", "status"):
         line = error_line(run_vbatch(tmp_path, command, str(output)))
         assert "holds no job: a `vbatch run` stopped before its job was created" in line
+    # NOTE: a run still scanning its input holds the lock: not a stopped one.
+    lock = JobLock(job_dir_for(output))
+    try:
+        line = error_line(run_vbatch(tmp_path, "status", str(output)))
+        assert "a `vbatch run` is still creating the job" in line and "ask again" in line
+    finally:
+        lock.release()
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])

@@ -42,3 +42,19 @@ def test_drain_deadline_interrupts_a_blocking_wait() -> None:
         with pytest.raises(StopNow):
             time.sleep(5)
         assert time.monotonic() - started < 2 and stop.stop_now
+
+
+def test_a_drain_timeout_past_the_timer_s_range_waits_without_a_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--drain-timeout 1e10 ("forever"): the deadline's timer thread died with an
+    OverflowError traceback on stderr."""
+    import threading
+
+    failures: list[object] = []
+    monkeypatch.setattr(threading, "excepthook", failures.append)
+    with StopControl(drain_timeout_s=1e10) as stop:
+        stop.request_stop()
+        time.sleep(0.2)
+        assert stop.stop_requested and not stop.stop_now
+    assert failures == []

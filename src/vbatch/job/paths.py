@@ -113,6 +113,19 @@ def output_format(output: Path) -> str:
     return fmt
 
 
+def is_locked(job_dir: Path) -> bool:
+    """Whether a process holds the job directory's lock now (taking it for a moment if not)."""
+    try:
+        with open(job_dir / LOCK_NAME, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            return False
+    except OSError:
+        return False
+
+
 class JobLock:
     """An exclusive flock on the job directory, so two processes never append to one journal.
 

@@ -49,6 +49,7 @@ from vbatch.job.options import RunOptions
 from vbatch.job.paths import (
     LOCK_NAME,
     JobLock,
+    is_locked,
     job_dir_for,
     output_format,
     refuse_clashing_paths,
@@ -812,6 +813,11 @@ def job_status(output: Path) -> dict[str, Any]:
         if shards:
             return {"output": str(output.absolute()), "merged": output.exists(), "shards": shards}
         raise JobStateError(f"there is no job for {output} (no {job_dir})")
+    if not (job_dir / MANIFEST_NAME).exists() and is_locked(job_dir):
+        raise JobStateError(
+            f"a `vbatch run` is still creating the job in {job_dir} (it checks its input "
+            "first); ask again once it runs"
+        )
     state, _ = read_journal(job_dir / JOURNAL_NAME)
     manifest = Manifest.load(job_dir)
     # NOTE: a moved or copied job reports where it is now (resume adopts that path).

@@ -78,9 +78,9 @@ class StopControl:
         # wait there; a timer thread rather than setitimer leaves other alarms alone.
         main_id = threading.main_thread().ident
         assert main_id is not None
-        self._timer = threading.Timer(
-            self.drain_timeout_s, signal.pthread_kill, (main_id, signal.SIGALRM)
-        )
+        # NOTE: a longer wait (--drain-timeout 1e10, "forever") overflows the timer's clock.
+        wait = min(self.drain_timeout_s, threading.TIMEOUT_MAX)
+        self._timer = threading.Timer(wait, signal.pthread_kill, (main_id, signal.SIGALRM))
         self._timer.daemon = True
         return self
 
