@@ -271,6 +271,11 @@ def test_max_errors_stops_the_job_and_keeps_committed_rows(
     status = job_status(job.output_path)
     assert status["errored"] == 11 and not status["complete"]
     assert len(read_output(job.output_path)) == status["done"]
+    # NOTE: a plain resume keeps the job's limit, which its committed errors are over: it
+    # once ran every row left and finished with 30 errors.
+    with pytest.raises(InputError, match=r"11 rows errored, more than --max-errors 0\.25"):
+        resume_job(job.output_path, {"display": "quiet"}, llm_factory=shared_llm)
+    assert job_status(job.output_path)["done"] == status["done"]
     done = resume_job(
         job.output_path, {"display": "quiet", "max_errors": None}, llm_factory=shared_llm
     )

@@ -144,7 +144,8 @@ class JobExecution:
         self.max_errors = self._max_errors(options.max_errors)
         self.stop = StopControl(options.drain_timeout_s)
         self.is_stop_shown = False
-        self.is_over_error_limit = False
+        # NOTE: a resumed job's committed errors count against its limit as new ones do.
+        self.is_over_error_limit = self.max_errors is not None and self.num_errors > self.max_errors
         self.is_finalizing = False
         self.last_commit_time = time.monotonic()
         self.token_text: Callable[[int], str] = str
@@ -219,7 +220,10 @@ class JobExecution:
     def _run_job(self, output: Path) -> tuple[int, str]:
         with self.stop:
             try:
-                if len(self.journal.state.committed) < self.manifest.num_rows:
+                if (
+                    len(self.journal.state.committed) < self.manifest.num_rows
+                    and not self.is_over_error_limit
+                ):
                     self._run_engine()
             except EngineNeverReady:
                 raise
