@@ -204,8 +204,16 @@ def test_existing_job_refusal_resume_checks_retry_errors_and_force(
     assert start_job(job, QUIET, llm_factory=shared_llm).exit_code == 0
     with pytest.raises(JobStateError, match=r"vbatch resume .*--overwrite"):
         start_job(job, QUIET, llm_factory=shared_llm)
-    again = resume_job(job.output_path, {"display": "quiet"}, llm_factory=shared_llm)
+    metrics_file = tmp_path / "metrics" / "m.json"
+    again = resume_job(
+        job.output_path,
+        {"display": "quiet", "metrics_file": metrics_file},
+        llm_factory=shared_llm,
+    )
     assert again.exit_code == 0 and "already complete" in again.message
+    metrics = orjson.loads(metrics_file.read_bytes())
+    assert metrics["state"] == "done" and metrics["total_rows"] == 12, metrics
+    assert metrics["num_rows_done"] == 12 and metrics["num_rows_errored"] == 1, metrics
     assert start_job(job, QUIET, overwrite=True, llm_factory=shared_llm).exit_code == 0
 
     # NOTE: an unfinished job whose input is then fixed: refused, then resumed with --force.

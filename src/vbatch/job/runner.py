@@ -749,6 +749,8 @@ def _execute(
             _refuse_lost_output(output, Path(manifest.output_path), journal.state)
             exit_code, message = 0, f"{output} is already complete"
             finish_completion(job_dir, Path(manifest.output_path), journal.state)
+            if options.metrics_file is not None:
+                _write_complete_metrics(options.metrics_file, manifest, journal.state, output)
         journal.close()
         status = _status(job_dir, manifest, journal.state)
         # NOTE: removed under the lock, so no other process can have locked the doomed file.
@@ -757,6 +759,28 @@ def _execute(
     finally:
         lock.release()
     return Outcome(exit_code, message, status)
+
+
+def _write_complete_metrics(path: Path, manifest: Manifest, state: JobState, output: Path) -> None:
+    """The metrics file of a resume that found its job complete: the job's final counts, so a
+    pipeline that reads it after every `vbatch resume` finds it whether or not rows ran."""
+    from vbatch.job.metrics import JobMetrics
+    from vbatch.job.progress import snapshot_to_json, write_json_atomic
+
+    metrics = JobMetrics(
+        total_rows=manifest.num_rows,
+        rows_done_before=len(state.committed),
+        rows_errored_before=len(state.errors),
+        model=manifest.model.name,
+        input_path=manifest.input_path,
+        output_path=str(output),
+        task=manifest.options.task,
+    )
+    metrics.set_state("done")
+    try:
+        write_json_atomic(path, snapshot_to_json(metrics.snapshot()))
+    except OSError as e:
+        raise ConfigError(f"cannot write metrics file {path}: {e}") from e
 
 
 def dropped_job(error: EngineNeverReady, job_dir: Path, output: Path) -> VbatchError:
