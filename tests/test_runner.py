@@ -291,6 +291,21 @@ def test_max_errors_stops_the_job_and_keeps_committed_rows(
     assert len(read_output(job.output_path)) == 40
 
 
+def test_max_errors_crossed_by_the_last_row_names_both_ways_to_complete_the_job(
+    tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any]
+) -> None:
+    input_path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": ""}] * 3)
+    job = spec(tmp_path, input_path, "out.jsonl", tiny_model_dir)
+    with pytest.raises(InputError, match=r"all 3 rows are committed, but 3 errored") as error:
+        start_job(job, RunOptions(display="quiet", max_errors=2), llm_factory=shared_llm)
+    assert "--retry-errors" in str(error.value) and "--max-errors 3`" in str(error.value)
+    assert not job_status(job.output_path)["complete"]
+    done = resume_job(
+        job.output_path, {"display": "quiet", "max_errors": 3}, llm_factory=shared_llm
+    )
+    assert done.exit_code == 0 and done.status["complete"] and done.status["errored"] == 3
+
+
 class SignallingLLM(SharedLLM):
     """The shared engine, whose stream sends this process `signals` after `after` results.
 

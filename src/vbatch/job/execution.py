@@ -235,6 +235,14 @@ class JobExecution:
         if self.is_over_error_limit:
             given = self.options.max_errors
             shown = f"{given:g}" if isinstance(given, float) else given
+            if num_done >= self.manifest.num_rows:
+                raise InputError(
+                    f"stopped: all {num_done} rows are committed, but {self.num_errors} "
+                    f"errored, more than --max-errors {shown}, so the job is not complete; "
+                    f"see the `error` field of the output rows. Rerun them with "
+                    f"`{resume_command(output)} --retry-errors`, or accept them with "
+                    f"`{resume_command(output)} --max-errors {self.num_errors}`"
+                )
             raise InputError(
                 f"stopped: {self.num_errors} rows errored, more than --max-errors "
                 f"{shown}. {num_done} rows are committed; see the `error` field "
