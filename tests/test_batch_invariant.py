@@ -33,9 +33,11 @@ def test_a_row_gets_the_same_bits_in_any_call() -> None:
     check_row_invariance([(960, 576), (576, 1536), (49152, 576)])
 
 
-def run(core: EngineCore, prompts: dict[str, list[int]]) -> Run:
+def run(core: EngineCore, prompts: dict[str, list[int]], max_tokens: int = 16) -> Run:
+    params = PARAMS.clone()
+    params.max_tokens = max_tokens
     for request_id, prompt in prompts.items():
-        assert core.add_request(AddRequest(request_id, pack_token_ids(prompt), PARAMS)) == []
+        assert core.add_request(AddRequest(request_id, pack_token_ids(prompt), params)) == []
     got: Run = {request_id: ([], []) for request_id in prompts}
     while core.has_unfinished():
         out = core.step()
@@ -65,6 +67,37 @@ def test_a_seeded_request_is_the_same_alone_batched_and_cached(tiny_model_dir: P
     batched = run(core, {"cached": prompt, **others})["cached"]
     core.shutdown()
     assert batched == alone
+
+
+def test_a_preempted_seeded_request_is_recomputed_to_the_same_bits(tiny_model_dir: Path) -> None:
+    """With 8 KV blocks of 16 for 4 requests of 5 blocks each, seqs are preempted and recomputed:
+    their outputs as one chunk used to round otherwise than when they were decoded, and a
+    logprob's last bits (then, downstream, a sampled token) changed."""
+    if not native.is_available():
+        pytest.skip("native kernels could not be built here")
+    generator = np.random.default_rng(0)
+    prompts = {
+        f"r{i}": generator.integers(100, 49152, size=length).tolist()
+        for i, length in enumerate((40, 30, 35, 20))
+    }
+    runs = []
+    for num_kv_blocks in (None, 8):
+        core = EngineCore(
+            EngineConfig(
+                model=str(tiny_model_dir),
+                device="cpu",
+                num_threads=2,
+                batch_invariant=True,
+                num_kv_blocks=num_kv_blocks,
+                block_size=16,
+            )
+        )
+        runs.append(run(core, prompts, max_tokens=40))
+        runs.append(core.scheduler.num_preemptions)
+        core.shutdown()
+    roomy, roomy_preemptions, tight, tight_preemptions = runs
+    assert roomy_preemptions == 0 and tight_preemptions > 0
+    assert tight == roomy
 
 
 def test_refuses_what_it_cannot_make_invariant() -> None:

@@ -56,7 +56,7 @@ def assert_same(a: HostBatch, b: HostBatch) -> None:
 def test_one_token_path_matches_the_general_path() -> None:
     out, _ = one_token_batch()
     fast = build_host_batch(out, BLOCK_SIZE)
-    assert_same(fast, input_batch._build_mixed(out, BLOCK_SIZE))
+    assert_same(fast, input_batch._build_mixed(out, BLOCK_SIZE, False))
     assert fast.sample_rows == [0, 1, 2, 3] and fast.logits_rows.tolist() == [0, 1, 2, 3]
     assert fast.positions.tolist() == [4, 8, 3, 12, 2]
     assert fast.input_ids.tolist() == [19, 27, 17, 35, 52]
@@ -77,7 +77,10 @@ def test_prompt_rows_are_flagged_for_the_attention_kernel() -> None:
     bm.allocate(tail, 5)
     tail.num_computed_tokens = 4
     both = SchedulerOutput(seqs=[decoding, tail], num_new_tokens=[1, 1])
-    for host in (build_host_batch(both, BLOCK_SIZE), input_batch._build_mixed(both, BLOCK_SIZE)):
+    for host in (
+        build_host_batch(both, BLOCK_SIZE),
+        input_batch._build_mixed(both, BLOCK_SIZE, False),
+    ):
         assert host.prompt_chunks is not None and host.prompt_chunks.tolist() == [0, 1]
     alone = SchedulerOutput(seqs=[decoding], num_new_tokens=[1])
     assert build_host_batch(alone, BLOCK_SIZE).prompt_chunks is None

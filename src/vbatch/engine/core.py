@@ -107,6 +107,7 @@ class EngineCore:
                 sliding_window=_kv_window(self.model_config.sliding_windows),
                 long_rope_from=self.model_config.long_rope_from,
                 max_loras=config.max_loras if config.enable_lora else 0,
+                chunks_end_at_prompt=config.batch_invariant,
             ),
             eos_token_ids=self.model_config.eos_token_ids,
         )

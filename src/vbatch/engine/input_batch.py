@@ -172,10 +172,14 @@ def build_host_batch(
     block_size: int,
     gathered: GatheredBlockTables | None = None,
     decode: DecodeBatch | None = None,
+    outputs_by_row: bool = False,
 ) -> HostBatch:
     """The host arrays of `out`, read from its seqs before update() moves them on; `gathered`
     carries a decode step's block tables to the next step, which reuses them while unchanged;
-    `decode` keeps a decode step's batch, which a step continuing it advances in place."""
+    `decode` keeps a decode step's batch, which a step continuing it advances in place.
+    `outputs_by_row` (batch-invariant mode, whose chunks end at the prompt): only prompt chunks
+    are flagged as such, so a preempted seq's outputs are recomputed row by row, rounding as
+    when they were decoded."""
     gathered = gathered or GatheredBlockTables()
     if decode is not None:
         host = decode.advance(out, block_size, gathered)
@@ -184,7 +188,7 @@ def build_host_batch(
     if max(out.num_new_tokens) == 1:
         host = _build_single_token(out, block_size, gathered)
     else:
-        host = _build_mixed(out, block_size)
+        host = _build_mixed(out, block_size, outputs_by_row)
     if decode is not None:
         decode.start(out, host)
     return host
@@ -236,7 +240,7 @@ def _build_single_token(
     )
 
 
-def _build_mixed(out: SchedulerOutput, block_size: int) -> HostBatch:
+def _build_mixed(out: SchedulerOutput, block_size: int, outputs_by_row: bool) -> HostBatch:
     seqs, num_new = out.seqs, out.num_new_tokens
     num_seqs = len(seqs)
     starts = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
@@ -266,7 +270,8 @@ def _build_mixed(out: SchedulerOutput, block_size: int) -> HostBatch:
     sample_rows = np.flatnonzero(out.sampling_mask)
     logits_rows = query_start_loc[1:][sample_rows].astype(np.int64) - 1
     num_prompt = np.fromiter((s.num_prompt_tokens for s in seqs), np.int64, num_seqs)
-    prompt_chunks = ((query_lens > 1) | (starts < num_prompt)).astype(np.int32)
+    is_prompt = starts < num_prompt
+    prompt_chunks = (is_prompt if outputs_by_row else (query_lens > 1) | is_prompt).astype(np.int32)
     return HostBatch(
         int64s=np.concatenate([input_ids, positions, slot_mapping, logits_rows]),
         int32s=int32s,
@@ -275,7 +280,7 @@ def _build_mixed(out: SchedulerOutput, block_size: int) -> HostBatch:
         sample_rows=sample_rows.tolist(),
         max_query_len=max(num_new),
         max_seq_len=int(seq_lens.max()),
-        prompt_chunks=prompt_chunks if prompt_chunks.any() else None,
+        prompt_chunks=prompt_chunks if outputs_by_row or prompt_chunks.any() else None,
     )
 
 

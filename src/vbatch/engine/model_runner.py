@@ -269,7 +269,9 @@ class ModelRunner:
             # NOTE: the previous step's non-blocking copies may still read the pinned buffers
             # (a step that samples nothing ends without a sync); this waits for those copies only.
             self._inputs_copied.synchronize()
-        host = build_host_batch(out, self.block_size, self._gathered, self._decode)
+        host = build_host_batch(
+            out, self.block_size, self._gathered, self._decode, self.config.batch_invariant
+        )
         kept = self._kept_inputs
         if kept is not None and kept[0] is host:
             inputs = kept[1]

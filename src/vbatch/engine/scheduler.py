@@ -33,6 +33,10 @@ class SchedulerConfig:
     # NOTE: with LoRA, how many adapters may run at once (the engine's adapter slots); 0: no
     # limit (no adapters).
     max_loras: int = 0
+    # NOTE: batch-invariant mode: a chunk ends where the prompt does, so a preempted seq
+    # recomputes its prompt and its outputs in separate chunks (the outputs row by row, as
+    # they were decoded: see input_batch.build_host_batch).
+    chunks_end_at_prompt: bool = False
 
 
 # NOTE: with LoRA, how far down the waiting queue admission looks past seqs whose adapter finds
@@ -349,6 +353,8 @@ class Scheduler:
             num_uncomputed = seq.num_uncomputed_tokens
             num_computed = len(seq.token_ids) - num_uncomputed
             num_new = num_uncomputed if num_uncomputed < budget else budget
+            if self.config.chunks_end_at_prompt and num_computed < seq.num_prompt_tokens:
+                num_new = min(num_new, seq.num_prompt_tokens - num_computed)
             # NOTE: inlines append_slots' "already fits" test; this loop runs per seq per step.
             if num_computed + num_new > len(seq.block_table) * block_size and not (
                 self._reserve_slots(seq, num_new, preempted)
@@ -400,8 +406,11 @@ class Scheduler:
             if self._claims.is_computing_next(seq, cached_blocks):
                 break
             partial = block_manager.match_partial(seq, cached_blocks)
-            num_uncomputed = seq.num_tokens - len(cached_blocks) * block_size - partial[1]
+            num_computed = len(cached_blocks) * block_size + partial[1]
+            num_uncomputed = seq.num_tokens - num_computed
             num_new = num_uncomputed if num_uncomputed < budget else budget
+            if self.config.chunks_end_at_prompt and num_computed < seq.num_prompt_tokens:
+                num_new = min(num_new, seq.num_prompt_tokens - num_computed)
             if not block_manager.can_allocate(num_new, cached_blocks, partial):
                 break
             del waiting[position]
