@@ -180,3 +180,41 @@ def test_a_constraint_given_as_fields_overrides_the_defaults_one_whichever_name(
         SamplingParams(guided_decoding={"regex": "a+", "backend": "outlines"})
     with pytest.raises(SamplingParamsError, match="give one of structured, structured_outputs"):
         defaults.updated({"structured": {"regex": "a"}, "structured_outputs": {"regex": "b"}})
+
+
+def test_vllm_forms_of_its_own_defaults_and_shorthands() -> None:
+    """vLLM: seed=-1 is no seed (logprobs=True, which vLLM reads as 1, is refused: types are
+    strict since issue 12), its detokenize / logits_processors /
+    spaces_between_special_tokens defaults are accepted, and any finite logit bias."""
+    assert SamplingParams(seed=-1).seed is None
+    params = SamplingParams(seed=3)
+    params.seed = -1
+    assert params.seed is None
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(SamplingParamsError, match=f"{name} must be .* got True: pass 1"):
+            SamplingParams(**{name: True})
+    compat = SamplingParams(
+        detokenize=True, logits_processors=None, spaces_between_special_tokens=False
+    )
+    assert wire_round_trip(compat) == compat
+    assert SamplingParams(logit_bias={5: 150}).logit_bias == {5: 150.0}
+    with pytest.raises(SamplingParamsError, match="detokenize must be true"):
+        SamplingParams(detokenize=False)
+    with pytest.raises(SamplingParamsError, match="logits_processors are not supported"):
+        SamplingParams(logits_processors=[lambda ids, logits: logits])
+    with pytest.raises(SamplingParamsError, match="logit_bias values must be finite"):
+        SamplingParams(logit_bias={5: 1e39})
+
+
+def test_from_optional_and_update_from_generation_config_as_vllm() -> None:
+    params = SamplingParams.from_optional(temperature=None, max_tokens=None, logit_bias={5: 150})
+    assert params.temperature == 1.0 and params.max_tokens == 16
+    assert params.logit_bias == {5: 100.0}
+    params = SamplingParams(stop_token_ids=[9])
+    params.update_from_generation_config({"eos_token_id": [2, 1234]}, model_eos_token_id=2)
+    assert params.stop_token_ids == [9, 1234]
+    params.update_from_generation_config({"eos_token_id": 1234}, model_eos_token_id=2)
+    assert params.stop_token_ids == [9, 1234]
+    ignoring = SamplingParams(ignore_eos=True)
+    ignoring.update_from_generation_config({"eos_token_id": [2, 1234]}, model_eos_token_id=2)
+    assert ignoring.stop_token_ids == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -462,3 +463,94 @@ def test_structured_outputs_params_take_vllms_switches() -> None:
         StructuredOutputsParams(json=schema, whitespace_pattern=r"[ ]?")
     with pytest.raises(ValueError, match="structural_tag is not supported"):
         StructuredOutputsParams(structural_tag='{"type": "structural_tag"}')
+
+
+def test_seed_minus_one_samples_afresh_each_call(llm: LLM) -> None:
+    params = SamplingParams(temperature=1.0, seed=-1, max_tokens=8, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    runs = [llm.generate("Hello", p, use_tqdm=False)[0].outputs[0].token_ids for p in (params,) * 2]
+    fixed = [
+        llm.generate("Hello", p, use_tqdm=False)[0].outputs[0].token_ids for p in (seeded,) * 2
+    ]
+    assert runs[0] != runs[1] and fixed[0] == fixed[1]
+
+
+def test_bad_words_ban_the_spaced_form_only_where_vllm_does(llm: LLM) -> None:
+    """vLLM bans a bad word's form after a space only where it is as many tokens and starts
+    with another token: "Teens" is 2 tokens and " Teens" 1, so " Teens" stays allowed."""
+    tokenizer = llm.get_tokenizer()
+    bare, spaced = (tokenizer.encode(t, add_special_tokens=False) for t in ("Teens", " Teens"))
+    assert len(bare) == 2 and len(spaced) == 1
+    params = SamplingParams(
+        max_tokens=3, temperature=0.0, ignore_eos=True, logit_bias={spaced[0]: 100}
+    )
+    params.bad_words = ["Teens"]
+    (out,) = llm.generate("Hello", params, use_tqdm=False)
+    assert out.outputs[0].token_ids == spaced * 3
+    one_token = tokenizer.decode(spaced).strip()
+    both = tokenizer.encode(" " + one_token, add_special_tokens=False)
+    params = SamplingParams(
+        max_tokens=3, temperature=0.0, ignore_eos=True, logit_bias={both[0]: 100}
+    )
+    params.bad_words = [one_token]
+    if len(tokenizer.encode(one_token, add_special_tokens=False)) == 1:
+        (out,) = llm.generate("Hello", params, use_tqdm=False)
+        assert both[0] not in out.outputs[0].token_ids
+
+
+def test_a_generation_config_eos_is_the_stop_reason(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A model whose generation_config.json lists a second EOS id: a sample ending on it stops
+    with that id as its stop_reason (vLLM makes it a stop token id); on the tokenizer's EOS,
+    None."""
+    model = tmp_path / "two-eos"
+    shutil.copytree(tiny_model_dir, model)
+    config_path = model / "generation_config.json"
+    config = json.loads(config_path.read_text())
+    config["eos_token_id"] = [2, 1234]
+    config_path.write_text(json.dumps(config))
+    with LLM(str(model), num_threads=1, max_model_len=128) as two:
+        (other, primary) = two.generate(
+            ["Hello", "Hello"],
+            [
+                SamplingParams(temperature=0.0, max_tokens=4, logit_bias={1234: 100}),
+                SamplingParams(temperature=0.0, max_tokens=4, logit_bias={2: 100}),
+            ],
+            use_tqdm=False,
+        )
+        (structured,) = two.generate(
+            "Hello",
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=4,
+                logit_bias={1234: 100},
+                structured_outputs=StructuredOutputsParams(regex="a?"),
+            ),
+            use_tqdm=False,
+        )
+    assert other.outputs[0].token_ids == [1234] and other.outputs[0].stop_reason == 1234
+    assert other.outputs[0].finish_reason == "stop" and other.outputs[0].text == ""
+    assert primary.outputs[0].token_ids == [2] and primary.outputs[0].stop_reason is None
+    assert structured.outputs[0].stop_reason == 1234
+
+
+def test_chat_takes_vllms_positional_order_and_template_kwargs_overrides(llm: LLM) -> None:
+    template = (
+        "{% if tools %}[{{ tools | length }} tools]{% endif %}{{ messages[-1].content }}"
+        "{% if add_generation_prompt %}>{% endif %}"
+    )
+    (plain,) = llm.chat(CONVERSATION[1:2], SHORT, False, None, template)
+    assert plain.prompt == "Hello>"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    (over,) = llm.chat(
+        CONVERSATION[1:2],
+        SHORT,
+        use_tqdm=False,
+        chat_template_kwargs={
+            "chat_template": template,
+            "add_generation_prompt": False,
+            "tools": tools,
+        },
+    )
+    assert over.prompt == "[1 tools]Hello"
+    with pytest.raises(ValueError, match="may not set 'messages'"):
+        llm.chat(CONVERSATION[1:2], SHORT, use_tqdm=False, chat_template_kwargs={"messages": []})

@@ -46,8 +46,10 @@ from vbatch.engine_sets.data_parallel import DataParallelClient
 from vbatch.engine_sets.stream import stream_loop
 from vbatch.errors import (
     ConfigError,
+    InputError,
     LoraError,
     ModelLoadError,
+    PromptTypeError,
     PromptValueError,
     SamplingParamsError,
     VbatchError,
@@ -354,15 +356,14 @@ class LLM(PoolingMethods):
         self,
         messages: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
         use_tqdm: UseTqdm = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         chat_template: str | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-        chat_template_content_format: str = "auto",
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (lists of {"role",
         "content"} messages), rendered with the model's chat template or `chat_template`;
@@ -370,7 +371,25 @@ class LLM(PoolingMethods):
         last (assistant) message instead of opening a new turn. `tools` (JSON schemas) go to the
         template as its `tools` variable; the reply is text (no tool-call parsing).
         `lora_request` as in `generate`. `chat_template_content_format` "openai" gives the
-        template each message's content as a list of text parts ("auto", "string": as text)."""
+        template each message's content as a list of text parts ("auto", "string": as text).
+        The arguments are in vLLM's order, and as there `chat_template_kwargs` may set
+        `chat_template`, `add_generation_prompt`, `continue_final_message` and `tools`."""
+        kwargs = None
+        if chat_template_kwargs:
+            if not isinstance(chat_template_kwargs, Mapping):
+                raise PromptTypeError(
+                    "chat_template_kwargs must be a dict of template variables, got "
+                    f"{chat_template_kwargs!r:.80}"
+                )
+            kwargs = dict(chat_template_kwargs)
+            chat_template = kwargs.pop("chat_template", chat_template)
+            add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
+            continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
+            tools = kwargs.pop("tools", tools)
+            try:
+                kwargs = check_template_kwargs(kwargs) if kwargs else None
+            except InputError as e:
+                raise PromptValueError(str(e)) from None
         if add_generation_prompt and continue_final_message:
             raise PromptValueError(
                 "continue_final_message continues the last message, so it needs "
@@ -381,7 +400,6 @@ class LLM(PoolingMethods):
                 "chat_template_content_format must be one of "
                 f"{', '.join(CONTENT_FORMATS)}, got {chat_template_content_format!r:.40}"
             )
-        kwargs = check_template_kwargs(chat_template_kwargs) if chat_template_kwargs else None
         requests = [
             Request(
                 messages=conversation,
@@ -555,6 +573,7 @@ class LLM(PoolingMethods):
                     self.reasoning_parser, params.structured is not None
                 ),
                 decode_token=decode_token,
+                eos_token_id=self.tokenizer.eos_token_id,
             )
             adds.append(
                 AddRequest(
@@ -584,14 +603,22 @@ class LLM(PoolingMethods):
         return checked[key]
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
-        """Each bad word's token ids without and with a leading space (as vLLM bans both),
-        remembered for the last BAD_WORDS_CACHE lists (a job's rows share a few)."""
+        """Each bad word's token ids, and those of its form after a space where that is as many
+        tokens and starts with another one (as vLLM), remembered for the last BAD_WORDS_CACHE
+        lists (a job's rows share a few)."""
         key = tuple(words)
         ids = self._bad_words_cache.pop(key, None)
         if ids is None:
-            variants = sorted({v for w in words for v in (w.lstrip(), " " + w.lstrip())})
+            variants = [v for w in words for v in (w.lstrip(), " " + w.lstrip())]
             encoded = self.tokenizer.encode_batch(variants, add_special_tokens=False)
-            ids = [list(ids) for ids in dict.fromkeys(map(tuple, encoded)) if ids]
+            found: dict[tuple[int, ...], None] = {}
+            for bare, spaced in zip(encoded[::2], encoded[1::2], strict=True):
+                if not bare:
+                    continue
+                found[tuple(bare)] = None
+                if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                    found[tuple(spaced)] = None
+            ids = [list(word) for word in found]
             if len(self._bad_words_cache) >= BAD_WORDS_CACHE:
                 del self._bad_words_cache[next(iter(self._bad_words_cache))]
         self._bad_words_cache[key] = ids

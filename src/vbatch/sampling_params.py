@@ -85,6 +85,9 @@ CHANGES_ARGMAX: dict[str, bool] = {
     "structured_outputs": True,
     "guided_decoding": True,
     "prompt_logprobs": False,
+    "detokenize": False,
+    "logits_processors": False,
+    "spaces_between_special_tokens": False,
 }
 
 _trusted = False
@@ -150,6 +153,12 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # prefix cache (it needs every position's hidden state) and leaves the prompt's full blocks
     # there for the generation's prefill.
     prompt_logprobs: int | None = None
+    # NOTE: vLLM's fields at the only values vbatch runs (their defaults; validate names what
+    # else to use), so ported code that passes them keeps working.
+    detokenize: bool = True
+    logits_processors: Any = None
+    # NOTE: vLLM applies this only with a slow tokenizer; vbatch's are fast, as most of vLLM's.
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if not _trusted:
@@ -306,6 +315,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
                 f"divides by it), got {self.repetition_penalty}"
             )
         seed = self.seed
+        if seed == -1 and _is_int(seed):
+            # NOTE: vLLM's "no seed".
+            seed = None
+            _set(self, "seed", None)
         if seed is not None:
             if not _is_int(seed):
                 fail(f"seed must be an integer or null, got {seed!r:.80}")
@@ -313,6 +326,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
                 fail(f"seed must fit in a 64-bit signed integer [-2**63, 2**63), got {seed!r:.80}")
         self._validate_stops(fail)
         self._validate_token_lists(fail)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:
+                # NOTE: strict about types (issue 12), where vLLM reads True as 1.
+                fail(f"{name} must be null or an integer, got True: pass 1, as vLLM reads True")
         logprobs = self.logprobs
         if logprobs == -1 and _is_int(logprobs):
             fail(
@@ -330,10 +347,29 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
                 f"prompt_logprobs must be null or an integer in [0, {MAX_LOGPROBS}], "
                 f"got {prompt_logprobs!r}"
             )
+        self._validate_vllm_only(fail)
         check_compatible(self.structured, self.ignore_eos, self.min_tokens)
         if vocab_size is not None:
             self.check_vocab(vocab_size)
         return self
+
+    def _validate_vllm_only(self, fail: Callable[[str], NoReturn]) -> None:
+        if self.detokenize is not True:
+            fail(
+                f"detokenize must be true, got {self.detokenize!r:.40}: vbatch always returns "
+                "the text, with the token ids in CompletionOutput.token_ids"
+            )
+        if self.logits_processors:
+            fail(
+                "per-request logits_processors are not supported (nor in vLLM's V1 engine); "
+                "use logit_bias, allowed_token_ids, bad_words or a structured output"
+            )
+        _set(self, "logits_processors", None)
+        if not isinstance(self.spaces_between_special_tokens, bool):
+            fail(
+                "spaces_between_special_tokens must be true or false, got "
+                f"{self.spaces_between_special_tokens!r:.40}"
+            )
 
     def _fold_structured(self, fail: Callable[[str], NoReturn]) -> None:
         given = [name for name in _STRUCTURED_FIELDS if getattr(self, name) is not None]
@@ -374,8 +410,13 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
                     fail(f"logit_bias keys must be token ids (integers >= 0), got {token!r:.80}")
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
                     fail(f"logit_bias values must be numbers, got {value!r:.80}")
-                if not -100.0 <= value <= 100.0:
-                    fail(f"logit_bias values must be in [-100, 100], got {value!r:.80}")
+                # NOTE: as vLLM's constructor, any finite bias (its from_optional and the
+                # OpenAI API take [-100, 100]).
+                if not -FLOAT32_MAX <= value <= FLOAT32_MAX:
+                    fail(
+                        f"logit_bias values must be finite in float32 (|x| <= {FLOAT32_MAX:.4g}), "
+                        f"got {value!r:.80}"
+                    )
                 clean[token_id] = float(value)
             _set(self, "logit_bias", clean)
         allowed = self.allowed_token_ids
@@ -460,6 +501,34 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> SamplingParams:
         return cls().updated(values)
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> SamplingParams:
+        """vLLM's `from_optional`: None means the field's default, and logit_bias values are
+        clamped to [-100, 100]."""
+        given = {name: value for name, value in kwargs.items() if value is not None}
+        bias = given.get("logit_bias")
+        if isinstance(bias, Mapping):
+            given["logit_bias"] = {
+                token: min(100.0, max(-100.0, value))
+                if isinstance(value, (int, float)) and not isinstance(value, bool)
+                else value
+                for token, value in bias.items()
+            }
+        return cls(**given)
+
+    def update_from_generation_config(
+        self, generation_config: Mapping[str, Any], model_eos_token_id: int | None = None
+    ) -> None:
+        """vLLM's: the EOS ids of a `generation_config` other than the model's own become stop
+        token ids (unless ignore_eos), so a sample that ends on one reports it as stop_reason."""
+        eos = generation_config.get("eos_token_id")
+        if eos is None or self.ignore_eos:
+            return
+        ids = [eos] if isinstance(eos, int) else list(eos)
+        extra = [t for t in ids if t != model_eos_token_id and t not in self.stop_token_ids]
+        if extra:
+            self.stop_token_ids = [*self.stop_token_ids, *extra]
 
 
 _set = msgspec.Struct.__setattr__

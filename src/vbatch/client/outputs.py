@@ -163,6 +163,10 @@ class RequestState:
     prompt_text: str | None = None  # a chat's rendered prompt
     # NOTE: the prompt logprobs the core sent (SamplingParams.prompt_logprobs), before any token.
     pooled: PooledOutput | None = None
+    # NOTE: the tokenizer's EOS; a sample the core ended on another EOS id (a generation
+    # config's) reports that id as its stop_reason, as vLLM's stop_token_ids from it do.
+    eos_token_id: int | None = None
+    eos_finished: set[int] = field(default_factory=set)
     num_open: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -209,11 +213,18 @@ class RequestState:
         if self.reasons[i] is not None:
             return
         self.num_open -= 1
-        stop = self.detoks[i].finalize(finish.finish_reason == FinishReason.STOP)
+        detok = self.detoks[i]
+        stop = detok.finalize(finish.finish_reason == FinishReason.STOP)
         if stop is not None:
             self.reasons[i] = ("stop", stop)
-        else:
-            self.reasons[i] = (str(finish.finish_reason), finish.stop_reason)
+            return
+        stop_reason = finish.stop_reason
+        if finish.finish_reason == FinishReason.STOP and stop_reason is None:
+            self.eos_finished.add(i)
+            last = detok.token_ids[-1] if detok.token_ids else None
+            if self.eos_token_id is not None and last != self.eos_token_id:
+                stop_reason = last
+        self.reasons[i] = (str(finish.finish_reason), stop_reason)
 
     def to_output(self) -> RequestOutput:
         outputs = error_completions() if self.error is not None else self._completions()
@@ -247,8 +258,8 @@ class RequestState:
                     stop_reason,
                     logprobs[: len(token_ids)] if logprobs is not None else None,
                     # NOTE: a grammar allows EOS only where it can end; a stop string or
-                    # stop id cut the text, so only an EOS finish, ("stop", None), completes it.
-                    reason == ("stop", None) if self.structured else None,
+                    # stop id cut the text, so only an EOS finish completes it.
+                    i in self.eos_finished if self.structured else None,
                     reasoning,
                     self.decode_token,
                 )

@@ -276,7 +276,8 @@ def _build_banned(
         p = seq.params
         ids: set[int] = set()
         if seq.num_output_tokens < p.min_tokens:
-            ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            # NOTE: EOS too under ignore_eos, as vLLM's min_tokens bans every stop id it knows.
+            ids = set(p.stop_token_ids) | set(eos_token_ids)
         if p.bad_words_token_ids:
             ids |= _bad_word_bans(seq)
         rows.extend([i] * len(ids))
