@@ -64,6 +64,36 @@ def merge(*args: str) -> Any:
     return CliRunner().invoke(app, ["merge", *args])
 
 
+def test_rows_without_the_id_key_of_the_others_land_in_one_shard_each(
+    tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any]
+) -> None:
+    """Id-less rows beside rows with ids are error rows; the pre-pass, not yet knowing the id
+    key, once put them in other shards than the run did: one shard then never completed."""
+    rows = [
+        {"id": f"r{i}", "prompt": f"item {i}:"} if i % 2 == 0 else {"prompt": f"item {i}:"}
+        for i in range(20)
+    ]
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    output = tmp_path / "out.jsonl"
+    counted = 0
+    for index in range(2):
+        outcome = start_job(
+            spec(tmp_path, tiny_model_dir, output.name, Shard(index, 2)),
+            QUIET,
+            llm_factory=shared_llm,
+        )
+        assert outcome.exit_code == 0, outcome.message
+        shard_output = tmp_path / f"out.shard-{index}-of-2.jsonl"
+        assert len(rows_of(shard_output)) == outcome.status["rows"]
+        counted += outcome.status["rows"]
+    assert counted == 20
+    result = merge(str(output), "--ordered")
+    assert result.exit_code == 0, result.output
+    merged = rows_of(output)
+    assert [r["index"] for r in merged] == list(range(20))
+    assert [r["error"] is not None for r in merged] == [i % 2 == 1 for i in range(20)]
+
+
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
 def test_three_shards_merged_equal_an_unsharded_run(
     tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any], suffix: str

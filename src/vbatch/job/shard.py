@@ -32,8 +32,15 @@ def shard_of(key: str, count: int) -> int:
 
 def row_key(record: Any, index: int, parser: RowParser) -> str:
     """What decides a row's shard: its id as a string (an integer id as its decimal digits), or,
-    for a row without a usable id (invalid JSON, not an object, a bad id value), its position."""
-    row_id = parser.row_id(record, index) if isinstance(record, dict) else None
+    for a row without a usable id (invalid JSON, not an object, a bad id value), its position.
+    A row without the id key is keyed by its index whether or not the parser has fixed the id
+    column (the run does where other rows have ids, the pre-pass that finds them did not)."""
+    if not isinstance(record, dict):
+        return f"#{index}"
+    column = parser.id_column(record)
+    if column is None or column not in record:
+        return str(index)
+    row_id = parser.row_id(record, index)
     return f"#{index}" if row_id is None else str(row_id)
 
 
