@@ -233,6 +233,12 @@ def test_bad_adapters_fail_at_start_naming_them(lora_models: dict, tmp_path: Pat
         (tmp_path / name).symlink_to(root / name)
     cases = {
         "dora": ({"use_dora": True}, None, "DoRA"),
+        "experts": (
+            {"target_parameters": ["mlp.experts.gate_up_proj"], "alpha_pattern": {"x": 2}},
+            None,
+            r"target_parameters \['mlp.experts.gate_up_proj'\] \(adapters on parameters",
+        ),
+        "tokens": ({"trainable_token_indices": [5, 6]}, None, "trainable_token_indices"),
         "big": ({"r": 128}, None, "above max_lora_rank 64"),
         "embed": (
             {},

@@ -102,6 +102,14 @@ def read_adapter_config(name: str, path: str | Path, max_lora_rank: int) -> Adap
         )
     if raw.get("bias", "none") != "none" or raw.get("lora_bias"):
         raise fail("adapters with trained biases are not supported")
+    # NOTE: before alpha_pattern, which PEFT writes itself for the experts' target_parameters.
+    if raw.get("target_parameters"):
+        raise fail(
+            f"target_parameters {raw['target_parameters']} (adapters on parameters such as MoE "
+            "experts or routers) are not supported; vbatch adapts linear modules only"
+        )
+    if raw.get("trainable_token_indices"):
+        raise fail("trainable_token_indices (trained token embeddings) is not supported")
     if raw.get("alpha_pattern"):
         raise fail("per-module lora_alpha (alpha_pattern) is not supported")
     if raw.get("fan_in_fan_out"):
