@@ -118,6 +118,16 @@ def test_rows_take_response_format_guided_and_openai_body() -> None:
         {"prompt": "p", "guided": {"regex": "a"}, "response_format": {"type": "json_object"}},
         {"prompt": "p", "guided": {"choice": []}},
         {"prompt": "p"},
+        {
+            "prompt": "p",
+            "guided": {"regex": "a"},
+            "sampling_params": {"structured_outputs": {"regex": "b"}},
+        },
+        {
+            "prompt": "p",
+            "response_format": {"type": "text"},
+            "sampling_params": {"structured_outputs": {"regex": "[0-9]{3}"}},
+        },
     ]
     parsed = [parser.parse(record, i, f"line {i + 1}") for i, record in enumerate(rows)]
     structured = [row.sampling_params and row.sampling_params.structured for row in parsed]
@@ -128,6 +138,9 @@ def test_rows_take_response_format_guided_and_openai_body() -> None:
     assert parsed[3].error is not None and "not both" in parsed[3].error
     assert parsed[4].error is not None and "non-empty list" in parsed[4].error
     assert parsed[5].sampling_params is None and parsed[5].error is None
+    for row, field in zip(parsed[6:], ("guided", "response_format"), strict=True):
+        assert row.error is not None, field
+        assert f"{field} and sampling_params.structured_outputs both do" in row.error
 
 
 @pytest.mark.parametrize("output_name", ["out.jsonl", "out.parquet"])

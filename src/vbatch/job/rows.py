@@ -294,6 +294,17 @@ class RowParser:
             spec = _struct_fields(response_format["json_schema"])
             response_format = {**response_format, "json_schema": spec}
         if response_format is not None or guided is not None:
+            given_there = [
+                name
+                for name in ("structured", "structured_outputs", "guided_decoding")
+                if (overrides or {}).get(name) is not None
+            ]
+            if given_there:
+                field = "response_format" if response_format is not None else "guided"
+                raise RowError(
+                    f"a row may constrain its output once: {field} and "
+                    f"sampling_params.{given_there[0]} both do; give one"
+                )
             # NOTE: {"type": "text"} (None) also overrides a job-wide constraint.
             structured = row_structured(response_format, guided)
             params = row.sampling_params or self.defaults
