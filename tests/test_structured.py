@@ -160,6 +160,8 @@ def test_job_rows_with_constraints_flags_and_parsed_json(
         {"id": "free", "prompt": "f"},
         {"id": "stopped", "prompt": "g", "guided": {"choice": ["yes"]},
          "sampling_params": {"stop": ["e"]}},
+        {"id": "kept_eos", "prompt": "a", "response_format": response_format,
+         "sampling_params": {"skip_special_tokens": False, "include_stop_str_in_output": True}},
     ]  # fmt: skip
     input_path = tmp_path / "in.jsonl"
     input_path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
@@ -192,6 +194,10 @@ def test_job_rows_with_constraints_flags_and_parsed_json(
     assert out["free"].get("structured_complete") is None and out["free"]["error"] is None
     assert (out["stopped"]["text"], out["stopped"]["stop_reason"]) == ("y", "e")
     assert out["stopped"]["structured_complete"] is False
+    # NOTE: the EOS text the row keeps is not JSON the grammar made: the check leaves it out.
+    assert out["kept_eos"]["text"] == out["schema"]["text"] + "<|im_end|>"
+    assert out["kept_eos"]["structured_valid"] is True
+    assert out["kept_eos"]["json"] == out["schema"]["json"]
 
 
 def nested(depth: int) -> dict[str, Any]:

@@ -482,7 +482,8 @@ class JobExecution:
     def _result_values(self, row: InputRow, result: Any) -> dict[str, Any]:
         """The output row of a finished request; an error row when building it raised."""
         options = self.manifest.options
-        structured = (row.sampling_params or self.defaults).structured
+        params = row.sampling_params or self.defaults
+        structured = params.structured
         try:
             return result_row(
                 row,
@@ -496,6 +497,7 @@ class JobExecution:
                     else None
                 ),
                 require_valid=options.require_valid_json,
+                end_token_text=self.token_text if params.include_stop_str_in_output else None,
             )
         except VbatchError:
             raise

@@ -115,6 +115,7 @@ def result_row(
     reasoning_parser: str | None = None,
     check: Callable[[Sequence[str]], str | None] | None = None,
     require_valid: bool = False,
+    end_token_text: Callable[[int], str] | None = None,
 ) -> dict[str, Any]:
     """The vbatch output row (DESIGN.md section 5) for a finished request; `parse_json` adds
     the parsed text (None where it is not JSON), a list of them for n > 1; `reasoning_parser`
@@ -122,7 +123,9 @@ def result_row(
     (an OpenAI completions line's `echo`) puts the prompt before each text.
 
     `check` (for a JSON constraint) says why complete outputs break it, or None: the row's
-    `structured_valid`; with `require_valid` an invalid one is an error row."""
+    `structured_valid`; with `require_valid` an invalid one is an error row. `end_token_text`
+    (where the text keeps the text of the token it ended on: include_stop_str_in_output) gives
+    that text, which the check and `json` leave out of a complete sample."""
     if result.error is not None:
         return error_row(row, f"{row.location}: {result.error}", len(result.prompt_token_ids))
     outputs = result.outputs
@@ -138,7 +141,11 @@ def result_row(
     reasonings, generated = zip(*(_split(o, reasoning_parser) for o in outputs), strict=True)
     texts = tuple(f"{row.prompt}{text}" for text in generated) if row.echo else generated
     has_reasoning = any(r is not None for r in reasonings)
-    invalid = check(generated) if check is not None and complete else None
+    constrained = tuple(
+        _without_end_text(o, text, end_token_text)
+        for o, text in zip(outputs, generated, strict=True)
+    )
+    invalid = check(constrained) if check is not None and complete else None
     if invalid is not None and require_valid:
         values = error_row(row, f"{row.location}: {invalid}", len(result.prompt_token_ids))
         values["structured_valid"] = False
@@ -164,7 +171,7 @@ def result_row(
         "error": None,
         "structured_complete": complete,
         "structured_valid": (invalid is None) if check is not None and complete else None,
-        "json": _parsed(generated, is_multi) if parse_json else None,
+        "json": _parsed(constrained, is_multi) if parse_json else None,
     }
     if complete is not None:
         values[SAMPLE_FLAGS] = [
@@ -172,9 +179,20 @@ def result_row(
                 o.structured_complete,
                 None if check is None or not o.structured_complete else check([text]) is None,
             )
-            for o, text in zip(outputs, generated, strict=True)
+            for o, text in zip(outputs, constrained, strict=True)
         ]
     return values
+
+
+def _without_end_text(
+    output: CompletionOutput, text: str, end_token_text: Callable[[int], str] | None
+) -> str:
+    """A complete constrained sample's text without its EOS token's text, which the grammar
+    did not produce (kept by include_stop_str_in_output with skip_special_tokens off)."""
+    if end_token_text is None or not output.structured_complete or not output.token_ids:
+        return text
+    tail = end_token_text(output.token_ids[-1])
+    return text[: -len(tail)] if tail and text.endswith(tail) else text
 
 
 def _structured_complete(outputs: list[CompletionOutput]) -> bool | None:
