@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from helpers import STANDIN_GGUF
@@ -597,12 +598,23 @@ def test_an_output_that_is_a_symlink_is_written_through_it(tmp_path: Path, suffi
     assert status.returncode == 0 and "(complete)" in status.stdout, status.stderr
 
 
-@pytest.mark.parametrize("damage", ["delete", "truncate", "garbage"])
+DAMAGED_PARTS = {
+    "delete": "is missing",
+    "truncate": "cannot be read",
+    "garbage": "cannot be read",
+    "fewer-rows": "holds 1 rows where its commit recorded 10",
+    "other-columns": "holds other columns than this job writes",
+    "data": "cannot be read",
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGED_PARTS)
 def test_a_committed_parquet_part_damaged_outside_vbatch_is_refused_at_resume(
     tmp_path: Path, damage: str
 ) -> None:
     """Before running anything: its rows would be lost at finalize, and every later resume would
-    fail the same way there."""
+    fail the same way there. Damage past a readable footer (its data pages) shows only when
+    finalize reads the part: the same one line then, not "a bug" and a resume that repeats it."""
     model = model_file(tmp_path)
     input_path = write_input(tmp_path / "in.jsonl", 60)
     output = tmp_path / "out.parquet"
@@ -610,16 +622,28 @@ def test_a_committed_parquet_part_damaged_outside_vbatch_is_refused_at_resume(
     crashed = run_vbatch(tmp_path, *args, VBATCH_STANDIN_EXIT_AFTER="35")
     assert crashed.returncode == 9, crashed.stderr
     part = sorted((tmp_path / "out.parquet.vbatch" / "parts").glob("part-*.parquet"))[1]
+    schema = pq.read_schema(part)
     if damage == "delete":
         part.unlink()
     elif damage == "truncate":
         part.write_bytes(part.read_bytes()[:300])
-    else:
+    elif damage == "garbage":
         part.write_bytes(os.urandom(part.stat().st_size))
-    line = error_line(run_vbatch(tmp_path, "resume", str(output), "-q"))
-    problem = "is missing" if damage == "delete" else "cannot be read"
-    assert f"{part}, a committed part of this job's output, {problem}" in line, line
+    elif damage == "fewer-rows":
+        pq.write_table(pq.read_table(part).slice(0, 1), part)
+    elif damage == "other-columns":
+        pq.write_table(pa.table({"x": list(range(10))}), part)
+    else:
+        data = bytearray(part.read_bytes())
+        data[4:64] = b"\xff" * 60
+        part.write_bytes(bytes(data))
+    resumed = run_vbatch(tmp_path, "resume", str(output), "-q")
+    line = error_line(resumed)
+    assert f"{part}, a committed part of this job's output, {DAMAGED_PARTS[damage]}" in line, line
     assert "vbatch run ... --overwrite" in line
+    assert "bug" not in resumed.stderr and "Resume with" not in resumed.stderr, resumed.stderr
+    if damage == "data":
+        return
     state, _ = read_journal(tmp_path / "out.parquet.vbatch" / "journal.jsonl")
     assert len(state.committed) == 30, "the refused resume ran rows"
     with pytest.raises(JobStateError, match="a committed part of this job's output"):
@@ -627,7 +651,7 @@ def test_a_committed_parquet_part_damaged_outside_vbatch_is_refused_at_resume(
             tmp_path / "out.parquet.vbatch",
             output,
             Journal(tmp_path / "out.parquet.vbatch"),
-            pq.read_schema(sorted(part.parent.glob("part-*.parquet"))[0]),
+            schema,
             ordered=False,
         )
 

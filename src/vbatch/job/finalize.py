@@ -17,7 +17,7 @@ from vbatch.job.encoding import parquet_batches
 from vbatch.job.journal import JobState, Journal
 from vbatch.job.paths import fsync_dir, remove_file, resume_command, tmp_output_path
 from vbatch.job.results import line_index
-from vbatch.job.writer import PARTS_DIR, check_jsonl_output, check_parts
+from vbatch.job.writer import PARTS_DIR, check_jsonl_output, check_parts, damaged_part, one_line
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -45,7 +45,7 @@ def finalize(
         finish_completion(job_dir, output, journal.state)
         return
     if schema is not None:
-        check_parts(job_dir, state)
+        check_parts(job_dir, state, schema)
     work_dir = job_dir / WORK_DIR
     remove_file(tmp, f"then run `{resume_command(output)}`")
     try:
@@ -54,7 +54,7 @@ def finalize(
         if schema is None:
             _write_jsonl(output, tmp, state, work_dir, ordered=ordered)
         else:
-            _write_parquet(job_dir, tmp, schema, state, work_dir, ordered=ordered)
+            _write_parquet_parts(job_dir, tmp, schema, state, work_dir, ordered=ordered)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         # NOTE: the temp file's directory entry must be durable before the record that names it:
@@ -186,6 +186,30 @@ def _merge_runs(runs: list[Path], path: Path) -> Path:
     for run in runs:
         run.unlink()
     return path
+
+
+def _write_parquet_parts(
+    job_dir: Path, tmp: Path, schema: pa.Schema, state: JobState, work_dir: Path, *, ordered: bool
+) -> None:
+    """_write_parquet; a committed part whose data (past the footer check_parts reads) is
+    damaged is named as check_parts names one."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        _write_parquet(job_dir, tmp, schema, state, work_dir, ordered=ordered)
+    except (OSError, pa.ArrowException) as e:
+        if is_storage_failure(e):
+            raise
+        for _, name in state.parts:
+            try:
+                pq.read_table(job_dir / name)
+            except (OSError, pa.ArrowException) as part_error:
+                tmp.unlink(missing_ok=True)
+                shutil.rmtree(work_dir, ignore_errors=True)
+                problem = f"cannot be read ({one_line(part_error)})"
+                raise damaged_part(job_dir / name, problem) from e
+        raise
 
 
 def _write_parquet(

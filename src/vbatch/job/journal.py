@@ -100,6 +100,8 @@ class JobState:
     committed: IndexSet = field(default_factory=IndexSet)
     errors: IndexSet = field(default_factory=IndexSet)
     parts: list[tuple[int, str]] = field(default_factory=list)
+    # NOTE: each part's row count as its commit record gives it.
+    part_rows: dict[str, int] = field(default_factory=dict)
     retries: list[Retry] = field(default_factory=list)
     offset: int = 0
     num_records: int = 0
@@ -122,6 +124,7 @@ class JobState:
             self.errors.add_ranges(record["errors"])
             if "part" in record:
                 self.parts.append((record["seq"], record["part"]))
+                self.part_rows[record["part"]] = record["rows"]
             self.offset = record.get("offset", self.offset)
             self.last_commit_time = record["time"]
         elif kind == "retry":

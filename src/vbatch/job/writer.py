@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vbatch.errors import JobStateError, OutputLostError, StorageError, storage_error
+from vbatch.errors import OutputLostError, StorageError, storage_error
 from vbatch.job.encoding import KeptJson, table_from_rows
 from vbatch.job.journal import JobState, Journal, to_ranges, write_all
 from vbatch.job.paths import fsync_dir
@@ -202,27 +202,43 @@ def check_jsonl_output(path: Path, committed: int) -> int:
     return size
 
 
-def check_parts(job_dir: Path, state: JobState) -> None:
-    """Refuse a job whose committed Parquet parts are not all there with a readable footer (one
-    deleted, cut or overwritten outside vbatch): its rows would be lost at finalize."""
+def check_parts(job_dir: Path, state: JobState, schema: pa.Schema) -> None:
+    """Refuse a job whose committed Parquet parts are not all there with a readable footer, the
+    rows their commits recorded and the job's columns (one deleted, cut, overwritten or
+    rewritten outside vbatch): its rows would be lost at finalize."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     for _, name in state.parts:
         path = job_dir / name
         try:
-            pq.read_metadata(path)
+            meta = pq.read_metadata(path)
         except FileNotFoundError:
             problem = "is missing"
         except (OSError, pa.ArrowException) as e:
-            problem = f"cannot be read ({str(e).rstrip('.')})"
+            problem = f"cannot be read ({one_line(e)})"
         else:
-            continue
-        raise JobStateError(
-            f"{path}, a committed part of this job's output, {problem}: it was deleted or "
-            "changed outside vbatch, and its rows are lost; the job cannot be resumed safely. "
-            "Start again with `vbatch run ... --overwrite`"
-        )
+            expected = state.part_rows.get(name, meta.num_rows)
+            if meta.num_rows != expected:
+                problem = f"holds {meta.num_rows} rows where its commit recorded {expected}"
+            elif not meta.schema.to_arrow_schema().equals(schema):
+                problem = "holds other columns than this job writes"
+            else:
+                continue
+        raise damaged_part(path, problem)
+
+
+def damaged_part(path: Path, problem: str) -> OutputLostError:
+    return OutputLostError(
+        f"{path}, a committed part of this job's output, {problem}: it was deleted or "
+        "changed outside vbatch, and its rows are lost; the job cannot be resumed safely. "
+        "Start again with `vbatch run ... --overwrite`"
+    )
+
+
+def one_line(error: BaseException) -> str:
+    """An error's text on one line, without its closing period (pyarrow's span lines)."""
+    return " ".join(str(error).split()).rstrip(".")
 
 
 class ParquetWriter(OutputWriter):
@@ -253,7 +269,7 @@ class ParquetWriter(OutputWriter):
             remove_orphan_parts(self.parts_dir, {name for _, name in journal.state.parts})
         except OSError as e:
             raise storage_error(e, self.parts_dir, RESUME_HINT) from e
-        check_parts(job_dir, journal.state)
+        check_parts(job_dir, journal.state, schema)
 
     def _write(
         self, values: dict[str, Any], kept: dict[str, Any] | None, line: dict | None
