@@ -149,7 +149,23 @@ def test_a_version_2_manifest_loads_typed_and_saves_unchanged(tmp_path: Path) ->
         "ray": None,
     }
     expected = {**VERSION_2_MANIFEST, "options": {**VERSION_2_MANIFEST["options"], **added}}
-    assert json.loads((tmp_path / "manifest.json").read_text()) == expected
+    saved = json.loads((tmp_path / "manifest.json").read_text())
+    assert saved.pop("checksum") == manifest.digest()
+    assert saved == expected
+
+
+def test_a_manifest_changed_outside_vbatch_is_refused(tmp_path: Path) -> None:
+    """Valid JSON, other content: 50 rows where 120 were counted once ran 50 and exited 0."""
+    (tmp_path / "manifest.json").write_text(json.dumps(VERSION_2_MANIFEST))
+    Manifest.load(tmp_path).save(tmp_path)
+    assert Manifest.load(tmp_path).num_rows == VERSION_2_MANIFEST["num_rows"]
+    for field, value in (("num_rows", 2), ("output_format", "parquet")):
+        saved = json.loads((tmp_path / "manifest.json").read_text())
+        (tmp_path / "manifest.json").write_text(json.dumps({**saved, field: value}))
+        with pytest.raises(JobStateError, match="was changed outside vbatch"):
+            Manifest.load(tmp_path)
+        (tmp_path / "manifest.json").write_text(json.dumps(saved))
+        assert Manifest.load(tmp_path).checksum == saved["checksum"]
 
 
 def test_a_manifest_it_cannot_read_is_refused_with_the_reason(tmp_path: Path) -> None:

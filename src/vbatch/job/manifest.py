@@ -198,6 +198,10 @@ class Manifest(msgspec.Struct, kw_only=True, omit_defaults=True):
     kernels: list[str] | None = None
     # NOTE: no default, so that it is always written (the struct omits default values).
     manifest_version: int
+    # NOTE: BLAKE2b of the rest (`digest`), checked on load: a manifest edited or damaged into
+    # other valid JSON (fewer rows, another output format) would otherwise be trusted. None in
+    # the manifests of earlier vbatch versions.
+    checksum: str | None = None
 
     @property
     def shard_spec(self) -> Shard | None:
@@ -208,7 +212,14 @@ class Manifest(msgspec.Struct, kw_only=True, omit_defaults=True):
         """The whole input's rows when the job was counted (a shard's job reads them all)."""
         return self.num_rows if self.shard is None else self.shard.input_rows
 
+    def digest(self) -> str:
+        unsigned = msgspec.json.encode(msgspec.structs.replace(self, checksum=None))
+        # NOTE: hashed as it reads back (an int given for a float field reads back a float).
+        canonical = msgspec.json.encode(msgspec.json.decode(unsigned, type=Manifest))
+        return hashlib.blake2b(canonical, digest_size=16).hexdigest()
+
     def save(self, job_dir: Path) -> None:
+        self.checksum = self.digest()
         write_atomic(job_dir / MANIFEST_NAME, msgspec.json.format(msgspec.json.encode(self)))
 
     @classmethod
@@ -236,9 +247,16 @@ class Manifest(msgspec.Struct, kw_only=True, omit_defaults=True):
                 f"reads up to {MANIFEST_VERSION}); resume the job with that vbatch"
             )
         try:
-            return msgspec.json.decode(data, type=cls)
+            manifest = msgspec.json.decode(data, type=cls)
         except msgspec.DecodeError as e:
             raise JobStateError(f"{path} is unreadable ({e})") from None
+        if manifest.checksum is not None and manifest.checksum != manifest.digest():
+            raise JobStateError(
+                f"{path} was changed outside vbatch (its checksum does not match its content): "
+                "the job it describes is not the one whose rows are committed. Restore it, or "
+                "start again with `vbatch run ... --overwrite`"
+            )
+        return manifest
 
     def model_to_load(self) -> str:
         """The model as the job loads it: its source, or a hub id pinned to the recorded commit,
