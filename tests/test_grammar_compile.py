@@ -94,8 +94,26 @@ UTF8_NEIGHBOURS = ["\u00e9", "\ud7ff", "\ue000", "\U0001f600"]
         ({"regex": ".{1,3}"}, "", ""),
         ({"regex": '[^"]+'}, "", ""),
         ({"grammar": 'root ::= [^\\x00-\\x1f"]+ | "!" [\\u0000-\\U0010ffff]'}, "", ""),
+        # NOTE: xgrammar keeps these patterns as regexes in the printed grammar (`Regex("...")`).
+        ({"json_schema": {"type": "string", "pattern": "^.{3}$"}}, '"', 'ab"'),
+        ({"json_schema": {"type": "string", "pattern": "^\\S+$"}}, '"', '"'),
+        ({"json_schema": {"type": "string", "pattern": "^[^x]+$"}}, '"', '"'),
+        ({"json_schema": {"type": "string", "pattern": "^[a\\W]+$"}}, '"', '"'),
+        ({"json_schema": {"type": "string", "pattern": "^[\\u0001-\\U0010ffff]+$"}}, '"', '"'),
     ],
-    ids=["bounded", "string", "object", "dot", "negated", "ebnf"],
+    ids=[
+        "bounded",
+        "string",
+        "object",
+        "dot",
+        "negated",
+        "ebnf",
+        "pattern-dot",
+        "pattern-non-space",
+        "pattern-negated",
+        "pattern-shorthand-in-class",
+        "pattern-range",
+    ],
 )
 def test_no_constraint_admits_a_surrogate_where_utf8_characters_pass(
     cache: GrammarCache, spec: dict[str, Any], head: str, tail: str
@@ -108,6 +126,38 @@ def test_no_constraint_admits_a_surrogate_where_utf8_characters_pass(
     if "grammar" in spec:
         assert accepts(grammar, "!\u00e9", complete=True)
         assert not accepts(grammar, b"!" + SURROGATE_BYTES[0])
+
+
+# NOTE: (class, a string of 3 characters it accepts, one it rejects).
+CARET_CLASSES = [
+    ("[\\^a]", "^a^", "bbb"),
+    ("[\\^]", "^^^", "bbb"),
+    ("[\\^-a]", "^_`", "---"),
+    ("[^\\^a]", "bcd", "b^b"),
+    ("[^a]", "^b^", "bab"),
+    ("[a^]", "a^a", "bbb"),
+    ("[\\\\^]", "\\^\\", "bbb"),
+]
+
+
+@pytest.mark.parametrize("kind", ["regex", "grammar"])
+def test_an_escaped_caret_first_in_a_class_is_not_a_negation(
+    cache: GrammarCache, kind: str
+) -> None:
+    """xgrammar reads `[\\^a]` right but prints it as `[^a]`, which the printed grammar's compile
+    read as a negated class."""
+    for cls, accepted, rejected in CARET_CLASSES:
+        spec = f"{cls}{{3}}" if kind == "regex" else f"root ::= {cls}{{3}}"
+        grammar = compiled(cache, **{kind: spec})
+        assert accepts(grammar, accepted, complete=True), (spec, accepted)
+        assert not accepts(grammar, rejected), (spec, rejected)
+
+
+def test_a_caret_in_an_ebnf_literal_comment_or_regex_is_left_alone(cache: GrammarCache) -> None:
+    grammar = compiled(cache, grammar='root ::= "[\\\\^" Regex("[\\\\^a]") # [\\^b]\n')
+    assert accepts(grammar, "[\\^^", complete=True)
+    assert accepts(grammar, "[\\^a", complete=True)
+    assert not accepts(grammar, "[\\^b")
 
 
 def test_hex_escapes_keep_their_meaning_through_the_printed_grammar(cache: GrammarCache) -> None:

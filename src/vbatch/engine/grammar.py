@@ -248,9 +248,45 @@ def _grammar_of(spec: StructuredOutput) -> str:
             )
         )
     if spec.regex is not None:
-        return str(xgrammar.Grammar.from_regex(spec.regex))
+        return str(xgrammar.Grammar.from_regex(_caret_not_first(spec.regex, ebnf=False)))
     assert spec.grammar is not None
-    return str(xgrammar.Grammar.from_ebnf(spec.grammar))
+    return str(xgrammar.Grammar.from_ebnf(_caret_not_first(spec.grammar, ebnf=True)))
+
+
+def _caret_not_first(text: str, ebnf: bool) -> str:
+    """A regex or EBNF grammar whose classes that begin with an escaped caret (`[\\^a]`) begin
+    with the surrogate range instead, which utf8_only then removes.
+
+    xgrammar 0.2.9 parses such a class right but prints it as `[^a]`, a negated class, which
+    the printed grammar's compile then reads; a `\\u005e` or `\\x5e` is printed the same way.
+    Only classes are read: in EBNF, string literals (regexes among them) and comments are kept.
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(text):
+        char = text[i]
+        if char == "\\":
+            out.append(text[i : i + 2])
+            i += 2
+            continue
+        if ebnf and char in '"#':
+            end = _closing(text, i) if char == '"' else (text + "\n").index("\n", i)
+            out.append(text[i : end + 1])
+            i = end + 1
+            continue
+        if char != "[":
+            out.append(char)
+            i += 1
+            continue
+        end = _closing(text, i)
+        if end >= len(text):
+            # NOTE: an unterminated class stays as it is, for xgrammar to refuse.
+            out.append(text[i:])
+            break
+        body = text[i + 1 : end]
+        out.append("[" + "\\ud800-\\udfff" * body.startswith("\\^") + body + "]")
+        i = end + 1
+    return "".join(out)
 
 
 def utf8_only(ebnf: str) -> str:
@@ -258,7 +294,9 @@ def utf8_only(ebnf: str) -> str:
 
     xgrammar 0.2.9 matches U+D800-U+DFFF, encoded as three bytes, wherever a class admits them
     (`[^"]`, a regex's `.`). Those bytes are not UTF-8, so they decode to three U+FFFD and break
-    the constraint's bounds. Negated classes gain the surrogate range; positive ones lose it.
+    the constraint's bounds. Negated classes gain the surrogate range; positive ones lose it,
+    in EBNF and in the regexes of `Regex("...")` (a JSON schema's `pattern`), whose `.`, `\\S`,
+    `\\W` and `\\D` become negated classes too.
     Every `\\xHH` escape is also written as `\\u00HH`, because xgrammar's parser reads as many
     hex digits after `\\x` as follow, while its printer writes two.
     """
@@ -271,7 +309,9 @@ def utf8_only(ebnf: str) -> str:
             continue
         end = _closing(ebnf, i)
         body = ebnf[i + 1 : end]
-        if ebnf[i] == '"':
+        if ebnf[i] == '"' and _opens_regex(ebnf, i):
+            out.append('"' + _utf8_regex(body) + '"')
+        elif ebnf[i] == '"':
             out.append('"' + _HEX_ESCAPE.sub(_as_u_escape, body) + '"')
         else:
             out.append(_utf8_class(body))
@@ -281,8 +321,139 @@ def utf8_only(ebnf: str) -> str:
 
 _SURROGATES = (0xD800, 0xDFFF)
 _HEX_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|.)", re.S)
+_EBNF_UNIT = re.compile(r"\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|.)|.", re.S)
 _NAMED_ESCAPES = {"0": 0, "a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, "e": 27}
 _HEX_WIDTHS = {"x": 2, "u": 4, "U": 8}
+
+
+# NOTE: xgrammar's regex parser reads as many hex digits after `\\u` or `\\x` as follow, so
+# every code point vbatch writes into a regex is braced.
+_REGEX_SURROGATES = "\\\\u{d800}-\\\\u{dfff}"
+_IS_NAME = re.compile(r"[\w-]")
+_NEGATED_SHORTHANDS = {"S": "\\\\s", "W": "\\\\w", "D": "\\\\d"}
+
+
+def _opens_regex(ebnf: str, quote: int) -> bool:
+    """Whether the literal at `quote` is the regex of a `Regex(...)` macro."""
+    start = quote - len("Regex(")
+    if start < 0 or not ebnf.startswith("Regex(", start):
+        return False
+    return start == 0 or not _IS_NAME.match(ebnf, start - 1)
+
+
+def _utf8_regex(body: str) -> str:
+    """The printed body of a `Regex("...")` literal with no class, `.` or negated shorthand that
+    admits a surrogate. `body` is EBNF-escaped (a regex's backslash is `\\\\`): the regex is
+    read through its escapes, its text kept, and only new EBNF-escaped text written."""
+    units = [
+        (_escaped_char(unit), _HEX_ESCAPE.sub(_as_u_escape, unit))
+        for unit in _EBNF_UNIT.findall(body)
+    ]
+    out: list[str] = []
+    i = 0
+    while i < len(units):
+        char, text = units[i]
+        if char == "\\" and i + 1 < len(units):
+            escaped = units[i + 1][0]
+            if escaped in _NEGATED_SHORTHANDS:
+                out.append(f"[^{_NEGATED_SHORTHANDS[escaped]}{_REGEX_SURROGATES}]")
+            else:
+                out.append(text + units[i + 1][1])
+            i += 2
+        elif char == ".":
+            out.append(f"[^{_REGEX_SURROGATES}]")
+            i += 1
+        elif char == "[":
+            end = i + 1
+            while end < len(units) and units[end][0] != "]":
+                end += 2 if units[end][0] == "\\" else 1
+            out.append(_utf8_regex_class(units[i + 1 : end]))
+            i = end + 1
+        else:
+            out.append(text)
+            i += 1
+    return "".join(out)
+
+
+def _utf8_regex_class(units: list[tuple[str, str]]) -> str:
+    """A regex class (its body's units, char and EBNF text) as EBNF text that admits no
+    surrogate: a negated class gains the range; a positive one is kept unless it holds
+    surrogates or a negated shorthand, then written anew (with an alternation for shorthands)."""
+    text = "".join(t for _, t in units)
+    if units and units[0][0] == "^":
+        return f"[{text}{_REGEX_SURROGATES}]"
+    try:
+        return _utf8_positive_regex_class("".join(c for c, _ in units), text)
+    except ValueError:
+        # NOTE: a malformed escape (`\u{`, a code point past U+10FFFF): xgrammar rejects it.
+        return f"[{text}]"
+
+
+def _utf8_positive_regex_class(chars: str, text: str) -> str:
+    """A positive regex class, its body's characters and EBNF text, as _utf8_regex_class."""
+    ranges: list[tuple[int, int]] = []
+    shorthands: list[str] = []
+    negated: list[str] = []
+    i = 0
+    while i < len(chars):
+        if chars[i] == "\\" and chars[i + 1 : i + 2] in ("d", "w", "s", "D", "W", "S"):
+            (negated if chars[i + 1].isupper() else shorthands).append(chars[i + 1])
+            i += 2
+            continue
+        low, i = _regex_class_char(chars, i)
+        high = low
+        if i + 1 < len(chars) and chars[i] == "-":
+            high, i = _regex_class_char(chars, i + 1)
+        ranges.append((low, high))
+    first, last = _SURROGATES
+    if not negated and all(high < first or low > last for low, high in ranges):
+        return f"[{text}]"
+    pieces = [
+        piece
+        for low, high in ranges
+        for piece in ((low, min(high, first - 1)), (max(low, last + 1), high))
+        if piece[0] <= piece[1]
+    ]
+    alternatives = [f"[^{_NEGATED_SHORTHANDS[s]}{_REGEX_SURROGATES}]" for s in negated]
+    if pieces or shorthands:
+        kept = "".join("\\\\" + s for s in shorthands)
+        kept += "".join(_regex_range_text(r) for r in pieces)
+        alternatives.insert(0, f"[{kept}]")
+    if not alternatives:
+        return "[^\\\\u{0}-\\\\u{10ffff}]"
+    return alternatives[0] if len(alternatives) == 1 else f"(?:{'|'.join(alternatives)})"
+
+
+def _regex_class_char(chars: str, i: int) -> tuple[int, int]:
+    """The code point of the regex class element at `i` (xgrammar's reading), and the next
+    index."""
+    if chars[i] != "\\" or i + 1 == len(chars):
+        return ord(chars[i]), i + 1
+    kind = chars[i + 1]
+    if kind in "xu" and chars[i + 2 : i + 3] == "{":
+        end = chars.index("}", i + 2)
+        return int(chars[i + 3 : end], 16), end + 1
+    if kind in "xuU":
+        digits = re.match(r"[0-9a-fA-F]{1,8}" if kind == "U" else r"[0-9a-fA-F]+", chars[i + 2 :])
+        if digits:
+            return int(digits.group(0), 16), i + 2 + digits.end()
+    return _NAMED_ESCAPES.get(kind, ord(kind)), i + 2
+
+
+def _regex_range_text(span: tuple[int, int]) -> str:
+    low, high = (
+        chr(c) if chr(c).isascii() and chr(c).isalnum() else f"\\\\u{{{c:x}}}" for c in span
+    )
+    return low if span[0] == span[1] else f"{low}-{high}"
+
+
+def _escaped_char(unit: str) -> str:
+    """The character an EBNF literal's escape unit (or plain character) stands for."""
+    if len(unit) == 1:
+        return unit
+    if unit[1] in _HEX_WIDTHS:
+        return chr(int(unit[2:], 16))
+    return chr(_NAMED_ESCAPES.get(unit[1], ord(unit[1])))
 
 
 def _as_u_escape(match: re.Match[str]) -> str:
@@ -291,10 +462,11 @@ def _as_u_escape(match: re.Match[str]) -> str:
 
 
 def _closing(ebnf: str, start: int) -> int:
-    """The index of the quote or bracket that closes the literal or class opened at `start`."""
+    """The index of the quote or bracket that closes the literal or class opened at `start` (at
+    least the text's length where none does)."""
     close = '"' if ebnf[start] == '"' else "]"
     i = start + 1
-    while ebnf[i] != close:
+    while i < len(ebnf) and ebnf[i] != close:
         i += 2 if ebnf[i] == "\\" else 1
     return i
 
