@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import wait_gone
@@ -293,6 +294,34 @@ def test_generate_with_progress_bar(llm: LLM, capsys: pytest.CaptureFixture[str]
     assert "Processed prompts" in capsys.readouterr().err
     llm.generate(["x"], GREEDY, use_tqdm=False)
     assert "Processed prompts" not in capsys.readouterr().err
+
+
+class FailingBar:
+    """A progress bar (vLLM's callable use_tqdm) whose second update raises."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.updates = 0
+
+    def update(self, n: int) -> None:
+        self.updates += n
+        if self.updates == 2:
+            raise RuntimeError("the bar failed")
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_error_out_of_generate_leaves_nothing_streaming(llm: LLM) -> None:
+    """While the exception was alive (a REPL keeps the last one), its stream stayed open: the
+    next call raised "already streaming" and the failed call's requests ran on."""
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    params = [GREEDY, GREEDY, *[long] * 6]
+    with pytest.raises(RuntimeError, match="the bar failed") as failed:
+        llm.generate([f"p{i}" for i in range(8)], params, use_tqdm=FailingBar)
+    assert failed.value is not None
+    assert_idle(llm)
+    (again,) = llm.generate(["x"], GREEDY, use_tqdm=False)
+    assert again.outputs[0].finish_reason == "length"
 
 
 def test_a_dead_core_ends_the_stream_with_engine_dead_error(tiny_model_dir: Path) -> None:

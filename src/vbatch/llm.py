@@ -451,6 +451,9 @@ class LLM(PoolingMethods):
                 if bar is not None:
                     bar.update(1)
         finally:
+            # NOTE: at once, not when the traceback that holds it goes: an exception from the
+            # loop's body left the stream open, and the LLM "already streaming".
+            stream.close()
             if bar is not None:
                 bar.close()
         return results
