@@ -400,3 +400,33 @@ def test_the_manifest_records_the_kernels_the_engine_chose(
     manifest = orjson.loads((job_dir_for(job.output_path) / "manifest.json").read_bytes())
     assert manifest["kernels"] == kernels[0]
     assert "greedy_screen" not in manifest["engine"]  # auto: chosen by measurement, not recorded
+
+
+def test_a_new_job_interrupted_before_its_signal_handling_runs_leaves_nothing(
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    shared_llm: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Between the manifest and the job's own handlers a Ctrl-C left a job that ran nothing,
+    whose rerun was refused, and a SIGTERM killed the command without a word."""
+    import vbatch.job.execution as execution
+
+    handlers: list[Any] = []
+    opened = execution.open_writer
+
+    def interrupted_open(*args: Any) -> Any:
+        handlers.append(signal.getsignal(signal.SIGTERM))
+        if len(handlers) == 1:
+            raise KeyboardInterrupt
+        return opened(*args)
+
+    monkeypatch.setattr(execution, "open_writer", interrupted_open)
+    input_path = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}])
+    job = spec(tmp_path, input_path, "out.jsonl", tiny_model_dir)
+    with pytest.raises(KeyboardInterrupt):
+        start_job(job, QUIET, llm_factory=shared_llm)
+    assert not job_dir_for(job.output_path).exists() and not job.output_path.exists()
+    assert start_job(job, QUIET, llm_factory=shared_llm).exit_code == 0
+    # NOTE: SIGTERM interrupts as SIGINT does until the job's handlers take over.
+    assert [h.__name__ for h in handlers] == ["_raise_interrupt"] * 2

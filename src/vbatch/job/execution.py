@@ -152,6 +152,9 @@ class JobExecution:
         self.token_bytes: Callable[[int], list[int]] | None = None
         self.metrics: Any = None
         self.interruptible = True
+        # NOTE: run just before the job's own signal handling takes over (a new job's command
+        # hands SIGTERM back there: until then it interrupts as SIGINT does).
+        self.before_signals: Callable[[], None] | None = None
 
     def _dimension(self) -> int | None:
         if self.task != Task.EMBED.value:
@@ -205,6 +208,8 @@ class JobExecution:
     def _run(self, output: Path) -> tuple[int, str]:
         # NOTE: outside the engine loop (finalize above all) a signal stops the run at once;
         # what is committed stays committed, and resume redoes the rest.
+        if self.before_signals is not None:
+            self.before_signals()
         try:
             with StopOnSignal():
                 return self._run_job(output)

@@ -333,16 +333,22 @@ def _create_and_execute(
 ) -> Outcome:
     """Under `lock`, write a new job's manifest, then execute the job. If writing fails, the
     lock is released, and the directory removed unless a manifest made it a job. `pre_job`
-    (what holds until the job exists) is closed once it does."""
+    (what holds until the job exists) is closed once the job's own signal handling starts."""
     try:
         manifest = write_manifest()
     except BaseException:
         _drop_unmade_job(job_dir, lock)
         raise
-    if pre_job is not None:
-        pre_job.close()
     return _execute(
-        output, job_dir, manifest, options, llm_factory, retry_errors=False, lock=lock, fresh=True
+        output,
+        job_dir,
+        manifest,
+        options,
+        llm_factory,
+        retry_errors=False,
+        lock=lock,
+        fresh=True,
+        pre_job=pre_job,
     )
 
 
@@ -717,9 +723,12 @@ def _execute(
     retry_errors: bool,
     lock: JobLock,
     fresh: bool = False,
+    pre_job: contextlib.ExitStack | None = None,
 ) -> Outcome:
     """Run the job under its `lock` (released here); `output` is the path as the user wrote it
-    (for messages). A `fresh` job whose engine never started is removed (dropped_job)."""
+    (for messages). A `fresh` job whose engine never started is removed (dropped_job), as is
+    one interrupted before its signal handling took over (with nothing committed)."""
+    journal = None
     try:
         journal = Journal(job_dir)
         if journal.state.complete is None:
@@ -728,6 +737,8 @@ def _execute(
                     "retry", indices=journal.state.errors.ranges(), offset=journal.state.offset
                 )
             execution = JobExecution(job_dir, manifest, journal, options, llm_factory)
+            if pre_job is not None:
+                execution.before_signals = pre_job.close
             try:
                 exit_code, message = execution.run(output)
             except EngineNeverReady as e:
@@ -756,6 +767,12 @@ def _execute(
         # NOTE: removed under the lock, so no other process can have locked the doomed file.
         if exit_code == 0 and options.clean:
             shutil.rmtree(job_dir)
+    except KeyboardInterrupt:
+        if fresh and (journal is None or journal.state.num_records == 0):
+            if journal is not None:
+                journal.close()
+            _remove_new_job(job_dir, Path(manifest.output_path))
+        raise
     finally:
         lock.release()
     return Outcome(exit_code, message, status)
@@ -783,13 +800,18 @@ def _write_complete_metrics(path: Path, manifest: Manifest, state: JobState, out
         raise ConfigError(f"cannot write metrics file {path}: {e}") from e
 
 
-def dropped_job(error: EngineNeverReady, job_dir: Path, output: Path) -> VbatchError:
-    """Remove a new job whose engine never started (its directory, and its output while still
-    empty), so that the same command, fixed, runs again; the error to show."""
+def _remove_new_job(job_dir: Path, output: Path) -> None:
+    """Remove a new job that ran nothing: its directory, and its output while still empty."""
     shutil.rmtree(job_dir, ignore_errors=True)
     with contextlib.suppress(OSError):
         if output.stat().st_size == 0:
             output.unlink()
+
+
+def dropped_job(error: EngineNeverReady, job_dir: Path, output: Path) -> VbatchError:
+    """Remove a new job whose engine never started, so that the same command, fixed, runs
+    again; the error to show."""
+    _remove_new_job(job_dir, output)
     return type(error.cause)(
         f"{error}\nno row ran, so no job was kept: fix the cause and run the same command again"
     )
