@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -48,19 +49,20 @@ def run(core: EngineCore, prompts: dict[str, list[int]], max_tokens: int = 16) -
     return got
 
 
+def invariant_core(model: Path, **settings: Any) -> EngineCore:
+    return EngineCore(
+        EngineConfig(
+            model=str(model), device="cpu", num_threads=2, batch_invariant=True, **settings
+        )
+    )
+
+
 def test_a_seeded_request_is_the_same_alone_batched_and_cached(tiny_model_dir: Path) -> None:
     """Alone its decode steps have 1 row, batched 7: without batch_invariant, MKL rounds the
     tiny model's rows otherwise at 1 and 2 rows, and the logprobs differ."""
     if not native.is_available():
         pytest.skip("native kernels could not be built here")
-    core = EngineCore(
-        EngineConfig(
-            model=str(tiny_model_dir),
-            device="cpu",
-            num_threads=2,
-            batch_invariant=True,
-        )
-    )
+    core = invariant_core(tiny_model_dir)
     prompt = list(range(1000, 1033))
     alone = run(core, {"alone": prompt})["alone"]
     others = {f"o{i}": list(range(2000 + 50 * i, 2000 + 50 * i + 5 + 9 * i)) for i in range(6)}
@@ -82,16 +84,7 @@ def test_a_preempted_seeded_request_is_recomputed_to_the_same_bits(tiny_model_di
     }
     runs = []
     for num_kv_blocks in (None, 8):
-        core = EngineCore(
-            EngineConfig(
-                model=str(tiny_model_dir),
-                device="cpu",
-                num_threads=2,
-                batch_invariant=True,
-                num_kv_blocks=num_kv_blocks,
-                block_size=16,
-            )
-        )
+        core = invariant_core(tiny_model_dir, num_kv_blocks=num_kv_blocks, block_size=16)
         runs.append(run(core, prompts, max_tokens=40))
         runs.append(core.scheduler.num_preemptions)
         core.shutdown()
