@@ -147,6 +147,24 @@ def test_openai_chat_and_completion_lines() -> None:
     assert error["response"] is None and error["error"]["message"] == "line 4: bad"
 
 
+def test_each_openai_choice_has_its_stop_reason_as_vllm_writes_it() -> None:
+    result = make_result(
+        [
+            CompletionOutput(0, "a", [5], "stop", "\n\n"),
+            CompletionOutput(1, "b", [6], "stop", 7),
+            CompletionOutput(2, "c", [8], "length", None),
+        ]
+    )
+    row = InputRow(0, "line 1", "r", openai_kind="chat")
+    values = result_row(row, result, include_token_ids=False)
+    choices = openai_line(row, values, "smol", str)["response"]["body"]["choices"]
+    assert [c["stop_reason"] for c in choices] == ["\n\n", 7, None]
+    single = make_result([CompletionOutput(0, "a", [5], "stop", "x")])
+    values = result_row(row, single, include_token_ids=False)
+    (choice,) = openai_line(row, values, "smol", str)["response"]["body"]["choices"]
+    assert choice["stop_reason"] == "x"
+
+
 def test_parquet_values_stringify_stop_reason_and_ids() -> None:
     values = error_row(InputRow(5, "row 6", 42), "row 6: bad")
     values["stop_reason"] = 2

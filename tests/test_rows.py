@@ -204,9 +204,19 @@ def test_openai_fields_without_effect_are_accepted_and_logit_bias_and_echo_are_m
     assert openai_overrides({"logit_bias": {"50256": -100, 7: 2.5}}, "chat") == {
         "logit_bias": {50256: -100.0, 7: 2.5}
     }
-    for bad in ({"x": 1}, {"5": 101}, {"5": True}, [1]):
+    # NOTE: as vLLM's server, a bias past [-100, 100] is clamped.
+    assert openai_overrides({"logit_bias": {"5": 150, 6: -1e400, 7: 10**400}}, "chat") == {
+        "logit_bias": {5: 100.0, 6: -100.0, 7: 100.0}
+    }
+    for bad in ({"x": 1}, {"5": float("nan")}, {"5": True}, [1]):
         with pytest.raises(RowError, match="logit_bias"):
             openai_overrides({"logit_bias": bad}, "chat")
+    # NOTE: max_completion_tokens wins over the deprecated max_tokens, in either order.
+    for body in (
+        {"max_tokens": 6, "max_completion_tokens": 2},
+        {"max_completion_tokens": 2, "max_tokens": 6},
+    ):
+        assert openai_overrides(body, "chat") == {"max_tokens": 2}
     for body, message in (
         ({"messages": CHAT, "echo": True}, "echo is a /v1/completions field"),
         ({"prompt": "x", "echo": True, "logprobs": 1}, "echo with logprobs"),

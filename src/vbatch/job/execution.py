@@ -31,7 +31,7 @@ from vbatch.job.options import RunOptions
 from vbatch.job.paths import resume_command
 from vbatch.job.reader import InputReader
 from vbatch.job.results import (
-    SAMPLE_FLAGS,
+    HIDDEN_KEYS,
     TokenStrings,
     error_row,
     openai_line,
@@ -514,7 +514,8 @@ class JobExecution:
         too deep for JSON, say) is written as an error row without its kept columns."""
         try:
             line = self._line(row, values)
-            values.pop(SAMPLE_FLAGS, None)
+            for key in HIDDEN_KEYS:
+                values.pop(key, None)
             self.writer.add(values, row.kept, line)
         except VbatchError:
             raise

@@ -67,10 +67,12 @@ OPTIONAL_COLUMNS = frozenset(
         "json",
     }
 )
-# NOTE: a key of result_row's values that is not an output column: each sample's
-# (structured_complete, structured_valid), for an OpenAI line's choices; taken out before the
-# row is written (job/execution.py).
+# NOTE: keys of result_row's values that are not output columns, for an OpenAI line's choices:
+# each sample's (structured_complete, structured_valid), and each sample's stop_reason with n > 1;
+# taken out before the row is written (job/execution.py).
 SAMPLE_FLAGS = "structured_samples"
+SAMPLE_STOP_REASONS = "sample_stop_reasons"
+HIDDEN_KEYS = (SAMPLE_FLAGS, SAMPLE_STOP_REASONS)
 OPENAI_ID_PREFIX = "vbatch_req_"
 # NOTE: a run of digits that may not fit 64 bits, which orjson would parse as a float.
 _LONG_DIGITS = re.compile(r"\d{19}")
@@ -173,6 +175,8 @@ def result_row(
         "structured_valid": (invalid is None) if check is not None and complete else None,
         "json": _parsed(constrained, is_multi) if parse_json else None,
     }
+    if is_multi:
+        values[SAMPLE_STOP_REASONS] = [o.stop_reason for o in outputs]
     if complete is not None:
         values[SAMPLE_FLAGS] = [
             (
@@ -346,6 +350,7 @@ def _completion_body(
     texts = values["texts"] or [values["text"]]
     reasonings = values["reasonings"] or [values["reasoning"]] * len(texts)
     reasons = values["finish_reasons"] or [values["finish_reason"]]
+    stop_reasons = values.get(SAMPLE_STOP_REASONS) or [values["stop_reason"]]
     logprobs = values["logprobs"] or [None] * len(texts)
     samples = values.get(SAMPLE_FLAGS)
     is_chat = row.openai_kind == "chat" or (row.openai_kind is None and row.messages is not None)
@@ -363,6 +368,8 @@ def _completion_body(
                 entries, token_text, token_bytes, len(row.prompt or "")
             )
         choice["finish_reason"] = reason
+        # NOTE: not OpenAI's, but vLLM's responses have it: the stop string or token id, or null.
+        choice["stop_reason"] = stop_reasons[i]
         if samples is not None:
             complete, valid = samples[i]
             choice["structured_complete"] = complete

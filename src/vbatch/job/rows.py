@@ -386,6 +386,9 @@ def openai_overrides(body: dict[str, Any], kind: str) -> dict[str, Any]:
     for key, value in body.items():
         if value is None:
             continue
+        if key == "max_tokens" and body.get("max_completion_tokens") is not None:
+            # NOTE: as vLLM, the newer max_completion_tokens wins over the deprecated max_tokens.
+            continue
         if key in OPENAI_SAMPLING_KEYS:
             overrides[OPENAI_SAMPLING_KEYS[key]] = value
         elif key == "logit_bias":
@@ -421,19 +424,17 @@ def _top_logprobs(body: dict[str, Any], value: Any) -> int:
 
 
 def logit_bias(value: Any) -> dict[int, float]:
-    """OpenAI's `logit_bias` (token id, as a string or an integer, to a bias in [-100, 100]) as
-    the `logit_bias` sampling parameter."""
+    """OpenAI's `logit_bias` (token id, as a string or an integer, to a bias) as the
+    `logit_bias` sampling parameter, each bias clamped to [-100, 100] as vLLM's server does."""
     if not isinstance(value, dict):
         raise RowError(f"logit_bias must be an object of token id to bias, got {value!r:.80}")
     biases = {}
     for key, bias in value.items():
         is_id = isinstance(key, int) or (isinstance(key, str) and key.isascii() and key.isdigit())
         is_number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
-        if not is_id or not is_number or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
-            raise RowError(
-                f"logit_bias maps token ids to numbers in [-100, 100], got {key!r}: {bias!r:.40}"
-            )
-        biases[int(key)] = float(bias)
+        if not is_id or not is_number or bias != bias:
+            raise RowError(f"logit_bias maps token ids to numbers, got {key!r}: {bias!r:.40}")
+        biases[int(key)] = float(min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, bias)))
     return biases
 
 
