@@ -228,6 +228,14 @@ def test_get_tokenizer_as_transformers(llm: LLM) -> None:
     assert tokenizer(texts)["input_ids"] == reference(texts)["input_ids"]
     ids = tokenizer(texts)["input_ids"]
     assert tokenizer.batch_decode(ids) == reference.batch_decode(ids)
+    one = ids[0][0]
+    assert tokenizer.decode(one) == reference.decode(one)
+    assert tokenizer.convert_ids_to_tokens(one) == reference.convert_ids_to_tokens(one)
+    assert tokenizer.convert_ids_to_tokens(ids[0]) == reference.convert_ids_to_tokens(ids[0])
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
+        tokenizer.apply_chat_template(
+            CONVERSATION, add_generation_prompt=True, continue_final_message=True
+        )
 
 
 def test_vllm_defaults_of_none_and_truncation_to_the_model_length(llm: LLM) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vbatch.client.tokenizer import SPECIAL_TOKEN_NAMES, TextTokenizer
+from vbatch.errors import PromptValueError
 
 
 class HFTokenizer:
@@ -43,15 +44,22 @@ class HFTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.text_tokenizer.encode_batch([text], add_special_tokens)[0]
 
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self.text_tokenizer.decode(token_ids, skip_special_tokens)
+    def decode(self, token_ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
+        """As transformers: a list of ids, or one id."""
+        ids = [token_ids] if isinstance(token_ids, int) else token_ids
+        return self.text_tokenizer.decode(ids, skip_special_tokens)
 
     def batch_decode(
         self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = False
     ) -> list[str]:
         return [self.decode(ids, skip_special_tokens) for ids in sequences]
 
-    def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str | None]:
+    def convert_ids_to_tokens(
+        self, token_ids: int | Sequence[int]
+    ) -> str | list[str | None] | None:
+        """As transformers: one id gives its token, a list of ids a list."""
+        if isinstance(token_ids, int):
+            return self.text_tokenizer.convert_ids_to_tokens([token_ids])[0]
         return self.text_tokenizer.convert_ids_to_tokens(token_ids)
 
     def apply_chat_template(
@@ -66,6 +74,11 @@ class HFTokenizer:
     ) -> str | list[int]:
         """As transformers: the rendered text, or with `tokenize` (the default) its token ids;
         other keyword arguments are template variables."""
+        if add_generation_prompt and continue_final_message:
+            raise PromptValueError(
+                "continue_final_message and add_generation_prompt are not compatible: the first "
+                "continues the last message, the second opens a new assistant turn"
+            )
         text = self.text_tokenizer.apply_chat_template(
             conversation,
             add_generation_prompt,
