@@ -142,3 +142,42 @@ def test_pooling_config_follows_the_sentence_transformers_files(tmp_path: Path) 
     (tmp_path / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ModelLoadError, match="Dense"):
         read_pooling_config(tmp_path, "cls")
+
+
+def test_pooling_config_refuses_modes_it_would_drop_and_reads_sentence_transformers_6(
+    tmp_path: Path,
+) -> None:
+    """mean with mean_sqrt_len (or weightedmean) is a concatenation in sentence-transformers:
+    the second mode was dropped, and the embedding had half its width. sentence-transformers 6
+    saves its modules under new paths and the mode as one string."""
+    write_sentence_transformers_files(tmp_path, "mean", normalize=True)
+    config_path = tmp_path / "1_Pooling" / "config.json"
+    config = json.loads(config_path.read_text())
+    for extra in ("pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens"):
+        config_path.write_text(json.dumps({**config, extra: True}))
+        with pytest.raises(ModelLoadError, match=extra):
+            read_pooling_config(tmp_path, "cls")
+    modules = [
+        {
+            "idx": 0,
+            "path": "",
+            "type": "sentence_transformers.base.modules.transformer.Transformer",
+        },
+        {
+            "idx": 1,
+            "path": "1_Pooling",
+            "type": "sentence_transformers.sentence_transformer.modules.pooling.Pooling",
+        },
+        {
+            "idx": 2,
+            "path": "2_Normalize",
+            "type": "sentence_transformers.base.modules.normalize.Normalize",
+        },
+    ]
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    config_path.write_text(json.dumps({"pooling_mode": "max", "include_prompt": True}))
+    assert read_pooling_config(tmp_path, "cls").mode == "max"
+    assert read_pooling_config(tmp_path, "cls").normalize
+    config_path.write_text(json.dumps({"pooling_mode": "weightedmean"}))
+    with pytest.raises(ModelLoadError, match="weightedmean"):
+        read_pooling_config(tmp_path, "cls")

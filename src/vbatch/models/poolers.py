@@ -14,9 +14,10 @@ from vbatch.errors import ModelLoadError
 from vbatch.models.config import read_sentence_bert_config
 
 POOLING_MODES = ("cls", "lasttoken", "mean", "max")
-_NORMALIZE = "sentence_transformers.models.Normalize"
-_POOLING = "sentence_transformers.models.Pooling"
-_TRANSFORMER = "sentence_transformers.models.Transformer"
+# NOTE: sentence-transformers' module classes by their own name, whatever the module path they
+# are saved under (`sentence_transformers.models.Pooling`, and since 6.0
+# `sentence_transformers.sentence_transformer.modules.pooling.Pooling`).
+_NORMALIZE, _POOLING, _TRANSFORMER = "Normalize", "Pooling", "Transformer"
 # 1_Pooling/config.json's switch for each mode
 _CONFIG_KEYS = {
     "cls": "pooling_mode_cls_token",
@@ -24,6 +25,7 @@ _CONFIG_KEYS = {
     "mean": "pooling_mode_mean_tokens",
     "max": "pooling_mode_max_tokens",
 }
+_MODES_BY_KEY = {key: mode for mode, key in _CONFIG_KEYS.items()}
 
 
 @dataclass(frozen=True)
@@ -52,11 +54,12 @@ def read_pooling_config(hf_dir: str | Path, default_mode: str) -> PoolingConfig:
     mode, normalize = default_mode, False
     for module in modules:
         kind = module.get("type", "")
-        if kind == _NORMALIZE:
+        name = kind.rpartition(".")[2] if kind.startswith("sentence_transformers.") else kind
+        if name == _NORMALIZE:
             normalize = True
-        elif kind == _POOLING:
+        elif name == _POOLING:
             mode = _pooling_mode(hf_dir / module.get("path", "1_Pooling") / "config.json")
-        elif kind != _TRANSFORMER:
+        elif name != _TRANSFORMER:
             raise ModelLoadError(
                 f"{modules_path}: sentence-transformers module {kind!r} is not supported "
                 "(vbatch runs Transformer, Pooling and Normalize)"
@@ -69,8 +72,20 @@ def _pooling_mode(path: Path) -> str:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read {path}: {e}") from e
-    modes = [mode for mode, key in _CONFIG_KEYS.items() if raw.get(key)]
-    if len(modes) != 1 or raw.get("include_prompt", True) is not True:
+    # NOTE: every switch that is on, those vbatch has no pooling for (mean_sqrt_len,
+    # weightedmean) included: sentence-transformers concatenates the modes it is given.
+    modes = [
+        _MODES_BY_KEY.get(key, key)
+        for key, on in raw.items()
+        if on and key.startswith("pooling_mode_")
+    ]
+    if isinstance(raw.get("pooling_mode"), str):
+        modes.append(raw["pooling_mode"])
+    if (
+        len(modes) != 1
+        or modes[0] not in POOLING_MODES
+        or raw.get("include_prompt", True) is not True
+    ):
         raise ModelLoadError(f"{path}: vbatch pools by exactly one of {POOLING_MODES}, got {raw}")
     return modes[0]
 
