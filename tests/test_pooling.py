@@ -4,7 +4,9 @@ chunked prefill and the prefix cache; the error rows."""
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +99,24 @@ def test_classifier_logits_match_transformers(classifier: tuple[Any, Path]) -> N
         assert np.abs(np.array(out.outputs.probs) - probs).max() <= 1e-6
         assert out.outputs.label == f"label_{int(np.argmax(want))}"
     assert np.allclose(rewards[0].outputs.data, outs[0].outputs.logits)
+
+
+def test_classify_follows_the_config_s_problem_type(
+    classifier: tuple[Any, Path], tmp_path: Path
+) -> None:
+    """As vLLM: sigmoid per label for multi-label classification, the logits themselves for a
+    regression (a softmax over labels was given for both)."""
+    _, path = classifier
+    for problem_type in ("multi_label_classification", "regression"):
+        copy = tmp_path / problem_type
+        shutil.copytree(path, copy)
+        config = json.loads((copy / "config.json").read_text())
+        (copy / "config.json").write_text(json.dumps({**config, "problem_type": problem_type}))
+        with LLM(str(copy), **ENGINE) as llm:
+            (out,) = llm.classify(TEXTS[:1], use_tqdm=False)
+        logits = np.array(out.outputs.logits, dtype=np.float64)
+        want = 1 / (1 + np.exp(-logits)) if problem_type != "regression" else logits
+        assert np.abs(np.array(out.outputs.probs) - want).max() <= 1e-6, problem_type
 
 
 def _reference_logprobs(model_dir: Path, prompt_ids: list[int]) -> torch.Tensor:

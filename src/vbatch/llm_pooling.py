@@ -29,7 +29,12 @@ from vbatch.client.pooling_outputs import (
 from vbatch.client.prompts import UseTqdm, is_conversation, to_request
 from vbatch.errors import LoraError, PromptTypeError, PromptValueError
 from vbatch.lora.request import LoRARequest
-from vbatch.models.config import declared_head, read_id2label, read_sentence_bert_config
+from vbatch.models.config import (
+    declared_head,
+    read_id2label,
+    read_problem_type,
+    read_sentence_bert_config,
+)
 from vbatch.pooling_params import PoolingParams, PoolingTask
 from vbatch.protocol import AddRequest, pack_token_ids
 from vbatch.sampling_params import SamplingParams
@@ -132,7 +137,8 @@ class PoolingMethods:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[ClassificationRequestOutput]:
-        """Class probabilities (softmax; a sigmoid for one label) from the classifier head."""
+        """Class probabilities from the classifier head (softmax; a sigmoid for one label or a
+        multi-label `problem_type`; the logits for a regression), as vLLM's."""
         params = _task_params(
             PoolingTask.CLASSIFY, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens
         )
@@ -140,7 +146,7 @@ class PoolingMethods:
         results = []
         for out in self.encode(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request):
             logits = out.outputs.data
-            probs = class_probs(logits) if logits.size else logits
+            probs = class_probs(logits, self._problem_type) if logits.size else logits
             label = labels.get(int(np.argmax(probs))) if probs.size else None
             results.append(
                 ClassificationRequestOutput(
@@ -213,6 +219,10 @@ class PoolingMethods:
             ids = first.prompt_token_ids + second.prompt_token_ids
             results.append(ScoringRequestOutput(str(i), ScoringOutput(value), ids, error=error))
         return results
+
+    @functools.cached_property
+    def _problem_type(self) -> str | None:
+        return read_problem_type(self.model.hf_dir)
 
     @functools.cached_property
     def _lowercases(self) -> bool:

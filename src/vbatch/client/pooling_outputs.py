@@ -100,10 +100,14 @@ class ScoringRequestOutput:
     error: str | None = None
 
 
-def class_probs(logits: np.ndarray) -> np.ndarray:
-    """A sigmoid for one label, a softmax over several, as vLLM's classify."""
+def class_probs(logits: np.ndarray, problem_type: str | None = None) -> np.ndarray:
+    """As vLLM's classify, by the model config's `problem_type`: the logits themselves for a
+    regression, a sigmoid per label for multi-label classification, else a sigmoid for one
+    label and a softmax over several."""
     logits = logits.astype(np.float64)
-    if logits.shape[-1] == 1:
+    if problem_type == "regression":
+        return logits
+    if logits.shape[-1] == 1 or problem_type == "multi_label_classification":
         return 1.0 / (1.0 + np.exp(-logits))
     shifted = np.exp(logits - logits.max(-1, keepdims=True))
     return shifted / shifted.sum(-1, keepdims=True)

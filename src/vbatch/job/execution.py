@@ -51,7 +51,7 @@ from vbatch.job.tasks import (
 from vbatch.job.validation import OutputChecker
 from vbatch.job.writer import open_writer
 from vbatch.lora.request import startup_requests
-from vbatch.models.config import read_id2label
+from vbatch.models.config import read_id2label, read_problem_type
 from vbatch.sampling_params import SamplingParams
 
 EXIT_INTERRUPTED = 75
@@ -114,6 +114,7 @@ class JobExecution:
         self.task = manifest.options.task
         self.task_params = pooling_params(self.task, manifest.options.dimensions)
         self.labels: dict[int, str] = {}
+        self.problem_type: str | None = None
         self.schema = None
         # NOTE: the width of a Parquet embed job's vector columns (None: any width).
         self.dimension: int | None = None
@@ -353,6 +354,7 @@ class JobExecution:
             self.token_text, self.token_bytes = tokens.text, tokens.bytes
             if self.task == Task.CLASSIFY.value:
                 self.labels = read_id2label(self._model_dir())
+                self.problem_type = read_problem_type(self._model_dir())
             self.metrics.set_state("running")
             self._loop(llm)
             self._commit()
@@ -401,6 +403,7 @@ class JobExecution:
                         pooled_task,
                         self.labels,
                         include_tokens=self.manifest.options.include_token_ids,
+                        problem_type=self.problem_type,
                     )
                     self._emit(row, values, is_input_error=_refused(result))
                     continue

@@ -77,8 +77,10 @@ def pooled_row(
     task: str,
     labels: dict[int, str],
     include_tokens: bool,
+    problem_type: str | None = None,
 ) -> dict[str, Any]:
-    """The output row of a finished pooling request of a `task` job."""
+    """The output row of a finished pooling request of a `task` job (`problem_type`: the
+    classifier's, see class_probs)."""
     import numpy as np
 
     if result.error is not None:
@@ -106,7 +108,7 @@ def pooled_row(
     elif Task(task) == Task.CLASSIFY:
         from vbatch.client.pooling_outputs import class_probs
 
-        probs = class_probs(data).astype(np.float32)
+        probs = class_probs(data, problem_type).astype(np.float32)
         values.update(probs=probs, logits=data, label=labels.get(int(np.argmax(probs))))
     else:
         from vbatch.client.pooling_outputs import perplexity_of

@@ -46,6 +46,16 @@ def read_id2label(path: str | Path) -> dict[int, str]:
         return {}
 
 
+def read_problem_type(path: str | Path) -> str | None:
+    """A classifier's `problem_type` from its config.json (regression, single- or multi-label
+    classification; None without it), which decides its scores' activation."""
+    try:
+        value = json.loads((Path(path) / "config.json").read_text()).get("problem_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
 @dataclass(frozen=True)
 class SentenceBertConfig:
     """A checkpoint's `sentence_bert_config.json`: the longest prompt sentence-transformers
