@@ -270,6 +270,11 @@ def test_sentence_bert_config_caps_and_lowercases_as_sentence_transformers(
         (lowered,) = llm.embed(texts[0].lower())
         (message,) = llm.embed([Request(messages=chat)])
         (message_lowered,) = llm.embed([Request(messages=[{**chat[0], "content": "hello world"}])])
+        # NOTE: -1 keeps max_seq_length tokens, as vLLM caps an embedder's length there.
+        (kept,) = llm.embed(texts[2], truncate_prompt_tokens=-1)
+        (last_24,) = llm.embed(texts[2], truncate_prompt_tokens=24)
+    assert kept.error is None and kept.outputs.embedding == last_24.outputs.embedding
+    assert len(kept.prompt_token_ids) == 24
     for out, ref in zip(outs[:2], reference, strict=True):
         assert out.error is None
         assert np.abs(np.array(out.outputs.embedding) - ref).max() <= 1e-4

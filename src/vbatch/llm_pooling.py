@@ -30,6 +30,7 @@ from vbatch.client.prompts import UseTqdm, is_conversation, to_request
 from vbatch.errors import LoraError, PromptTypeError, PromptValueError
 from vbatch.lora.request import LoRARequest
 from vbatch.models.config import (
+    SentenceBertConfig,
     declared_head,
     read_id2label,
     read_problem_type,
@@ -225,8 +226,8 @@ class PoolingMethods:
         return read_problem_type(self.model.hf_dir)
 
     @functools.cached_property
-    def _lowercases(self) -> bool:
-        return read_sentence_bert_config(self.model.hf_dir).do_lower_case
+    def _sentence_bert(self) -> SentenceBertConfig:
+        return read_sentence_bert_config(self.model.hf_dir)
 
     def id2label(self) -> dict[int, str]:
         """The classifier's label names from config.json (empty without them)."""
@@ -246,7 +247,7 @@ class PoolingMethods:
                 pieces.extend(Request(prompt=text) for text in req.prompt)
             else:
                 pieces.append(req)
-        if self._lowercases:
+        if self._sentence_bert.do_lower_case:
             pieces = [_lowercased(piece) for piece in pieces]
         tokenized = iter(ids for ids, _ in self._tokenize(pieces))
         adds = []
@@ -266,6 +267,10 @@ class PoolingMethods:
                 ready.append((position, pooling_output(req, position, [], params.task, problem)))
                 continue
             keep = self._kept_prompt_tokens(params.truncate_prompt_tokens)
+            limit = self._sentence_bert.max_seq_length
+            if params.truncate_prompt_tokens == -1 and params.task == PoolingTask.EMBED and limit:
+                # NOTE: as vLLM, whose model length for an embedder is its max_seq_length.
+                keep = min(keep, limit)
             token_lists = [list(p)[-keep:] if keep else list(p) for p in prompts]
             prompt_lens = [len(p) for p in token_lists] if isinstance(req.prompt, list) else None
             prompt_ids = [t for p in token_lists for t in p]
