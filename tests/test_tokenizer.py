@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import QWEN3_STYLE_TEMPLATE
 
+from benchmarks.tiny_model import TOKENIZER_FILES
 from vbatch.client.tokenizer import TextTokenizer, check_template_kwargs
 from vbatch.errors import InputError, ModelLoadError
 from vbatch.models.loader import ResolvedModel
@@ -351,3 +352,41 @@ def test_continue_final_message_cuts_where_transformers_does(
         conversation, False, chat_template=template, continue_final_message=True
     )
     assert got == expected
+
+
+def test_a_text_cut_to_its_last_tokens_keeps_the_special_tokens_its_encoding_added(
+    tmp_path: Path, smollm2: ResolvedModel
+) -> None:
+    """As transformers truncates on the left (and vLLM a text prompt): a BERT-style [CLS] ...
+    [SEP] encoding kept its last tokens and lost its [CLS], which CLS pooling then missed."""
+    from transformers import AutoTokenizer
+
+    for name in TOKENIZER_FILES:
+        if (smollm2.hf_dir / name).is_file():
+            shutil.copy(smollm2.hf_dir / name, tmp_path / name)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [
+            {"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+            {"SpecialToken": {"id": "<|im_end|>", "type_id": 0}},
+        ],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {
+            "<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]},
+            "<|im_end|>": {"id": "<|im_end|>", "ids": [2], "tokens": ["<|im_end|>"]},
+        },
+    }
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tokenizer = TextTokenizer.from_dir(tmp_path)
+    reference = AutoTokenizer.from_pretrained(tmp_path, truncation_side="left")
+    text = "the quick brown fox jumps over the lazy dog"
+    (ids,) = tokenizer.encode_batch([text])
+    assert ids[0] == 1 and ids[-1] == 2
+    for keep in (4, 6, len(ids), len(ids) + 3):
+        want = reference(text, truncation=True, max_length=keep)["input_ids"]
+        assert tokenizer.keep_last_tokens(ids, keep) == want, keep
+    plain = TextTokenizer.from_dir(smollm2.hf_dir)
+    (plain_ids,) = plain.encode_batch([text])
+    assert plain.keep_last_tokens(plain_ids, 4) == plain_ids[-4:]

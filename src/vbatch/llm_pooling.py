@@ -271,7 +271,15 @@ class PoolingMethods:
             if params.truncate_prompt_tokens == -1 and params.task == PoolingTask.EMBED and limit:
                 # NOTE: as vLLM, whose model length for an embedder is its max_seq_length.
                 keep = min(keep, limit)
-            token_lists = [list(p)[-keep:] if keep else list(p) for p in prompts]
+            is_text = req.prompt is not None and req.prompt_token_ids is None
+            token_lists = [
+                list(p)
+                if not keep
+                else self.tokenizer.keep_last_tokens(list(p), keep)
+                if is_text
+                else list(p)[-keep:]
+                for p in prompts
+            ]
             prompt_lens = [len(p) for p in token_lists] if isinstance(req.prompt, list) else None
             prompt_ids = [t for p in token_lists for t in p]
             rid = str(next(self._request_ids))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -262,6 +263,29 @@ class TextTokenizer:
     @property
     def has_chat_template(self) -> bool:
         return self._template is not None or bool(self._named)
+
+    @functools.cached_property
+    def _added_around(self) -> tuple[int, int]:
+        """How many special tokens encoding with add_special_tokens puts before and after a
+        text (BOS; BERT's [CLS] and [SEP]), found on a probe text."""
+        (full,) = self.encode_batch(["a"])
+        (plain,) = self.encode_batch(["a"], add_special_tokens=False)
+        for start in range(len(full) - len(plain) + 1):
+            if full[start : start + len(plain)] == plain:
+                return start, len(full) - start - len(plain)
+        return 0, 0
+
+    def keep_last_tokens(self, token_ids: list[int], keep: int) -> list[int]:
+        """A text's token ids (encoded with add_special_tokens) cut to their last `keep`, the
+        special tokens the encoding added kept, as transformers truncates on the left (and
+        vLLM a text prompt): a CLS-pooled embedding still pools [CLS]."""
+        before, after = self._added_around
+        if len(token_ids) <= keep or keep <= before + after:
+            return token_ids[-keep:]
+        end = len(token_ids) - after
+        return (
+            token_ids[:before] + token_ids[before:end][-(keep - before - after) :] + token_ids[end:]
+        )
 
     def encode_batch(
         self, texts: Sequence[str], add_special_tokens: bool = True
