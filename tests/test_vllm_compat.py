@@ -453,6 +453,15 @@ def test_cache_salt_keeps_prefix_cache_blocks_apart(llm: LLM) -> None:
     assert other.num_cached_tokens == 0 and unsalted.num_cached_tokens == 0
     with pytest.raises(TypeError, match="cache_salt"):
         llm.generate({"prompt": "x", "cache_salt": 3}, SHORT, use_tqdm=False)
+    # NOTE: with prompt_logprobs, the prompt's blocks (hashed for its prefill) are the salt's too.
+    scored = SHORT.clone()
+    scored.prompt_logprobs = 1
+    ids = list(range(300, 300 + 100))
+    salted = llm.generate({"prompt_token_ids": ids, "cache_salt": "c"}, scored, use_tqdm=False)[0]
+    unsalted = llm.generate({"prompt_token_ids": ids}, SHORT, use_tqdm=False)[0]
+    again = llm.generate({"prompt_token_ids": ids, "cache_salt": "c"}, SHORT, use_tqdm=False)[0]
+    assert salted.prompt_logprobs is not None and unsalted.num_cached_tokens == 0
+    assert again.num_cached_tokens > 0
 
 
 def test_structured_outputs_params_take_vllms_switches() -> None:

@@ -161,8 +161,16 @@ class PoolingQueue:
 
     def run(self, jobs: list[PoolingJob]) -> list[PooledOutput]:
         """One forward pass over every prompt of `jobs`, each on blocks of its own for this step."""
+        # NOTE: a generation request's salt too, as its prompt blocks are hashed for its prefill
+        # (_cache_prompts_to_generate): without it they were found by every other request.
         seqs = [
-            Sequence(job.request_id, prompt, _PREFILL_ONLY, i)
+            Sequence(
+                job.request_id,
+                prompt,
+                _PREFILL_ONLY,
+                i,
+                cache_salt=job.then[0].cache_salt if job.then else None,
+            )
             for job in jobs
             for i, prompt in enumerate(job.prompts)
         ]
