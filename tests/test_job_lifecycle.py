@@ -555,3 +555,25 @@ def test_jsonl_rows_that_are_arrays_stay_error_rows(tmp_path: Path) -> None:
     assert [raw.record for raw in reader.records()] == [[1, 2], {"prompt": "x"}]
     with pytest.raises(InputError, match="is a directory"):
         InputReader(tmp_path, "jsonl", ColumnOptions())
+
+
+def test_overwrite_keeps_the_old_job_when_the_new_engine_fails_to_start(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The old output and job were removed before the new engine's start failed, and the failed
+    new job was dropped in turn: nothing was left of either."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.jsonl").write_bytes(b'{"id": "a", "prompt": "x"}\n')
+    runner = CliRunner()
+    flags = ["--model", str(tiny_model_dir), "--max-tokens", "2", "--num-threads", "1", "-q"]
+    assert runner.invoke(app, ["run", "in.jsonl", "-o", "out.jsonl", *flags]).exit_code == 0
+    written = (tmp_path / "out.jsonl").read_bytes()
+    manifest = (job_dir_for(tmp_path / "out.jsonl") / "manifest.json").read_bytes()
+    result = runner.invoke(
+        app,
+        ["run", "in.jsonl", "-o", "out.jsonl", *flags, "--overwrite", "--max-model-len", "100000"],
+    )
+    assert result.exit_code == 1 and "max_model_len" in result.output, result.output
+    assert "out.jsonl and its job are kept as they were" in result.output
+    assert (tmp_path / "out.jsonl").read_bytes() == written
+    assert (job_dir_for(tmp_path / "out.jsonl") / "manifest.json").read_bytes() == manifest

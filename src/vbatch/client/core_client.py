@@ -110,7 +110,10 @@ class EngineCoreClient:
             self.wait_ready(on_progress)
 
     def wait_ready(self, on_progress: Callable[[str], None] | None = None) -> None:
-        """Wait for the core's READY (sets `info`); a failed start shuts the client down."""
+        """Wait for the core's READY (sets `info`; at once when it has come); a failed start
+        shuts the client down."""
+        if getattr(self, "info", None) is not None:
+            return
         try:
             self.info: Ready = self._conn.wait_ready(on_progress)
         except BaseException:

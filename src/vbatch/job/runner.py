@@ -251,7 +251,14 @@ def start_job(
             output,
             job_dir,
             lock,
-            lambda: _prepare_job(spec, options, job_dir, fmt, overwrite=overwrite),
+            lambda: _prepare_job(
+                spec,
+                options,
+                job_dir,
+                fmt,
+                overwrite=overwrite,
+                engine_ready=None if core is None else core.wait_ready,
+            ),
             options,
             llm_factory,
             pre_job,
@@ -353,7 +360,13 @@ def _create_and_execute(
 
 
 def _prepare_job(
-    spec: JobSpec, options: RunOptions, job_dir: Path, fmt: str, *, overwrite: bool
+    spec: JobSpec,
+    options: RunOptions,
+    job_dir: Path,
+    fmt: str,
+    *,
+    overwrite: bool,
+    engine_ready: Callable[[], None] | None = None,
 ) -> Manifest:
     """Validate a new job under its lock and write its manifest (replacing an old job when
     `overwrite`)."""
@@ -433,6 +446,13 @@ def _prepare_job(
         lora_rows=spec.lora_rows,
         manifest_version=MANIFEST_VERSION,
     )
+    if engine_ready is not None and ((job_dir / MANIFEST_NAME).exists() or output.exists()):
+        # NOTE: --overwrite replaces the old job only once the new one's engine is up: a start
+        # that fails (a length past the model's, no room for the KV cache) leaves it as it was.
+        try:
+            engine_ready()
+        except VbatchError as e:
+            raise type(e)(f"{e}\n{output} and its job are kept as they were") from e
     _remove_job(job_dir, output)
     try:
         manifest.save(job_dir)
