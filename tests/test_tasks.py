@@ -240,6 +240,21 @@ def test_a_pooling_job_refuses_generation_options_and_a_model_without_the_tasks_
     )
     with pytest.raises(InputError, match="--n, --logprobs, --reasoning-parser: generation only"):
         start_job(sampled, QUIET, llm_factory=_factory(engines["lm"]))
+    # NOTE: sampling settings away from the job's defaults were accepted and had no effect.
+    tuned = dataclasses.replace(
+        lora,
+        engine_args={},
+        sampling={"max_tokens": 1, "temperature": 0.9, "stop": ["x"], "seed": 5, "top_p": 1.0},
+    )
+    with pytest.raises(
+        InputError, match="--max-tokens, --temperature, --stop, --seed: generation only"
+    ):
+        start_job(tuned, QUIET, llm_factory=_factory(engines["lm"]))
+    embed_ids = dataclasses.replace(
+        lora, engine_args={}, task="embed", model=str(models["embed"]), include_token_ids=True
+    )
+    with pytest.raises(InputError, match="--include-token-ids: generation only, not for a --task"):
+        start_job(embed_ids, QUIET, llm_factory=_factory(engines["embed"]))
     wrong_head = JobSpec(
         input_path, tmp_path / "cls.jsonl", model=str(models["embed"]), task="classify"
     )

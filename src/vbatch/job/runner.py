@@ -45,7 +45,7 @@ from vbatch.job.manifest import (
     input_fingerprint,
     model_identity,
 )
-from vbatch.job.options import RunOptions
+from vbatch.job.options import JOB_SAMPLING, RunOptions
 from vbatch.job.paths import (
     LOCK_NAME,
     JobLock,
@@ -271,9 +271,21 @@ def start_job(
 
 
 def _refuse_generation_options(spec: JobSpec, config: EngineConfig) -> None:
-    """A pooling job's options that only generation reads are refused, not silently dropped."""
+    """A pooling job's options that only generation reads (perplexity's --include-token-ids
+    aside) are refused, not silently dropped."""
     sampling = spec.sampling
+    # NOTE: sampling settings away from the job's defaults (--temperature, --max-tokens, --stop,
+    # ...); n, logprobs and the constraint are named on their own below.
+    own = ("n", "logprobs", "structured")
+    sampled = [
+        f"--{name.replace('_', '-')}"
+        for name, value in sampling.items()
+        if name not in own
+        and value not in (None, [])
+        and value != getattr(JOB_SAMPLING, name, None)
+    ]
     given = {
+        **dict.fromkeys(sampled, True),
         "--lora": bool(config.loras),
         "--n": (sampling.get("n") or 1) > 1,
         "--logprobs": sampling.get("logprobs") is not None,
@@ -281,6 +293,7 @@ def _refuse_generation_options(spec: JobSpec, config: EngineConfig) -> None:
         "--reasoning-parser": spec.reasoning_parser is not None,
         "--parse-json": spec.parse_json,
         "--require-valid-json": spec.require_valid_json,
+        "--include-token-ids": spec.include_token_ids and spec.task != "perplexity",
     }
     names = [name for name, is_given in given.items() if is_given]
     if names:
