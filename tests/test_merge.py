@@ -69,10 +69,13 @@ def test_rows_without_the_id_key_of_the_others_land_in_one_shard_each(
 ) -> None:
     """Id-less rows beside rows with ids are error rows; the pre-pass, not yet knowing the id
     key, once put them in other shards than the run did: one shard then never completed."""
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"id": f"r{i}", "prompt": f"item {i}:"} if i % 2 == 0 else {"prompt": f"item {i}:"}
         for i in range(20)
     ]
+    # NOTE: a row with only the other id key has none once the job reads ids from `id`.
+    for i in range(3, 20, 4):
+        rows[i]["custom_id"] = f"c{i}"
     write_jsonl(tmp_path / "in.jsonl", rows)
     output = tmp_path / "out.jsonl"
     counted = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gzip
 import io
 import json
@@ -10,7 +11,7 @@ import shlex
 import zlib
 from array import array
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -546,6 +547,14 @@ def scan_input(
     del hashes, ordered
     duplicate = _first_duplicate(reader, parser, repeated)
     mixed = id_key if has_keyless else None
+    if shard is not None and mixed is not None and parser.options.id_column is None:
+        # NOTE: the run reads ids from the mixed key only (a row with only the other one then
+        # has none): count the shard's rows as it will take them.
+        fixed = copy.copy(parser)
+        fixed.options = replace(parser.options, id_column=mixed)
+        num_shard_rows = sum(
+            shard.owns(raw.record, raw.index, fixed) for raw in reader.id_records()
+        )
     return InputScan(num_shard_rows, num_rows, id_kind, bool(is_openai), duplicate, keys, mixed)
 
 
