@@ -386,7 +386,7 @@ def test_a_text_cut_to_its_last_tokens_keeps_the_special_tokens_its_encoding_add
     assert ids[0] == 1 and ids[-1] == 2
     for keep in (4, 6, len(ids), len(ids) + 3):
         want = reference(text, truncation=True, max_length=keep)["input_ids"]
-        assert tokenizer.keep_last_tokens(ids, keep) == want, keep
+        assert tokenizer.keep_last_tokens(ids, keep, from_text=True) == want, keep
     plain = TextTokenizer.from_dir(smollm2.hf_dir)
     (plain_ids,) = plain.encode_batch([text])
-    assert plain.keep_last_tokens(plain_ids, 4) == plain_ids[-4:]
+    assert plain.keep_last_tokens(plain_ids, 4, from_text=True) == plain_ids[-4:]

@@ -554,10 +554,9 @@ class LLM(PoolingMethods):
                 ready.append((position, error_output(req, position, [], prompt_ids)))
                 continue
             keep = self._kept_prompt_tokens(params.truncate_prompt_tokens)
-            if keep is not None and isinstance(req.prompt, str) and req.prompt_token_ids is None:
-                prompt_ids = self.tokenizer.keep_last_tokens(prompt_ids, keep)
-            elif keep is not None:
-                prompt_ids = prompt_ids[-keep:]
+            if keep is not None:
+                from_text = isinstance(req.prompt, str) and req.prompt_token_ids is None
+                prompt_ids = self.tokenizer.keep_last_tokens(prompt_ids, keep, from_text)
             if params.bad_words:
                 # NOTE: on a copy: the caller's params may change, or go to another model.
                 params = msgspec.structs.replace(

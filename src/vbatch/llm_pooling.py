@@ -273,11 +273,7 @@ class PoolingMethods:
                 keep = min(keep, limit)
             is_text = req.prompt is not None and req.prompt_token_ids is None
             token_lists = [
-                list(p)
-                if not keep
-                else self.tokenizer.keep_last_tokens(list(p), keep)
-                if is_text
-                else list(p)[-keep:]
+                self.tokenizer.keep_last_tokens(list(p), keep, is_text) if keep else list(p)
                 for p in prompts
             ]
             prompt_lens = [len(p) for p in token_lists] if isinstance(req.prompt, list) else None

@@ -275,11 +275,12 @@ class TextTokenizer:
                 return start, len(full) - start - len(plain)
         return 0, 0
 
-    def keep_last_tokens(self, token_ids: list[int], keep: int) -> list[int]:
-        """A text's token ids (encoded with add_special_tokens) cut to their last `keep`, the
-        special tokens the encoding added kept, as transformers truncates on the left (and
-        vLLM a text prompt): a CLS-pooled embedding still pools [CLS]."""
-        before, after = self._added_around
+    def keep_last_tokens(self, token_ids: list[int], keep: int, from_text: bool) -> list[int]:
+        """Token ids cut to their last `keep`; those of a text (`from_text`: encoded with
+        add_special_tokens) keep the special tokens the encoding added, as transformers
+        truncates on the left (and vLLM a text prompt): a CLS-pooled embedding still pools
+        [CLS]."""
+        before, after = self._added_around if from_text else (0, 0)
         if len(token_ids) <= keep or keep <= before + after:
             return token_ids[-keep:]
         end = len(token_ids) - after
