@@ -353,8 +353,9 @@ class JobExecution:
             tokens = TokenStrings(lambda: llm.tokenizer)
             self.token_text, self.token_bytes = tokens.text, tokens.bytes
             if self.task == Task.CLASSIFY.value:
-                self.labels = read_id2label(self._model_dir())
-                self.problem_type = read_problem_type(self._model_dir())
+                model_dir = self._model_dir()
+                self.labels = read_id2label(model_dir)
+                self.problem_type = read_problem_type(model_dir)
             self.metrics.set_state("running")
             self._loop(llm)
             self._commit()
