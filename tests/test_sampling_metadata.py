@@ -49,3 +49,12 @@ def test_host_copies_are_the_tensors_on_cpu() -> None:
     values = torch.arange(5)
     assert to_device(values, CPU) is values
     assert to_host([values])[0] is values
+
+
+def test_a_greedy_row_with_a_penalty_is_never_plain_greedy_before_its_first_token() -> None:
+    """Its frequency or presence penalty subtracts nothing yet, but the steps that continue this
+    one must build their metadata again to apply it."""
+    for penalty in ({"frequency_penalty": 0.5}, {"presence_penalty": 0.5}):
+        (seq,) = make_seqs(SamplingParams(temperature=0.0, **penalty))
+        meta = SamplingMetadata.build([seq], CPU, VOCAB, {})
+        assert meta.penalties is None and not meta.is_plain_greedy, penalty

@@ -571,3 +571,18 @@ def test_chat_takes_vllms_positional_order_and_template_kwargs_overrides(llm: LL
     assert over.prompt == "[1 tools]Hello"
     with pytest.raises(ValueError, match="may not set 'messages'"):
         llm.chat(CONVERSATION[1:2], SHORT, use_tqdm=False, chat_template_kwargs={"messages": []})
+
+
+def test_greedy_frequency_and_presence_penalties_apply_from_the_second_token(llm: LLM) -> None:
+    """A greedy row's penalties subtract nothing at its first token; the steps after it must still
+    apply them (a reused plain-greedy step skipped them), the same with logprobs asked or not."""
+    plain = SamplingParams(temperature=0, max_tokens=6)
+    (free,) = llm.generate(["Hello"], plain)
+    assert len(set(free.outputs[0].token_ids)) < 6
+    for penalty in ({"frequency_penalty": 1.5}, {"presence_penalty": 2.0}):
+        params = plain.updated(penalty)
+        (out,) = llm.generate(["Hello"], params)
+        (with_logprobs,) = llm.generate(["Hello"], params.updated({"logprobs": 1}))
+        tokens = out.outputs[0].token_ids
+        assert tokens == with_logprobs.outputs[0].token_ids, penalty
+        assert len(set(tokens)) == 6, (penalty, tokens)

@@ -64,6 +64,8 @@ class SamplingMetadata:
     # NOTE: a row has a bad word of several tokens, whose last one is banned only once the
     # others end its output: a later step may ban what this one does not.
     bans_may_start: bool = False
+    # NOTE: a row's frequency or presence penalty subtracts nothing until it has an output token.
+    penalties_may_start: bool = False
 
     @property
     def is_plain_greedy(self) -> bool:
@@ -72,6 +74,7 @@ class SamplingMetadata:
         return (
             self.is_all_greedy
             and not self.bans_may_start
+            and not self.penalties_may_start
             and self.penalties is None
             and self.banned is None
             and self.logit_bias is None
@@ -127,6 +130,7 @@ class SamplingMetadata:
             bans_may_start=any(
                 len(word) > 1 for seq in seqs for word in seq.params.bad_words_token_ids
             ),
+            penalties_may_start=any(seq.params.has_penalties for seq in seqs),
         )
         is_greedy = [seq.params.temperature < MIN_TEMPERATURE for seq in seqs]
         meta.is_all_greedy = all(is_greedy)
