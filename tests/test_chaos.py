@@ -182,6 +182,60 @@ def test_sigterm_to_the_whole_process_group_drains_and_exits_75(
     assert texts(workdir / output) == reference
 
 
+def test_a_hangup_with_the_terminal_gone_drains_and_exits_75(
+    workdir: Path, tiny_model_dir: Path, reference: dict[str, str]
+) -> None:
+    """The terminal closed (SIGHUP to the group, stderr unwritable): the job drains and commits
+    as under SIGTERM; before, SIGHUP killed it and every row since the last commit was lost."""
+    output = "hungup.jsonl"
+    job_dir = workdir / f"{output}.vbatch"
+    read_end, write_end = os.pipe()
+    proc = subprocess.Popen(
+        vbatch(*run_args(tiny_model_dir, output)),
+        cwd=workdir,
+        stderr=write_end,
+        start_new_session=True,
+    )
+    os.close(write_end)
+    try:
+        wait_for_records(proc, job_dir, 2)
+        os.close(read_end)
+        os.killpg(proc.pid, signal.SIGHUP)
+        code = proc.wait(TIMEOUT_S)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 75
+    status = subprocess.run(vbatch("status", output, "--json"), cwd=workdir, capture_output=True)
+    info = orjson.loads(status.stdout)
+    assert info["done"] > 0 and info["remaining"] > 0
+    resume_to_completion(workdir, output)
+    assert texts(workdir / output) == reference
+
+
+def test_a_hangup_under_nohup_is_ignored(workdir: Path, tiny_model_dir: Path) -> None:
+    output = "nohup.jsonl"
+    job_dir = workdir / f"{output}.vbatch"
+    proc = subprocess.Popen(
+        vbatch(*run_args(tiny_model_dir, output)),
+        cwd=workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),
+    )
+    try:
+        wait_for_records(proc, job_dir, 2)
+        os.killpg(proc.pid, signal.SIGHUP)
+        code, stderr = finish(proc)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 0, stderr
+    assert len(texts(workdir / output)) == NUM_ROWS
+
+
 def test_double_sigint_exits_at_once(
     workdir: Path, tiny_model_dir: Path, reference: dict[str, str]
 ) -> None:

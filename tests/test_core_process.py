@@ -213,9 +213,10 @@ def test_heartbeats_carry_the_busy_loops_age(core: RawClient) -> None:
     assert all(0.0 <= age < 5.0 for age in ages)
 
 
-def test_sigterm_and_sigint_leave_the_core_running(core: RawClient) -> None:
+def test_sigterm_sigint_and_sighup_leave_the_core_running(core: RawClient) -> None:
     os.kill(core.proc.pid, signal.SIGTERM)
     os.kill(core.proc.pid, signal.SIGINT)
+    os.kill(core.proc.pid, signal.SIGHUP)
     time.sleep(0.5)
     assert core.proc.is_alive(), f"the core died: exit code {core.proc.exitcode}"
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)

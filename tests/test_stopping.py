@@ -58,3 +58,19 @@ def test_a_drain_timeout_past_the_timer_s_range_waits_without_a_traceback(
         time.sleep(0.2)
         assert stop.stop_requested and not stop.stop_now
     assert failures == []
+
+
+def test_a_hangup_stops_a_job_unless_it_is_ignored_as_under_nohup() -> None:
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        with StopControl(drain_timeout_s=60) as stop:
+            os.kill(os.getpid(), signal.SIGHUP)
+            assert stop.stop_requested
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        with StopControl(drain_timeout_s=60) as stop:
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGHUP)
+            assert not stop.stop_requested
+    finally:
+        signal.signal(signal.SIGHUP, previous)

@@ -62,7 +62,7 @@ _LAST_WORDS_MS = 300
 _STALL_S = 2.0
 _IPC_PREFIX = "vbatch-"
 _IPC_DIR_NAME = re.compile(r"vbatch-(\d+)-[A-Za-z0-9_]+")
-_OWN_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+_OWN_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
 def check_request_params(reqs: Sequence[AddRequest], vocab_size: int) -> None:

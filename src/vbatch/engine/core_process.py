@@ -1,11 +1,12 @@
 """The engine-core subprocess: socket threads, the busy loop around EngineCore, and a watchdog
 thread (parent watch, heartbeat, dead-man alarm).
 
-Signals: the core ignores SIGINT and SIGTERM, which belong to its parent (a terminal's Ctrl-C, or
-`timeout`, systemd, Slurm and Kubernetes signalling the whole process group, must let the job
-drain). It exits when told (Shutdown), when its parent is gone (then it also removes the
-parent's IPC directory), or, as a backstop, by SIGALRM's default action when its watchdog thread
-has not run for longer than the client would wait on it anyway (a core wedged holding the GIL).
+Signals: the core ignores SIGINT, SIGTERM and SIGHUP, which belong to its parent (a terminal's
+Ctrl-C or hang-up, or `timeout`, systemd, Slurm and Kubernetes signalling the whole process
+group, must let the job drain). It exits when told (Shutdown), when its parent is gone (then it
+also removes the parent's IPC directory), or, as a backstop, by SIGALRM's default action when its
+watchdog thread has not run for longer than the client would wait on it anyway (a core wedged
+holding the GIL).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ _STALL_S = 2.0
 # NOTE: the dead-man alarm fires this long after the client itself would have given up.
 _ALARM_MARGIN_S = 30.0
 _MAX_ALARM_S = 10**9
-_OWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_OWN_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # NOTE: the core's last messages (a start-up failure, say) must reach a live client, yet a dead
 # client must not keep the core alive, so the output socket lingers for a bounded time.
 _OUTPUT_LINGER_MS = 2000
@@ -89,7 +90,7 @@ def run_engine_core(
         set_core_waits(waits)
     if placement is not None:
         apply_placement(placement)
-    # NOTE: the client spawns the core with SIGINT and SIGTERM blocked, so neither can kill it
+    # NOTE: the client spawns the core with SIGINT, SIGTERM and SIGHUP blocked, so none can kill it
     # before this point; they stay ignored, and SIGALRM keeps its default action (terminate).
     for signum in _OWN_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)

@@ -21,7 +21,7 @@ from typing import Any
 from vbatch.engine.openmp_waits import openmp_waits, set_core_waits
 from vbatch.engine.startup_gc import pause_collection
 
-_OWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_OWN_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _JOIN_S = 5.0
 
 _lock = threading.Lock()
@@ -34,17 +34,33 @@ def spawn_context() -> Any:
 
 
 @contextlib.contextmanager
-def own_signals_blocked() -> Iterator[None]:
-    """SIGINT and SIGTERM blocked in this thread, so a child started here inherits them blocked
-    and a group-wide signal cannot kill it before it ignores them."""
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _OWN_SIGNALS)
+def own_signals_held() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP held back: blocked in this thread, so a child started here
+    inherits them blocked and a group-wide signal cannot kill it before it ignores them, and in
+    the main thread also recorded by a handler of ours and raised again on exit, so that no
+    KeyboardInterrupt lands inside multiprocessing's start (its child then read a cut message
+    and printed an EOFError traceback)."""
+    received: list[int] = []
+    previous_handlers: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        # NOTE: a handler set outside Python reads as None and cannot be put back, so it stays.
+        previous_handlers = {
+            signum: signal.signal(signum, lambda signum, frame: received.append(signum))
+            for signum in _OWN_SIGNALS
+            if signal.getsignal(signum) is not None
+        }
+    previous_mask = None
+    if hasattr(signal, "pthread_sigmask"):
+        previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _OWN_SIGNALS)
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        if previous_mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+        for signum, handler in previous_handlers.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(received):
+            signal.raise_signal(signum)
 
 
 @contextlib.contextmanager
@@ -82,11 +98,11 @@ def preload_core() -> None:
         name="vbatch-engine-core",
         daemon=True,
     )
-    with own_signals_blocked(), main_module_hidden():
+    with own_signals_held(), main_module_hidden():
         proc.start()
-    reader.close()
-    with _lock:
-        _preloaded = (proc, writer)
+        reader.close()
+        with _lock:
+            _preloaded = (proc, writer)
 
 
 def adopt_preloaded(args: tuple[Any, ...]) -> Any | None:

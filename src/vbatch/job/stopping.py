@@ -1,4 +1,4 @@
-"""StopControl: turns SIGTERM / SIGINT / the drain deadline into a job's stop flags."""
+"""StopControl: turns SIGTERM / SIGINT / SIGHUP / the drain deadline into a job's stop flags."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class StopNow(BaseException):
 
 
 class StopControl:
-    """Stop flags for the job loop, set by signal handlers (SIGTERM, SIGINT) and by the loop.
+    """Stop flags for the job loop, set by signal handlers (STOP_SIGNALS) and by the loop.
 
     Invariants: handlers only set flags and take no locks; they raise StopNow only while
     `is_waiting` (the main thread is inside the engine client), never mid-write. The first stop
@@ -68,11 +68,8 @@ class StopControl:
     def __enter__(self) -> StopControl:
         if threading.current_thread() is not threading.main_thread():
             return self
-        handlers = {
-            signal.SIGINT: self._on_signal,
-            signal.SIGTERM: self._on_signal,
-            signal.SIGALRM: self._on_deadline,
-        }
+        handlers = {signum: self._on_signal for signum in taken_stop_signals()}
+        handlers[signal.SIGALRM] = self._on_deadline
         self._previous = {signum: signal.signal(signum, fn) for signum, fn in handlers.items()}
         # NOTE: the deadline is a SIGALRM sent to the main thread, which interrupts a blocking
         # wait there; a timer thread rather than setitimer leaves other alarms alone.
@@ -100,9 +97,20 @@ class StopControl:
         self._previous = {}
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# NOTE: SIGHUP (the terminal closed, the SSH session dropped) stops a job as SIGTERM does.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # NOTE: process-wide, set by the job's signal handlers; read by the command's own handlers.
 _stop_signal_seen = threading.Event()
+
+
+def taken_stop_signals() -> list[int]:
+    """The STOP_SIGNALS a job takes: SIGINT and SIGTERM always (docs/resume.md), SIGHUP unless
+    it is ignored, as `nohup` makes it to keep a job running past its terminal."""
+    return [
+        signum
+        for signum in STOP_SIGNALS
+        if signum != signal.SIGHUP or signal.getsignal(signum) is not signal.SIG_IGN
+    ]
 
 
 def _after_stop_signal(signum: int, frame: Any) -> None:
@@ -138,23 +146,26 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 @contextlib.contextmanager
 def sigterm_interrupts() -> Iterator[None]:
-    """While a job is being created (before it exists): SIGTERM raises KeyboardInterrupt, as
-    SIGINT does, so the command removes what it made and says it was interrupted."""
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
-    ):
+    """While a job is being created (before it exists): SIGTERM and SIGHUP raise
+    KeyboardInterrupt, as SIGINT does, so the command removes what it made and says it was
+    interrupted. An ignored one stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous = {
+        signum: signal.signal(signum, _raise_interrupt)
+        for signum in (signal.SIGTERM, signal.SIGHUP)
+        if signal.getsignal(signum) is not signal.SIG_IGN
+    }
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 class StopOnSignal:
-    """SIGINT and SIGTERM raise StopNow at once, wherever the main thread is.
+    """The taken stop signals raise StopNow at once, wherever the main thread is.
 
     For work that a crash at any point leaves safe (finalize: the journal decides what is done),
     around the engine loop's StopControl, which takes the signals over while it is active and
@@ -171,7 +182,7 @@ class StopOnSignal:
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
             self._previous = {
-                signum: signal.signal(signum, self._on_signal) for signum in STOP_SIGNALS
+                signum: signal.signal(signum, self._on_signal) for signum in taken_stop_signals()
             }
         return self
 
