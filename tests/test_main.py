@@ -3,6 +3,7 @@ interpreter's teardown."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -126,3 +127,46 @@ def test_a_ctrl_c_anywhere_in_the_start_up_is_one_line_never_a_traceback(
         if proc.returncode == 130:
             assert stderr.splitlines()[-1] == "error: interrupted", stderr
     assert any(code == 130 for _, code, _ in outcomes), outcomes
+
+
+@pytest.mark.parametrize("stderr", ["full", "closed-pipe", "closed"])
+def test_a_job_whose_stderr_cannot_be_written_finishes_with_status_0(
+    stderr: str, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The terminal gone, `2>/dev/full`, `2>&1 | head -1` or `2>&-`: before, the summary's failed
+    write was reported as a full disk holding a job file (or the exit's flush failed), and a
+    finished job exited 1."""
+    (tmp_path / "in.jsonl").write_text("".join(f'{{"prompt": "row {i}"}}\n' for i in range(6)))
+    args = [sys.executable, "-m", "vbatch", "run", "in.jsonl", "-o", "out.jsonl"]
+    args += ["--model", str(tiny_model_dir), "--max-tokens", "3", "--num-threads", "1"]
+    if stderr == "full":
+        with open("/dev/full", "w") as full:
+            done = subprocess.run(args, cwd=tmp_path, stderr=full, timeout=180, check=False)
+    elif stderr == "closed-pipe":
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        done = subprocess.run(args, cwd=tmp_path, stderr=write_end, timeout=180, check=False)
+        os.close(write_end)
+    else:
+        done = subprocess.run(
+            args,
+            cwd=tmp_path,
+            stderr=subprocess.DEVNULL,
+            timeout=180,
+            check=False,
+            preexec_fn=lambda: os.close(2),
+        )
+    assert done.returncode == 0
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 6
+
+
+def test_a_closed_standard_fd_gets_the_null_device_before_any_file_takes_its_number() -> None:
+    done = run_python(
+        "import os, sys\n"
+        "os.close(2)\n"
+        "from vbatch.__main__ import guard_standard_streams\n"
+        "guard_standard_streams()\n"
+        "fd = os.open(os.devnull, os.O_RDONLY)\n"
+        "print(fd > 2, os.path.samestat(os.fstat(2), os.stat(os.devnull)))\n"
+    )
+    assert done.stdout.split() == ["True", "True"]

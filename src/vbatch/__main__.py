@@ -7,6 +7,7 @@ import atexit
 import os
 import sys
 import threading
+from typing import Any, TextIO
 
 PRELOADING_COMMANDS = ("run", "resume")
 # NOTE: these start several cores, or none in this process, or only print.
@@ -25,7 +26,51 @@ def runs_one_core(args: list[str]) -> bool:
     return not any(arg.split("=")[0].startswith(NOT_PRELOADING_OPTIONS) for arg in args[1:])
 
 
+class TolerantStream:
+    """The command's stderr: once a write or flush fails (the terminal closed, `2>/dev/full`, a
+    pipe whose reader left), the rest of what it shows is dropped, rather than failing the job
+    that was showing its progress. Everything else is the wrapped stream's."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.failed = False
+
+    def write(self, text: str) -> int:
+        if not self.failed:
+            try:
+                return self.stream.write(text)
+            except OSError:
+                self.failed = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.failed:
+            try:
+                self.stream.flush()
+            except OSError:
+                self.failed = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def guard_standard_streams() -> None:
+    """Opens the null device on a closed fd 0, 1 or 2 (`2>&-`), so that no file the job opens
+    takes that number (an engine core writes its stderr to fd 2), and makes stderr tolerant."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    if sys.stderr is not None:
+        sys.stderr = TolerantStream(sys.stderr)  # type: ignore[assignment]
+
+
 def main() -> None:
+    guard_standard_streams()
     for name, value in BLAS_THREADS.items():
         os.environ.setdefault(name, value)
     try:
@@ -39,8 +84,11 @@ def main() -> None:
         cli_main()
     except SystemExit as e:
         exit_now(e.code)
-    except KeyboardInterrupt:
-        # NOTE: Ctrl-C before the command installed its own handling (while it imports).
+    except (KeyboardInterrupt, RuntimeError) as e:
+        # NOTE: Ctrl-C before the command installed its own handling (while it imports); Python
+        # 3.11 wraps one that lands in a __set_name__ (a class body) in a RuntimeError.
+        if isinstance(e, RuntimeError) and not isinstance(e.__cause__, KeyboardInterrupt):
+            raise
         print("error: interrupted", file=sys.stderr)
         exit_now(130)
     finally:
@@ -68,6 +116,8 @@ def exit_now(code: int | str | None) -> None:
         print(code, file=sys.stderr)
         status = 1
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:
+            continue
         try:
             stream.flush()
         except (OSError, ValueError):
