@@ -6,7 +6,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
-import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -130,23 +130,19 @@ def test_free_cpus_reads_the_machine(busy_cpus: None) -> None:
 
 
 def test_free_cpus_counts_this_process_as_free(monkeypatch: pytest.MonkeyPatch) -> None:
-    # NOTE: with no idle time read, what free_cpus reports is this process's own CPU time, so
-    # other work on the machine (another test worker) cannot move the result.
+    # NOTE: with no idle time read, what free_cpus reports is this process's own CPU time over
+    # the window; the work spins for 0.2 s of that, however long a busy machine makes it wait.
     monkeypatch.setattr(openmp_waits, "idle_ticks", lambda cpus: 0)
-    stop = threading.Event()
 
-    def spin() -> None:
-        while not stop.is_set():
+    def spin() -> tuple[float, float]:
+        cpu_start, wall_start = time.process_time(), time.monotonic()
+        while time.process_time() - cpu_start < 0.2:
             pass
+        return time.process_time() - cpu_start, time.monotonic() - wall_start
 
-    worker = threading.Thread(target=spin)
-    worker.start()
-    try:
-        busy_here = openmp_waits.free_cpus(0.2)
-    finally:
-        stop.set()
-        worker.join()
-    assert busy_here is not None and 0.2 < busy_here <= 1.1
+    (cpu_s, wall_s), busy_here = openmp_waits.free_cpus_while(spin)
+    assert busy_here is not None and busy_here > 0
+    assert busy_here == pytest.approx(cpu_s / wall_s, rel=0.25)
 
 
 def test_the_preloaded_core_gets_its_waits_at_its_spawn(
