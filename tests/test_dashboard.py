@@ -277,3 +277,14 @@ def test_a_pooling_job_shows_its_task_rows_and_prompt_tokens() -> None:
     assert "prompt tok/s" in text and "rows/s" in text and "gen tok/s" not in text
     plain = render(render_dashboard(metrics.snapshot()), 120)
     assert "gen tok/s" in plain and "embed" not in plain
+
+
+@pytest.mark.parametrize("width", [20, 30])
+def test_a_narrow_terminal_s_summary_shows_every_value(width: int) -> None:
+    """Before, the table's label column took every column and the values showed empty."""
+    metrics, _ = running_job(num_errors=3)
+    snap = metrics.snapshot()
+    text = "".join(render(render_summary(snap), width).split())
+    for value in (snap.state, f"{snap.num_rows_errored:,}", "prompt_too_long:3", "out.parquet"):
+        assert value in text, (value, text)
+    assert all(len(line) <= width for line in render(render_summary(snap), width).splitlines())

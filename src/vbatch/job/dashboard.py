@@ -35,6 +35,8 @@ SPARK_BLOCKS = " ▁▂▃▄▅▆▇█"
 LABEL_WIDTH = 13
 COLUMN_GAP = 2
 MIN_TWO_COLUMN_WIDTH = 60
+# NOTE: past the label column (14) and the borders, a value gets about 20 columns here.
+MIN_SUMMARY_TABLE_WIDTH = 40
 MIN_BAR_WIDTH = 10
 STALE_STATS_S = 5.0
 
@@ -307,36 +309,61 @@ def render_dashboard(snap: JobSnapshot) -> RenderableType:
     return Panel(body, title=title, title_align="left", border_style=state_style or "none")
 
 
+class _Summary:
+    """The end-of-job table, or, narrower than MIN_SUMMARY_TABLE_WIDTH, the same rows as
+    `label: value` lines (a table's label column left its values no room there)."""
+
+    def __init__(self, rows: list[tuple[str, str | Text]]) -> None:
+        self.rows = rows
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        if options.max_width < MIN_SUMMARY_TABLE_WIDTH:
+            yield Text("vbatch job summary")
+            for label, value in self.rows:
+                yield Text.assemble((f"{label}: ", "bold"), value, overflow="fold")
+            return
+        table = Table(title="vbatch job summary", show_header=False, title_justify="left")
+        table.add_column(style="bold", no_wrap=True)
+        table.add_column(overflow="fold")
+        for label, value in self.rows:
+            table.add_row(label, value)
+        yield table
+
+
 def render_summary(snap: JobSnapshot) -> RenderableType:
-    """The end-of-job table: totals, throughput, errors by kind, output path and wall time."""
-    table = Table(title="vbatch job summary", show_header=False, title_justify="left")
-    table.add_column(style="bold", no_wrap=True)
-    table.add_column(overflow="fold")
-    table.add_row("state", Text(snap.state, style=STATE_STYLES.get(snap.state, "")))
-    rows = _rows_of_total(snap)
+    """The end-of-job summary: totals, throughput, errors by kind, output path and wall time."""
+    rows: list[tuple[str, str | Text]] = [
+        ("state", Text(snap.state, style=STATE_STYLES.get(snap.state, "")))
+    ]
+    done = _rows_of_total(snap)
     if snap.rows_done_before:
-        rows += f" ({snap.rows_done_before:,} from earlier runs)"
-    table.add_row("rows done", rows)
-    table.add_row("rows errored", f"{snap.num_rows_errored:,}")
+        done += f" ({snap.rows_done_before:,} from earlier runs)"
+    rows.append(("rows done", done))
+    rows.append(("rows errored", f"{snap.num_rows_errored:,}"))
     if snap.num_rows_remaining:
-        table.add_row("rows remaining", f"{snap.num_rows_remaining:,}")
+        rows.append(("rows remaining", f"{snap.num_rows_remaining:,}"))
     reasons = ", ".join(f"{reason} {count:,}" for reason, count in snap.finish_reasons.items())
-    table.add_row("finish reasons", reasons)
+    rows.append(("finish reasons", reasons))
     for kind, count in sorted(snap.errors_by_kind.items()):
-        table.add_row("error", Text(f"{kind}: {count:,}", style="red"))
-    table.add_row(
-        "tokens",
-        f"prompt {snap.num_prompt_tokens:,} · generated {snap.num_completion_tokens:,} · "
-        f"cached {snap.num_cached_tokens:,}",
+        rows.append(("error", Text(f"{kind}: {count:,}", style="red")))
+    rows.append(
+        (
+            "tokens",
+            f"prompt {snap.num_prompt_tokens:,} · generated {snap.num_completion_tokens:,} · "
+            f"cached {snap.num_cached_tokens:,}",
+        )
     )
-    table.add_row(
-        "throughput",
-        f"{fmt_rate(snap.rows_per_s_overall)} rows/s · prompt {fmt_rate(snap.prompt_tps_overall)} "
-        f"tok/s · gen {fmt_rate(snap.gen_tps_overall)} tok/s",
+    rows.append(
+        (
+            "throughput",
+            f"{fmt_rate(snap.rows_per_s_overall)} rows/s · prompt "
+            f"{fmt_rate(snap.prompt_tps_overall)} tok/s · gen {fmt_rate(snap.gen_tps_overall)} "
+            "tok/s",
+        )
     )
-    table.add_row("output", snap.output_path or "--")
-    table.add_row("wall time", fmt_duration(snap.elapsed_s))
-    return table
+    rows.append(("output", snap.output_path or "--"))
+    rows.append(("wall time", fmt_duration(snap.elapsed_s)))
+    return _Summary(rows)
 
 
 def _printable(text: str) -> str:
