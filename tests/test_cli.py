@@ -407,6 +407,21 @@ def test_user_errors_print_one_line_without_traceback(tmp_path: Path) -> None:
     assert result.exit_code == 1 and "no job to resume" in result.output
 
 
+def test_a_file_where_the_job_directory_goes_is_named(tmp_path: Path) -> None:
+    """Before, run said `cannot write .: File exists` and status said there was no such path."""
+    (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
+    (tmp_path / "o.jsonl.vbatch").write_text("not a job")
+    runner = CliRunner()
+    output = str(tmp_path / "o.jsonl")
+    result = runner.invoke(app, ["run", str(tmp_path / "in.jsonl"), "-o", output])
+    assert result.exit_code == 1
+    assert "o.jsonl.vbatch, where the job would live, is a file" in result.output
+    for command in ("status", "resume"):
+        result = runner.invoke(app, [command, output])
+        assert result.exit_code == 1 and "o.jsonl.vbatch is not a directory" in result.output
+    assert (tmp_path / "o.jsonl.vbatch").read_text() == "not a job"
+
+
 def test_real_model_chat_job_end_to_end(tmp_path: Path) -> None:
     rows = [
         {

@@ -139,6 +139,11 @@ class JobLock:
             if create:
                 try:
                     job_dir.mkdir(exist_ok=True)
+                except FileExistsError:
+                    raise JobStateError(
+                        f"{job_dir}, where the job would live, is a file, not a job directory; "
+                        "move or remove it"
+                    ) from None
                 except OSError as e:
                     raise storage_error(e, job_dir.parent) from None
             try:

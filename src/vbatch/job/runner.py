@@ -495,7 +495,7 @@ def resume_job(
     if not job_dir.is_dir():
         sibling = _sibling_manifest(output)
         if sibling is None:
-            raise JobStateError(f"there is no job to resume for {output} (no {job_dir})")
+            raise _no_job("there is no job to resume", output, job_dir)
         return _start_shard_like(output, sibling, overrides, llm_factory)
     lock = JobLock(job_dir)
     try:
@@ -881,6 +881,13 @@ def _refuse_lost_output(output: Path, final: Path, state: JobState) -> None:
     )
 
 
+def _no_job(what: str, output: Path, job_dir: Path) -> JobStateError:
+    """`what` for `output`, saying why: no job directory, or a file in its place."""
+    if job_dir.exists():
+        return JobStateError(f"{what} for {output}: {job_dir} is not a directory")
+    return JobStateError(f"{what} for {output} (no {job_dir})")
+
+
 def job_status(output: Path) -> dict[str, Any]:
     """`vbatch status`: what the job directory says, without changing anything; with a list of
     `shards` (see job/merge.py) when `output` has shards (`--shard I/N`)."""
@@ -891,7 +898,7 @@ def job_status(output: Path) -> dict[str, Any]:
     if not job_dir.is_dir():
         if shards:
             return {"output": str(output.absolute()), "merged": output.exists(), "shards": shards}
-        raise JobStateError(f"there is no job for {output} (no {job_dir})")
+        raise _no_job("there is no job", output, job_dir)
     if not (job_dir / MANIFEST_NAME).exists() and is_locked(job_dir):
         raise JobStateError(
             f"a `vbatch run` is still creating the job in {job_dir} (it checks its input "
