@@ -84,6 +84,14 @@ def test_openai_chat_line_maps_body_fields() -> None:
     )
 
 
+@pytest.mark.parametrize("text", [" ", "\n", "\t "])
+def test_a_whitespace_prompt_is_a_prompt(text: str) -> None:
+    """It tokenizes to real tokens (vLLM and sentence-transformers take it); before, a job made
+    it an error row saying the prompt was empty."""
+    row = parse({"prompt": text})
+    assert row.error is None and row.prompt == text
+
+
 def test_openai_completions_line() -> None:
     record = {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 1}}
     row = parse(record)

@@ -452,6 +452,6 @@ def _echo(body: dict[str, Any]) -> bool:
 def check_prompt(prompt: Any, column: str) -> str:
     if not isinstance(prompt, str):
         raise RowError(f"{column} must be a string, got {type(prompt).__name__}")
-    if not prompt.strip():
+    if not prompt:
         raise RowError(f"{column} is empty")
     return prompt
