@@ -62,6 +62,35 @@ def test_a_byte_order_mark_before_a_json_array_still_gets_the_hint(tmp_path: Pat
         InputReader(path, None, ColumnOptions())
 
 
+@pytest.mark.parametrize(
+    ("codec", "named"),
+    [
+        ("utf-16", "UTF-16"),
+        ("utf-16-le", "UTF-16LE"),
+        ("utf-16-be", "UTF-16BE"),
+        ("utf-32", "UTF-32"),
+        ("utf-32-le", "UTF-32LE"),
+    ],
+)
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_utf16_or_utf32_input_is_refused_with_the_command_that_converts_it(
+    tmp_path: Path, codec: str, named: str, suffix: str
+) -> None:
+    """Windows PowerShell 5.1's `>` writes UTF-16: before, each line became a garbage error row
+    (and one more for the NUL after the last newline), and the job exited 0."""
+    text = '{"prompt": "a"}\n{"prompt": "b"}\n'
+    path = tmp_path / f"in{suffix}"
+    data = text.encode(codec)
+    path.write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
+    with pytest.raises(InputError, match=f"is {named} text; vbatch reads UTF-8") as info:
+        InputReader(path, None, ColumnOptions())
+    command = str(info.value).split("Convert it with: ")[1]
+    if shutil.which("iconv") is not None:
+        subprocess.run(command, shell=True, check=True, cwd=tmp_path)
+        rows = InputReader(tmp_path / "in.utf8.jsonl", None, ColumnOptions()).rows(PARSER)
+        assert [r.prompt for r in rows] == ["a", "b"]
+
+
 def test_skip_set_is_not_decoded(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "in.jsonl", [f'{{"prompt": "p{i}"}}' for i in range(10)])
     skip = IndexSet()

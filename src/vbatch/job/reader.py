@@ -58,6 +58,8 @@ _PEEK_BYTES = 1 << 20
 # NOTE: Windows tools begin a UTF-8 text file with it (Windows PowerShell's `Out-File -Encoding
 # utf8`, Notepad's "UTF-8 with BOM").
 _UTF8_BOM = b"\xef\xbb\xbf"
+_UTF32_LE_BOM, _UTF32_BE_BOM = b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff"
+_UTF16_LE_BOM, _UTF16_BE_BOM = b"\xff\xfe", b"\xfe\xff"
 # NOTE: orjson reads an integer beyond 64 bits as a float, silently; a line with a run of this
 # many digits is parsed again exactly, and such an integer makes the row an error row.
 _LONG_DIGITS = re.compile(rb"\d{19}")
@@ -221,6 +223,7 @@ class InputReader:
         if self.format == "parquet":
             self._open_parquet()
         else:
+            self._refuse_wide_encodings()
             self._refuse_json_array()
             if check_columns:
                 self._check_jsonl_columns()
@@ -250,6 +253,39 @@ class InputReader:
                 f"column(s) {', '.join(map(repr, missing))} not in {self.path} "
                 f"(it has {', '.join(self.columns)})"
             )
+
+    def _refuse_wide_encodings(self) -> None:
+        """UTF-16 or UTF-32 text (Windows PowerShell 5.1's `>` writes UTF-16) gets a hint, not a
+        row of garbage per line: detected by its byte order mark, or by a NUL byte in its first
+        four, which UTF-8 JSON text never has."""
+        try:
+            with self._open_text() as f:
+                head = f.read(4)
+        except (OSError, EOFError, zlib.error, CorruptInput, InputError):
+            return  # NOTE: the full read reports an unreadable file.
+        if head.startswith((_UTF32_LE_BOM, _UTF32_BE_BOM)):
+            encoding = "UTF-32"
+        elif head.startswith((_UTF16_LE_BOM, _UTF16_BE_BOM)):
+            encoding = "UTF-16"
+        elif 0 in head[:2]:
+            # NOTE: without a byte order mark iconv needs the byte order, which the NULs give.
+            width = "32" if len(head) == 4 and head.count(0) == 3 else "16"
+            encoding = f"UTF-{width}{'BE' if head[0] == 0 else 'LE'}"
+        else:
+            return
+        name = self.path.name.lower()
+        path = shlex.quote(str(self.path))
+        convert = f"iconv -f {encoding} -t UTF-8"
+        if name.endswith((".gz", ".zst")):
+            convert = f"{'zcat' if name.endswith('.gz') else 'zstdcat'} {path} | {convert}"
+        else:
+            convert = f"{convert} {path}"
+        stem = self.path.name.split(".")[0]
+        target = shlex.quote(str(self.path.with_name(f"{stem}.utf8.jsonl")))
+        raise InputError(
+            f"{self.path} is {encoding} text; vbatch reads UTF-8. Convert it with: "
+            f"{convert} > {target}"
+        )
 
     def _refuse_json_array(self) -> None:
         """A JSON array (one document, not one object per line) gets a hint, not error rows.
