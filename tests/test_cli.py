@@ -422,6 +422,26 @@ def test_a_file_where_the_job_directory_goes_is_named(tmp_path: Path) -> None:
     assert (tmp_path / "o.jsonl.vbatch").read_text() == "not a job"
 
 
+@pytest.mark.parametrize("name", ["manifest.json", "journal.jsonl"])
+def test_a_directory_in_place_of_a_job_file_is_one_clear_line(
+    name: str, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Before: `unexpected IsADirectoryError ... (this is a bug in vbatch ...)`."""
+    (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
+    runner = CliRunner()
+    args = ["run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "o.jsonl"), "-q"]
+    result = runner.invoke(app, [*args, "--model", str(tiny_model_dir), "--max-tokens", "2"])
+    assert result.exit_code == 0, result.output
+    job_file = tmp_path / "o.jsonl.vbatch" / name
+    job_file.unlink()
+    job_file.mkdir()
+    for command in ("status", "resume"):
+        result = runner.invoke(app, [command, str(tmp_path / "o.jsonl")])
+        assert result.exit_code == 1
+        assert f"{name} is a directory where vbatch expects a file" in result.output
+        assert "bug" not in result.output
+
+
 def test_real_model_chat_job_end_to_end(tmp_path: Path) -> None:
     rows = [
         {

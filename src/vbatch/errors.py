@@ -86,6 +86,11 @@ _STORAGE_CAUSES = {
         "make its directory writable for this user, or write the output elsewhere",
     ),
     errno.EIO: ("input/output error on {path}", "check the disk (see `dmesg`)"),
+    errno.EISDIR: ("{path} is a directory where vbatch expects a file", "move or remove it"),
+    errno.ENOTDIR: (
+        "a part of {path} is a file where vbatch expects a directory",
+        "move or remove that file",
+    ),
 }
 
 
