@@ -495,6 +495,31 @@ def test_gemma3_rope_scaling_beside_nested_rope_parameters_scales_the_global_lay
     assert (config.sliding_rope_theta, config.sliding_rope_scaling) == (10000.0, None)
 
 
+def test_gemma3_per_type_rope_parameters_without_thetas_take_the_top_level_ones(
+    tmp_path: Path,
+) -> None:
+    """Before, the per-type dicts' missing thetas became 1e6 and 1e4 whatever rope_theta and
+    rope_local_base_freq said, and every position rotated otherwise than in transformers."""
+    raw = {
+        **BASE,
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 2,
+        "sliding_window": 512,
+        "sliding_window_pattern": 2,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default"},
+            "sliding_attention": {"rope_type": "default"},
+        },
+        "rope_theta": 30.0,
+        "rope_local_base_freq": 20.0,
+    }
+    expected = _transformers_rope(raw, tmp_path)
+    config = ModelConfig.from_dict(raw)
+    assert config.rope_theta == expected["full_attention"]["rope_theta"] == 30.0
+    assert config.sliding_rope_theta == expected["sliding_attention"]["rope_theta"] == 20.0
+
+
 def test_gemma3_local_layers_keep_their_rope_where_the_window_never_binds(
     tmp_path: Path, make_attention_metadata: Callable
 ) -> None:

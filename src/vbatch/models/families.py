@@ -231,16 +231,13 @@ def _gemma3(raw: Raw, base: dict[str, Any]) -> Hooks:
         "sliding_rope_layers": _sliding_layers(raw, base, is_sliding),
     }
     params = _rope_dict(raw, "rope_parameters")
-    if "full_attention" in params or "sliding_attention" in params:
-        # NOTE: as transformers: a rope_scaling beside them updates the global layers' own.
-        full = {**(params.get("full_attention") or {}), **_rope_dict(raw, "rope_scaling")}
-        local = params.get("sliding_attention") or {}
-    else:
-        # NOTE: older configs: rope_scaling and rope_theta (global), rope_local_base_freq.
-        full = {**_rope_dict(raw, "rope_scaling"), "rope_theta": raw.get("rope_theta", 1e6)}
-        local = {"rope_theta": raw.get("rope_local_base_freq", 10000.0)}
-    full.setdefault("rope_theta", 1e6)
-    local.setdefault("rope_theta", 10000.0)
+    # NOTE: as transformers: a rope_scaling beside per-type parameters updates the global
+    # layers' own, and a theta a type lacks comes from the top level (rope_theta, global;
+    # rope_local_base_freq, local), as in older configs, which have only those.
+    full = {**(params.get("full_attention") or {}), **_rope_dict(raw, "rope_scaling")}
+    local = dict(params.get("sliding_attention") or {})
+    full.setdefault("rope_theta", raw.get("rope_theta", 1e6))
+    local.setdefault("rope_theta", raw.get("rope_local_base_freq", 10000.0))
     hooks.update(_rope_hooks(full, {}, base))
     hooks["sliding_rope_theta"], hooks["sliding_rope_scaling"], _ = rope_settings(local, {}, base)
     if (hooks["sliding_rope_scaling"] or {}).get("rope_type") == "longrope":
