@@ -120,3 +120,37 @@ def test_a_data_parallel_set_frees_the_preloaded_core_at_once(tiny_model_dir: Pa
         assert preload._preloaded is None and not proc.is_alive()
     finally:
         engines.shutdown()
+
+
+def test_hiding_the_main_module_from_a_core_s_spawn_changes_nothing_other_threads_see(
+    tmp_path: Path,
+) -> None:
+    """A core starts on the client's thread while the user's code runs: before, its spawn
+    removed __main__'s __file__ and __spec__ for the whole process meanwhile, and the user's
+    own spawn pool failed to find its functions in __main__ (and hung)."""
+    script = tmp_path / "user.py"
+    script.write_text(
+        "import multiprocessing, threading\n"
+        "from vbatch.engine.preload import main_module_hidden, spawn_context\n"
+        "def square(x):\n"
+        "    return x * x\n"
+        "if __name__ == '__main__':\n"
+        "    entered, release = threading.Event(), threading.Event()\n"
+        "    def start_core():\n"
+        "        with main_module_hidden():\n"
+        "            entered.set()\n"
+        "            release.wait()\n"
+        "    thread = threading.Thread(target=start_core)\n"
+        "    thread.start()\n"
+        "    entered.wait()\n"
+        "    print('file', __file__ == globals().get('__file__'))\n"
+        "    with spawn_context().Pool(1) as pool:\n"
+        "        print('pool', pool.map(square, [3]))\n"
+        "    release.set()\n"
+        "    thread.join()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["file True", "pool [9]"]

@@ -10,11 +10,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import multiprocessing
+import multiprocessing.spawn
 import os
 import signal
-import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -71,20 +71,32 @@ def main_module_hidden() -> Iterator[None]:
     script; without its main module it neither runs an unguarded script's top level a second time
     nor pays for importing it (the CLI's own modules, before the core's torch import).
     """
-    # NOTE: multiprocessing's spawn reads __main__'s __spec__ and __file__ in Process.start()
-    # to tell the child what to import as __mp_main__; with neither it imports nothing.
-    main = sys.modules["__main__"]
-    saved = {
-        name: main.__dict__[name] for name in ("__spec__", "__file__") if name in main.__dict__
-    }
-    main.__dict__.pop("__file__", None)
-    main.__dict__["__spec__"] = None
+    # NOTE: Process.start() asks multiprocessing.spawn.get_preparation_data what the child
+    # imports as __mp_main__; a filter, installed once, drops that for starts in this thread
+    # only. Hiding __main__'s __file__ and __spec__ instead had the user's other threads (a
+    # script reading its input while the core starts, its own spawn pools) see them missing.
+    with _lock:
+        if multiprocessing.spawn.get_preparation_data is not _preparation_data:
+            _wrapped.append(multiprocessing.spawn.get_preparation_data)
+            multiprocessing.spawn.get_preparation_data = _preparation_data
+    _main_hidden.active = True
     try:
         yield
     finally:
-        main.__dict__.update(saved)
-        if "__spec__" not in saved:
-            main.__dict__.pop("__spec__", None)
+        _main_hidden.active = False
+
+
+_main_hidden = threading.local()
+_wrapped: list[Callable[[str], dict[str, Any]]] = []
+_MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
+
+
+def _preparation_data(name: str) -> dict[str, Any]:
+    data = _wrapped[-1](name)
+    if getattr(_main_hidden, "active", False):
+        for key in _MAIN_KEYS:
+            data.pop(key, None)
+    return data
 
 
 def preload_core() -> None:
