@@ -504,3 +504,34 @@ def test_a_bad_max_in_flight_is_a_config_error_as_at_the_cli(value: object) -> N
     """It was raised to 1 without a word, where `--max-in-flight 0` is refused."""
     with pytest.raises(ConfigError, match="max_in_flight must be an integer of at least 1"):
         LLM(None, max_in_flight=value)  # type: ignore[arg-type]
+
+
+def test_a_forked_child_using_the_parent_s_llm_gets_a_clear_error(llm: LLM) -> None:
+    """Before, its generate() waited forever on a copy of the queues no thread served."""
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        try:
+            llm.generate(["hello"], params)
+            message = "no error"
+        except EngineDeadError as e:
+            message = str(e)
+        except BaseException as e:
+            message = f"{type(e).__name__}: {e}"
+        os.write(write_end, message.encode())
+        os._exit(0)
+    os.close(write_end)
+    deadline = time.monotonic() + 60
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        time.sleep(0.05)
+    with os.fdopen(read_end, "rb") as f:
+        message = f.read().decode()
+    assert "was forked from it; create an LLM in this process instead" in message, message
+    (out,) = llm.generate(["hello"], params)
+    assert len(out.outputs[0].token_ids) == 2

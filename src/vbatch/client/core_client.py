@@ -273,6 +273,12 @@ class _Connection:
             raise self.dead
         if self.closed:
             raise EngineDeadError("the engine has been shut down")
+        if os.getpid() != self._owner_pid:
+            # NOTE: a forked child has copies of the queues, but no socket thread and no core.
+            raise EngineDeadError(
+                f"this engine belongs to process {self._owner_pid}, and this process "
+                f"({os.getpid()}) was forked from it; create an LLM in this process instead"
+            )
 
     def wake(self) -> None:
         with self._fd_lock, contextlib.suppress(OSError):
