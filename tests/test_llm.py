@@ -535,3 +535,29 @@ def test_a_forked_child_using_the_parent_s_llm_gets_a_clear_error(llm: LLM) -> N
     assert "was forked from it; create an LLM in this process instead" in message, message
     (out,) = llm.generate(["hello"], params)
     assert len(out.outputs[0].token_ids) == 2
+
+
+def test_an_llm_in_a_pool_worker_says_why_it_cannot_start(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Before: `the engine client thread failed: AssertionError('daemonic processes are not
+    allowed to have children')`."""
+    script = tmp_path / "pool.py"
+    script.write_text(
+        "import multiprocessing\n"
+        "from vbatch import LLM\n"
+        "def start(model):\n"
+        "    try:\n"
+        "        LLM(model)\n"
+        "    except Exception as e:\n"
+        "        return f'{type(e).__name__}: {e}'\n"
+        "    return 'started'\n"
+        "if __name__ == '__main__':\n"
+        "    with multiprocessing.get_context('spawn').Pool(1) as pool:\n"
+        f"        print(pool.apply(start, ({str(tiny_model_dir)!r},)))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("EngineStartupError: an engine core cannot start in a daemonic")

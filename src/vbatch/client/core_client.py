@@ -98,6 +98,12 @@ class EngineCoreClient:
         """`placement` pins the core (one of several); `on_result` is called, on the socket
         thread, after each item that get_outputs would return (outputs or the core's death).
         With `wait=False` the core starts in the background and `wait_ready()` must follow."""
+        if multiprocessing.current_process().daemon:
+            raise EngineStartupError(
+                "an engine core cannot start in a daemonic process (a multiprocessing Pool's "
+                "worker), which Python forbids children; start the engine in a non-daemonic "
+                "process (a spawn `Process`), or use data parallelism (-dp N) for several cores"
+            )
         self.config = config
         sweep_stale_ipc_dirs()
         self._conn = _Connection(config, placement, on_result)
