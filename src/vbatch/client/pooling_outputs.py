@@ -166,7 +166,9 @@ class PoolingState:
             self.error = f"the engine ended the request ({finish.finish_reason}) without a result"
 
     def to_output(self) -> PoolingRequestOutput:
-        data = np.frombuffer(self.pooled.data, dtype="<f4") if self.pooled else np.zeros(0, "f4")
+        # NOTE: a copy: a view of the message's bytes would be read-only, where vLLM's tensor
+        # takes in-place operations.
+        data = np.frombuffer(self.pooled.data, "<f4").copy() if self.pooled else np.zeros(0, "f4")
         if self.params.task != PoolingTask.PROMPT_LOGPROBS and self.prompt_lens is not None:
             data = data.reshape(len(self.prompt_lens), -1)
         out = pooling_output(
