@@ -387,6 +387,12 @@ def test_a_text_cut_to_its_last_tokens_keeps_the_special_tokens_its_encoding_add
     for keep in (4, 6, len(ids), len(ids) + 3):
         want = reference(text, truncation=True, max_length=keep)["input_ids"]
         assert tokenizer.keep_last_tokens(ids, keep, from_text=True) == want, keep
+    # NOTE: before, a cut to 1 or 2 kept [SEP] (or [CLS][SEP]) alone, silently.
+    for keep in (1, 2):
+        with pytest.raises(ValueError, match=f"truncate_prompt_tokens={keep} leaves no room"):
+            tokenizer.keep_last_tokens(ids, keep, from_text=True)
+    assert tokenizer.keep_last_tokens(ids, 2, from_text=False) == ids[-2:]
     plain = TextTokenizer.from_dir(smollm2.hf_dir)
     (plain_ids,) = plain.encode_batch([text])
     assert plain.keep_last_tokens(plain_ids, 4, from_text=True) == plain_ids[-4:]
+    assert plain.keep_last_tokens(plain_ids, 1, from_text=True) == plain_ids[-1:]

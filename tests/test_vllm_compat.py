@@ -586,3 +586,21 @@ def test_greedy_frequency_and_presence_penalties_apply_from_the_second_token(llm
         tokens = out.outputs[0].token_ids
         assert tokens == with_logprobs.outputs[0].token_ids, penalty
         assert len(set(tokens)) == 6, (penalty, tokens)
+
+
+def test_a_cut_that_leaves_a_text_no_room_beside_its_special_tokens_is_an_error_output(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As for a tokenizer that adds [CLS] and [SEP]: before, a cut to 1 or 2 kept only those, and
+    a CLS-pooled embedding pooled them silently."""
+    monkeypatch.setattr(llm.tokenizer, "_added_around", (1, 1))
+    text = "a text of several tokens"
+    cut, kept = llm.generate(
+        [text, text],
+        [SamplingParams(truncate_prompt_tokens=k, max_tokens=1) for k in (2, 3)],
+        use_tqdm=False,
+    )
+    assert cut.error is not None and "truncate_prompt_tokens=2 leaves no room" in cut.error
+    assert kept.error is None and len(kept.prompt_token_ids) == 3
+    (embedded,) = llm.embed(text, truncate_prompt_tokens=2, use_tqdm=False)
+    assert embedded.error is not None and "leaves no room" in embedded.error

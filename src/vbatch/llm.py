@@ -556,7 +556,11 @@ class LLM(PoolingMethods):
             keep = self._kept_prompt_tokens(params.truncate_prompt_tokens)
             if keep is not None:
                 from_text = isinstance(req.prompt, str) and req.prompt_token_ids is None
-                prompt_ids = self.tokenizer.keep_last_tokens(prompt_ids, keep, from_text)
+                try:
+                    prompt_ids = self.tokenizer.keep_last_tokens(prompt_ids, keep, from_text)
+                except ValueError as e:
+                    ready.append((position, error_output(req, position, [], str(e))))
+                    continue
             if params.bad_words:
                 # NOTE: on a copy: the caller's params may change, or go to another model.
                 params = msgspec.structs.replace(

@@ -272,10 +272,14 @@ class PoolingMethods:
                 # NOTE: as vLLM, whose model length for an embedder is its max_seq_length.
                 keep = min(keep, limit)
             is_text = req.prompt is not None and req.prompt_token_ids is None
-            token_lists = [
-                self.tokenizer.keep_last_tokens(list(p), keep, is_text) if keep else list(p)
-                for p in prompts
-            ]
+            try:
+                token_lists = [
+                    self.tokenizer.keep_last_tokens(list(p), keep, is_text) if keep else list(p)
+                    for p in prompts
+                ]
+            except ValueError as e:
+                ready.append((position, pooling_output(req, position, [], params.task, str(e))))
+                continue
             prompt_lens = [len(p) for p in token_lists] if isinstance(req.prompt, list) else None
             prompt_ids = [t for p in token_lists for t in p]
             rid = str(next(self._request_ids))

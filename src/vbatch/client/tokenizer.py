@@ -279,10 +279,15 @@ class TextTokenizer:
         """Token ids cut to their last `keep`; those of a text (`from_text`: encoded with
         add_special_tokens) keep the special tokens the encoding added, as transformers
         truncates on the left (and vLLM a text prompt): a CLS-pooled embedding still pools
-        [CLS]."""
+        [CLS]. A ValueError says when `keep` leaves the text no room beside those."""
         before, after = self._added_around if from_text else (0, 0)
-        if len(token_ids) <= keep or keep <= before + after:
-            return token_ids[-keep:]
+        if len(token_ids) <= keep:
+            return token_ids
+        if keep <= before + after:
+            raise ValueError(
+                f"truncate_prompt_tokens={keep} leaves no room for the text beside the "
+                f"{before + after} special tokens the tokenizer adds to it"
+            )
         end = len(token_ids) - after
         return (
             token_ids[:before] + token_ids[before:end][-(keep - before - after) :] + token_ids[end:]
