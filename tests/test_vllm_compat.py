@@ -604,3 +604,9 @@ def test_a_cut_that_leaves_a_text_no_room_beside_its_special_tokens_is_an_error_
     assert kept.error is None and len(kept.prompt_token_ids) == 3
     (embedded,) = llm.embed(text, truncate_prompt_tokens=2, use_tqdm=False)
     assert embedded.error is not None and "leaves no room" in embedded.error
+    # NOTE: past the model's length, as vLLM refuses it (the error named the option as the fix).
+    past = SamplingParams(truncate_prompt_tokens=10**6, max_tokens=1)
+    for out in (*llm.generate(text, past), *llm.embed(text, truncate_prompt_tokens=10**6)):
+        assert "truncate_prompt_tokens=1000000 is more than the maximum model length" in str(
+            out.error
+        )

@@ -553,14 +553,14 @@ class LLM(PoolingMethods):
             if isinstance(prompt_ids, str):
                 ready.append((position, error_output(req, position, [], prompt_ids)))
                 continue
-            keep = self._kept_prompt_tokens(params.truncate_prompt_tokens)
-            if keep is not None:
-                from_text = isinstance(req.prompt, str) and req.prompt_token_ids is None
-                try:
+            try:
+                keep = self._kept_prompt_tokens(params.truncate_prompt_tokens)
+                if keep is not None:
+                    from_text = isinstance(req.prompt, str) and req.prompt_token_ids is None
                     prompt_ids = self.tokenizer.keep_last_tokens(prompt_ids, keep, from_text)
-                except ValueError as e:
-                    ready.append((position, error_output(req, position, [], str(e))))
-                    continue
+            except ValueError as e:
+                ready.append((position, error_output(req, position, [], str(e))))
+                continue
             if params.bad_words:
                 # NOTE: on a copy: the caller's params may change, or go to another model.
                 params = msgspec.structs.replace(
@@ -633,9 +633,16 @@ class LLM(PoolingMethods):
         return ids
 
     def _kept_prompt_tokens(self, truncate_prompt_tokens: int | None) -> int | None:
-        """How many last prompt tokens truncate_prompt_tokens keeps (-1: the model's length)."""
+        """How many last prompt tokens truncate_prompt_tokens keeps (-1: the model's length); a
+        ValueError, as vLLM's, for more than the model's length."""
+        max_model_len = self.engine_info.max_model_len
         if truncate_prompt_tokens == -1:
-            return self.engine_info.max_model_len
+            return max_model_len
+        if truncate_prompt_tokens is not None and truncate_prompt_tokens > max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens={truncate_prompt_tokens} is more than the maximum model "
+                f"length of {max_model_len}; choose at most that, or -1 for it"
+            )
         return truncate_prompt_tokens
 
     def _tokenize(self, requests: list[Request]) -> list[tuple[list[int] | str, str | None]]:

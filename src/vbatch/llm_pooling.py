@@ -266,13 +266,14 @@ class PoolingMethods:
             if problem is not None:
                 ready.append((position, pooling_output(req, position, [], params.task, problem)))
                 continue
-            keep = self._kept_prompt_tokens(params.truncate_prompt_tokens)
-            limit = self._sentence_bert.max_seq_length
-            if params.truncate_prompt_tokens == -1 and params.task == PoolingTask.EMBED and limit:
-                # NOTE: as vLLM, whose model length for an embedder is its max_seq_length.
-                keep = min(keep, limit)
             is_text = req.prompt is not None and req.prompt_token_ids is None
             try:
+                keep = self._kept_prompt_tokens(params.truncate_prompt_tokens)
+                limit = self._sentence_bert.max_seq_length
+                cut = params.truncate_prompt_tokens
+                if cut == -1 and params.task == PoolingTask.EMBED and limit and keep:
+                    # NOTE: as vLLM, whose model length for an embedder is its max_seq_length.
+                    keep = min(keep, limit)
                 token_lists = [
                     self.tokenizer.keep_last_tokens(list(p), keep, is_text) if keep else list(p)
                     for p in prompts
