@@ -92,6 +92,14 @@ def test_a_whitespace_prompt_is_a_prompt(text: str) -> None:
     assert row.error is None and row.prompt == text
 
 
+def test_an_openai_line_s_id_is_its_custom_id_whatever_other_keys_it_has() -> None:
+    """Before, a top-level `id` beside it won, and the response carried that as its custom_id."""
+    body = {"prompt": "x"}
+    line = {"id": 1, "custom_id": "req-A", "url": "/v1/completions", "body": body}
+    assert parse(line).id == "req-A"
+    assert parse({"id": 1, "custom_id": "req-A", "prompt": "x"}).id == 1
+
+
 def test_openai_completions_line() -> None:
     record = {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 1}}
     row = parse(record)

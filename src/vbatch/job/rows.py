@@ -149,10 +149,12 @@ class RowParser:
 
     def id_column(self, record: dict[str, Any]) -> str | None:
         """The column a row's id is read from: the id column, else `id`, else `custom_id`, else
-        none (the id is the input index)."""
+        none (the id is the input index); an OpenAI Batch line's `custom_id` comes first, as
+        its response must carry it whatever other keys the line has."""
         if self.options.id_column is not None:
             return self.options.id_column
-        return next((c for c in ("id", "custom_id") if c in record), None)
+        order = ("custom_id", "id") if is_openai_record(record) else ("id", "custom_id")
+        return next((c for c in order if c in record), None)
 
     def row_id(self, record: dict[str, Any], index: int) -> str | int | None:
         """The row's id (see id_column), None where its value is not a string or an integer."""
