@@ -19,7 +19,7 @@ def test_run_batch_runs_an_openai_batch_file_as_vbatch_run(
             "body": {
                 # NOTE: as with vLLM, the line names the served model: --model as given, or a
                 # --served-model-name.
-                "model": str(tiny_model_dir) if i == 0 else "my-model",
+                "model": str(tiny_model_dir) if i == 0 else "other-name",
                 "messages": [{"role": "user", "content": f"Hello {i}"}],
                 "max_completion_tokens": 3,
             },
@@ -30,8 +30,10 @@ def test_run_batch_runs_an_openai_batch_file_as_vbatch_run(
     args = ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "--model", str(tiny_model_dir)]
     args += ["--num-threads", "1", "--response-role", "assistant", "-q"]
     # NOTE: flags vLLM's run-batch is commonly given: a real setting, ignored ones, one of 1.
-    args += ["--served-model-name", "my-model", "--gpu-memory-utilization", "0.9"]
+    # NOTE: vLLM's --served-model-name takes every name that follows it.
+    args += ["--served-model-name", "my-model", "other-name", "--gpu-memory-utilization", "0.9"]
     args += ["--enable-prefix-caching", "--tensor-parallel-size", "1", "--disable-log-requests"]
+    args += ["--enable-metrics", "--enable-prompt-tokens-details"]
     proc = subprocess.run(
         [sys.executable, "-m", "vbatch", *args],
         cwd=tmp_path,
@@ -46,6 +48,7 @@ def test_run_batch_runs_an_openai_batch_file_as_vbatch_run(
     assert all(row["response"]["status_code"] == 200 for row in out), out
     assert {row["response"]["body"]["model"] for row in out} == {"my-model"}
     assert "ignores --enable-prefix-caching" in proc.stderr
+    assert "ignores --enable-metrics" in proc.stderr
     # NOTE: it is a vbatch job: its journal is there to resume from.
     assert (tmp_path / "out.jsonl.vbatch").is_dir()
 

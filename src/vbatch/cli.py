@@ -501,6 +501,8 @@ _RUN_BATCH_IGNORED_FLAGS = (
     "--trust-remote-code",
     "--disable-log-requests",
     "--disable-log-stats",
+    "--enable-metrics",
+    "--enable-prompt-tokens-details",
 )
 _RUN_BATCH_ONLY_ONE = ("--tensor-parallel-size", "--pipeline-parallel-size", "-tp", "-pp")
 
@@ -532,6 +534,11 @@ def run_batch(
         name, has_value, value = arg.partition("=")
         if name in _RUN_BATCH_IGNORED_FLAGS:
             typer.echo(f"vbatch run-batch ignores {name} (vLLM option)", err=True)
+            continue
+        if name == "--served-model-name" and not has_value:
+            # NOTE: vLLM's form takes every name that follows; vbatch run's repeats the option.
+            while extra and not extra[0].startswith("-"):
+                args += [name, extra.pop(0)]
             continue
         if name in _RUN_BATCH_IGNORED or name in _RUN_BATCH_ONLY_ONE:
             if not has_value and extra and not extra[0].startswith("-"):
