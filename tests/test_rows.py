@@ -241,6 +241,8 @@ def test_openai_fields_without_effect_are_accepted_and_logit_bias_and_echo_are_m
         ({"messages": CHAT, "top_logprobs": 3}, "top_logprobs needs logprobs: true"),
         ({"messages": CHAT, "logprobs": True, "top_logprobs": 25}, "top_logprobs must be an"),
         ({"messages": CHAT, "logprobs": 2}, "logprobs must be true or false"),
+        # NOTE: before, it silently set logprobs, or not, by its place in the body.
+        ({"prompt": "x", "top_logprobs": 3}, "top_logprobs is a /v1/chat/completions field"),
     ):
         url = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
         row = parse({"custom_id": "c", "url": url, "body": body})

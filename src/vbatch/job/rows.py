@@ -407,7 +407,7 @@ def openai_overrides(body: dict[str, Any], kind: str) -> dict[str, Any]:
         elif key == "top_logprobs" and kind == "chat":
             overrides["logprobs"] = _top_logprobs(body, value)
         elif key == "top_logprobs":
-            overrides["logprobs"] = value
+            raise RowError("top_logprobs is a /v1/chat/completions field; here logprobs: N")
         elif key == "response_format":
             overrides["structured"] = from_response_format(value)
         elif key not in OPENAI_IGNORED_KEYS:
