@@ -240,6 +240,35 @@ def test_invalid_constraints_are_error_rows_and_others_go_on(core: EngineCore) -
     assert results["good"][1][0].finish_reason == FinishReason.STOP
 
 
+def test_constraints_the_grammar_engine_would_break_silently_are_error_rows(
+    core: EngineCore,
+) -> None:
+    """xgrammar reads `\\A` as the letter A (only logging it) and compiles a number range with
+    no 6-decimal number in it to an empty rule: before, such rows finished "stop" with text that
+    broke their constraint (`AabZ`, `{"v": }`)."""
+    narrow = {"type": "number", "minimum": 0.12345678, "maximum": 0.12345679}
+    pattern = {"type": "string", "pattern": "\\Aab"}
+    requests = {
+        "anchors": SamplingParams(structured=StructuredOutput(regex="\\Aab\\Z")),
+        "nul": SamplingParams(structured=StructuredOutput(regex="a\\0")),
+        "narrow": SamplingParams(structured=StructuredOutput(json_schema=narrow)),
+        "pattern": SamplingParams(structured=StructuredOutput(json_schema=pattern)),
+        "fine": SamplingParams(
+            temperature=0.0, max_tokens=8, structured=StructuredOutput(regex="\\d\\.a\\\\A")
+        ),
+    }
+    results = run(core, requests)
+    errors = {rid: finishes[0].error for rid, (_, finishes) in results.items()}
+    assert errors["anchors"] == (
+        "invalid regex: the regex escape \\A is not supported by the grammar engine, which would "
+        "not match what it means"
+    )
+    assert "escape \\0 is not supported" in errors["nul"]
+    assert errors["narrow"].startswith("invalid json_schema: a number range in the schema")
+    assert "escape \\A is not supported" in errors["pattern"]
+    assert errors["fine"] is None
+
+
 def test_torch_mask_matches_xgrammars_kernel() -> None:
     """The torch path (for logits off the CPU) forbids exactly what xgrammar's CPU kernel does."""
     import xgrammar

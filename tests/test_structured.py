@@ -27,6 +27,7 @@ from vbatch.structured import (
     cli_structured,
     from_guided,
     from_response_format,
+    unenforced_keywords,
 )
 
 SCHEMA = {
@@ -305,6 +306,30 @@ def test_unenforced_keywords_are_named_once_per_schema_and_outputs_checked() -> 
     assert "duplicate keys (json_object)" in warnings[-1]
     assert checker.check(anything, ['{"a": 1}']) is None
     assert "not an object" in (checker.check(anything, ["[1]"]) or "")
+
+
+@pytest.mark.parametrize(
+    ("schema", "named"),
+    [
+        ({"enum": ["a", "bbb"], "maxLength": 2}, "maxLength beside enum"),
+        ({"const": 5, "type": "string"}, "type beside const"),
+        ({"type": "string", "pattern": "a+", "maxLength": 3}, "maxLength beside pattern"),
+        ({"type": "string", "format": "date", "pattern": "^1"}, "pattern beside format"),
+        ({"anyOf": [{"type": "object"}], "required": ["k"]}, "required beside anyOf"),
+        ({"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 3}, "beside $ref"),
+    ],
+)
+def test_keywords_the_grammar_drops_beside_another_are_named(
+    schema: dict[str, Any], named: str
+) -> None:
+    """xgrammar keeps only an enum, const, anyOf, oneOf, allOf or $ref of a schema, and a string's
+    pattern or format alone: before, what it dropped beside them went unnamed."""
+    assert any(named in name for name in unenforced_keywords(StructuredOutput(json_schema=schema)))
+
+
+def test_an_enum_of_its_own_type_and_annotations_beside_it_are_not_named() -> None:
+    schema = {"type": "string", "enum": ["a", "b"], "description": "d", "title": "t"}
+    assert unenforced_keywords(StructuredOutput(json_schema=schema)) == []
 
 
 def test_formats_and_undeclared_required_properties_are_named() -> None:

@@ -27,6 +27,33 @@ _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _BRACKET = re.compile(r"[\[\]{}]")
 # NOTE: keywords xgrammar accepts but does not enforce (its grammar allows outputs that break
 # them), and those it approximates; a schema using one is warned about, and outputs are checked.
+# NOTE: the keywords beside which xgrammar 0.2.9 drops a schema's others (_ignored_siblings),
+# and the keywords that describe rather than constrain, which it may drop harmlessly.
+_RULING_KEYWORDS = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")
+_ANNOTATIONS = frozenset(
+    {
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$comment",
+        "$schema",
+        "$id",
+        "$defs",
+        "definitions",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+        "$anchor",
+    }
+)
+_JSON_TYPES: dict[str, type | tuple[type, ...]] = {
+    "string": str,
+    "boolean": bool,
+    "null": type(None),
+    "object": dict,
+    "array": list,
+}
 UNENFORCED = (
     "multipleOf",
     "uniqueItems",
@@ -434,7 +461,45 @@ def unenforced_keywords(structured: StructuredOutput) -> list[str]:
         ):
             if isinstance(node.get(key), list) and len(node[key]) > 1:
                 found.add(approximation)
+        found.update(_ignored_siblings(node))
     return sorted(found)
+
+
+def _ignored_siblings(node: dict[str, Any]) -> Iterator[str]:
+    """The keywords of `node` the grammar drops for another beside them (xgrammar 0.2.9 keeps
+    only an enum, const, anyOf, oneOf, allOf or $ref of a schema, and a pattern or format
+    alone of a string's), each as `keyword beside other`."""
+    ruler = next((key for key in _RULING_KEYWORDS if key in node), None)
+    if ruler is not None:
+        values = node["enum"] if ruler == "enum" else [node["const"]] if ruler == "const" else []
+        for key in node:
+            if key in _RULING_KEYWORDS or key in _ANNOTATIONS:
+                continue
+            if key == "type" and isinstance(values, list) and values_of_type(values, node[key]):
+                continue
+            yield f"{key} beside {ruler}"
+        return
+    for ruler, dropped in (
+        ("format", ("pattern", "minLength", "maxLength")),
+        ("pattern", ("minLength", "maxLength")),
+    ):
+        if ruler in node:
+            yield from (f"{key} beside {ruler}" for key in dropped if key in node)
+            return
+
+
+def values_of_type(values: list[Any], type_: Any) -> bool:
+    """Whether every value is of the JSON schema `type_` (a name or a list of names)."""
+    names = type_ if isinstance(type_, list) else [type_]
+    return all(any(_is_of_type(value, name) for name in names) for value in values)
+
+
+def _is_of_type(value: Any, name: Any) -> bool:
+    if name == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if name == "number":
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, _JSON_TYPES.get(name, ()))
 
 
 def _as_object(value: Any, name: str) -> Mapping[str, Any]:

@@ -7,12 +7,13 @@ import contextlib
 import functools
 import heapq
 import itertools
+import json
 import os
 import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,11 @@ COMPILE_BUDGET_S = 120.0
 # changed: the schema (and its const, enum and default values) is compiled as given.
 _BOUNDED_CHARACTERS = re.compile(r'^(\S+_characters ::= \(\()\[\^\\"\\\\\\r\\n\](\)\))$', re.M)
 _JSON_CHARACTERS = r'\1[^\\0-\\x1f"\\\\]\2'
+_EMPTY_RULE = re.compile(r'^\S+ ::= \(""\)$', re.M)
+_REGEX_ESCAPE = re.compile(r"\\(.)", re.S)
+# NOTE: the letters xgrammar 0.2.9's regex parser reads as escapes, or refuses itself (\b, \p,
+# \k, ...); any other letter it matches as that letter, with only a log line.
+_KNOWN_ESCAPES = frozenset("abBcdDefknpPrsStuUvwWx")
 _STRICT_HINT = (
     " (with strict, the default, only declared properties are generated; give "
     '"strict": false in response_format.json_schema for JSON Schema\'s own defaults)'
@@ -233,8 +239,45 @@ def json_schema_ebnf(schema: str, strict: bool) -> str:
     unescaped characters only (see _BOUNDED_CHARACTERS), every character valid UTF-8."""
     import xgrammar
 
-    grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
-    return utf8_only(_BOUNDED_CHARACTERS.sub(_JSON_CHARACTERS, str(grammar)))
+    for pattern in _schema_patterns(json.loads(schema)):
+        check_regex_escapes(pattern)
+    grammar = str(
+        xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
+    )
+    if _EMPTY_RULE.search(grammar):
+        # NOTE: xgrammar 0.2.9 writes a bounded number to 6 decimal places; a range with no
+        # such number in it becomes a rule for the empty string, which no JSON value is.
+        raise ValueError(
+            "a number range in the schema holds no number of at most 6 decimal places, which "
+            "is all the grammar engine writes; widen it"
+        )
+    return utf8_only(_BOUNDED_CHARACTERS.sub(_JSON_CHARACTERS, grammar))
+
+
+def _schema_patterns(schema: Any) -> Iterator[str]:
+    """Every regex a JSON schema holds: its `pattern` values and `patternProperties` keys."""
+    if isinstance(schema, dict):
+        for key, value in schema.items():
+            if key == "pattern" and isinstance(value, str):
+                yield value
+            elif key == "patternProperties" and isinstance(value, dict):
+                yield from (name for name in value if isinstance(name, str))
+            yield from _schema_patterns(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            yield from _schema_patterns(value)
+
+
+def check_regex_escapes(regex: str) -> None:
+    """A ValueError for an escape xgrammar would read as its letter (`\\A` as "A", with only a
+    log line) or `\\0` as nothing; the escapes it knows, or refuses itself, pass."""
+    for match in _REGEX_ESCAPE.finditer(regex):
+        char = match.group(1)
+        if char == "0" or (char.isascii() and char.isalpha() and char not in _KNOWN_ESCAPES):
+            raise ValueError(
+                f"the regex escape \\{char} is not supported by the grammar engine, which would "
+                "not match what it means"
+            )
 
 
 def _grammar_of(spec: StructuredOutput) -> str:
@@ -248,6 +291,7 @@ def _grammar_of(spec: StructuredOutput) -> str:
             )
         )
     if spec.regex is not None:
+        check_regex_escapes(spec.regex)
         return str(xgrammar.Grammar.from_regex(_caret_not_first(spec.regex, ebnf=False)))
     assert spec.grammar is not None
     return str(xgrammar.Grammar.from_ebnf(_caret_not_first(spec.grammar, ebnf=True)))
