@@ -312,3 +312,37 @@ def test_a_merge_removes_what_a_killed_merge_left_and_names_a_full_disk(
     assert sorted(r["index"] for r in rows_of(output)) == list(range(6))
     leftovers = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
     assert leftovers == [".other.jsonl.abc.merge-tmp"], leftovers
+
+
+@pytest.mark.parametrize("change", ["adapter files", "lora rows"])
+def test_merge_refuses_shards_with_other_adapters_or_adapter_rows(
+    change: str, tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any]
+) -> None:
+    """Before, shards whose adapter files were replaced between them, or whose rows picked
+    adapters otherwise (--lora-default, --lora-column), merged into one file."""
+    import msgspec
+
+    from vbatch.job.manifest import LoraRecord
+    from vbatch.job.rows import LoraRows
+
+    make_input(tmp_path / "in.jsonl", 6)
+    output = tmp_path / "out.jsonl"
+    for index in (0, 1):
+        job = spec(tmp_path, tiny_model_dir, output.name, Shard(index, 2))
+        assert start_job(job, QUIET, llm_factory=shared_llm).exit_code == 0
+    job_dir = job_dir_for(tmp_path / "out.shard-1-of-2.jsonl")
+    manifest = Manifest.load(job_dir)
+    if change == "adapter files":
+        lora = LoraRecord(name="a0", path="/adapters/a0", files={"adapter.safetensors": "f2"})
+        model = msgspec.structs.replace(manifest.model, loras=[lora])
+        msgspec.structs.replace(manifest, model=model).save(job_dir)
+        named = "model.loras"
+    else:
+        rows = LoraRows(("a0",), default="a0")
+        msgspec.structs.replace(manifest, lora_rows=rows).save(job_dir)
+        named = "lora_rows"
+    result = merge(str(output))
+    assert result.exit_code == 1
+    assert "shard 1/2: made with other settings than shard 0/2" in result.output
+    assert named in result.output
+    assert not output.exists()

@@ -275,7 +275,11 @@ def _signature(manifest: Manifest) -> dict[str, Any]:
         "input_format": manifest.input_format,
         "id_kind": manifest.id_kind,
         "output_format": manifest.output_format,
-        "model": {k: getattr(manifest.model, k) for k in ("weights_hash", "files", "commit")},
+        "model": {
+            **{k: getattr(manifest.model, k) for k in ("weights_hash", "files", "commit")},
+            "loras": [(lora.name, lora.files) for lora in manifest.model.loras or ()],
+        },
+        "lora_rows": msgspec.to_builtins(manifest.lora_rows),
         "engine": {k: v for k, v in manifest.engine.items() if k not in _RUN_ONLY_ENGINE_ARGS},
         "sampling": manifest.sampling,
         "options": {k: msgspec.to_builtins(getattr(manifest.options, k)) for k in _RESULT_OPTIONS},
