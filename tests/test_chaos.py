@@ -190,11 +190,13 @@ def test_a_hangup_with_the_terminal_gone_drains_and_exits_75(
     output = "hungup.jsonl"
     job_dir = workdir / f"{output}.vbatch"
     read_end, write_end = os.pipe()
+    # NOTE: SIGHUP at its default, as in a terminal; under nohup (as CI may run) it is ignored.
     proc = subprocess.Popen(
         vbatch(*run_args(tiny_model_dir, output)),
         cwd=workdir,
         stderr=write_end,
         start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
     )
     os.close(write_end)
     try:
