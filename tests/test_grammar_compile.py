@@ -289,3 +289,21 @@ def test_the_engine_fails_a_request_whose_compile_passes_the_budget(tiny_model_d
     assert "within the 0.2 s compile budget" in (finishes["slow"].error or "")
     core.shutdown()
     wait_for_late_compiles(core.grammars)
+
+
+def test_only_a_schema_s_own_patterns_are_checked_for_escapes() -> None:
+    """A "pattern" key in data (a default, an example) or a property named so is no regex."""
+    from vbatch.engine.grammar import json_schema_ebnf
+
+    data = {
+        "type": "object",
+        "properties": {"pattern": {"type": "string", "examples": [{"pattern": "\\A"}]}},
+        "default": {"pattern": "\\Aab"},
+    }
+    assert json_schema_ebnf(json.dumps(data), True)
+    for schema in (
+        {"type": "object", "properties": {"p": {"type": "string", "pattern": "\\Zx"}}},
+        {"type": "object", "patternProperties": {"\\Ax": {"type": "string"}}},
+    ):
+        with pytest.raises(ValueError, match="is not supported by the grammar engine"):
+            json_schema_ebnf(json.dumps(schema), False)

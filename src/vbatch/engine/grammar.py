@@ -22,7 +22,13 @@ import torch
 
 from vbatch.engine.sampling_metadata import to_device
 from vbatch.engine.sequence import Sequence
-from vbatch.structured import EXTRA_HINT, StructuredOutput, choice_ebnf, xgrammar_message
+from vbatch.structured import (
+    EXTRA_HINT,
+    StructuredOutput,
+    choice_ebnf,
+    subschemas,
+    xgrammar_message,
+)
 
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
@@ -255,17 +261,15 @@ def json_schema_ebnf(schema: str, strict: bool) -> str:
 
 
 def _schema_patterns(schema: Any) -> Iterator[str]:
-    """Every regex a JSON schema holds: its `pattern` values and `patternProperties` keys."""
-    if isinstance(schema, dict):
-        for key, value in schema.items():
-            if key == "pattern" and isinstance(value, str):
-                yield value
-            elif key == "patternProperties" and isinstance(value, dict):
-                yield from (name for name in value if isinstance(name, str))
-            yield from _schema_patterns(value)
-    elif isinstance(schema, list):
-        for value in schema:
-            yield from _schema_patterns(value)
+    """Every regex a JSON schema holds: its schemas' `pattern` values and `patternProperties`
+    keys (not data: a `const`, `enum` or `default` value with a "pattern" key)."""
+    if not isinstance(schema, dict):
+        return
+    for node in subschemas(schema):
+        if isinstance(node.get("pattern"), str):
+            yield node["pattern"]
+        if isinstance(node.get("patternProperties"), dict):
+            yield from node["patternProperties"]
 
 
 def check_regex_escapes(regex: str) -> None:
