@@ -316,6 +316,7 @@ def test_unenforced_keywords_are_named_once_per_schema_and_outputs_checked() -> 
         ({"type": "string", "pattern": "a+", "maxLength": 3}, "maxLength beside pattern"),
         ({"type": "string", "format": "date", "pattern": "^1"}, "pattern beside format"),
         ({"anyOf": [{"type": "object"}], "required": ["k"]}, "required beside anyOf"),
+        ({"type": "object", "anyOf": [{"required": ["a"]}]}, "type beside anyOf"),
         ({"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 3}, "beside $ref"),
     ],
 )

@@ -471,10 +471,11 @@ def _ignored_siblings(node: dict[str, Any]) -> Iterator[str]:
     alone of a string's), each as `keyword beside other`."""
     ruler = next((key for key in _RULING_KEYWORDS if key in node), None)
     if ruler is not None:
-        values = node["enum"] if ruler == "enum" else [node["const"]] if ruler == "const" else []
+        values = node["enum"] if ruler == "enum" else [node["const"]] if ruler == "const" else None
         for key in node:
             if key in _RULING_KEYWORDS or key in _ANNOTATIONS:
                 continue
+            # NOTE: a type every listed value has loses nothing; beside anyOf it is dropped.
             if key == "type" and isinstance(values, list) and values_of_type(values, node[key]):
                 continue
             yield f"{key} beside {ruler}"
