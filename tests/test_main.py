@@ -170,3 +170,18 @@ def test_a_closed_standard_fd_gets_the_null_device_before_any_file_takes_its_num
         "print(fd > 2, os.path.samestat(os.fstat(2), os.stat(os.devnull)))\n"
     )
     assert done.stdout.split() == ["True", "True"]
+
+
+def test_a_command_whose_stdout_cannot_be_written_says_so_in_one_line() -> None:
+    """`vbatch status > /dev/full`: before, a traceback ending in the OSError."""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "vbatch", "--version"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    assert done.returncode == 1
+    assert done.stderr == "error: cannot write the command's output: No space left on device\n"

@@ -91,6 +91,11 @@ def main() -> None:
             raise
         print("error: interrupted", file=sys.stderr)
         exit_now(130)
+    except OSError as e:
+        # NOTE: a command's errors are one line already (cli._guarded); what is left is its
+        # printing to stdout (`vbatch status > /dev/full`).
+        print(f"error: cannot write the command's output: {e.strerror or e}", file=sys.stderr)
+        exit_now(1)
     finally:
         _discard_preloaded()
 
