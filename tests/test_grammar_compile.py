@@ -307,3 +307,31 @@ def test_only_a_schema_s_own_patterns_are_checked_for_escapes() -> None:
     ):
         with pytest.raises(ValueError, match="is not supported by the grammar engine"):
             json_schema_ebnf(json.dumps(schema), False)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "refused"),
+    [
+        ('^"x$', True),
+        ("^\\\\$", True),
+        ("^a\\nb$", True),
+        ("\\u0009", True),
+        ("\\x1f", True),
+        ("\\x41+\\u00e9", False),
+        ('["a]+', False),
+        ("^[A-Z]{2}-\\d{3}\\.\\w$", False),
+    ],
+)
+def test_a_schema_pattern_writing_a_quote_backslash_or_control_literal_is_refused(
+    pattern: str, refused: bool
+) -> None:
+    """xgrammar writes a pattern's literals between the string's quotes unescaped: before,
+    `^"x$` gave `{"p": ""x"}` and `^\\\\$` an unterminated string, with no error."""
+    from vbatch.engine.grammar import json_schema_ebnf
+
+    schema = {"type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}}
+    if refused:
+        with pytest.raises(ValueError, match="cannot be written inside a JSON string"):
+            json_schema_ebnf(json.dumps(schema), True)
+    else:
+        assert json_schema_ebnf(json.dumps(schema), True)

@@ -48,6 +48,11 @@ _REGEX_ESCAPE = re.compile(r"\\(.)", re.S)
 # NOTE: the letters xgrammar 0.2.9's regex parser reads as escapes, or refuses itself (\b, \p,
 # \k, ...); any other letter it matches as that letter, with only a log line.
 _KNOWN_ESCAPES = frozenset("abBcdDefknpPrsStuUvwWx")
+_CONTROL_ESCAPES = frozenset("ntrfvae")
+_LITERAL_MESSAGE = (
+    "a schema pattern that writes a quote, a backslash or a control character as a literal "
+    "cannot be written inside a JSON string by the grammar engine"
+)
 _STRICT_HINT = (
     " (with strict, the default, only declared properties are generated; give "
     '"strict": false in response_format.json_schema for JSON Schema\'s own defaults)'
@@ -247,6 +252,7 @@ def json_schema_ebnf(schema: str, strict: bool) -> str:
 
     for pattern in _schema_patterns(json.loads(schema)):
         check_regex_escapes(pattern)
+        _check_json_string_literals(pattern)
     grammar = str(
         xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
     )
@@ -270,6 +276,42 @@ def _schema_patterns(schema: Any) -> Iterator[str]:
             yield node["pattern"]
         if isinstance(node.get("patternProperties"), dict):
             yield from node["patternProperties"]
+
+
+def _check_json_string_literals(pattern: str) -> None:
+    """A ValueError for a schema pattern that writes a quote, a backslash or a control character
+    as a literal: xgrammar 0.2.9 puts a pattern's literals between the string's quotes as they
+    are, unescaped, so such an output would not be JSON (classes and `.` are narrowed)."""
+    in_class = False
+    i = 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\" and i + 1 < len(pattern):
+            escaped, width = pattern[i + 1], _HEX_WIDTHS.get(pattern[i + 1], 0)
+            code = (
+                int(pattern[i + 2 : i + 2 + width], 16)
+                if width and _is_hex(pattern[i + 2 : i + 2 + width], width)
+                else None
+            )
+            if not in_class and (
+                escaped in '"\\'
+                or escaped in _CONTROL_ESCAPES
+                or (code is not None and code < 0x20)
+            ):
+                raise ValueError(_LITERAL_MESSAGE)
+            i += 2 + (width if code is not None else 0)
+            continue
+        if char == "[" and not in_class:
+            in_class = True
+        elif char == "]" and in_class:
+            in_class = False
+        elif not in_class and (char == '"' or ord(char) < 0x20):
+            raise ValueError(_LITERAL_MESSAGE)
+        i += 1
+
+
+def _is_hex(text: str, width: int) -> bool:
+    return len(text) == width and all(c in "0123456789abcdefABCDEF" for c in text)
 
 
 def check_regex_escapes(regex: str) -> None:
