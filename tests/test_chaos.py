@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,28 @@ def start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(
         vbatch(*args), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+
+
+@contextlib.contextmanager
+def in_own_group(
+    args: list[str], cwd: Path, sighup: Any = signal.SIG_DFL, stderr: Any = subprocess.PIPE
+) -> Iterator[subprocess.Popen[str]]:
+    """A job in a process group of its own (as a terminal or a scheduler signals it), SIGHUP at
+    `sighup` (its default, as in a terminal, whatever CI runs under); the group killed after."""
+    proc = subprocess.Popen(
+        vbatch(*args),
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, sighup),
+    )
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def run_args(model: Path, output: str) -> list[str]:
@@ -155,22 +178,11 @@ def test_sigterm_to_the_whole_process_group_drains_and_exits_75(
     # the engine core included, which must leave the drain to its parent.
     output = "groupterm.jsonl"
     job_dir = workdir / f"{output}.vbatch"
-    proc = subprocess.Popen(
-        vbatch(*run_args(tiny_model_dir, output)),
-        cwd=workdir,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
+    with in_own_group(run_args(tiny_model_dir, output), workdir) as proc:
         wait_for_records(proc, job_dir, 3)
         core = engine_core(proc)
         os.killpg(proc.pid, signal.SIGTERM)
         code, stderr = finish(proc)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
     assert code == 75, stderr
     assert "engine core" not in stderr and "Traceback" not in stderr
     assert f"vbatch resume {output}" in stderr
@@ -190,23 +202,12 @@ def test_a_hangup_with_the_terminal_gone_drains_and_exits_75(
     output = "hungup.jsonl"
     job_dir = workdir / f"{output}.vbatch"
     read_end, write_end = os.pipe()
-    # NOTE: SIGHUP at its default, as in a terminal; under nohup (as CI may run) it is ignored.
-    proc = subprocess.Popen(
-        vbatch(*run_args(tiny_model_dir, output)),
-        cwd=workdir,
-        stderr=write_end,
-        start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
-    )
-    os.close(write_end)
-    try:
+    with in_own_group(run_args(tiny_model_dir, output), workdir, stderr=write_end) as proc:
+        os.close(write_end)
         wait_for_records(proc, job_dir, 2)
         os.close(read_end)
         os.killpg(proc.pid, signal.SIGHUP)
-        code = proc.wait(TIMEOUT_S)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        code, _ = finish(proc)
     assert code == 75
     status = subprocess.run(vbatch("status", output, "--json"), cwd=workdir, capture_output=True)
     info = orjson.loads(status.stdout)
@@ -218,22 +219,11 @@ def test_a_hangup_with_the_terminal_gone_drains_and_exits_75(
 def test_a_hangup_under_nohup_is_ignored(workdir: Path, tiny_model_dir: Path) -> None:
     output = "nohup.jsonl"
     job_dir = workdir / f"{output}.vbatch"
-    proc = subprocess.Popen(
-        vbatch(*run_args(tiny_model_dir, output)),
-        cwd=workdir,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),
-    )
-    try:
+    args = run_args(tiny_model_dir, output)
+    with in_own_group(args, workdir, sighup=signal.SIG_IGN) as proc:
         wait_for_records(proc, job_dir, 2)
         os.killpg(proc.pid, signal.SIGHUP)
         code, stderr = finish(proc)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
     assert code == 0, stderr
     assert len(texts(workdir / output)) == NUM_ROWS
 
