@@ -318,6 +318,9 @@ def test_unenforced_keywords_are_named_once_per_schema_and_outputs_checked() -> 
         ({"anyOf": [{"type": "object"}], "required": ["k"]}, "required beside anyOf"),
         ({"type": "object", "anyOf": [{"required": ["a"]}]}, "type beside anyOf"),
         ({"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 3}, "beside $ref"),
+        ({"maxLength": 3}, "maxLength without a type"),
+        ({"type": "object", "properties": {"n": {"minimum": 2}}}, "minimum without a type"),
+        ({"required": ["a"], "pattern": "^x"}, "required without a type"),
     ],
 )
 def test_keywords_the_grammar_drops_beside_another_are_named(
@@ -326,6 +329,27 @@ def test_keywords_the_grammar_drops_beside_another_are_named(
     """xgrammar keeps only an enum, const, anyOf, oneOf, allOf or $ref of a schema, and a string's
     pattern or format alone: before, what it dropped beside them went unnamed."""
     assert any(named in name for name in unenforced_keywords(StructuredOutput(json_schema=schema)))
+
+
+def test_keywords_the_grammar_keeps_without_a_type_are_not_named() -> None:
+    """Without "type", properties or items make the grammar an object's or an array's, and it
+    keeps that type's keywords."""
+    for schema in (
+        {"properties": {"a": {"type": "integer"}}, "required": ["a"], "minProperties": 1},
+        {"items": {"type": "integer"}, "minItems": 2, "maxItems": 3},
+    ):
+        assert unenforced_keywords(StructuredOutput(json_schema=schema)) == []
+
+
+def test_a_typeless_string_keyword_is_named_and_its_breach_checked() -> None:
+    warnings: list[str] = []
+    checker = OutputChecker(warnings.append)
+    short = StructuredOutput(json_schema={"maxLength": 3})
+    checker.note(short)
+    assert "maxLength without a type" in warnings[-1]
+    assert checker.check(short, ['"abc"']) is None
+    assert checker.check(short, ["12345"]) is None
+    assert checker.check(short, ['"abcdef"']) is not None
 
 
 def test_an_enum_of_its_own_type_and_annotations_beside_it_are_not_named() -> None:

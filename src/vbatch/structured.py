@@ -47,6 +47,26 @@ _ANNOTATIONS = frozenset(
         "$anchor",
     }
 )
+# NOTE: a schema without "type" is any value to xgrammar 0.2.9 unless one of these makes it an
+# object or array; then it drops every keyword below that constrains one type's values.
+_TYPE_INFERRING = ("properties", "additionalProperties", "items", "prefixItems")
+_TYPED_KEYWORDS = (
+    "minLength",
+    "maxLength",
+    "pattern",
+    "format",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "minItems",
+    "maxItems",
+    "required",
+    "minProperties",
+    "maxProperties",
+    "patternProperties",
+    "propertyNames",
+)
 _JSON_TYPES: dict[str, type | tuple[type, ...]] = {
     "string": str,
     "boolean": bool,
@@ -468,7 +488,8 @@ def unenforced_keywords(structured: StructuredOutput) -> list[str]:
 def _ignored_siblings(node: dict[str, Any]) -> Iterator[str]:
     """The keywords of `node` the grammar drops for another beside them (xgrammar 0.2.9 keeps
     only an enum, const, anyOf, oneOf, allOf or $ref of a schema, and a pattern or format
-    alone of a string's), each as `keyword beside other`."""
+    alone of a string's), each as `keyword beside other`, and those it drops for want of a
+    type, as `keyword without a type`."""
     ruler = next((key for key in _RULING_KEYWORDS if key in node), None)
     if ruler is not None:
         values = node["enum"] if ruler == "enum" else [node["const"]] if ruler == "const" else None
@@ -479,6 +500,9 @@ def _ignored_siblings(node: dict[str, Any]) -> Iterator[str]:
             if key == "type" and isinstance(values, list) and values_of_type(values, node[key]):
                 continue
             yield f"{key} beside {ruler}"
+        return
+    if "type" not in node and not any(key in node for key in _TYPE_INFERRING):
+        yield from (f"{key} without a type" for key in _TYPED_KEYWORDS if key in node)
         return
     for ruler, dropped in (
         ("format", ("pattern", "minLength", "maxLength")),
