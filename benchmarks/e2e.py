@@ -11,6 +11,7 @@ divided by its own bounds, and the ratios' medians are printed.
 python -m benchmarks.e2e [--num-prompts 128] [--max-tokens 128] [--threads 2]
     [--hf-batch-sizes 32,64] [--repeats 1] [--skip-hf] [--show-progress] [--quantization int8]
     [--greedy-screen auto|on|off] [--batch-invariant] [--linear-backend auto|torch|onednn|native]
+    [--kv-cache-dtype auto|float32|bfloat16|float16]
 
 Under the AVX2 emulation: python -m benchmarks.emulate avx2 benchmarks.e2e ...
 """
@@ -49,6 +50,8 @@ def run_cli(in_path: Path, out_path: Path, args: argparse.Namespace) -> dict[str
         cmd.append("--batch-invariant")
     if args.linear_backend:
         cmd += ["--linear-backend", args.linear_backend]
+    if args.kv_cache_dtype:
+        cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
     if not args.show_progress:
         cmd.append("--quiet")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
@@ -111,6 +114,12 @@ def main() -> None:
         choices=("auto", "torch", "onednn", "native"),
         default=None,
         help="vbatch's GEMM library for float32 linears (default: its own, auto)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default=None,
+        help="vbatch's KV cache dtype (default: its own, auto)",
     )
     parser.add_argument(
         "--greedy-screen",
