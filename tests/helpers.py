@@ -1,6 +1,6 @@
 """Helpers shared by several test modules: a shared real engine for jobs, a Qwen3-style chat
-template, JSONL files, process exits, a Hugging Face hub cache laid out as `hf download` leaves
-it, a tiny core on the native linears and a greedy run on it."""
+template, a SentencePiece-style tokenizer, JSONL files, process exits, a Hugging Face hub cache
+laid out as `hf download` leaves it, a tiny core on the native linears and a greedy run on it."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 import psutil
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
 from vbatch.config import EngineConfig
 from vbatch.engine.core import EngineCore
@@ -43,6 +44,28 @@ QWEN3_STYLE_TEMPLATE = r"""{%- if messages[0].role == 'system' %}
     {%- endif %}
 {%- endif %}
 """
+
+
+def sentencepiece_backend() -> Tokenizer:
+    """A Llama 2 style tokenizer of a few words: "▁" for spaces, byte fallback, a decoder that
+    strips the text's first space; <s> and </s> special."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for word in ("▁The", "▁capital", "▁of", "▁France", "▁is", "▁Paris", "."):
+        vocab[word] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    backend.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    backend.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    return backend
 
 
 def with_chat_template(model_dir: Path, out_dir: Path, template: str) -> Path:

@@ -6,6 +6,7 @@ import random
 from collections.abc import Sequence
 
 import pytest
+from helpers import sentencepiece_backend
 
 from vbatch.client.detokenizer import IncrementalDetokenizer
 from vbatch.client.tokenizer import TextTokenizer
@@ -276,3 +277,77 @@ def test_random_stop_strings_match_reference(tokenizer: TextTokenizer) -> None:
         expected = reference_text(tokenizer.decode(ids), stops, include)
         assert (detok.text, hit) == expected, (text, stops, include)
         assert reference_text(tokenizer.decode(detok.token_ids), stops, include) == expected
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_sentencepiece_output_keeps_its_first_space_after_the_prompt(include: bool) -> None:
+    """As vLLM: the output is decoded after the prompt's last tokens, so a decoder that strips
+    the text's first space strips the prompt's, and " Paris" ends the output's first token.
+    Before, the output read "Paris Paris" and a stop string " Paris" missed its first token."""
+    sp = TextTokenizer(sentencepiece_backend(), {"bos_token": "<s>", "eos_token": "</s>"})
+    prompt = sp.encode_batch(["The capital of France is"], add_special_tokens=False)[0]
+    paris = sp.backend.token_to_id("▁Paris")
+    plain = IncrementalDetokenizer(sp, SamplingParams(), prompt)
+    plain.update([paris, paris])
+    assert plain.finalize() is None
+    assert plain.text == " Paris Paris"
+    stops = SamplingParams(stop=[" Paris"], include_stop_str_in_output=include)
+    stopped = IncrementalDetokenizer(sp, stops, prompt)
+    assert stopped.update([paris]) == " Paris"
+    assert stopped.text == (" Paris" if include else "")
+    ended = IncrementalDetokenizer(sp, SamplingParams(), prompt)
+    ended.update([paris, sp.eos_token_id])
+    ended.finalize(stopped_on_token=True)
+    assert ended.text == " Paris"
+
+
+def test_a_prompt_of_whole_characters_leaves_a_byte_level_output_as_its_own_decode(
+    tokenizer: TextTokenizer,
+) -> None:
+    rng = random.Random(99)
+    prompts = [tokenizer.encode_batch([text])[0] for text in [*MULTIBYTE_TEXTS, "Hi"]]
+    for _ in range(100):
+        ids = biased_random_ids(rng, tokenizer.vocab_size)
+        detok = IncrementalDetokenizer(tokenizer, SamplingParams(), rng.choice(prompts))
+        detok.update(ids)
+        detok.finalize()
+        assert detok.text == tokenizer.decode(ids)
+
+
+def test_an_output_that_completes_the_prompts_split_character_begins_with_it(
+    tokenizer: TextTokenizer,
+) -> None:
+    """As vLLM: the text of the prompt's last token, left unfinished by a split character (here
+    the space sharing a token with the emoji's first byte), comes with the output's that
+    finishes it."""
+    ids = tokenizer.encode_batch(["ok 🎉 done"], add_special_tokens=False)[0]
+    split = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd"))
+    finished = next(i for i in range(split, len(ids)) if "🎉" in tokenizer.decode(ids[: i + 1]))
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(), ids[:split])
+    detok.update(ids[split : finished + 1])
+    assert tokenizer.decode(ids[:split]) == "ok \ufffd"
+    assert detok.text == " 🎉"
+    detok.update(ids[finished + 1 :])
+    detok.finalize()
+    assert detok.text == " 🎉 done"
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_after_any_prompt_the_text_only_grows_and_finalizes_to_the_full_decode(
+    tokenizer: TextTokenizer, skip_special_tokens: bool
+) -> None:
+    """Prompts and outputs of random ids, split characters at either end of the prompt."""
+    rng = random.Random(7)
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    for _ in range(200):
+        prompt = biased_random_ids(rng, tokenizer.vocab_size)
+        ids = biased_random_ids(rng, tokenizer.vocab_size)
+        detok = IncrementalDetokenizer(tokenizer, params, prompt)
+        seen: list[str] = []
+        for start in range(0, len(ids), 3):
+            detok.update(ids[start : start + 3])
+            seen.append(detok.text)
+        detok.finalize()
+        assert all(detok.text.startswith(text) for text in seen)
+        full = tokenizer.decode(prompt[-24:] + ids, skip_special_tokens=skip_special_tokens)
+        assert full.endswith(detok.text)

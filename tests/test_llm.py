@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import wait_gone
+from helpers import sentencepiece_backend, wait_gone
 
 from vbatch import LLM, SamplingParams
 from vbatch.errors import ConfigError, EngineDeadError, ModelLoadError, VbatchError
@@ -561,3 +561,30 @@ def test_an_llm_in_a_pool_worker_says_why_it_cannot_start(
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("EngineStartupError: an engine core cannot start in a daemonic")
+
+
+def test_a_sentencepiece_models_output_keeps_its_first_space(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """As vLLM, the output is decoded after the prompt's last tokens: a Llama 2 style decoder
+    strips the prompt's first space, not the output's, and a stop string " Paris" matches the
+    first token. Before, the text read "Paris Paris" and the stop ended the second token."""
+    model = tmp_path / "sp-model"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_model_dir / name, model / name)
+    sentencepiece_backend().save(str(model / "tokenizer.json"))
+    (model / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    with LLM(str(model), num_threads=1, num_kv_blocks=32, attention_backend="torch") as sp_llm:
+        paris = sp_llm.get_tokenizer().backend.token_to_id("▁Paris")
+        forced = SamplingParams(max_tokens=2, temperature=0.0, allowed_token_ids=[paris])
+        stopped = SamplingParams(
+            max_tokens=2, temperature=0.0, allowed_token_ids=[paris], stop=[" Paris"]
+        )
+        plain, stop = sp_llm.generate(
+            ["The capital of France is"] * 2, [forced, stopped], use_tqdm=False
+        )
+    assert plain.outputs[0].text == " Paris Paris"
+    assert stop.outputs[0].text == ""
+    assert stop.outputs[0].token_ids == [paris]
+    assert stop.outputs[0].stop_reason == " Paris"

@@ -572,7 +572,10 @@ class LLM(PoolingMethods):
                 position=position,
                 prompt_token_ids=prompt_ids,
                 prompt_text=prompt_text,
-                detoks=[IncrementalDetokenizer(self.tokenizer, params) for _ in range(params.n)],
+                detoks=[
+                    IncrementalDetokenizer(self.tokenizer, params, prompt_ids)
+                    for _ in range(params.n)
+                ],
                 reasons=[None] * params.n,
                 logprobs=[[] if params.logprobs is not None else None for _ in range(params.n)],
                 num_core_live=params.n,

@@ -9,22 +9,61 @@ from tokenizers.decoders import DecodeStream
 from vbatch.client.tokenizer import TextTokenizer
 from vbatch.sampling_params import SamplingParams
 
+# NOTE: how many of the prompt's last tokens the text is decoded after, so that a decoder that
+# treats the text's first token apart (SentencePiece's Strip of a leading space) does not; up
+# to MAX_PROMPT_CONTEXT while that suffix starts inside a character.
+PROMPT_CONTEXT = 6
+MAX_PROMPT_CONTEXT = 24
+REPLACEMENT = "\ufffd"
+
+
+def prompt_context(tokenizer: TextTokenizer, prompt_token_ids: Sequence[int]) -> list[int]:
+    """The prompt's last tokens the output is decoded after: PROMPT_CONTEXT of them, more where
+    their text starts with a split character, the whole prompt where it is that short."""
+    ids = list(prompt_token_ids)
+    for size in range(PROMPT_CONTEXT, min(len(ids), MAX_PROMPT_CONTEXT) + 1):
+        suffix = ids[-size:]
+        if not tokenizer.backend.decode(suffix, skip_special_tokens=False).startswith(REPLACEMENT):
+            return suffix
+    return ids[-MAX_PROMPT_CONTEXT:]
+
 
 class IncrementalDetokenizer:
     """Turns a sample's output token ids into text as they arrive and watches for stop strings.
 
-    Invariants: `text` is `decode(token_ids)` minus any bytes of a still-unfinished character,
-    cut at the stop-string match that ends first (the longest one among those ending together);
-    after a finish on EOS or a stop token id, `decode(token_ids[:-1])` (see `finalize`).
+    Invariants: `text` is what `token_ids` add to the text of the prompt's last tokens
+    (`prompt_context`), as vLLM decodes it: `decode(context + token_ids)` past the text of the
+    context's tokens up to a character the prompt left unfinished (the output's text begins
+    with the text of that character's tokens), minus any bytes of a still-unfinished
+    character, cut at the stop-string match that ends first (the longest one among those ending
+    together); after a finish on EOS or a stop token id, the same of `token_ids[:-1]` (see
+    `finalize`). For a byte-level tokenizer (GPT-2's, Llama 3's, SmolLM2's) and a prompt of
+    whole characters that is `decode(token_ids)`; a SentencePiece one keeps the first token's
+    leading space.
     Once a stop string is hit, `token_ids` ends with the token that completed it, `stop_str` is
     set, and later tokens are ignored. As in vLLM, a stop string must end in the text of a token
     after the first `min_tokens`.
     """
 
-    def __init__(self, tokenizer: TextTokenizer, params: SamplingParams) -> None:
+    def __init__(
+        self,
+        tokenizer: TextTokenizer,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int] = (),
+    ) -> None:
         self._backend = tokenizer.backend
-        self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
         self._skip_special_tokens = params.skip_special_tokens
+        self._context = prompt_context(tokenizer, prompt_token_ids)
+        self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        # NOTE: the stream holds back the tokens of a character the prompt left unfinished; the
+        # output's text starts after the last context token it gave text for.
+        num_decoded = 0
+        for i, token_id in enumerate(self._context):
+            if self._stream.step(self._backend, token_id) is not None:
+                num_decoded = i + 1
+        self._context_text = self._backend.decode(
+            self._context[:num_decoded], skip_special_tokens=self._skip_special_tokens
+        )
         self._skipped_ids = (
             tokenizer.special_token_ids if params.skip_special_tokens else frozenset()
         )
@@ -97,20 +136,25 @@ class IncrementalDetokenizer:
             and last is not None
             and last not in self._skipped_ids
         ):
-            self._chunks = [
-                self._backend.decode(
-                    self._token_ids[:-1], skip_special_tokens=self._skip_special_tokens
-                )
-            ]
+            self._chunks = [self._decoded(self._token_ids[:-1])]
             return None
         if self._num_pending_tokens == 0:
             return None
         text = self.text
-        full = self._backend.decode(self._token_ids, skip_special_tokens=self._skip_special_tokens)
+        full = self._decoded(self._token_ids)
         assert full.startswith(text), "incremental text diverged from the full decode"
         if self._append(full[len(text) :]):
             return self.stop_str
         return None
+
+    def _decoded(self, token_ids: list[int]) -> str:
+        """The text `token_ids` add after the prompt's context (see the class invariants)."""
+        full = self._backend.decode(
+            self._context + token_ids, skip_special_tokens=self._skip_special_tokens
+        )
+        if full.startswith(self._context_text):
+            return full[len(self._context_text) :]
+        return self._backend.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
 
     def _append(self, chunk: str) -> bool:
         """Add decoded text; on a stop-string match cut the text there and return True."""
