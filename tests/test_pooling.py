@@ -275,7 +275,9 @@ def test_sentence_bert_config_caps_and_lowercases_as_sentence_transformers(
         # NOTE: -1 keeps max_seq_length tokens, as vLLM caps an embedder's length there.
         (kept,) = llm.embed(texts[2], truncate_prompt_tokens=-1)
         (last_24,) = llm.embed(texts[2], truncate_prompt_tokens=24)
+        (encoded,) = llm.encode(texts[2], truncate_prompt_tokens=24)
     assert kept.error is None and kept.outputs.embedding == last_24.outputs.embedding
+    assert encoded.error is None and encoded.outputs.data.tolist() == last_24.outputs.embedding
     assert len(kept.prompt_token_ids) == 24
     for out, ref in zip(outs[:2], reference, strict=True):
         assert out.error is None

@@ -79,6 +79,7 @@ class PoolingMethods:
         prompts: PromptInput | Iterable[PromptInput],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         *,
+        truncate_prompt_tokens: int | None = None,
         use_tqdm: UseTqdm = True,
         pooling_task: str | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
@@ -88,12 +89,20 @@ class PoolingMethods:
         A prompt is a string, a list of strings (pooled each on its own), {"prompt": str},
         {"prompt_token_ids": [int]}, a conversation (its chat template applied) or a Request.
         `pooling_params` default to an embedding; `pooling_task` ("embed", "classify", ...) sets
-        their task, as in vLLM."""
+        their task, and `truncate_prompt_tokens` their truncation, as in vLLM."""
         _refuse_lora(lora_request)
         items = _prompt_items(prompts)
         per_prompt = _per_prompt(pooling_params, len(items))
-        if pooling_task is not None:
-            per_prompt = [msgspec.structs.replace(p, task=pooling_task) for p in per_prompt]
+        changes = {
+            name: value
+            for name, value in (
+                ("task", pooling_task),
+                ("truncate_prompt_tokens", truncate_prompt_tokens),
+            )
+            if value is not None
+        }
+        if changes:
+            per_prompt = [msgspec.structs.replace(p, **changes) for p in per_prompt]
         requests = [
             _pooling_request(item, params) for item, params in zip(items, per_prompt, strict=True)
         ]
