@@ -110,6 +110,21 @@ def test_chat_one_and_many_conversations(llm: LLM) -> None:
         llm.chat("Hello", SHORT)
 
 
+def test_a_malformed_conversation_is_an_error_output_in_its_place(llm: LLM) -> None:
+    """As a job's rows: a message without a role, an empty conversation or a message that is
+    not an object fails its own conversation; before, the call raised for all of them, naming
+    none."""
+    ok = CONVERSATION[:2]
+    outs = llm.chat([ok, [{"content": "x"}], [], [ok[0], "text"], ok], SHORT, use_tqdm=False)
+    assert [out.error is None for out in outs] == [True, False, False, False, True]
+    assert "messages[0] must have a string 'role'" in (outs[1].error or "")
+    assert "non-empty list" in (outs[2].error or "")
+    assert "messages[1] must be an object" in (outs[3].error or "")
+    assert outs[4].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    (alone,) = llm.chat([{"content": "no role"}], SHORT, use_tqdm=False)
+    assert "must have a string 'role'" in (alone.error or "")
+
+
 def test_structured_outputs_new_and_old_names(llm: LLM) -> None:
     pytest.importorskip("xgrammar")
     choices = ["Positive", "Negative"]

@@ -103,12 +103,14 @@ def generate_inputs(prompts: Any) -> list[Any]:
     return list(prompts)
 
 
-def chat_conversations(messages: Any) -> list[list[dict[str, Any]]]:
-    """`chat`'s first argument, one conversation or a list of them, as a list of them."""
-    if is_conversation(messages):
+def chat_conversations(messages: Any) -> list[Any]:
+    """`chat`'s first argument, one conversation or a list of them, as a list of them. A list
+    holding a list is a list of conversations, any other non-empty list one conversation; each
+    is checked on its own later, so a malformed one is an error output in its place."""
+    if isinstance(messages, list) and messages:
+        if any(isinstance(item, list) for item in messages):
+            return messages
         return [messages]
-    if isinstance(messages, list) and messages and all(is_conversation(c) for c in messages):
-        return messages
     raise PromptTypeError(
         "chat takes one conversation (a list of {'role', 'content'} messages) or a list of "
         f"them; got {_describe(messages)}"
