@@ -166,6 +166,10 @@ def test_openai_completions_line() -> None:
             "chat_template_kwargs may not set 'messages'",
         ),
         (
+            {"messages": CHAT, "chat_template_kwargs": {"chat_template": "X"}},
+            "chat_template_kwargs may not set 'chat_template'",
+        ),
+        (
             {"messages": CHAT, "chat_template_kwargs": {"a-b": 1}},
             "not a template variable name",
         ),

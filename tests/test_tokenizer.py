@@ -217,7 +217,7 @@ def test_named_templates_continued_json_and_reasoning_aliases_as_in_transformers
     chat_template.jinja with additional_chat_templates/, a final message continued through
     `tojson`, and reasoning under `reasoning` or `thinking`: each rendered as transformers does
     (vbatch kept only "default", rendered a name as text, lost its NUL-marked tag in `tojson`,
-    and passed the fields unaliased)."""
+    and passed the fields unaliased; later, rendered the name "default" as text)."""
     from transformers import AutoTokenizer
 
     shutil.copy(hf_dir / "tokenizer.json", tmp_path / "tokenizer.json")
@@ -242,6 +242,8 @@ def test_named_templates_continued_json_and_reasoning_aliases_as_in_transformers
     cases = [
         ([user], {"tools": tools}, None, False),
         ([user], {}, "rag", False),
+        ([user], {}, "default", False),
+        ([user], {"tools": tools}, "default", False),
         ([user, {"role": "assistant", "content": "Sure, the"}], {}, None, True),
         ([user, {"role": "assistant", "content": "ans", "reasoning": "thought"}], {}, None, False),
     ]
@@ -307,6 +309,8 @@ def test_template_kwargs_reach_a_qwen3_template_as_in_transformers(
         (["enable_thinking"], "must be an object of template variables"),
         ({"add_generation_prompt": False}, "may not set 'add_generation_prompt'"),
         ({"enable thinking": True}, "not a template variable name"),
+        ({"chat_template": "X{{ messages }}"}, "may not set 'chat_template': it says how"),
+        ({"continue_final_message": True}, "may not set 'continue_final_message'"),
     ],
 )
 def test_bad_template_kwargs_are_input_errors(kwargs: object, message: str) -> None:

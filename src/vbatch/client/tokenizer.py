@@ -21,6 +21,8 @@ from vbatch.models.config import json_object
 
 # NOTE: the names the renderer itself passes; a template kwarg may not replace them.
 RENDER_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+# NOTE: what transformers' apply_chat_template takes as settings, not template variables.
+SETTING_NAMES = frozenset({"chat_template", "continue_final_message"})
 # NOTE: appended to the message continue_final_message continues, to find where its content ends
 # in the rendered text; its trailing space tells whether the template kept the content's own
 # trailing whitespace (then it stays, as in transformers).
@@ -150,6 +152,11 @@ def check_template_kwargs(value: Any, what: str = "chat_template_kwargs") -> dic
             raise InputError(f"{what} has the key {key!r}, which is not a template variable name")
         if key in RENDER_NAMES:
             raise InputError(f"{what} may not set {key!r}: vbatch sets it when rendering")
+        if key in SETTING_NAMES:
+            raise InputError(
+                f"{what} may not set {key!r}: it says how the template is applied, not what "
+                "it renders (LLM.chat takes it as an argument)"
+            )
     return dict(value)
 
 
@@ -329,6 +336,9 @@ class TextTokenizer:
         tools = (template_kwargs or {}).get("tools")
         if chat_template is None and tools is not None and "tool_use" in self._named:
             template = self._named["tool_use"]
+        elif chat_template == "default" and self._named and self._template is not None:
+            # NOTE: as transformers: beside named ones, the model's own template is "default".
+            template = self._template
         elif chat_template in self._named:
             template = self._named[chat_template]
         elif chat_template is not None:
