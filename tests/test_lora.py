@@ -436,3 +436,11 @@ def test_scheduler_admits_past_a_seq_whose_adapter_has_no_slot() -> None:
     scheduler.update(first, [7, 7, 7])
     second = scheduler.schedule()
     assert [seq.request_id for seq in second.seqs] == ["r1"]
+
+
+@pytest.mark.parametrize("lora_int_id", [0, -3, True, 1.5])
+def test_a_lora_request_needs_a_positive_int_id(lora_int_id: object) -> None:
+    """As vLLM: an id below 1 names no adapter (it ran the adapter before)."""
+    with pytest.raises(ValueError, match="lora_int_id must be an int > 0"):
+        LoRARequest("a", lora_int_id, "/adapter")  # type: ignore[arg-type]
+    assert LoRARequest("a", 1, "/adapter").lora_int_id == 1

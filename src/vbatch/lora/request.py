@@ -20,6 +20,15 @@ class LoRARequest:
     lora_int_id: int
     lora_path: str = ""
 
+    def __post_init__(self) -> None:
+        # NOTE: as vLLM: 0 and below never name an adapter.
+        if (
+            not isinstance(self.lora_int_id, int)
+            or isinstance(self.lora_int_id, bool)
+            or self.lora_int_id < 1
+        ):
+            raise ValueError(f"lora_int_id must be an int > 0, got {self.lora_int_id!r:.40}")
+
     @property
     def name(self) -> str:
         return self.lora_name
