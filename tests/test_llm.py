@@ -588,3 +588,24 @@ def test_a_sentencepiece_models_output_keeps_its_first_space(
     assert stop.outputs[0].text == ""
     assert stop.outputs[0].token_ids == [paris]
     assert stop.outputs[0].stop_reason == " Paris"
+
+
+@pytest.mark.timeout(180)
+def test_two_samples_that_each_need_the_whole_cache_both_finish(tiny_model_dir: Path) -> None:
+    """Seeded samples of a 40-token prompt, each needing all 4 KV blocks, in 32-token chunks:
+    the preempted one hung on its prefix-cache partial copy (see test_scheduler)."""
+    prompt = {"prompt_token_ids": [(17 * i) % 40000 + 100 for i in range(40)]}
+    params = [
+        SamplingParams(max_tokens=23, temperature=1.0, seed=seed, ignore_eos=True)
+        for seed in (1, 2)
+    ]
+    with LLM(
+        str(tiny_model_dir),
+        num_threads=1,
+        num_kv_blocks=4,
+        block_size=16,
+        max_num_batched_tokens=32,
+        heartbeat_timeout_s=20,
+    ) as small:
+        outs = small.generate([prompt, prompt], params, use_tqdm=False)
+    assert [(o.error, len(o.outputs[0].token_ids)) for o in outs] == [(None, 23), (None, 23)]

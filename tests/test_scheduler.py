@@ -663,3 +663,16 @@ def test_schedule_ahead_leaves_a_step_with_a_prefill_chunk_alone() -> None:
         sched.update(out, [fake_token(a)])
     run_to_end(sched)
     assert b.num_output_tokens == 5
+
+
+def test_a_preempted_seq_that_needs_the_whole_pool_runs_without_its_partial_hit() -> None:
+    """Two samples of a 40-token prompt, each needing all 4 blocks: one is preempted, and once
+    the other finishes its re-admission matched 2 cached blocks and a partial copy, whose pinned
+    source made 5 blocks of 4. It waited with nothing running, for ever; it now recomputes."""
+    sched = make_scheduler(block_size=16, num_kv_blocks=4, max_num_batched_tokens=32)
+    prompt = [(17 * i) % 40000 + 100 for i in range(40)]
+    first = add(sched, "r", prompt, index=0, max_tokens=23, ignore_eos=True)
+    second = add(sched, "r", prompt, index=1, max_tokens=23, ignore_eos=True)
+    run_to_end(sched, max_steps=200)
+    assert sched.num_preemptions >= 1
+    assert first.num_output_tokens == second.num_output_tokens == 23

@@ -388,7 +388,6 @@ class Scheduler:
         sampling_mask: list[bool],
     ) -> int:
         block_manager = self.block_manager
-        block_size = self.config.block_size
         is_sharing_prompts = self.config.enable_prefix_caching
         waiting = self.waiting
         active_loras = self._active_loras() if self.config.max_loras and waiting else None
@@ -406,13 +405,16 @@ class Scheduler:
             if self._claims.is_computing_next(seq, cached_blocks):
                 break
             partial = block_manager.match_partial(seq, cached_blocks)
-            num_computed = len(cached_blocks) * block_size + partial[1]
-            num_uncomputed = seq.num_tokens - num_computed
-            num_new = num_uncomputed if num_uncomputed < budget else budget
-            if self.config.chunks_end_at_prompt and num_computed < seq.num_prompt_tokens:
-                num_new = min(num_new, seq.num_prompt_tokens - num_computed)
+            num_uncomputed, num_new = self._admission_size(seq, cached_blocks, partial, budget)
             if not block_manager.can_allocate(num_new, cached_blocks, partial):
-                break
+                if not partial[1]:
+                    break
+                # NOTE: a partial hit pins its source block beside the copy; a seq that needs
+                # the whole pool then fits only without it (else it waits on nothing forever).
+                partial = (-1, 0)
+                num_uncomputed, num_new = self._admission_size(seq, cached_blocks, partial, budget)
+                if not block_manager.can_allocate(num_new, cached_blocks, partial):
+                    break
             del waiting[position]
             if active_loras is not None and seq.lora_id:
                 active_loras.add(seq.lora_id)
@@ -426,6 +428,18 @@ class Scheduler:
             sampling_mask.append(num_new == num_uncomputed)
             budget -= num_new
         return budget
+
+    def _admission_size(
+        self, seq: Sequence, cached_blocks: list[int], partial: tuple[int, int], budget: int
+    ) -> tuple[int, int]:
+        """(tokens `seq` has left to compute past its cache hits, how many of them it computes
+        in this step) when admitted with `cached_blocks` and `partial` under `budget`."""
+        num_computed = len(cached_blocks) * self.config.block_size + partial[1]
+        num_uncomputed = seq.num_tokens - num_computed
+        num_new = num_uncomputed if num_uncomputed < budget else budget
+        if self.config.chunks_end_at_prompt and num_computed < seq.num_prompt_tokens:
+            num_new = min(num_new, seq.num_prompt_tokens - num_computed)
+        return num_uncomputed, num_new
 
     def _active_loras(self) -> set[int]:
         return {seq.lora_id for seq in self.running if seq.lora_id}
