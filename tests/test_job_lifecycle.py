@@ -467,6 +467,19 @@ def test_resume_force_with_only_the_model_changed_does_not_warn(
     assert "warning:" not in capsys.readouterr().err
 
 
+def test_resume_names_an_input_that_is_gone_or_now_a_directory(
+    tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any]
+) -> None:
+    input_path = tmp_path / "in.jsonl"
+    job, _ = finished_job(input_path, tmp_path / "out.jsonl", tiny_model_dir, shared_llm, cut=True)
+    input_path.unlink()
+    with pytest.raises(InputError, match=r"input file .* no longer exists"):
+        resume_job(job.output_path, {"display": "quiet"}, llm_factory=shared_llm)
+    input_path.mkdir()
+    with pytest.raises(InputError, match=r"input file .* is now a directory"):
+        resume_job(job.output_path, {"display": "quiet"}, llm_factory=shared_llm)
+
+
 def test_resume_force_refuses_an_input_that_now_ends_before_committed_rows(
     tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any]
 ) -> None:

@@ -602,7 +602,8 @@ def _resume_locked(
     _adopt_moved_output(output, job_dir, manifest, quiet=quiet)
     input_path = Path(manifest.input_path)
     if not input_path.is_file():
-        raise InputError(f"the job's input file {input_path} no longer exists")
+        what = "is now a directory" if input_path.is_dir() else "no longer exists"
+        raise InputError(f"the job's input file {input_path} {what}")
     fingerprint = input_fingerprint(input_path)
     identity = model_identity(manifest.model.source, manifest.engine.get("loras"))
     _refuse_missing_adapters(identity)
