@@ -53,6 +53,16 @@ inline void widen(const cache_t* values, int64_t n, float* dst) {
         _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(wide));
       }
     }
+#elif defined(__AVX2__) && defined(__F16C__)
+    for (; i + 8 <= n; i += 8) {
+      const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + i));
+      if constexpr (std::is_same_v<cache_t, c10::Half>) {
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(bits));
+      } else {
+        const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16);
+        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(wide));
+      }
+    }
 #endif
     for (; i < n; ++i) dst[i] = static_cast<float>(values[i]);
   }
