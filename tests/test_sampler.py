@@ -284,6 +284,30 @@ def test_logit_bias_comes_before_the_repetition_penalty() -> None:
     assert Sampler()(logits, meta).token_ids.tolist() == [2]
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"repetition_penalty": 1e-38},
+        {"repetition_penalty": 1e-38, "top_p": 0.9},
+        {"repetition_penalty": 1e-38, "top_k": 5},
+        {"logit_bias": {1: 3e38}, "temperature": 0.1},
+        {"logit_bias": {1: 3e38}, "temperature": 0.1, "top_p": 0.5},
+    ],
+)
+def test_a_bias_or_penalty_past_float32_still_draws_its_token(params: dict) -> None:
+    """A repetition_penalty of 1e-38 divided a seen token's positive logit to inf, and a huge
+    bias over a small temperature overflowed too: the softmax read NaN and the draw gave token
+    0 or the padding id (vocab_size). The token they favour is drawn now."""
+    vocab = 10
+    logits = torch.zeros(2, vocab)
+    logits[:, 1] = 2.0
+    p = SamplingParams(**{"temperature": 1.0, "seed": 3, **params})
+    seqs = make_seqs(p, p, prompt=[1, 3])
+    meta = SamplingMetadata.build(seqs, CPU, vocab, {})
+    assert torch.isfinite(_apply_transforms(logits, meta) / 1e-5).all()
+    assert Sampler()(logits, meta).token_ids.tolist() == [1, 1]
+
+
 def test_min_p_comes_before_top_p() -> None:
     """vLLM V1's order: min-p, then top-p over what it keeps. Probabilities 0.5, 0.3, 0.1, 0.1:
     min-p 0.3 keeps the first two (0.625, 0.375 renormalised), and top-p 0.6 then the first

@@ -11,13 +11,18 @@ import torch
 import torch.nn.functional as F
 
 from vbatch.engine.grammar import StepMask
-from vbatch.engine.sampling_metadata import SamplingMetadata, to_host
+from vbatch.engine.sampling_metadata import MIN_TEMPERATURE, SamplingMetadata, to_host
 from vbatch.engine.sequence import Sequence
 from vbatch.protocol import TokenLogprobs
 
 # NOTE: top-p rows whose nucleus is wider than the first NUM_CANDIDATES tokens retry with this
 # many times as many, up to a full sort. 128 * 6 = 768 keeps the second try on torch's cheaper
 # heap top-k (k <= vocab / 64).
+# NOTE: the largest logit a bias or repetition penalty may leave (half float32's largest over
+# the smallest temperature, a margin for rounding), so that no later division by a temperature
+# overflows to inf, whose softmax is NaN: a repetition_penalty of 1e-38 divided a seen token's
+# logit past float32.
+LOGIT_LIMIT = torch.finfo(torch.float32).max * MIN_TEMPERATURE / 2
 CANDIDATE_GROWTH = 6
 DRAW_BLOCK = 256
 
@@ -128,11 +133,12 @@ def _apply_transforms(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Ten
     if meta.logit_bias is not None:
         rows, ids, values = meta.logit_bias
         logits.index_put_((rows, ids), values, accumulate=True)
+        logits[rows, ids] = logits[rows, ids].clamp_(max=LOGIT_LIMIT)
     if pen is not None:
         flat = logits.view(-1)
         seen = flat[pen.keys]
         seen = torch.where(seen > 0, seen / pen.repetition, seen * pen.repetition)
-        flat[pen.keys] = seen - pen.subtract
+        flat[pen.keys] = (seen - pen.subtract).clamp_(max=LOGIT_LIMIT)
     if meta.banned is not None:
         # NOTE: a Python scalar as index_put_'s value is copied from the host, a sync on CUDA.
         logits.index_put_(meta.banned, logits.new_full((), -math.inf))
