@@ -288,6 +288,42 @@ def test_a_second_concurrent_stream_is_refused(llm: LLM) -> None:
     assert_idle(llm)
 
 
+def test_two_threads_cannot_both_start_a_stream(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first thread is held inside its stream's start (before, the busy flag was set only
+    after the params check, so a second thread passed the guard there, the two took each
+    other's outputs and one waited for ever)."""
+    import vbatch.llm as llm_module
+
+    entered, release = threading.Event(), threading.Event()
+    check = llm_module.check_params_type
+
+    def held_check(params: SamplingParams) -> None:
+        if threading.current_thread().name == "first" and sys._getframe(1).f_code.co_name == (
+            "_stream"
+        ):
+            entered.set()
+            assert release.wait(30)
+        check(params)
+
+    monkeypatch.setattr(llm_module, "check_params_type", held_check)
+    results: list[int] = []
+    first = threading.Thread(
+        target=lambda: results.append(len(llm.generate(["a"], GREEDY, use_tqdm=False))),
+        name="first",
+    )
+    first.start()
+    try:
+        assert entered.wait(30)
+        with pytest.raises(VbatchError, match="already streaming"):
+            llm.generate(["b"], GREEDY, use_tqdm=False)
+    finally:
+        release.set()
+        first.join(60)
+    assert results == [1]
+    assert len(llm.generate(["c"], GREEDY, use_tqdm=False)) == 1
+    assert_idle(llm)
+
+
 def test_generate_with_progress_bar(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
     outs = llm.generate(["x", "y"], GREEDY, use_tqdm=True)
     assert [o.index for o in outs] == [0, 1]

@@ -281,7 +281,9 @@ class LLM(PoolingMethods):
         self.max_in_flight = max_in_flight if max_in_flight is not None else max(1, default)
         self._request_ids = itertools.count()
         self._bad_words_cache: dict[tuple[str, ...], list[list[int]]] = {}
-        self._is_streaming = False
+        # NOTE: held by the one stream running; a lock, so that two threads cannot both start
+        # one (they would take each other's outputs, and one would wait for ever).
+        self._streaming = threading.Lock()
         self._live: dict[str, RequestState | PoolingState] = {}
 
     def _load_client_side(self, tokenizer_dir: Path, hf_dir: Path, generation_config: str) -> None:
@@ -492,28 +494,30 @@ class LLM(PoolingMethods):
         on_output: Callable[[RequestOutput], None] | None,
         idle_s: float | None = None,
     ) -> Iterator[tuple[int, RequestOutput | None]]:
-        if self._is_streaming:
+        if not self._streaming.acquire(blocking=False):
             raise VbatchError("this LLM is already streaming; finish or close that stream first")
-        defaults = sampling_params or self.default_sampling_params
-        check_params_type(defaults)
-        defaults.check_vocab(self.engine_info.vocab_size)
-        self._is_streaming = True
-        live: dict[str, RequestState | PoolingState] = {}
-        self._live = live
-        callbacks = _CallbackThread(on_output, self.max_in_flight) if on_output else None
         try:
-            for position, out in stream_loop(_LocalStream(self, inputs, defaults, live), idle_s):
-                if callbacks is not None and out is not None:
-                    callbacks.put(out)
-                yield position, out
-            if callbacks is not None:
-                callbacks.close()
+            defaults = sampling_params or self.default_sampling_params
+            check_params_type(defaults)
+            defaults.check_vocab(self.engine_info.vocab_size)
+            live: dict[str, RequestState | PoolingState] = {}
+            self._live = live
+            callbacks = _CallbackThread(on_output, self.max_in_flight) if on_output else None
+            try:
+                stream = _LocalStream(self, inputs, defaults, live)
+                for position, out in stream_loop(stream, idle_s):
+                    if callbacks is not None and out is not None:
+                        callbacks.put(out)
+                    yield position, out
+                if callbacks is not None:
+                    callbacks.close()
+            finally:
+                if live:
+                    self._client.abort(list(live))
+                if callbacks is not None:
+                    callbacks.close(raise_error=False)
         finally:
-            self._is_streaming = False
-            if live:
-                self._client.abort(list(live))
-            if callbacks is not None:
-                callbacks.close(raise_error=False)
+            self._streaming.release()
 
     def _submit(
         self,
