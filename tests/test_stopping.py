@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from vbatch.job.stopping import StopControl, StopNow
+from vbatch.job.stopping import StopControl, StopNow, sigterm_interrupts
 
 
 def test_first_signal_requests_a_drain_and_second_stops_now() -> None:
@@ -74,3 +74,23 @@ def test_a_hangup_stops_a_job_unless_it_is_ignored_as_under_nohup() -> None:
             assert not stop.stop_requested
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_before_the_job_exists_an_ignored_sigint_or_sigterm_still_interrupts(signum: int) -> None:
+    """As the running job takes them (started under `trap '' INT` or a script's `cmd &`): while
+    the input is checked, the stop raises KeyboardInterrupt; an ignored SIGHUP stays ignored.
+    Before, an ignored SIGINT was dropped there and the job ran to its end."""
+    saved = {s: signal.getsignal(s) for s in (signum, signal.SIGHUP)}
+    try:
+        signal.signal(signum, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        with sigterm_interrupts():
+            os.kill(os.getpid(), signal.SIGHUP)
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signum)
+                time.sleep(5)
+        assert signal.getsignal(signum) is signal.SIG_IGN
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)

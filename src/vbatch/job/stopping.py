@@ -146,17 +146,14 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 @contextlib.contextmanager
 def sigterm_interrupts() -> Iterator[None]:
-    """While a job is being created (before it exists): SIGTERM and SIGHUP raise
-    KeyboardInterrupt, as SIGINT does, so the command removes what it made and says it was
-    interrupted. An ignored one stays ignored."""
+    """While a job is being created (before it exists): the stop signals the job will take
+    (taken_stop_signals: SIGINT and SIGTERM even where they were ignored, SIGHUP unless it is)
+    raise KeyboardInterrupt, so the command removes what it made and says it was interrupted.
+    Before, an ignored SIGINT stayed ignored here, and a job that then ran took no stop."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {
-        signum: signal.signal(signum, _raise_interrupt)
-        for signum in (signal.SIGTERM, signal.SIGHUP)
-        if signal.getsignal(signum) is not signal.SIG_IGN
-    }
+    previous = {signum: signal.signal(signum, _raise_interrupt) for signum in taken_stop_signals()}
     try:
         yield
     finally:
