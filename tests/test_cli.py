@@ -388,6 +388,7 @@ def test_a_kv_cache_past_the_machine_s_memory_leaves_no_job(
     failed = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert failed.returncode == 1
     assert "exceeds this machine's memory" in failed.stderr
+    assert "lower --kv-cache-memory" in failed.stderr and "--num-kv-blocks" not in failed.stderr
     assert "no row ran, so no job was kept" in failed.stderr and "Traceback" not in failed.stderr
     assert not (tmp_path / "out.jsonl").exists()
     assert not (tmp_path / "out.jsonl.vbatch").exists()

@@ -91,7 +91,7 @@ def allocate_kv_cache(
     shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
     size = num_blocks * kv_block_bytes(model_config, block_size, dtype)
     what = f"the KV cache ({num_blocks} blocks, {size / 1024**3:.2f} GiB)"
-    then = "lower --kv-cache-memory (kv_cache_memory_gb) or --num-kv-blocks"
+    then = "lower --kv-cache-memory (kv_cache_memory_gb, or num_kv_blocks in the Python API)"
     if device.type == "cpu" and size > (total := psutil.virtual_memory().total):
         raise ConfigError(
             f"{what} exceeds this machine's memory ({total / 1024**3:.1f} GiB); {then}"
