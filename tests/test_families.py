@@ -9,6 +9,7 @@ import copy
 import json
 import math
 import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -471,6 +472,41 @@ def test_a_rope_scaling_beside_rope_parameters_wins_as_in_transformers(tmp_path:
     alone = {k: v for k, v in raw.items() if k != "rope_scaling"}
     with pytest.raises(ModelLoadError, match="rope_parameters must be an object, not 'linear'"):
         ModelConfig.from_dict({**alone, "rope_parameters": "linear"})
+
+
+@pytest.mark.parametrize(
+    ("scaling", "message"),
+    [
+        ({"rope_type": "linear"}, "linear rope scaling needs a positive number 'factor'"),
+        ({"rope_type": "linear", "factor": "abc"}, "needs a positive number 'factor'"),
+        ({"rope_type": "llama3", "factor": 8.0}, "needs a positive number 'low_freq_factor'"),
+        (
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 1.0,
+                "original_max_position_embeddings": 64,
+            },
+            "low_freq_factor != high_freq_factor",
+        ),
+        ({"rope_type": "longrope", "short_factor": [1.0]}, "lists of numbers 'long_factor'"),
+    ],
+)
+def test_a_rope_scaling_missing_its_numbers_is_a_load_error(
+    scaling: dict[str, Any], message: str
+) -> None:
+    """Read only in the engine core, these raised a bare KeyError there, which a job took for
+    an unsettled failure and kept, with a resume command that failed the same way."""
+    raw = {
+        **BASE,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "rope_scaling": scaling,
+    }
+    with pytest.raises(ModelLoadError, match=re.escape(message)):
+        ModelConfig.from_dict(raw)
 
 
 def test_gemma3_rope_scaling_beside_nested_rope_parameters_scales_the_global_layers(

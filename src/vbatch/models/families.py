@@ -15,6 +15,11 @@ from typing import Any
 from vbatch.errors import ModelLoadError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+# NOTE: the numbers each scaling reads (layers/rotary.py), checked where the config is read.
+ROPE_NUMBERS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 # NOTE: the keys of layers/activation.py's ACTIVATIONS; this module stays torch-free (the
 # client resolves models).
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh")
@@ -83,7 +88,22 @@ def rope_settings(
         return theta, None, rotary_dim
     if rope_type == "longrope":
         params = _longrope_params(params, raw, base, rotary_dim)
+    for key in ROPE_NUMBERS.get(rope_type, ()):
+        params[key] = _rope_number(params, key, rope_type)
+    if rope_type == "llama3" and params["low_freq_factor"] == params["high_freq_factor"]:
+        raise ModelLoadError("llama3 rope scaling needs low_freq_factor != high_freq_factor")
     return theta, {"rope_type": rope_type, **params}, rotary_dim
+
+
+def _rope_number(params: dict[str, Any], key: str, rope_type: str) -> float:
+    """The positive number `key` of a `rope_type` scaling; ModelLoadError naming what is wrong."""
+    value = params.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ModelLoadError(
+            f"{rope_type} rope scaling needs a positive number {key!r} in the model's "
+            f"config.json (rope_scaling or rope_parameters), got {value!r:.40}"
+        )
+    return float(value)
 
 
 def _longrope_params(
@@ -91,9 +111,22 @@ def _longrope_params(
 ) -> dict[str, Any]:
     # NOTE: as transformers: Phi-3 keeps the pre-training length at the top level, and that
     # copy wins; `factor` defaults to the ratio of the lengths.
-    original = int(
-        raw.get("original_max_position_embeddings") or params["original_max_position_embeddings"]
-    )
+    missing = [
+        name
+        for name in ("short_factor", "long_factor")
+        if not isinstance(params.get(name), list)
+        or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in params[name])
+    ]
+    if missing:
+        raise ModelLoadError(
+            f"longrope rope scaling needs lists of numbers {' and '.join(map(repr, missing))} in "
+            "the model's config.json"
+        )
+    original_params = {
+        "original_max_position_embeddings": raw.get("original_max_position_embeddings")
+        or params.get("original_max_position_embeddings")
+    }
+    original = int(_rope_number(original_params, "original_max_position_embeddings", "longrope"))
     factor = params.get("factor") or base["max_position_embeddings"] / original
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
