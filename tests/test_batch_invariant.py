@@ -93,6 +93,26 @@ def test_a_preempted_seeded_request_is_recomputed_to_the_same_bits(tiny_model_di
     assert tight == roomy
 
 
+def test_a_prompt_ending_in_another_requests_outputs_is_the_same_hit_or_cold(
+    tiny_model_dir: Path,
+) -> None:
+    """A multi-turn prompt: the last one's prompt and 20 of its outputs. Its blocks holding
+    outputs were cached from decode rows, which round otherwise than its own prefill; a hit on
+    them changed its logprobs' last bits. Only prompt blocks are shared now."""
+    if not native.is_available():
+        pytest.skip("native kernels could not be built here")
+    prompt = np.random.default_rng(0).integers(100, 49000, size=70).tolist()
+    core = invariant_core(tiny_model_dir)
+    first, _ = run(core, {"first": prompt}, max_tokens=32)["first"]
+    follow_up = prompt + first[:20]
+    hit = run(core, {"follow_up": follow_up}, max_tokens=24)["follow_up"]
+    core.shutdown()
+    cold_core = invariant_core(tiny_model_dir)
+    cold = run(cold_core, {"follow_up": follow_up}, max_tokens=24)["follow_up"]
+    cold_core.shutdown()
+    assert hit == cold
+
+
 def test_refuses_what_it_cannot_make_invariant() -> None:
     with pytest.raises(ConfigError, match="quantization int8"):
         EngineConfig(batch_invariant=True, quantization="int8").validate()

@@ -77,6 +77,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         sliding_window: int | None = None,
+        prompt_blocks_only: bool = False,
     ) -> None:
         assert num_blocks > 0 and block_size > 0
         assert sliding_window is None or sliding_window > 0
@@ -84,6 +85,10 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
+        # NOTE: batch-invariant mode: a prompt's K/V come from prefill chunks and an output's
+        # from decode rows, which round differently, so only prompt positions are shared, with
+        # prompt positions.
+        self.prompt_blocks_only = prompt_blocks_only
         self.ref_counts = [0] * num_blocks
         # NOTE: popped from the end, so block 0 goes out first and freed blocks are reused soonest.
         self.free_block_ids = list(range(num_blocks - 1, -1, -1))
@@ -126,7 +131,7 @@ class BlockManager:
             return []
         block_ids: list[int] = []
         # NOTE: the last token is never a hit, so the step that computes it can sample.
-        num_blocks = (len(seq.token_ids) - 1) // self.block_size
+        num_blocks = (self._num_shareable(seq) - 1) // self.block_size
         hash_to_block = self.hash_to_block
         # NOTE: all of them, though the first may miss: the claims and caching of its prompt
         # blocks need them, and a seq waiting at the head of the queue is matched every step.
@@ -147,7 +152,7 @@ class BlockManager:
         bs = self.block_size
         num_blocks = len(cached_blocks)
         start = num_blocks * bs
-        limit = min(bs - 1, len(seq.token_ids) - 1 - start)
+        limit = min(bs - 1, self._num_shareable(seq) - 1 - start)
         if limit <= 0:
             return -1, 0
         parent = (
@@ -381,7 +386,7 @@ class BlockManager:
             return
         seq_id = seq.seq_id
         start = self._num_registered.get(seq_id, 0)
-        stop = seq.num_computed_tokens // self.block_size
+        stop = min(seq.num_computed_tokens, self._num_shareable(seq)) // self.block_size
         if stop <= start:
             return
         hashes = self.full_block_hashes(seq, stop)
@@ -397,6 +402,12 @@ class BlockManager:
                 if self.shares_partial_blocks:
                     self._index_partial(seq, i, hashes[i - 1] if i else root_hash(seq), block_id)
         self._num_registered[seq_id] = stop
+
+    def _num_shareable(self, seq: Sequence) -> int:
+        """How many of `seq`'s leading tokens the prefix cache may match or register."""
+        if self.prompt_blocks_only:
+            return min(len(seq.token_ids), seq.num_prompt_tokens)
+        return len(seq.token_ids)
 
     def _index_partial(self, seq: Sequence, index: int, parent: BlockHash, block_id: int) -> None:
         """Key `block_id`, block `index` of `seq` just hashed, by its parent and each run of its

@@ -35,7 +35,8 @@ class SchedulerConfig:
     max_loras: int = 0
     # NOTE: batch-invariant mode: a chunk ends where the prompt does, so a preempted seq
     # recomputes its prompt and its outputs in separate chunks (the outputs row by row, as
-    # they were decoded: see input_batch.build_host_batch).
+    # they were decoded: see input_batch.build_host_batch); the prefix cache shares prompt
+    # blocks only (BlockManager.prompt_blocks_only).
     chunks_end_at_prompt: bool = False
 
 
@@ -62,6 +63,7 @@ class Scheduler:
             config.block_size,
             config.enable_prefix_caching,
             config.sliding_window,
+            prompt_blocks_only=config.chunks_end_at_prompt,
         )
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_num_seqs = config.max_num_seqs
