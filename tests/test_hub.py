@@ -156,6 +156,20 @@ def test_a_partly_downloaded_snapshot_is_named(
         resolve_model(REPO)
 
 
+def test_a_snapshot_without_weights_says_how_to_fetch_it_again(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An `hf download` cut short before the weights: the error named no weights only."""
+    staged = tmp_path / "staged"
+    shutil.copytree(tiny_model_dir, staged)
+    (staged / "model.safetensors").unlink()
+    add_to_hub_cache(tmp_path / "hub", REPO, staged, MAIN)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors weights.*cut short") as error:
+        resolve_model(REPO)
+    assert str(error.value).endswith(f"hf download {REPO}")
+
+
 def test_a_gguf_repo_points_at_its_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     staged = tmp_path / "staged"
     staged.mkdir()

@@ -19,7 +19,7 @@ from typing import Any
 from vbatch.errors import ModelLoadError
 from vbatch.job.paths import fsync_dir
 from vbatch.models.config import ModelConfig, is_encoder_dir
-from vbatch.models.hub import HubSnapshot, find_snapshot, parse_hub_id
+from vbatch.models.hub import HubSnapshot, download_command, find_snapshot, parse_hub_id
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +195,17 @@ def check_model_path(path: Path) -> None:
 def _resolve_hf_dir(location: ModelLocation) -> ResolvedModel:
     path = location.path
     check_model_path(path)
-    weights = weight_files(path)
+    try:
+        weights = weight_files(path)
+    except ModelLoadError as e:
+        if location.hub is None:
+            raise
+        # NOTE: a hub snapshot missing files is most often a download cut short.
+        hub = location.hub
+        raise ModelLoadError(
+            f"{e}. If the download of {hub.spec} was cut short, fetch it again: "
+            f"{download_command(hub.repo_id, hub.revision)}"
+        ) from None
     if not is_encoder_dir(path):
         ModelConfig.from_hf_dir(path)
     return ResolvedModel(
