@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import shutil
 import signal
@@ -277,6 +278,91 @@ def test_n_samples_and_on_output(llm: LLM) -> None:
         assert all(len(c.token_ids) == 5 for c in out.outputs)
     assert [o.request_id for o in seen] == [o.request_id for o in outs]
     assert threading.current_thread().name not in thread_names
+
+
+def test_a_feed_that_fails_hands_back_the_rows_finished_first(llm: LLM) -> None:
+    """The rows finished when the feed raised were lost: neither yielded nor given to
+    on_output, though the core had run them."""
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def feed() -> Iterator[Request]:
+        yield Request(id="r0", prompt="a", sampling_params=one)
+        yield Request(id="r1", prompt="b", sampling_params=one)
+        # NOTE: asked again only once the stream's full look-ahead waited for an output.
+        raise OSError("the input file went away")
+
+    yielded: list[str] = []
+    called: list[str] = []
+    before = llm.max_in_flight
+    llm.max_in_flight = 2
+    try:
+        with pytest.raises(OSError, match="went away"):
+            for out in llm.stream(feed(), on_output=lambda o: called.append(o.request_id)):
+                yielded.append(out.request_id)
+    finally:
+        llm.max_in_flight = before
+    assert yielded and set(yielded) <= {"r0", "r1"}
+    assert sorted(called) == sorted(yielded)
+    assert_idle(llm)
+
+
+def test_a_failing_callback_ends_the_stream_after_the_output_it_was_given(llm: LLM) -> None:
+    """The callback's error surfaced at the next output, which it dropped (neither yielded nor
+    given to the callback); closed early, the stream swallowed it without a word."""
+    requests = [
+        Request(id=f"c{i}", prompt="y", sampling_params=SamplingParams(max_tokens=1 + 10 * i))
+        for i in range(4)
+    ]
+    ids = [r.id for r in requests]
+    got: list[str] = []
+
+    def fail_on_first(out: RequestOutput) -> None:
+        raise ValueError(f"callback failed on {out.request_id}")
+
+    with pytest.raises(ValueError, match="callback failed on c0"):
+        for out in llm.stream(requests, on_output=fail_on_first):
+            got.append(out.request_id)
+            time.sleep(0.3)
+    assert got and got[0] == "c0" and set(got) <= set(ids)
+    assert_idle(llm)
+    assert [r.num_in_flight for r in llm.engine_reports()] == [0]
+
+
+def test_an_early_closed_stream_leaves_nothing_in_flight(
+    llm: LLM, caplog: pytest.LogCaptureFixture
+) -> None:
+    """engine_reports (the dashboard's and metrics' source) counted the aborted rows as in
+    flight until the next stream; a callback's error on an early close is logged."""
+
+    def fail(out: RequestOutput) -> None:
+        raise ValueError("never raised")
+
+    stream = llm.stream(itertools.repeat("slow"), GREEDY, on_output=fail)
+    with caplog.at_level(logging.WARNING, logger="vbatch"), contextlib.closing(stream):
+        next(stream)
+        time.sleep(0.2)
+    assert [r.num_in_flight for r in llm.engine_reports()] == [0]
+    assert "on_output raised ValueError('never raised')" in caplog.text
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "kwargs", "message"),
+    [
+        (5, {}, "stream takes an iterable of prompts"),
+        (b"ab", {}, "got bytes"),
+        (["a"], {"on_output": 5}, "on_output must be callable"),
+        (["a"], {"idle_s": -1}, "idle_s must be a number of seconds > 0"),
+    ],
+)
+def test_stream_arguments_it_cannot_use_raise_naming_them(
+    llm: LLM, inputs: Any, kwargs: dict[str, Any], message: str
+) -> None:
+    """Before: a bare TypeError from iter(), a busy loop of Nones, or a callback failing
+    only after its request had run."""
+    with pytest.raises((TypeError, ValueError), match=message):
+        next(llm.stream(inputs, GREEDY, **kwargs))
+    assert_idle(llm)
 
 
 def test_a_second_concurrent_stream_is_refused(llm: LLM) -> None:

@@ -480,6 +480,17 @@ class LLM(PoolingMethods):
         """
         if isinstance(inputs, (str, Request, Mapping)):
             inputs = [inputs]
+        if isinstance(inputs, (bytes, bytearray)) or not isinstance(inputs, Iterable):
+            raise PromptTypeError(
+                "stream takes an iterable of prompts (strings, prompt dicts, conversations, "
+                f"Requests or None) or one prompt; got {type(inputs).__name__}"
+            )
+        if on_output is not None and not callable(on_output):
+            raise PromptTypeError(f"on_output must be callable, got {type(on_output).__name__}")
+        if idle_s is not None and (
+            isinstance(idle_s, bool) or not isinstance(idle_s, (int, float)) or not idle_s > 0
+        ):
+            raise PromptValueError(f"idle_s must be a number of seconds > 0, got {idle_s!r:.40}")
         inner = self._stream(inputs, sampling_params, on_output, idle_s)
         try:
             for _, out in inner:
@@ -509,11 +520,14 @@ class LLM(PoolingMethods):
                     if callbacks is not None and out is not None:
                         callbacks.put(out)
                     yield position, out
+                    if callbacks is not None:
+                        callbacks.raise_error()
                 if callbacks is not None:
                     callbacks.close()
             finally:
                 if live:
                     self._client.abort(list(live))
+                    live.clear()
                 if callbacks is not None:
                     callbacks.close(raise_error=False)
         finally:
@@ -791,16 +805,27 @@ class _CallbackThread:
         self._thread.start()
 
     def put(self, out: RequestOutput) -> None:
+        if self._error is None:
+            self._queue.put(out)
+
+    def raise_error(self) -> None:
+        """Raise what the callback raised, if it has."""
         if self._error is not None:
             raise self._error
-        self._queue.put(out)
 
     def close(self, raise_error: bool = True) -> None:
+        """Wait for the callback to finish; raise what it raised, or with `raise_error` False
+        (a stream closed early, by its consumer or an error of its own) log it."""
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
-        if raise_error and self._error is not None:
+        if self._error is None:
+            return
+        if raise_error:
             raise self._error
+        logging.getLogger("vbatch").warning(
+            "on_output raised %r; the stream ended without raising it", self._error
+        )
 
     def _run(self) -> None:
         while (out := self._queue.get()) is not None:

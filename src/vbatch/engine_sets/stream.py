@@ -39,10 +39,17 @@ def stream_loop(
 ) -> Iterator[tuple[int, RequestOutput | None]]:
     """Yield (position, output) as rows finish; with `idle_s`, also (-1, None) each time
     `idle_s` seconds pass without a finished row. Ends when the input is used up and every row
-    has finished; closing it early is the caller's to clean up."""
+    has finished, or when the feed raises (after the rows finished by then); closing it early
+    is the caller's to clean up."""
     idle_deadline = None if idle_s is None else time.monotonic() + idle_s
     while True:
-        is_more = engine.fill()
+        try:
+            is_more = engine.fill()
+        except Exception:
+            # NOTE: a feed that fails (its file went away, an input no prompt) ends the stream,
+            # after the rows already finished are handed back.
+            yield from engine.take_finished()
+            raise
         finished = engine.take_finished()
         yield from finished
         if finished and idle_s is not None:
