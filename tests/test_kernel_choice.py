@@ -15,6 +15,10 @@ from vbatch.engine import openmp_waits
 from vbatch.layers import kernel_choice
 
 
+def is_pick(choice: Any) -> bool:
+    return isinstance(choice, dict) and "pick" in choice
+
+
 def free_while(free: float) -> Callable[..., tuple[Any, float]]:
     """A stand-in for openmp_waits.free_cpus_while that reports `free` CPUs."""
     return lambda work, min_window_s=0.0: (work(), free)
@@ -49,20 +53,28 @@ def test_a_choice_timed_under_load_is_used_and_timed_again_at_a_quiet_start(
         return run
 
     monkeypatch.setattr(kernel_choice, "free_cpus_while", free_while(threads - 1.0))
-    assert kernel_choice.cached_choice("test", {"n": 1}, measure("busy")) == {"pick": "busy"}
+    assert kernel_choice.cached_choice("test", {"n": 1}, measure("busy"), is_pick) == {
+        "pick": "busy"
+    }
     (path,) = (tmp_path / "kernel_choices").glob("test-*.json")
     assert json.loads(path.read_text())["under_load"] is True
 
     # NOTE: a start that finds the machine busy too keeps the busy decision.
     monkeypatch.setattr(kernel_choice, "is_quiet_now", lambda: False)
-    assert kernel_choice.cached_choice("test", {"n": 1}, measure("again")) == {"pick": "busy"}
+    assert kernel_choice.cached_choice("test", {"n": 1}, measure("again"), is_pick) == {
+        "pick": "busy"
+    }
     assert measured == ["busy"]
 
     monkeypatch.setattr(kernel_choice, "is_quiet_now", lambda: True)
     monkeypatch.setattr(kernel_choice, "free_cpus_while", free_while(threads + 0.0))
-    assert kernel_choice.cached_choice("test", {"n": 1}, measure("quiet")) == {"pick": "quiet"}
+    assert kernel_choice.cached_choice("test", {"n": 1}, measure("quiet"), is_pick) == {
+        "pick": "quiet"
+    }
     assert json.loads(path.read_text())["under_load"] is False
-    assert kernel_choice.cached_choice("test", {"n": 1}, measure("never")) == {"pick": "quiet"}
+    assert kernel_choice.cached_choice("test", {"n": 1}, measure("never"), is_pick) == {
+        "pick": "quiet"
+    }
     assert measured == ["busy", "quiet"]
 
 
@@ -81,7 +93,9 @@ def test_a_timing_too_short_to_read_the_load_is_not_judged(
 ) -> None:
     monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path))
     assert openmp_waits.free_cpus_while(lambda: None, min_window_s=0.1) == (None, None)
-    assert kernel_choice.cached_choice("short", {"n": 1}, lambda: {"pick": 1}) == {"pick": 1}
+    assert kernel_choice.cached_choice("short", {"n": 1}, lambda: {"pick": 1}, is_pick) == {
+        "pick": 1
+    }
     (path,) = (tmp_path / "kernel_choices").glob("short-*.json")
     assert json.loads(path.read_text())["under_load"] is False
 
@@ -109,3 +123,44 @@ def test_a_burst_of_load_shorter_than_the_timing_cannot_make_a_pick() -> None:
     for by_name in timed.values():
         assert set(by_name) == {"a", "b"}
         assert max(by_name.values()) < 10.0, timed
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["[]", "null", '{"choice": 5}', '{"choice": {"other": 1}}', '{"choice": []}', "{trunc"],
+)
+def test_a_cached_choice_of_the_wrong_shape_is_measured_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: str
+) -> None:
+    """Valid JSON of another shape in a choice file stopped every engine start (an
+    AttributeError or KeyError in the core), and the resume it printed failed the same way."""
+    monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(
+        kernel_choice, "free_cpus_while", free_while(float(torch.get_num_threads()))
+    )
+    assert kernel_choice.cached_choice("kind", {"n": 1}, lambda: {"pick": 1}, is_pick) == {
+        "pick": 1
+    }
+    (path,) = (tmp_path / "kernel_choices").glob("kind-*.json")
+    path.write_text(content)
+    assert kernel_choice.cached_choice("kind", {"n": 1}, lambda: {"pick": 2}, is_pick) == {
+        "pick": 2
+    }
+    assert json.loads(path.read_text())["choice"] == {"pick": 2}
+
+
+def test_each_kinds_check_refuses_a_choice_it_could_not_use() -> None:
+    from vbatch.layers.greedy_screen import TIMED_BATCHES, _is_screen_choice
+    from vbatch.layers.quantization import _is_int8_choice, exact_int8_backends
+
+    backend = exact_int8_backends()[0]
+    assert _is_int8_choice({"backend": backend, "speedup": 1.5, "ms": {"fp32": 2.0}})
+    assert not _is_int8_choice({"backend": "bogus", "speedup": 1.5, "ms": {"fp32": 2.0}})
+    assert not _is_int8_choice({"backend": backend, "speedup": "fast", "ms": {}})
+    batches = list(TIMED_BATCHES)
+    sides = ["fp32"] * len(batches)
+    assert _is_screen_choice(
+        {"batches": batches, "sides": sides, "ms": {"fp32": [1.0] * len(batches)}}
+    )
+    assert not _is_screen_choice({"batches": batches, "sides": [], "ms": {}})
+    assert not _is_screen_choice({"batches": [1], "sides": ["fp32"], "ms": {}})

@@ -20,11 +20,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from vbatch.layers import native
-from vbatch.layers.kernel_choice import cached_choice, fastest_ms
+from vbatch.layers.kernel_choice import cached_choice, fastest_ms, is_number
 from vbatch.layers.packed_store import PackedStore
 from vbatch.layers.quantization import INT_MM, NATIVE, int_mm_is_exact
 
@@ -264,7 +265,26 @@ def choose_greedy_screen(
         }
 
     shape = {"vocab": weight.shape[0], "hidden": weight.shape[1]}
-    return cached_choice("greedy_screen", shape, measure)
+    return cached_choice("greedy_screen", shape, measure, _is_screen_choice)
+
+
+def _is_screen_choice(choice: Any) -> bool:
+    """Whether a cached screen choice has the shape `measure` writes."""
+    if not isinstance(choice, dict) or choice.get("batches") != list(TIMED_BATCHES):
+        return False
+    sides, ms = choice.get("sides"), choice.get("ms")
+    return (
+        isinstance(sides, list)
+        and len(sides) == len(TIMED_BATCHES)
+        and all(isinstance(side, str) for side in sides)
+        and isinstance(ms, dict)
+        and all(
+            isinstance(times, list)
+            and len(times) == len(TIMED_BATCHES)
+            and all(is_number(t) for t in times)
+            for times in ms.values()
+        )
+    )
 
 
 def describe_screen_choice(choice: dict[str, object], forced: bool | None) -> str:

@@ -95,11 +95,20 @@ def is_quiet_now() -> bool:
     return not is_busy(free_cpus(LOAD_WINDOW_S))
 
 
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def cached_choice(
-    kind: str, shapes: dict[str, int], measure: Callable[[], dict[str, Any]]
+    kind: str,
+    shapes: dict[str, int],
+    measure: Callable[[], dict[str, Any]],
+    is_valid: Callable[[Any], bool],
 ) -> dict[str, Any]:
     """`measure()`'s result for this kind, machine and shape set: read from the cache, or
     measured now and written there (best effort: an unwritable cache only costs a re-measure).
+    A cached entry that is not JSON, or whose choice `is_valid` refuses (or cannot read), is
+    measured again and replaced: it once stopped every engine start with an AttributeError.
 
     A result measured while other processes took the CPUs is written as such: it serves the
     starts that find the machine busy too, and the first that finds it quiet measures again
@@ -110,9 +119,10 @@ def cached_choice(
     path = cache_dir() / "kernel_choices" / f"{kind}-{digest}.json"
     try:
         entry = json.loads(path.read_text())
-        if not (entry.get("under_load", False) and is_quiet_now()):
-            return entry["choice"]
-    except (OSError, ValueError, KeyError):
+        choice = entry["choice"]
+        if is_valid(choice) and not (entry.get("under_load", False) and is_quiet_now()):
+            return choice
+    except (OSError, ValueError, LookupError, TypeError, AttributeError):
         pass
     choice, free = free_cpus_while(measure, LOAD_WINDOW_S)
     try:

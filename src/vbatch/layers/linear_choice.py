@@ -500,7 +500,23 @@ def choose_linear_backends(
         "native_head": "argmax",
         "swiglu": swiglu,
     }
-    return cached_choice("linears", key, measure)  # type: ignore[dict-item]
+
+    def is_valid(choice: Any) -> bool:
+        if not isinstance(choice, dict) or choice.get("rows") != list(TIMED_ROWS):
+            return False
+        picks = [choice.get(role) for role in weights]
+        return (
+            all(
+                isinstance(p, list) and len(p) == len(TIMED_ROWS) and set(p) <= set(backends)
+                for p in picks
+            )
+            and isinstance(choice.get("mlp"), list)
+            and len(choice["mlp"]) == len(TIMED_ROWS)
+            and set(choice["mlp"]) <= {TRANSPOSED, SEPARATE}
+            and isinstance(choice.get("ms"), dict)
+        )
+
+    return cached_choice("linears", key, measure, is_valid)  # type: ignore[dict-item]
 
 
 def settle_linears(

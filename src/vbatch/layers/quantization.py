@@ -8,12 +8,13 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Collection
+from typing import Any
 
 import torch
 from torch import nn
 
 from vbatch.layers import native
-from vbatch.layers.kernel_choice import cached_choice, fastest_ms
+from vbatch.layers.kernel_choice import cached_choice, fastest_ms, is_number
 from vbatch.layers.linear_choice import available_backends, linear_candidates, prepared_weight
 
 INT_MM = "int_mm"
@@ -255,7 +256,18 @@ def choose_int8_backend(shapes: list[tuple[int, int]]) -> dict[str, object]:
     # alone, which had overstated int8's gain (1.37x timed under the AVX2 emulation, 0.96x in
     # the 64-prompt job, and no warning).
     key = {f"{o}x{i}": 1 for o, i in unique} | {"fp32_fastest": 1}
-    return cached_choice("int8_linear", key, lambda: _time_backends(unique))
+    return cached_choice("int8_linear", key, lambda: _time_backends(unique), _is_int8_choice)
+
+
+def _is_int8_choice(choice: Any) -> bool:
+    """Whether a cached int8 choice is one _time_backends writes, for a GEMM exact here."""
+    return (
+        isinstance(choice, dict)
+        and choice.get("backend") in exact_int8_backends()
+        and is_number(choice.get("speedup"))
+        and isinstance(choice.get("ms"), dict)
+        and all(is_number(ms) for ms in choice["ms"].values())
+    )
 
 
 def describe_int8_choice(choice: dict[str, object]) -> str:
