@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -158,3 +159,19 @@ def test_display_cost_is_small() -> None:
         metrics.on_result(finish_reason="stop", prompt_tokens=50, completion_tokens=40)
     per_call_s = (time.thread_time() - start) / 20_000
     assert per_call_s < 50e-6, f"on_result takes {1e6 * per_call_s:.1f} us"
+
+
+def test_a_live_view_taller_than_the_terminal_leaves_no_frame_above_the_summary() -> None:
+    """Its last frame was drawn uncropped as the view stopped, and the lines above the
+    terminal's top stayed in the scrollback (an 80x24 terminal kept most of the panel)."""
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=80, height=10)
+    metrics = JobMetrics(total_rows=10, model="tiny")
+    metrics.set_state("running")
+    with ProgressDisplay(metrics, console=console, refresh_per_second=20):
+        metrics.on_result(finish_reason="stop", prompt_tokens=4, completion_tokens=2)
+        time.sleep(0.2)
+        metrics.set_state("done")
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())
+    last_frame = text[text.rindex("╭─ vbatch") : text.index("vbatch job summary")]
+    assert last_frame.count("\n") <= 10

@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 from rich.console import Console
 from rich.live import Live
+from rich.text import Text
 
 from vbatch.errors import ConfigError
 from vbatch.job.dashboard import plain_line, render_dashboard, render_summary
@@ -122,7 +123,9 @@ class ProgressDisplay:
         self._thread.join()
         snap = self.metrics.snapshot()
         if self._live is not None:
-            self._live.update(render_dashboard(snap), refresh=True)
+            # NOTE: Live.stop() draws its last frame uncropped before erasing it, and what was
+            # taller than the terminal stayed in its scrollback above the summary.
+            self._live.update(Text(""), refresh=True)
             self._live.stop()
         self._report_errors(snap)
         self._show_notices(snap)
