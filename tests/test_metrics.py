@@ -341,3 +341,22 @@ def test_window_and_job_prompt_rates_both_leave_out_cached_tokens() -> None:
         )
     snap = metrics.snapshot()
     assert snap.prompt_tps == pytest.approx(snap.prompt_tps_overall) == pytest.approx(40.0)
+
+
+def test_prompt_rates_leave_out_the_prompts_of_rows_that_errored() -> None:
+    """Rows refused before the engine (a prompt too long) name their prompt's length; half the
+    rows of 2000 tokens so refused made a 40-token/s job read 40,000."""
+    clock = FakeClock()
+    metrics = JobMetrics(total_rows=8, clock=clock)
+    metrics.set_state("running")
+    for i in range(8):
+        clock.now += 0.5
+        if i % 2:
+            metrics.on_result(
+                finish_reason="error", prompt_tokens=2000, completion_tokens=0, error_kind="input"
+            )
+        else:
+            metrics.on_result(finish_reason="stop", prompt_tokens=40, completion_tokens=20)
+    snap = metrics.snapshot()
+    assert snap.prompt_tps == pytest.approx(snap.prompt_tps_overall) == pytest.approx(40.0)
+    assert snap.num_prompt_tokens == 4 * 2040

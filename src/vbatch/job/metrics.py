@@ -162,6 +162,9 @@ class JobMetrics:
         self._prompt_tokens = 0
         self._completion_tokens = 0
         self._cached_tokens = 0
+        # NOTE: the prompt tokens rows that ran computed: an error row (a prompt too long, a bad
+        # parameter) mostly never reached the engine, though it names its prompt's length.
+        self._computed_prompt_tokens = 0
         self._stats: SchedulerStats | None = None
         self._stats_t = 0.0
         self._stats_source: Callable[[], SchedulerStats | None] | None = None
@@ -223,6 +226,8 @@ class JobMetrics:
             self._prompt_tokens += prompt_tokens
             self._completion_tokens += completion_tokens
             self._cached_tokens += cached_tokens
+            if finish_reason != "error":
+                self._computed_prompt_tokens += prompt_tokens - cached_tokens
             if now - self._samples[-1].t >= SAMPLE_PERIOD_S:
                 self._add_sample(now)
 
@@ -261,7 +266,7 @@ class JobMetrics:
         return _Sample(
             now,
             self._num_rows,
-            self._prompt_tokens - self._cached_tokens,
+            self._computed_prompt_tokens,
             self._completion_tokens,
             self._stats,
             self._reports,
@@ -306,7 +311,7 @@ class JobMetrics:
         ended = self._state in TERMINAL_STATES
         rows_per_s = _rate(self._num_rows - base.num_rows, window_s)
         # NOTE: prompt rates count computed tokens (the engine's own count), not cached ones.
-        computed_prompt = self._prompt_tokens - self._cached_tokens
+        computed_prompt = self._computed_prompt_tokens
         if stats is not None and base.stats is not None:
             prompt_now, gen_now = _engine_tokens(stats)
             prompt_base, gen_base = _engine_tokens(base.stats)
