@@ -191,6 +191,23 @@ def test_finished_summary_has_totals_and_throughput() -> None:
     assert "wall time" in text and "33s" in text
 
 
+def test_a_resumed_jobs_summary_says_which_figures_are_this_runs() -> None:
+    """Rows errored counted every run, finish reasons, errors and tokens this run only, side by
+    side and unmarked: they did not add up, nor match the output file."""
+    fresh, _ = running_job(num_errors=2)
+    fresh.set_state("done")
+    text = render(render_summary(fresh.snapshot()), 120)
+    assert "this run" not in text
+    metrics = JobMetrics(total_rows=10, rows_done_before=4, rows_errored_before=3)
+    metrics.on_result(finish_reason="stop", prompt_tokens=5, completion_tokens=3)
+    metrics.on_result(finish_reason="error", prompt_tokens=0, completion_tokens=0, error_kind="x")
+    metrics.set_state("done")
+    text = render(render_summary(metrics.snapshot()), 120)
+    assert "4 from earlier runs" in text and "4 (1 in this run)" in text
+    for label in ("finish reasons (this run)", "error (this run)", "tokens (this run)"):
+        assert label in text, label
+
+
 def test_plain_line_has_the_numbers_and_no_control_characters() -> None:
     metrics, clock = running_job(num_errors=2)
     metrics.set_state("draining")

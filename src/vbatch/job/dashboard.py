@@ -336,19 +336,24 @@ def render_summary(snap: JobSnapshot) -> RenderableType:
         ("state", Text(snap.state, style=STATE_STYLES.get(snap.state, "")))
     ]
     done = _rows_of_total(snap)
+    errored = f"{snap.num_rows_errored:,}"
+    # NOTE: after a resume the row counts cover every run, and what follows them this run's.
+    this_run = ""
     if snap.rows_done_before:
         done += f" ({snap.rows_done_before:,} from earlier runs)"
+        errored += f" ({snap.finish_reasons.get('error', 0):,} in this run)"
+        this_run = " (this run)"
     rows.append(("rows done", done))
-    rows.append(("rows errored", f"{snap.num_rows_errored:,}"))
+    rows.append(("rows errored", errored))
     if snap.num_rows_remaining:
         rows.append(("rows remaining", f"{snap.num_rows_remaining:,}"))
     reasons = ", ".join(f"{reason} {count:,}" for reason, count in snap.finish_reasons.items())
-    rows.append(("finish reasons", reasons))
+    rows.append(("finish reasons" + this_run, reasons))
     for kind, count in sorted(snap.errors_by_kind.items()):
-        rows.append(("error", Text(f"{kind}: {count:,}", style="red")))
+        rows.append(("error" + this_run, Text(f"{kind}: {count:,}", style="red")))
     rows.append(
         (
-            "tokens",
+            "tokens" + this_run,
             f"prompt {snap.num_prompt_tokens:,} · generated {snap.num_completion_tokens:,} · "
             f"cached {snap.num_cached_tokens:,}",
         )
