@@ -41,7 +41,6 @@ from vbatch.engine_sets.ray_cluster import (
 from vbatch.engine_sets.ray_replica import ReplicaEngine
 from vbatch.engine_sets.stream import stream_loop
 from vbatch.errors import EngineDeadError, EngineStartupError
-from vbatch.llm import TOKENIZE_BATCH
 from vbatch.protocol import Ready, SchedulerStats
 from vbatch.sampling_params import SamplingParams
 
@@ -341,8 +340,10 @@ class RayEngines:
                 rep.probe = rep.handle.ready.remote()
                 continue
             rep.token = token
-            # NOTE: the same look-ahead as one local engine, split over the replicas.
-            rep.window = max_in_flight + math.ceil(TOKENIZE_BATCH / len(self._replicas))
+            # NOTE: the same look-ahead as one local engine (which holds at most max_in_flight
+            # rows), split over the replicas: a drain waits for every row sent, and a tokenize
+            # batch more each had made a drain finish up to 64 rows past --max-in-flight.
+            rep.window = max_in_flight
             rep.seq = itertools.count()
             rep.is_told_final = False
             rep.state = EngineState.LIVE
