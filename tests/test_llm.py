@@ -731,3 +731,17 @@ def test_two_samples_that_each_need_the_whole_cache_both_finish(tiny_model_dir: 
     ) as small:
         outs = small.generate([prompt, prompt], params, use_tqdm=False)
     assert [(o.error, len(o.outputs[0].token_ids)) for o in outs] == [(None, 23), (None, 23)]
+
+
+def test_the_stats_that_arrive_with_a_short_calls_last_output_are_its_final_ones(
+    llm: LLM,
+) -> None:
+    """The core sent stats every 0.5 s only, and a job shorter than that kept its first step's
+    figures (the metrics file's prefix-cache hit rate read 0.0)."""
+    before = llm.get_stats()
+    outs = llm.generate(["one two three four", "one two three four five"], GREEDY, use_tqdm=False)
+    latest = llm.latest_stats
+    assert latest is not None
+    new_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    assert latest.num_generation_tokens == before.num_generation_tokens + new_tokens
+    assert (latest.num_running, latest.num_waiting) == (0, 0)

@@ -335,7 +335,9 @@ def _busy_loop(
             # belongs to them and their finishes may follow the step's tokens.
             outputs.finished = finished + outputs.finished
         now = time.monotonic()
-        if now - last_stats >= STATS_INTERVAL_S:
+        # NOTE: also when the last request in flight ends: a job shorter than the interval
+        # otherwise ended on its first step's figures (a 0.0 prefix-cache hit rate).
+        if now - last_stats >= STATS_INTERVAL_S or (outputs.finished and not core.has_unfinished()):
             outputs.stats = _stats(core, busy_time)
             last_stats = now
         if not outputs.is_empty or outputs.stats is not None:
