@@ -123,7 +123,7 @@ def test_openai_completions_line() -> None:
         ({"prompt": "x", "sampling_params": [1]}, "sampling_params must be an object"),
         (
             {"prompt": "x", "sampling_params": {"prompt_logprobs": 1}},
-            "prompt_logprobs is not written by jobs; score prompts with --task perplexity",
+            "prompt_logprobs is not written by jobs; a --task perplexity job scores every",
         ),
         ({"prompt": "x", "id": 1.5}, "id column 'id' must hold a string or an integer, got 1.5"),
         ({"prompt": "x", "custom_id": 1.5}, "id column 'custom_id' must hold a string or an"),

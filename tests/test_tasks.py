@@ -253,7 +253,9 @@ def test_a_pooling_job_refuses_generation_options_and_a_model_without_the_tasks_
     embed_ids = dataclasses.replace(
         lora, engine_args={}, task="embed", model=str(models["embed"]), include_token_ids=True
     )
-    with pytest.raises(InputError, match="--include-token-ids: generation only, not for a --task"):
+    with pytest.raises(
+        InputError, match="--include-token-ids: generation and --task perplexity only, not for a"
+    ):
         start_job(embed_ids, QUIET, llm_factory=_factory(engines["embed"]))
     wrong_head = JobSpec(
         input_path, tmp_path / "cls.jsonl", model=str(models["embed"]), task="classify"
@@ -286,6 +288,16 @@ def test_embeddings_line_widths_against_the_jobs_dimensions(
     rows = {r["id"]: r for r in read_output(full.output_path)}
     assert len(rows["plain"]["embedding"]) == 64 and rows["plain"]["error"] is None
     assert "body.dimensions 8 is not this job's embedding width 64" in rows["eight"]["error"]
+    wide_line = {"custom_id": "w", "url": "/v1/embeddings", "body": {"input": "a"}}
+    wide_line["body"]["dimensions"] = 99
+    wide = dataclasses.replace(
+        full, input_path=write_jsonl(tmp_path / "wide.jsonl", [wide_line]),
+        output_path=tmp_path / "wide.parquet",
+    )  # fmt: skip
+    assert start_job(wide, QUIET, llm_factory=_factory(engines["embed"])).exit_code == 0
+    # NOTE: it said to give --dimensions 99, which the job refuses for this model.
+    (row,) = read_output(wide.output_path)
+    assert "body.dimensions 99 exceeds the model's embedding size 64" in row["error"]
     cut = dataclasses.replace(full, output_path=tmp_path / "cut.parquet", dimensions=8)
     assert start_job(cut, QUIET, llm_factory=_factory(engines["embed"])).exit_code == 0
     rows = {r["id"]: r for r in read_output(cut.output_path)}

@@ -481,6 +481,11 @@ class JobExecution:
                 )
             wanted = params.dimensions
             if self.dimension is not None and wanted is not None and wanted != self.dimension:
+                if job_dimensions is None and wanted > self.dimension:
+                    return (
+                        f"{where}: body.dimensions {wanted} exceeds the model's embedding size "
+                        f"{self.dimension}"
+                    )
                 return (
                     f"{where}: body.dimensions {wanted} is not this job's embedding width "
                     f"{self.dimension}: a Parquet output holds one width (give --dimensions "

@@ -286,8 +286,9 @@ class RowParser:
             given = _struct_fields(overrides)
             if "prompt_logprobs" in given:
                 raise RowError(
-                    "sampling_params.prompt_logprobs is not written by jobs; score prompts "
-                    "with --task perplexity (--include-token-ids for each token's logprob)"
+                    "sampling_params.prompt_logprobs is not written by jobs; a --task "
+                    "perplexity job scores every prompt (--include-token-ids for each token's "
+                    "logprob)"
                 )
             row.sampling_params = self.defaults.updated(given)
         response_format = _struct_fields(record.get("response_format"))

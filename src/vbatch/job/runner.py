@@ -297,7 +297,10 @@ def _refuse_generation_options(spec: JobSpec, config: EngineConfig) -> None:
     }
     names = [name for name, is_given in given.items() if is_given]
     if names:
-        raise InputError(f"{', '.join(names)}: generation only, not for a --task {spec.task} job")
+        what = "generation only"
+        if names == ["--include-token-ids"]:
+            what = "generation and --task perplexity only"
+        raise InputError(f"{', '.join(names)}: {what}, not for a --task {spec.task} job")
 
 
 def _check_dimensions(spec: JobSpec, dimensions: int) -> None:
