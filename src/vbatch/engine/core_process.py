@@ -335,8 +335,8 @@ def _busy_loop(
             # belongs to them and their finishes may follow the step's tokens.
             outputs.finished = finished + outputs.finished
         now = time.monotonic()
-        # NOTE: also when the last request in flight ends: a job shorter than the interval
-        # otherwise ended on its first step's figures (a 0.0 prefix-cache hit rate).
+        # NOTE: also when the last request in flight ends, so that a job shorter than the
+        # interval does not end on its first step's figures.
         if now - last_stats >= STATS_INTERVAL_S or (outputs.finished and not core.has_unfinished()):
             outputs.stats = _stats(core, busy_time)
             last_stats = now

@@ -17,8 +17,8 @@ from vbatch.protocol import TokenLogprobs
 
 # NOTE: the largest logit a bias or repetition penalty may leave (half float32's largest over
 # the smallest temperature, a margin for rounding), so that no later division by a temperature
-# overflows to inf, whose softmax is NaN: a repetition_penalty of 1e-38 divided a seen token's
-# logit past float32.
+# overflows to inf, whose softmax is NaN (a repetition_penalty of 1e-38 divides a seen token's
+# logit past float32).
 LOGIT_LIMIT = torch.finfo(torch.float32).max * MIN_TEMPERATURE / 2
 # NOTE: top-p rows whose nucleus is wider than the first NUM_CANDIDATES tokens retry with this
 # many times as many, up to a full sort. 128 * 6 = 768 keeps the second try on torch's cheaper

@@ -341,8 +341,7 @@ class RayEngines:
                 continue
             rep.token = token
             # NOTE: the same look-ahead as one local engine (which holds at most max_in_flight
-            # rows), split over the replicas: a drain waits for every row sent, and a tokenize
-            # batch more each had made a drain finish up to 64 rows past --max-in-flight.
+            # rows), split over the replicas: a drain waits for every row sent.
             rep.window = max_in_flight
             rep.seq = itertools.count()
             rep.is_told_final = False

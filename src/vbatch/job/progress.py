@@ -123,8 +123,8 @@ class ProgressDisplay:
         self._thread.join()
         snap = self.metrics.snapshot()
         if self._live is not None:
-            # NOTE: Live.stop() draws its last frame uncropped before erasing it, and what was
-            # taller than the terminal stayed in its scrollback above the summary.
+            # NOTE: Live.stop() draws its last frame uncropped before erasing it, and what is
+            # taller than the terminal would stay in its scrollback above the summary.
             self._live.update(Text(""), refresh=True)
             self._live.stop()
         self._report_errors(snap)

@@ -148,8 +148,8 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 def sigterm_interrupts() -> Iterator[None]:
     """While a job is being created (before it exists): the stop signals the job will take
     (taken_stop_signals: SIGINT and SIGTERM even where they were ignored, SIGHUP unless it is)
-    raise KeyboardInterrupt, so the command removes what it made and says it was interrupted.
-    Before, an ignored SIGINT stayed ignored here, and a job that then ran took no stop."""
+    raise KeyboardInterrupt, so the command removes what it made and says it was interrupted
+    (an ignored SIGINT left ignored here would be lost, and the job then run to its end)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

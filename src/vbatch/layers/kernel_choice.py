@@ -108,7 +108,7 @@ def cached_choice(
     """`measure()`'s result for this kind, machine and shape set: read from the cache, or
     measured now and written there (best effort: an unwritable cache only costs a re-measure).
     A cached entry that is not JSON, or whose choice `is_valid` refuses (or cannot read), is
-    measured again and replaced: it once stopped every engine start with an AttributeError.
+    measured again and replaced, so a damaged cache file cannot stop an engine's start.
 
     A result measured while other processes took the CPUs is written as such: it serves the
     starts that find the machine busy too, and the first that finds it quiet measures again
