@@ -745,3 +745,44 @@ def test_the_stats_that_arrive_with_a_short_calls_last_output_are_its_final_ones
     new_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     assert latest.num_generation_tokens == before.num_generation_tokens + new_tokens
     assert (latest.num_running, latest.num_waiting) == (0, 0)
+
+
+def test_a_started_core_is_stopped_when_the_llms_own_checks_fail(tiny_model_dir: Path) -> None:
+    """The core start_core() began and handed over was left running when LLM() raised on its
+    own arguments (a bad max_num_seqs, an unknown keyword)."""
+    from vbatch.llm import start_core
+
+    for bad in ({"max_num_seqs": 0}, {"no_such_setting": 1}, {"on_progress": 5}):
+        core = start_core(str(tiny_model_dir), num_threads=1, attention_backend="torch")
+        with pytest.raises(ConfigError):
+            LLM(str(tiny_model_dir), num_threads=1, started_core=core, **bad)
+        assert wait_gone(core.pid, 30), bad
+
+
+def test_start_core_takes_the_llms_vllm_names_and_is_adopted(tiny_model_dir: Path) -> None:
+    """start_core() passed its arguments to EngineConfig as they were: vLLM's names and
+    EngineArgs' None defaults (seed=None, dtype="half") were refused there."""
+    from vbatch.llm import start_core
+
+    args = {"num_threads": 1, "seed": None, "max_num_seqs": None, "dtype": "float"}
+    core = start_core(str(tiny_model_dir), trust_remote_code=False, **args)
+    with LLM(str(tiny_model_dir), started_core=core, trust_remote_code=False, **args) as adopted:
+        assert adopted._client is core
+        assert len(adopted.generate(["x"], GREEDY, use_tqdm=False)) == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"model": 5}, "model must be a path, a hub id"),
+        ({"tokenizer": 123}, "tokenizer must be a path, a hub id"),
+        ({"on_progress": 5}, "on_progress must be callable"),
+        ({"started_core": 5}, "started_core must be what start_core"),
+    ],
+)
+def test_llm_arguments_of_the_wrong_type_are_config_errors(
+    tiny_model_dir: Path, kwargs: dict[str, Any], message: str
+) -> None:
+    """Before: TypeError from pathlib, or an AttributeError, naming no argument."""
+    with pytest.raises(ConfigError, match=message):
+        LLM(**{"model": str(tiny_model_dir), "num_threads": 1, **kwargs})

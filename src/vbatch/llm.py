@@ -7,6 +7,7 @@ import functools
 import inspect
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -114,9 +115,19 @@ def start_core(model: str | None, **engine_args: Any) -> EngineCoreClient:
     torch and loads the model while the caller reads its input; pass it to LLM(started_core=)."""
     from vbatch.models.loader import resolve_model
 
-    resolved = resolve_model(model)
-    config = EngineConfig.from_dict({**engine_args, "model": str(resolved.local_path)})
+    settings = map_llm_args(engine_args, _LLM_PARAMS)
+    resolved = resolve_model(_model_arg(model))
+    config = EngineConfig.from_dict({**settings.engine, "model": str(resolved.local_path)})
     return EngineCoreClient(config, wait=False)
+
+
+def _model_arg(model: Any, name: str = "model") -> str | os.PathLike[str] | None:
+    """`model` (or `tokenizer`) as LLM takes it: a path, a hub id or None; ConfigError if not."""
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise ConfigError(
+            f"{name} must be a path, a hub id (org/name) or None, got {type(model).__name__}"
+        )
+    return model
 
 
 def _check_main_guard() -> None:
@@ -238,17 +249,29 @@ class LLM(PoolingMethods):
             )
         from vbatch.models.loader import resolve_model
 
-        settings = map_llm_args(engine_args, _LLM_PARAMS)
-        self.chat_template_kwargs = check_template_kwargs(chat_template_kwargs or {})
-        self.reasoning_parser = check_reasoning_parser(reasoning_parser)
+        if started_core is not None and not isinstance(started_core, EngineCoreClient):
+            what = type(started_core).__name__
+            raise ConfigError(f"started_core must be what start_core() returned, got {what}")
+        try:
+            if on_progress is not None and not callable(on_progress):
+                raise ConfigError(f"on_progress must be callable, got {type(on_progress).__name__}")
+            settings = map_llm_args(engine_args, _LLM_PARAMS)
+            self.chat_template_kwargs = check_template_kwargs(chat_template_kwargs or {})
+            self.reasoning_parser = check_reasoning_parser(reasoning_parser)
+            _model_arg(settings.tokenizer, "tokenizer")
 
-        if on_progress is not None:
-            on_progress("resolving model")
-        resolved = resolve_model(model)
-        self.model = resolved
-        config = EngineConfig.from_dict({**settings.engine, "model": str(resolved.local_path)})
-        tokenizer_dir = _tokenizer_dir(settings.tokenizer, model, resolved)
-        self.loras = ClientLoras(config.enable_lora, config.max_lora_rank, config.loras)
+            if on_progress is not None:
+                on_progress("resolving model")
+            resolved = resolve_model(_model_arg(model))
+            self.model = resolved
+            config = EngineConfig.from_dict({**settings.engine, "model": str(resolved.local_path)})
+            tokenizer_dir = _tokenizer_dir(settings.tokenizer, model, resolved)
+            self.loras = ClientLoras(config.enable_lora, config.max_lora_rank, config.loras)
+        except BaseException:
+            # NOTE: a core handed over is this LLM's from the start: a failed check stops it.
+            if started_core is not None:
+                started_core.shutdown(timeout=0.0)
+            raise
         self._client: EngineCoreClient | DataParallelClient
         if data_parallel_size > 1:
             if started_core is not None:
