@@ -89,16 +89,19 @@ def rope_settings(
     if rope_type == "longrope":
         params = _longrope_params(params, raw, base, rotary_dim)
     for key in ROPE_NUMBERS.get(rope_type, ()):
-        params[key] = _rope_number(params, key, rope_type)
+        params[key] = _rope_number(params.get(key), key, rope_type)
     if rope_type == "llama3" and params["low_freq_factor"] == params["high_freq_factor"]:
         raise ModelLoadError("llama3 rope scaling needs low_freq_factor != high_freq_factor")
     return theta, {"rope_type": rope_type, **params}, rotary_dim
 
 
-def _rope_number(params: dict[str, Any], key: str, rope_type: str) -> float:
-    """The positive number `key` of a `rope_type` scaling; ModelLoadError naming what is wrong."""
-    value = params.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _rope_number(value: Any, key: str, rope_type: str) -> float:
+    """`value`, the positive number `key` of a `rope_type` scaling; ModelLoadError if not."""
+    if not _is_number(value) or not value > 0:
         raise ModelLoadError(
             f"{rope_type} rope scaling needs a positive number {key!r} in the model's "
             f"config.json (rope_scaling or rope_parameters), got {value!r:.40}"
@@ -114,19 +117,15 @@ def _longrope_params(
     missing = [
         name
         for name in ("short_factor", "long_factor")
-        if not isinstance(params.get(name), list)
-        or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in params[name])
+        if not isinstance(params.get(name), list) or not all(map(_is_number, params[name]))
     ]
     if missing:
         raise ModelLoadError(
             f"longrope rope scaling needs lists of numbers {' and '.join(map(repr, missing))} in "
             "the model's config.json"
         )
-    original_params = {
-        "original_max_position_embeddings": raw.get("original_max_position_embeddings")
-        or params.get("original_max_position_embeddings")
-    }
-    original = int(_rope_number(original_params, "original_max_position_embeddings", "longrope"))
+    key = "original_max_position_embeddings"
+    original = int(_rope_number(raw.get(key) or params.get(key), key, "longrope"))
     factor = params.get("factor") or base["max_position_embeddings"] / original
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
