@@ -518,6 +518,10 @@ def test_real_model_chat_job_end_to_end(tmp_path: Path) -> None:
     )
     info = json.loads(status.stdout)
     assert (info["complete"], info["done"], info["remaining"]) == (True, 3, 0)
+    assert (info["output"], info["job_dir"]) == (
+        str(tmp_path / "out.parquet"),
+        str(tmp_path / "out.parquet.vbatch"),
+    )
     print(f"real-model job took {time.perf_counter() - started:.1f} s")
 
 

@@ -920,7 +920,7 @@ def _status(job_dir: Path, manifest: Manifest, state: JobState) -> dict[str, Any
     last = state.last_commit_time
     return {
         "output": manifest.output_path,
-        "job_dir": str(job_dir),
+        "job_dir": os.path.abspath(job_dir),
         "complete": state.complete is not None,
         "rows": manifest.num_rows,
         "done": len(state.committed),
