@@ -248,7 +248,7 @@ def test_bounded_string_schemas_compile_about_as_fast_as_xgrammar_alone(
     (cache off on both sides, interleaved, medians of 3): within 1.5x, plus 50 ms of noise."""
     from transformers import AutoTokenizer
 
-    from vbatch.engine.grammar import json_schema_ebnf
+    from vbatch.grammar_text import json_schema_ebnf
 
     info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(tiny_model_dir))
     schema = json.dumps(
@@ -293,7 +293,7 @@ def test_the_engine_fails_a_request_whose_compile_passes_the_budget(tiny_model_d
 
 def test_only_a_schema_s_own_patterns_are_checked_for_escapes() -> None:
     """A "pattern" key in data (a default, an example) or a property named so is no regex."""
-    from vbatch.engine.grammar import json_schema_ebnf
+    from vbatch.grammar_text import json_schema_ebnf
 
     data = {
         "type": "object",
@@ -327,7 +327,7 @@ def test_a_schema_pattern_writing_a_quote_backslash_or_control_literal_is_refuse
 ) -> None:
     """xgrammar writes a pattern's literals between the string's quotes unescaped: before,
     `^"x$` gave `{"p": ""x"}` and `^\\\\$` an unterminated string, with no error."""
-    from vbatch.engine.grammar import json_schema_ebnf
+    from vbatch.grammar_text import json_schema_ebnf
 
     schema = {"type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}}
     if refused:

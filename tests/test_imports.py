@@ -16,6 +16,7 @@ SRC = Path(vbatch.__file__).parent
 # scheduler and its parts are tested without torch.
 TORCH_FREE = (
     "vbatch.client.tokenizer",
+    "vbatch.grammar_text",
     "vbatch.client.detokenizer",
     "vbatch.job.progress",
     "vbatch.engine.block_manager",

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from vbatch.errors import SamplingParamsError
+from vbatch.grammar_text import cli_structured
 from vbatch.job.rows import ColumnOptions, RowParser
 from vbatch.job.runner import JobSpec, RunOptions, start_job
 from vbatch.job.validation import OutputChecker
@@ -24,7 +25,6 @@ from vbatch.structured import (
     EXTRA_HINT,
     MAX_SCHEMA_DEPTH,
     StructuredOutput,
-    cli_structured,
     from_guided,
     from_response_format,
     unenforced_keywords,
@@ -97,7 +97,7 @@ def test_cli_flags_make_one_constraint(tmp_path: Path) -> None:
 def test_missing_xgrammar_is_one_line_naming_the_extra(tmp_path: Path) -> None:
     script = (
         "import sys; sys.modules['xgrammar'] = None\n"
-        "from vbatch.structured import cli_structured\n"
+        "from vbatch.grammar_text import cli_structured\n"
         "cli_structured(None, 'x', None, None)\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
@@ -261,6 +261,32 @@ def test_a_bad_job_wide_constraint_is_one_error_before_the_job() -> None:
         cli_structured(None, "(", None, None)
     with pytest.raises(SamplingParamsError, match=r"--choice: ',' has an empty label"):
         cli_structured(None, None, ",", None)
+
+
+def test_what_the_engine_refuses_is_refused_before_the_job(tmp_path: Path) -> None:
+    pytest.importorskip("xgrammar")
+    with pytest.raises(SamplingParamsError, match=r"--regex: invalid regex: the regex escape \\A"):
+        cli_structured(None, r"\A", None, None)
+    narrow = {"type": "number", "minimum": 0.12345678, "maximum": 0.12345679}
+    quoted = {"type": "string", "pattern": 'a"b'}
+    for schema, message in (
+        (narrow, "a number range in the schema"),
+        (quoted, "a schema pattern that writes a quote"),
+    ):
+        path = tmp_path / "schema.json"
+        path.write_text(json.dumps(schema))
+        with pytest.raises(
+            SamplingParamsError, match=f"--json-schema: invalid json_schema: {message}"
+        ):
+            cli_structured(path, None, None, None)
+    assert cli_structured(None, r"\d+", None, None) == {"regex": r"\d+"}
+
+
+def test_a_constraint_file_that_is_not_utf8_is_one_error(tmp_path: Path) -> None:
+    path = tmp_path / "grammar.gbnf"
+    path.write_bytes(b'root ::= "\xff"\n')
+    with pytest.raises(SamplingParamsError, match="the --grammar file is not UTF-8 text"):
+        cli_structured(None, None, None, path)
 
 
 def test_a_text_response_format_overrides_a_job_wide_constraint() -> None:

@@ -98,11 +98,11 @@ def run_request(params: Mapping[str, Any], defaulted: frozenset[str] = frozenset
     a ColumnOptions, JobSpec or RunOptions field there. No option is left over (a TypeError
     says which). Pure, but for reading a --json-schema or --grammar file.
     """
+    from vbatch.grammar_text import cli_structured
     from vbatch.job.rows import ColumnOptions
     from vbatch.job.runner import JobSpec
     from vbatch.job.shard import parse_shard
     from vbatch.lora.adapter import parse_lora_option
-    from vbatch.structured import cli_structured
 
     values = {k: v.value if isinstance(v, Enum) else v for k, v in params.items()}
 

@@ -3,12 +3,10 @@ vLLM's `StructuredOutputsParams` (and its older name) mapped onto it."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -308,70 +306,6 @@ def row_structured(response_format: Any, guided: Any) -> StructuredOutput | None
     if response_format is not None:
         return from_response_format(response_format)
     return None
-
-
-def cli_structured(
-    json_schema_file: Path | None,
-    regex: str | None,
-    choice: str | None,
-    grammar_file: Path | None,
-) -> dict[str, Any] | None:
-    """The job-wide constraint of `--json-schema FILE`, `--regex`, `--choice a,b,c` or
-    `--grammar FILE`, as the manifest keeps it; None when none is given."""
-    given = {
-        "json_schema": json_schema_file,
-        "regex": regex,
-        "choice": choice,
-        "grammar": grammar_file,
-    }
-    given = {kind: value for kind, value in given.items() if value is not None}
-    if not given:
-        return None
-    if len(given) > 1:
-        flags = ", ".join(f"--{kind.replace('_', '-')}" for kind in given)
-        raise SamplingParamsError(
-            f"give one of --json-schema, --regex, --choice, --grammar, not {flags}"
-        )
-    if importlib.util.find_spec("xgrammar") is None:
-        raise SamplingParamsError(EXTRA_HINT)
-    [(kind, value)] = given.items()
-    flag = f"--{kind.replace('_', '-')}"
-    if isinstance(value, Path):
-        try:
-            value = value.read_text()
-        except OSError as e:
-            raise SamplingParamsError(f"cannot read the {flag} file: {e}") from None
-    elif kind == "choice":
-        value = [c.strip() for c in value.split(",")]
-        if not all(value):
-            raise SamplingParamsError(f"--choice: {choice!r} has an empty label")
-    try:
-        structured = StructuredOutput(**{kind: value})
-        _check_parses(structured)
-    except SamplingParamsError as e:
-        raise SamplingParamsError(f"{flag}: {e}") from None
-    return msgspec.to_builtins(structured)
-
-
-def _check_parses(structured: StructuredOutput) -> None:
-    """Refuse a constraint xgrammar cannot read (no tokenizer needed), so that a bad job-wide
-    one is one error before the job starts rather than an error row per row."""
-    from xgrammar import Grammar
-
-    try:
-        if structured.json_schema is not None:
-            assert isinstance(structured.json_schema, str)
-            Grammar.from_json_schema(
-                structured.json_schema, any_whitespace=False, strict_mode=structured.strict
-            )
-        elif structured.regex is not None:
-            Grammar.from_regex(structured.regex)
-        elif structured.choice is not None:
-            Grammar.from_ebnf(choice_ebnf(structured.choice))
-        elif structured.grammar is not None:
-            Grammar.from_ebnf(structured.grammar)
-    except Exception as e:
-        raise SamplingParamsError(f"invalid {structured.kind}: {xgrammar_message(e)}") from None
 
 
 def choice_ebnf(labels: list[str]) -> str:
