@@ -216,6 +216,28 @@ def test_unknown_columns_are_refused_before_any_work(tmp_path: Path) -> None:
         InputReader(jsonl, None, ColumnOptions(keep_columns=("text",)))
 
 
+def test_a_repeated_parquet_column_the_job_reads_is_refused_before_any_work(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "in.parquet"
+    names = ["prompt", "dup", "dup", "prompt2", "prompt2"]
+    pq.write_table(pa.Table.from_arrays([pa.array(["a", "b"])] * 5, names=names), path)
+    for options in (ColumnOptions(keep_all_columns=True), ColumnOptions(keep_columns=("dup",))):
+        with pytest.raises(InputError, match="more than one column named 'dup'"):
+            InputReader(path, None, options)
+    with pytest.raises(InputError, match="more than one column named 'prompt2'"):
+        InputReader(path, None, ColumnOptions(prompt_column="prompt2"))
+    rows = list(InputReader(path, None, ColumnOptions()).rows(PARSER))
+    assert [r.prompt for r in rows] == ["a", "b"]
+
+
+def test_a_last_line_without_its_newline_counts_for_the_column_check(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"id": 1, "prompt": "a"}\n{"id": 2, "prompt": "b", "x": 1}')
+    reader = InputReader(path, None, ColumnOptions(keep_columns=("x",)))
+    assert [r.id for r in reader.rows(PARSER)] == [1, 2]
+
+
 def test_scan_counts_rows_and_names_the_first_duplicate(tmp_path: Path) -> None:
     ids = [f"id-{i}" for i in range(2000)] + ["id-17", "id-5"]
     path = write_jsonl(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gzip
 import io
+import itertools
 import json
 import re
 import shlex
@@ -253,6 +254,15 @@ class InputReader:
                 f"column(s) {', '.join(map(repr, missing))} not in {self.path} "
                 f"(it has {', '.join(self.columns)})"
             )
+        read = self._read_columns()
+        repeated = sorted(
+            {c for c in self.columns if self.columns.count(c) > 1 and (read is None or c in read)}
+        )
+        if repeated:
+            raise InputError(
+                f"{self.path} has more than one column named {', '.join(map(repr, repeated))}, "
+                "so a job cannot tell which to read: rename them"
+            )
 
     def _refuse_wide_encodings(self) -> None:
         """UTF-16 or UTF-32 text (Windows PowerShell 5.1's `>` writes UTF-16) gets a hint, not a
@@ -326,7 +336,9 @@ class InputReader:
         if not named:
             return
         seen: set[str] = set()
-        for raw in self._jsonl_records(None, limit=_COLUMN_CHECK_ROWS):
+        # NOTE: not limit=, which ends at a last line without its newline (a cut input) unless
+        # the rows before it are all the job counted.
+        for raw in itertools.islice(self._jsonl_records(None), _COLUMN_CHECK_ROWS):
             if isinstance(raw.record, dict):
                 seen.update(raw.record)
         missing = [c for c in named if c not in seen]
