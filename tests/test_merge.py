@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from typer.testing import CliRunner
 from vbatch.cli import app
 from vbatch.job.journal import JOURNAL_NAME
 from vbatch.job.manifest import Manifest, ShardRecord
+from vbatch.job.paths import JobLock
 from vbatch.job.runner import JobSpec, RunOptions, job_dir_for, resume_job, start_job
 from vbatch.job.shard import Shard
 
@@ -175,6 +177,42 @@ def test_merge_refuses_missing_incomplete_and_mismatched_shards(
         result.output
     )
     assert not output.exists()
+
+
+def test_a_shard_being_created_or_damaged_is_named_as_such_and_outputs_keep_the_umask(
+    tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any]
+) -> None:
+    make_input(tmp_path / "in.jsonl", 6)
+    output = tmp_path / "out.jsonl"
+    old_umask = os.umask(0o022)
+    try:
+        job = spec(tmp_path, tiny_model_dir, output.name, Shard(0, 2))
+        assert start_job(job, QUIET, llm_factory=shared_llm).exit_code == 0
+        second = tmp_path / "out.shard-1-of-2.jsonl"
+        job_dir_for(second).mkdir()
+        lock = JobLock(job_dir_for(second))
+        status = CliRunner().invoke(app, ["status", str(output)])
+        assert f"1/2  starting    {second}" in status.output, status.output
+        result = merge(str(output))
+        assert "shard 1/2: a `vbatch run` is still creating its job" in result.output
+        lock.release()
+        assert (
+            f"1/2  no manifest  {second}" in CliRunner().invoke(app, ["status", str(output)]).output
+        )
+        assert f"shard 1/2: its job directory {job_dir_for(second)} has no manifest" in (
+            merge(str(output)).output
+        )
+        shutil.rmtree(job_dir_for(second))
+        second.write_text("")
+        assert f"shard 1/2: {second} has no job directory (removed?)" in merge(str(output)).output
+        second.unlink()
+        job = spec(tmp_path, tiny_model_dir, output.name, Shard(1, 2))
+        assert start_job(job, QUIET, llm_factory=shared_llm).exit_code == 0
+        assert merge(str(output)).exit_code == 0
+        for path in (output, job_dir_for(second) / "manifest.json"):
+            assert path.stat().st_mode & 0o777 == 0o644, path
+    finally:
+        os.umask(old_umask)
 
 
 def test_a_killed_shard_resumes_exactly_once_and_merges(

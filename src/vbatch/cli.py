@@ -437,6 +437,9 @@ def _shard_lines(output: Path, shards: list[dict[str, Any]], *, is_merged: bool)
         if s["state"] == "not started":
             lines.append(f"  {s['shard']:>7}  not started")
             continue
+        if s["rows"] is None:
+            lines.append(f"  {s['shard']:>7}  {s['state']:<10}  {s['output']}")
+            continue
         progress = f"{s['done']} of {s['rows']} rows ({s['errored']} errored)"
         how = s["resume"] or s["output"]
         lines.append(f"  {s['shard']:>7}  {s['state']:<10}  {progress}  {how}")

@@ -25,7 +25,9 @@ from vbatch.job.manifest import MANIFEST_NAME, Manifest
 from vbatch.job.paths import (
     JobLock,
     fsync_dir,
+    is_locked,
     job_dir_for,
+    new_temp_file,
     output_format,
     refuse_clashing_paths,
     resume_command,
@@ -57,6 +59,7 @@ class ShardJob:
     output: Path
     manifest: Manifest | None
     state: JobState | None
+    is_starting: bool = False  # no manifest yet, and a `vbatch run` holds the job's lock
 
     @property
     def job_dir(self) -> Path:
@@ -64,9 +67,11 @@ class ShardJob:
 
     @property
     def condition(self) -> str:
-        if self.manifest is None or self.state is None:
-            return "not started"
-        return "incomplete" if self.state.complete is None else "complete"
+        if self.manifest is not None and self.state is not None:
+            return "incomplete" if self.state.complete is None else "complete"
+        if self.is_starting:
+            return "starting"
+        return "no manifest" if self.job_dir.is_dir() else "no job directory"
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -134,7 +139,8 @@ def find_shards(output: Path) -> ShardArray | None:
         if (job_dir / MANIFEST_NAME).is_file():
             manifest = Manifest.load(job_dir)
             state, _ = read_journal(job_dir / JOURNAL_NAME)
-        jobs.append(ShardJob(shard, path, manifest, state))
+        is_starting = manifest is None and job_dir.is_dir() and is_locked(job_dir)
+        jobs.append(ShardJob(shard, path, manifest, state, is_starting))
     bounds = [-1, *(job.shard.index for job in jobs), count]
     gaps = [NotStarted(a + 1, b - 1, count) for a, b in itertools.pairwise(bounds) if b - a > 1]
     return ShardArray(count, jobs, gaps)
@@ -242,12 +248,19 @@ def _problems(output: Path, array: ShardArray) -> list[str]:
 
 
 def _not_started(job: ShardJob) -> str:
-    if job.output.exists():
+    if job.is_starting:
         return (
-            f"{job.output} has no job directory (removed?), so it cannot be checked; run the "
-            "shard again with --overwrite"
+            "a `vbatch run` is still creating its job (it checks its input first); merge once "
+            "every shard is complete"
         )
-    return f"its job directory {job.job_dir} has no manifest; run the shard again with --overwrite"
+    if job.job_dir.is_dir():
+        return (
+            f"its job directory {job.job_dir} has no manifest; run the shard again with --overwrite"
+        )
+    return (
+        f"{job.output} has no job directory (removed?), so it cannot be checked; run the shard "
+        "again with --overwrite"
+    )
 
 
 def _never_started(output: Path, gap: NotStarted, is_any_made: bool) -> str:
@@ -371,7 +384,7 @@ def _write_merged(output: Path, jobs: list[ShardJob], fmt: str, *, ordered: bool
             shutil.rmtree(stale, ignore_errors=True)
         elif stale.suffix == ".merge-tmp" and not stale.is_dir():
             stale.unlink(missing_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=prefix, suffix=".merge-tmp", dir=output.parent)
+    fd, tmp_name = new_temp_file(output.parent, prefix, ".merge-tmp")
     os.close(fd)
     tmp = Path(tmp_name)
     work_dir = Path(tempfile.mkdtemp(prefix=prefix, suffix=".merge", dir=output.parent))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+import secrets
 import shlex
-import tempfile
 from pathlib import Path
 
 from vbatch.errors import InputError, JobStateError, storage_error
@@ -84,10 +84,23 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def new_temp_file(directory: Path, prefix: str, suffix: str) -> tuple[int, str]:
+    """A new file's descriptor (open for writing) and path in `directory`, as tempfile.mkstemp
+    makes them but with the mode open() gives a file (0o666 less the umask), not mkstemp's
+    0600: a file renamed into place from it is readable wherever the user's own files are (a
+    shared file system's group reading a merged output or a manifest)."""
+    while True:
+        name = os.path.join(directory, f"{prefix}{secrets.token_hex(6)}{suffix}")
+        try:
+            return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), name
+        except FileExistsError:
+            continue
+
+
 def write_atomic(path: Path, data: bytes, *, sync_dir: bool = True) -> None:
     """Write to a temp file in the same directory, fsync, rename, then fsync the directory
     unless `sync_dir` is false (a reader then sees the old or the new file, whole)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = new_temp_file(path.parent, f".{path.name}.", ".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
