@@ -262,6 +262,22 @@ def test_an_error_output_has_one_empty_completion_whatever_its_n_and_cause(llm: 
         ], rid
 
 
+def test_a_prompt_far_past_the_model_length_is_refused_before_its_encoding(llm: LLM) -> None:
+    """A 10.8 MB prompt was encoded whole (about 1 GB in the client) before the core refused it;
+    truncate_prompt_tokens still encodes it and keeps its end."""
+    longest = max(map(len, llm.tokenizer.backend.get_vocab(with_added_tokens=True)))
+    huge = "word " * (llm.engine_info.max_model_len * longest // 5 + 1)
+    one = SamplingParams(max_tokens=1)
+    (out,) = llm.generate([huge], one, use_tqdm=False)
+    (chat,) = llm.chat([[{"role": "user", "content": huge}]], one, use_tqdm=False)
+    for refused in (out, chat):
+        assert refused.error is not None and refused.error.startswith("the prompt has at least")
+        assert "characters), which leaves no room for output" in refused.error
+    cut = SamplingParams(max_tokens=1, truncate_prompt_tokens=8)
+    (kept,) = llm.generate([huge], cut, use_tqdm=False)
+    assert kept.error is None and len(kept.prompt_token_ids) == 8
+
+
 def test_n_samples_and_on_output(llm: LLM) -> None:
     seen: list[RequestOutput] = []
     thread_names: set[str] = set()

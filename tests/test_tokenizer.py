@@ -400,3 +400,23 @@ def test_a_text_cut_to_its_last_tokens_keeps_the_special_tokens_its_encoding_add
     (plain_ids,) = plain.encode_batch([text])
     assert plain.keep_last_tokens(plain_ids, 4, from_text=True) == plain_ids[-4:]
     assert plain.keep_last_tokens(plain_ids, 1, from_text=True) == plain_ids[-1:]
+
+
+def test_fewest_tokens_is_a_sure_lower_bound_or_nothing(tokenizer: TextTokenizer) -> None:
+    texts = ["", "a", "hello world", "#" * 400, " " * 1000, "日本語 🤖 " * 50, "\n" * 300]
+    for text in texts:
+        (ids,) = tokenizer.encode_batch([text], add_special_tokens=False)
+        assert 0 < tokenizer.fewest_tokens(text) <= len(ids) or text == "", repr(text[:20])
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    lowered = Tokenizer(models.BPE({"a": 0}, []))
+    lowered.normalizer = normalizers.Lowercase()
+    lowered.pre_tokenizer = pre_tokenizers.ByteLevel()
+    dropping = Tokenizer(models.BPE({"a": 0}, []))
+    dropping.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(" ", behavior="removed"), pre_tokenizers.ByteLevel()]
+    )
+    for backend in (wordpiece, lowered, dropping):
+        assert TextTokenizer(backend, {}).fewest_tokens(" " * 10_000) == 0

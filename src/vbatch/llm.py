@@ -586,7 +586,14 @@ class LLM(PoolingMethods):
             requests.append((position, req, lora))
         adds = []
         decode_token = functools.partial(decode_one, self.tokenizer)
-        tokenized = self._tokenize([req for _, req, _ in requests])
+        # NOTE: a prompt that is not truncated must leave room for one output token.
+        limits = [
+            None
+            if (req.sampling_params or defaults).truncate_prompt_tokens is not None
+            else self.engine_info.max_model_len - 1
+            for _, req, _ in requests
+        ]
+        tokenized = self._tokenize([req for _, req, _ in requests], limits)
         for (position, req, lora), (prompt_ids, prompt_text) in zip(
             requests, tokenized, strict=True
         ):
@@ -689,9 +696,12 @@ class LLM(PoolingMethods):
             )
         return truncate_prompt_tokens
 
-    def _tokenize(self, requests: list[Request]) -> list[tuple[list[int] | str, str | None]]:
+    def _tokenize(
+        self, requests: list[Request], limits: Sequence[int | None] | None = None
+    ) -> list[tuple[list[int] | str, str | None]]:
         """Prompt token ids per request, or an error message, with a chat's rendered text; one
-        encode_batch call per kind."""
+        encode_batch call per kind. A text that surely encodes to more than its request's limit
+        (`limits`, None: no limit) is an error without being encoded."""
         results: list[tuple[list[int] | str, str | None]] = [("", None) for _ in requests]
         plain: tuple[list[int], list[str]] = ([], [])
         chats: tuple[list[int], list[str]] = ([], [])
@@ -723,6 +733,15 @@ class LLM(PoolingMethods):
                 plain[1].append(req.prompt)
             else:
                 results[k] = ("a request needs a prompt string, messages or prompt_token_ids", None)
+        if limits is not None:
+            for kind in (plain, chats):
+                kept = [
+                    (k, text)
+                    for k, text in zip(*kind, strict=True)
+                    if not self._refuse_unencoded(text, limits[k], results, k)
+                ]
+                kind[0][:] = [k for k, _ in kept]
+                kind[1][:] = [text for _, text in kept]
         # NOTE: chat templates carry their own BOS, so rendered chats get no special tokens.
         for (ks, texts), add_special, is_chat in ((plain, True, False), (chats, False, True)):
             if texts:
@@ -730,6 +749,25 @@ class LLM(PoolingMethods):
                 for k, ids, text in zip(ks, encoded, texts, strict=True):
                     results[k] = (ids, text if is_chat else None)
         return results
+
+    def _refuse_unencoded(
+        self,
+        text: str,
+        limit: int | None,
+        results: list[tuple[list[int] | str, str | None]],
+        k: int,
+    ) -> bool:
+        """Whether `text` surely has more than `limit` tokens; if so, results[k] says why."""
+        fewest = self.tokenizer.fewest_tokens(text)
+        if limit is None or fewest <= limit:
+            return False
+        max_model_len = self.engine_info.max_model_len
+        results[k] = (
+            f"the prompt has at least {fewest} tokens ({len(text)} characters), which leaves no "
+            f"room for output within the maximum model length of {max_model_len} tokens",
+            None,
+        )
+        return True
 
     def _collect(
         self,

@@ -31,6 +31,9 @@ CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "
 # NOTE: a message's reasoning under any of these names reaches a template under the first two,
 # as transformers aliases them.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# NOTE: the pre-tokenizers that leave every byte of a text in some piece (a "Removed" split
+# drops its matches); with ByteLevel among them every byte has a symbol, so no text is lost.
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Split", "Digits", "Punctuation"})
 CONTENT_FORMATS = ("auto", "string", "openai")
 SPECIAL_TOKEN_NAMES = (
     "bos_token",
@@ -281,6 +284,31 @@ class TextTokenizer:
             if full[start : start + len(plain)] == plain:
                 return start, len(full) - start - len(plain)
         return 0, 0
+
+    @functools.cached_property
+    def _longest_token(self) -> int | None:
+        """The most characters of text one token stands for, where that is sure: no normalizer,
+        and byte-level pre-tokenizers that keep every byte (GPT-2, Llama 3, Qwen, SmolLM); None
+        elsewhere. A byte-level token's string has a symbol per byte of its text, so it is never
+        shorter than that text, and an added token's string is its text."""
+        if self.backend.normalizer is not None or self.backend.pre_tokenizer is None:
+            return None
+        state = json.loads(self.backend.pre_tokenizer.__getstate__())
+        pieces = state.get("pretokenizers", []) if state.get("type") == "Sequence" else [state]
+        keeps_every_byte = any(p.get("type") == "ByteLevel" for p in pieces) and all(
+            p.get("type") in _KEEPING_PRE_TOKENIZERS and p.get("behavior") != "Removed"
+            for p in pieces
+        )
+        if not keeps_every_byte:
+            return None
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=None)
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on the tokens `text` encodes to, found without encoding it: its length
+        over the longest token's where _longest_token is sure, else 0. A prompt far past the
+        model's length is refused by it before its encoding takes memory by the gigabyte."""
+        longest = self._longest_token
+        return -(-len(text) // longest) if longest else 0
 
     def keep_last_tokens(self, token_ids: list[int], keep: int, from_text: bool) -> list[int]:
         """Token ids cut to their last `keep`; those of a text (`from_text`: encoded with
