@@ -734,14 +734,17 @@ class LLM(PoolingMethods):
             else:
                 results[k] = ("a request needs a prompt string, messages or prompt_token_ids", None)
         if limits is not None:
-            for kind in (plain, chats):
-                kept = [
-                    (k, text)
-                    for k, text in zip(*kind, strict=True)
-                    if not self._refuse_unencoded(text, limits[k], results, k)
+            for ks, texts in (plain, chats):
+                problems = [
+                    self._surely_too_long(text, limits[k])
+                    for k, text in zip(ks, texts, strict=True)
                 ]
-                kind[0][:] = [k for k, _ in kept]
-                kind[1][:] = [text for _, text in kept]
+                for k, problem in zip(ks, problems, strict=True):
+                    if problem is not None:
+                        results[k] = (problem, None)
+                kept = [i for i, problem in enumerate(problems) if problem is None]
+                ks[:] = [ks[i] for i in kept]
+                texts[:] = [texts[i] for i in kept]
         # NOTE: chat templates carry their own BOS, so rendered chats get no special tokens.
         for (ks, texts), add_special, is_chat in ((plain, True, False), (chats, False, True)):
             if texts:
@@ -750,24 +753,16 @@ class LLM(PoolingMethods):
                     results[k] = (ids, text if is_chat else None)
         return results
 
-    def _refuse_unencoded(
-        self,
-        text: str,
-        limit: int | None,
-        results: list[tuple[list[int] | str, str | None]],
-        k: int,
-    ) -> bool:
-        """Whether `text` surely has more than `limit` tokens; if so, results[k] says why."""
+    def _surely_too_long(self, text: str, limit: int | None) -> str | None:
+        """Why `text` cannot run, where it surely has more than `limit` tokens; else None."""
         fewest = self.tokenizer.fewest_tokens(text)
         if limit is None or fewest <= limit:
-            return False
-        max_model_len = self.engine_info.max_model_len
-        results[k] = (
+            return None
+        return (
             f"the prompt has at least {fewest} tokens ({len(text)} characters), which leaves no "
-            f"room for output within the maximum model length of {max_model_len} tokens",
-            None,
+            f"room for output within the maximum model length of {self.engine_info.max_model_len} "
+            "tokens"
         )
-        return True
 
     def _collect(
         self,
