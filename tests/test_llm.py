@@ -265,7 +265,8 @@ def test_an_error_output_has_one_empty_completion_whatever_its_n_and_cause(llm: 
 def test_a_prompt_far_past_the_model_length_is_refused_before_its_encoding(llm: LLM) -> None:
     """A 10.8 MB prompt was encoded whole (about 1 GB in the client) before the core refused it;
     truncate_prompt_tokens still encodes it and keeps its end."""
-    longest = max(map(len, llm.tokenizer.backend.get_vocab(with_added_tokens=True)))
+    vocab = llm.tokenizer.backend.get_vocab(with_added_tokens=True)
+    longest = max(len(token.encode()) for token in vocab)
     huge = "word " * (llm.engine_info.max_model_len * longest // 5 + 1)
     one = SamplingParams(max_tokens=1)
     (out,) = llm.generate([huge], one, use_tqdm=False)

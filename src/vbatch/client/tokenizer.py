@@ -14,7 +14,7 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, models
 
 from vbatch.errors import InputError, ModelLoadError
 from vbatch.models.config import json_object
@@ -201,6 +201,16 @@ def _read_chat_templates(path: Path, config: Mapping[str, Any]) -> dict[str, str
     return templates
 
 
+@functools.cache
+def _byte_symbols() -> tuple[str, ...]:
+    """The byte-level pre-tokenizer's symbol for each byte value (GPT-2's table: printable
+    Latin-1 bytes stand for themselves, the others for the code points from U+0100 on)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = (b for b in range(256) if b not in printable)
+    symbols = {b: chr(b) for b in printable} | {b: chr(0x100 + i) for i, b in enumerate(others)}
+    return tuple(symbols[b] for b in range(256))
+
+
 def _with_reasoning_aliases(message: dict[str, Any]) -> dict[str, Any]:
     reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
     if reasoning is None:
@@ -286,29 +296,44 @@ class TextTokenizer:
         return 0, 0
 
     @functools.cached_property
-    def _longest_token(self) -> int | None:
-        """The most characters of text one token stands for, where that is sure: no normalizer,
-        and byte-level pre-tokenizers that keep every byte (GPT-2, Llama 3, Qwen, SmolLM); None
-        elsewhere. A byte-level token's string has a symbol per byte of its text, so it is never
-        shorter than that text, and an added token's string is its text."""
-        if self.backend.normalizer is not None or self.backend.pre_tokenizer is None:
+    def _byte_bound(self) -> tuple[int, bytes] | None:
+        """(the most UTF-8 bytes of text one token stands for, the bytes no token holds), where
+        a bound is sure: a byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM) with no normalizer,
+        pre-tokenizers that keep every byte, and no added token that strips the whitespace
+        beside it; else None. A byte-level token's string has a symbol per byte of its text, so
+        its UTF-8 length is never below that text's, nor an added token's below its own text;
+        a byte whose symbol is not in the vocabulary (a few control characters) is dropped or
+        becomes an unknown token that may stand for a run of them, so it counts for nothing."""
+        backend = self.backend
+        if not isinstance(backend.model, models.BPE) or backend.normalizer is not None:
             return None
-        state = json.loads(self.backend.pre_tokenizer.__getstate__())
+        if backend.pre_tokenizer is None:
+            return None
+        state = json.loads(backend.pre_tokenizer.__getstate__())
         pieces = state.get("pretokenizers", []) if state.get("type") == "Sequence" else [state]
         keeps_every_byte = any(p.get("type") == "ByteLevel" for p in pieces) and all(
             p.get("type") in _KEEPING_PRE_TOKENIZERS and p.get("behavior") != "Removed"
             for p in pieces
         )
-        if not keeps_every_byte:
+        added = backend.get_added_tokens_decoder().values()
+        if not keeps_every_byte or any(token.lstrip or token.rstrip for token in added):
             return None
-        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=None)
+        vocab = backend.get_vocab(with_added_tokens=True)
+        symbols = _byte_symbols()
+        unknown = bytes(b for b, symbol in enumerate(symbols) if symbol not in vocab)
+        return max((len(token.encode()) for token in vocab), default=1), unknown
 
     def fewest_tokens(self, text: str) -> int:
-        """A lower bound on the tokens `text` encodes to, found without encoding it: its length
-        over the longest token's where _longest_token is sure, else 0. A prompt far past the
-        model's length is refused by it before its encoding takes memory by the gigabyte."""
-        longest = self._longest_token
-        return -(-len(text) // longest) if longest else 0
+        """A lower bound on the tokens `text` encodes to, found without encoding it: its UTF-8
+        bytes that some token holds, over the most one token holds, where _byte_bound is sure;
+        else 0. A prompt far past the model's length is refused by it before its encoding takes
+        memory by the gigabyte."""
+        bound = self._byte_bound
+        if bound is None:
+            return 0
+        longest, unknown = bound
+        known = len(text.encode("utf-8", "surrogatepass").translate(None, unknown))
+        return -(-known // longest)
 
     def keep_last_tokens(self, token_ids: list[int], keep: int, from_text: bool) -> list[int]:
         """Token ids cut to their last `keep`; those of a text (`from_text`: encoded with
