@@ -180,7 +180,10 @@ def test_merge_refuses_missing_incomplete_and_mismatched_shards(
 
 
 def test_a_shard_being_created_or_damaged_is_named_as_such_and_outputs_keep_the_umask(
-    tmp_path: Path, tiny_model_dir: Path, shared_llm: Callable[..., Any]
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    shared_llm: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     make_input(tmp_path / "in.jsonl", 6)
     output = tmp_path / "out.jsonl"
@@ -211,6 +214,11 @@ def test_a_shard_being_created_or_damaged_is_named_as_such_and_outputs_keep_the_
         assert merge(str(output)).exit_code == 0
         for path in (output, job_dir_for(second) / "manifest.json"):
             assert path.stat().st_mode & 0o777 == 0o644, path
+        monkeypatch.chdir(tmp_path)
+        info = json.loads(CliRunner().invoke(app, ["status", "out.jsonl", "--json"]).output)
+        assert [shard["output"] for shard in info["shards"]] == [
+            str(tmp_path / f"out.shard-{i}-of-2.jsonl") for i in range(2)
+        ]
     finally:
         os.umask(old_umask)
 

@@ -76,7 +76,7 @@ class ShardJob:
     def summary(self) -> dict[str, Any]:
         return {
             "shard": str(self.shard),
-            "output": str(self.output),
+            "output": os.path.abspath(self.output),
             "state": self.condition,
             "rows": self.manifest.num_rows if self.manifest is not None else None,
             "done": len(self.state.committed) if self.state is not None else None,
