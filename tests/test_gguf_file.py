@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +90,21 @@ def test_numpy_dequantize_is_bit_identical_to_gguf(type_name: str) -> None:
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got, gguf.quants.dequantize(data, qtype))
     assert np.abs(got - weight).max() < np.abs(weight).max() / 7
+
+
+def test_a_tensor_without_dimensions_is_a_load_error(tmp_path: Path) -> None:
+    """It was an IndexError, reported as a bug in vbatch."""
+
+    def text(value: str) -> bytes:
+        return struct.pack("<Q", len(value)) + value.encode()
+
+    header = b"GGUF" + struct.pack("<IQQ", 3, 1, 1)
+    metadata = text("general.architecture") + struct.pack("<I", 8) + text("llama")
+    tensor = text("token_embd.weight") + struct.pack("<IIQ", 0, 0, 0)
+    path = tmp_path / "zero_dims.gguf"
+    path.write_bytes((header + metadata + tensor).ljust(256, b"\0"))
+    with pytest.raises(ModelLoadError, match=r"token_embd\.weight has no dimensions"):
+        read_gguf(path)
 
 
 def test_file_cut_inside_a_tensor(tmp_path: Path, smollm2: ResolvedModel) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -26,6 +28,7 @@ from vbatch.models.loader import (
     ResolvedModel,
     cache_dir,
     default_model_path,
+    hash_files,
     resolve_model,
     weight_files,
 )
@@ -35,6 +38,25 @@ PROMPTS = (
     "def fibonacci(n):\n    ",
     "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
 )
+
+
+def test_a_file_replaced_by_one_of_the_same_size_and_mtime_is_hashed_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cp -p`, `rsync -a` or a `mv` over the model keep size and mtime: the memo gave the old
+    file's hash, so a job ran the old conversion and recorded the old weights_hash."""
+    monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"a" * 64)
+    first = hash_files([model])
+    replacement = tmp_path / "new.gguf"
+    replacement.write_bytes(b"b" * 64)
+    mtime_ns = model.stat().st_mtime_ns
+    os.utime(replacement, ns=(mtime_ns, mtime_ns))
+    replacement.replace(model)
+    assert model.stat().st_size == 64 and model.stat().st_mtime_ns == mtime_ns
+    assert hash_files([model]) == hashlib.sha256(b"b" * 64).hexdigest() != first
+    assert hash_files([model]) == hash_files([model])
 
 
 def test_default_model_path_is_found() -> None:

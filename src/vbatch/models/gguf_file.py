@@ -150,6 +150,8 @@ def read_gguf(path: Path) -> GGUFFile:
         whole = np.frombuffer(buffer, dtype=np.uint8)
         tensors = []
         for name, shape, tensor_type, offset in infos:
+            if not shape:
+                raise ValueError(f"tensor {name} has no dimensions")
             qtype = gguf.GGMLQuantizationType(tensor_type)
             block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
             row_bytes = shape[-1] // block_size * type_size

@@ -335,9 +335,14 @@ def _chunks(path: Path) -> Iterator[bytes]:
 
 
 def hash_files(paths: list[Path]) -> str:
-    """sha256 over the files' bytes in the given order, memoized by (path, size, mtime)."""
+    """sha256 over the files' bytes in the given order, memoized by (path, size, mtime, inode,
+    ctime): a file replaced by another of the same size and mtime (`cp -p`, `rsync -a`, a
+    `mv` over it) is a new inode or has a new ctime, which no user can set."""
     stats = [p.stat() for p in paths]
-    key = "|".join(f"{p}:{s.st_size}:{s.st_mtime_ns}" for p, s in zip(paths, stats, strict=True))
+    key = "|".join(
+        f"{p}:{s.st_size}:{s.st_mtime_ns}:{s.st_ino}:{s.st_ctime_ns}"
+        for p, s in zip(paths, stats, strict=True)
+    )
     memo_path = cache_dir() / "hashes.json"
     memo = _read_memo(memo_path)
     if key in memo:
