@@ -279,6 +279,18 @@ def test_a_prompt_far_past_the_model_length_is_refused_before_its_encoding(llm: 
     assert kept.error is None and len(kept.prompt_token_ids) == 8
 
 
+def test_token_ids_outside_the_vocabulary_are_error_outputs_in_their_place(llm: LLM) -> None:
+    """A negative id, or one past 2^31, failed the whole call (the detokenizer and the int32
+    wire form raised before the core's check), and the other prompts got no result."""
+    bad = [[5, -1], [2**31], [2**40], [llm.engine_info.vocab_size]]
+    outs = llm.generate(
+        ["Hello", *({"prompt_token_ids": ids} for ids in bad)], SamplingParams(max_tokens=2)
+    )
+    assert outs[0].error is None and len(outs[0].outputs[0].token_ids) == 2
+    message = f"prompt token ids must lie in [0, {llm.engine_info.vocab_size})"
+    assert [out.error for out in outs[1:]] == [message] * len(bad)
+
+
 def test_n_samples_and_on_output(llm: LLM) -> None:
     seen: list[RequestOutput] = []
     thread_names: set[str] = set()

@@ -431,3 +431,26 @@ def test_fewest_tokens_is_a_sure_lower_bound_or_nothing(tokenizer: TextTokenizer
     unknown = Tokenizer(models.BPE({"[UNK]": 0, "a": 1}, [], unk_token="[UNK]", fuse_unk=True))
     unknown.pre_tokenizer = pre_tokenizers.ByteLevel()
     assert TextTokenizer(unknown, {}).fewest_tokens("x" * 10_000) <= 1
+
+
+def test_openai_content_format_keeps_each_text_part(tokenizer: TextTokenizer) -> None:
+    """As vLLM: the parts were joined into one, so a template looping over them rendered
+    "Describe:\na cat" where vLLM renders "Describe:a cat"."""
+    template = (
+        "{% for m in messages %}<{{ m.role }}>{% for p in m.content %}{{ p.text }}|{% endfor %}"
+        "{% endfor %}"
+    )
+    parts = [{"type": "text", "text": "Describe:"}, {"type": "text", "text": "a cat"}]
+    conversation = [{"role": "user", "content": parts}, {"role": "assistant", "content": "It"}]
+    rendered = tokenizer.apply_chat_template(
+        conversation, False, chat_template=template, content_format="openai"
+    )
+    assert rendered == "<user>Describe:|a cat|<assistant>It|"
+    continued = tokenizer.apply_chat_template(
+        conversation[:1],
+        False,
+        chat_template=template,
+        content_format="openai",
+        continue_final_message=True,
+    )
+    assert continued == "<user>Describe:|a cat"

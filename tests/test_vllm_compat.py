@@ -251,6 +251,21 @@ def test_get_tokenizer_as_transformers(llm: LLM) -> None:
         tokenizer.apply_chat_template(
             CONVERSATION, add_generation_prompt=True, continue_final_message=True
         )
+    # NOTE: return_dict, and a list of conversations, as transformers gives them without tensors.
+    want = reference.apply_chat_template(CONVERSATION, return_dict=True)
+    assert tokenizer.apply_chat_template(CONVERSATION, return_dict=True) == dict(want)
+    batch = [CONVERSATION, CONVERSATION[1:2]]
+    assert tokenizer.apply_chat_template(batch, tokenize=False) == reference.apply_chat_template(
+        batch, tokenize=False
+    )
+    assert tokenizer.apply_chat_template(batch, return_dict=True)["input_ids"] == list(
+        reference.apply_chat_template(batch, return_dict=True)["input_ids"]
+    )
+    with pytest.raises(ValueError, match="return_tensors is not supported"):
+        tokenizer.apply_chat_template(CONVERSATION, return_tensors="pt")
+    for bad in ([{"content": "x"}], "hello"):
+        with pytest.raises(ValueError, match="messages"):
+            tokenizer.apply_chat_template(bad, tokenize=False)
 
 
 def test_vllm_defaults_of_none_and_truncation_to_the_model_length(llm: LLM) -> None:
@@ -300,6 +315,10 @@ def test_chat_takes_tools_and_lora_requests(llm: LLM) -> None:
     adapter = LoRARequest("a", 1, "/nonexistent")
     (refused,) = llm.chat(CONVERSATION[1:2], SHORT, lora_request=adapter, use_tqdm=False)
     assert refused.error is not None and "enable_lora=True" in refused.error
+    with pytest.raises(ValueError, match="lora_request has 1 entries for 2 prompts"):
+        llm.generate(["a", "b"], SHORT, lora_request=[None], use_tqdm=False)
+    with pytest.raises(TypeError, match="lora_request must be a LoRARequest or a list"):
+        llm.generate(["a"], SHORT, lora_request={"name": "x"}, use_tqdm=False)
 
 
 @pytest.mark.parametrize(

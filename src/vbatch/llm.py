@@ -98,9 +98,14 @@ def _with_loras(
     if isinstance(lora_request, LoRARequest):
         loras: list[LoRARequest | None] = [lora_request] * len(requests)
     else:
+        if isinstance(lora_request, Mapping) or not isinstance(lora_request, Iterable):
+            raise PromptTypeError(
+                "lora_request must be a LoRARequest or a list of them (None for no adapter), "
+                f"got {type(lora_request).__name__}"
+            )
         loras = list(lora_request)
         if len(loras) != len(requests):
-            raise LoraError(
+            raise PromptValueError(
                 f"lora_request has {len(loras)} entries for {len(requests)} prompts; give one "
                 "per prompt or a single one"
             )
@@ -707,7 +712,14 @@ class LLM(PoolingMethods):
         chats: tuple[list[int], list[str]] = ([], [])
         for k, req in enumerate(requests):
             if req.prompt_token_ids is not None:
-                results[k] = (list(req.prompt_token_ids), None)
+                ids = list(req.prompt_token_ids)
+                vocab_size = self.engine_info.vocab_size
+                # NOTE: the core refuses them too, but the detokenizer and the int32 wire form
+                # raised on some first (a negative id, one past 2^31), failing the whole call.
+                if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+                    results[k] = (f"prompt token ids must lie in [0, {vocab_size})", None)
+                else:
+                    results[k] = (ids, None)
             elif req.messages is not None:
                 try:
                     kwargs = self.chat_template_kwargs

@@ -8,7 +8,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from vbatch.client.tokenizer import SPECIAL_TOKEN_NAMES, TextTokenizer
-from vbatch.errors import PromptValueError
+from vbatch.errors import InputError, PromptValueError
+
+# NOTE: transformers' apply_chat_template options for tensors, padding and truncation.
+_TENSOR_OPTIONS = (
+    "return_tensors",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+)
 
 
 class HFTokenizer:
@@ -64,28 +74,53 @@ class HFTokenizer:
 
     def apply_chat_template(
         self,
-        conversation: list[dict[str, Any]],
+        conversation: list[dict[str, Any]] | list[list[dict[str, Any]]],
         *,
         tokenize: bool = True,
         add_generation_prompt: bool = False,
         continue_final_message: bool = False,
         chat_template: str | None = None,
+        return_dict: bool = False,
         **kwargs: Any,
-    ) -> str | list[int]:
-        """As transformers: the rendered text, or with `tokenize` (the default) its token ids;
-        other keyword arguments are template variables."""
+    ) -> Any:
+        """As transformers: the rendered text, or with `tokenize` (the default) its token ids,
+        as {"input_ids", "attention_mask"} with `return_dict`; a list of conversations gives a
+        list (a dict of lists). Other keyword arguments are template variables, but for
+        transformers' tensor and padding options, which are refused (lists, unpadded, here)."""
+        unsupported = [
+            name for name in _TENSOR_OPTIONS if kwargs.pop(name, None) not in (None, False)
+        ]
+        if unsupported:
+            raise PromptValueError(
+                f"apply_chat_template here returns lists, unpadded and untruncated; "
+                f"{', '.join(unsupported)} is not supported"
+            )
         if add_generation_prompt and continue_final_message:
             raise PromptValueError(
                 "continue_final_message and add_generation_prompt are not compatible: the first "
                 "continues the last message, the second opens a new assistant turn"
             )
-        text = self.text_tokenizer.apply_chat_template(
-            conversation,
-            add_generation_prompt,
-            kwargs,
-            chat_template=chat_template,
-            continue_final_message=continue_final_message,
-        )
+        is_batch = bool(conversation) and isinstance(conversation[0], (list, tuple))
+        conversations = conversation if is_batch else [conversation]
+        try:
+            texts = [
+                self.text_tokenizer.apply_chat_template(
+                    list(messages),
+                    add_generation_prompt,
+                    kwargs,
+                    chat_template=chat_template,
+                    continue_final_message=continue_final_message,
+                )
+                for messages in conversations
+            ]
+        except InputError as e:
+            raise PromptValueError(str(e)) from None
         if not tokenize:
-            return text
-        return self.text_tokenizer.encode_batch([text], add_special_tokens=False)[0]
+            return texts if is_batch else texts[0]
+        ids = self.text_tokenizer.encode_batch(texts, add_special_tokens=False)
+        if return_dict:
+            masks = [[1] * len(row) for row in ids]
+            if is_batch:
+                return {"input_ids": ids, "attention_mask": masks}
+            return {"input_ids": ids[0], "attention_mask": masks[0]}
+        return ids if is_batch else ids[0]

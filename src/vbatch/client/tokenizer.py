@@ -146,6 +146,15 @@ def _join_text_parts(parts: list[Any], what: str) -> str:
     return "\n".join(texts)
 
 
+def _text_parts(original: Any, joined: str) -> list[dict[str, str]]:
+    """A checked message's content as OpenAI text parts: the original's own parts (never
+    empty: one empty part stands for none), else one part of its text."""
+    if isinstance(original, list):
+        parts = [{"type": "text", "text": part["text"]} for part in original]
+        return parts or [{"type": "text", "text": ""}]
+    return [{"type": "text", "text": joined}]
+
+
 def check_template_kwargs(value: Any, what: str = "chat_template_kwargs") -> dict[str, Any]:
     """Check extra chat-template variables (e.g. {"enable_thinking": false}); a copy."""
     if not isinstance(value, Mapping):
@@ -413,11 +422,20 @@ class TextTokenizer:
                 "pass a 'prompt' string instead"
             )
         checked = [_with_reasoning_aliases(m) for m in validate_messages(messages)]
-        final = checked[-1]["content"]
-        if continue_final_message:
-            checked[-1] = {**checked[-1], "content": final + CONTINUE_MARK}
         if content_format == "openai":
-            checked = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in checked]
+            # NOTE: as vLLM, each text part stays a part (templates loop over them).
+            checked = [
+                {**m, "content": _text_parts(original.get("content"), m["content"])}
+                for original, m in zip(messages, checked, strict=True)
+            ]
+        last = checked[-1]["content"]
+        final = last[-1]["text"] if isinstance(last, list) else last
+        if continue_final_message:
+            if isinstance(last, list):
+                marked = [*last[:-1], {"type": "text", "text": final + CONTINUE_MARK}]
+                checked[-1] = {**checked[-1], "content": marked}
+            else:
+                checked[-1] = {**checked[-1], "content": final + CONTINUE_MARK}
         text = self._render(template, checked, add_generation_prompt, template_kwargs)
         if not continue_final_message:
             return text
