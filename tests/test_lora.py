@@ -386,7 +386,7 @@ def test_llm_generate_with_lora_requests(
             greedy_check(peft_models[2], [out.prompt_token_ids], [out.outputs[0].token_ids])
         bad = llm.generate(prompts[0], params, lora_request=LoRARequest("zz", 9, str(root)))
         assert "'zz'" in (bad[0].error or "")
-        with pytest.raises(LoraError, match="one per prompt"):
+        with pytest.raises(ValueError, match="one per prompt"):
             llm.generate(prompts, params, lora_request=requests[:2])
 
 
