@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import gzip
 import io
@@ -255,9 +256,8 @@ class InputReader:
                 f"(it has {', '.join(self.columns)})"
             )
         read = self._read_columns()
-        repeated = sorted(
-            {c for c in self.columns if self.columns.count(c) > 1 and (read is None or c in read)}
-        )
+        counts = collections.Counter(self.columns)
+        repeated = sorted(c for c, n in counts.items() if n > 1 and (read is None or c in read))
         if repeated:
             raise InputError(
                 f"{self.path} has more than one column named {', '.join(map(repr, repeated))}, "
