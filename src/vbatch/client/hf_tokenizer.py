@@ -87,9 +87,8 @@ class HFTokenizer:
         as {"input_ids", "attention_mask"} with `return_dict`; a list of conversations gives a
         list (a dict of lists). Other keyword arguments are template variables, but for
         transformers' tensor and padding options, which are refused (lists, unpadded, here)."""
-        unsupported = [
-            name for name in _TENSOR_OPTIONS if kwargs.pop(name, None) not in (None, False)
-        ]
+        options = {name: kwargs.pop(name) for name in _TENSOR_OPTIONS if name in kwargs}
+        unsupported = [name for name, value in options.items() if value not in (None, False)]
         if unsupported:
             raise PromptValueError(
                 f"apply_chat_template here returns lists, unpadded and untruncated; "
