@@ -362,9 +362,11 @@ def write_gguf(
     reference: torch.nn.Module,
     tokenizer_fields: dict[str, Any],
     metadata: dict[str, Any] | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> None:
     """A float32 GGUF laid out as llama.cpp's converter does (Q/K permuted for llama);
-    `metadata` replaces values (an int as uint32, a str as string)."""
+    `metadata` replaces values (an int as uint32, a str as string); `extra_tensors` are written
+    first, under their GGUF names."""
     import gguf
 
     config = reference.config
@@ -393,6 +395,8 @@ def write_gguf(
     names |= {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
     names |= {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
     names |= {"q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, array)
     for name, tensor in reference.state_dict().items():
         array = tensor.numpy()
         if name == "model.embed_tokens.weight":
@@ -472,6 +476,92 @@ def test_synthetic_gguf_round_trips(
     assert got.rms_norm_eps == pytest.approx(config.rms_norm_eps)
     assert (got.bos_token_id, got.eos_token_ids) == (1, (2,))
     assert resolve_model(tmp_path / f"tiny-{arch}.gguf") == resolved
+
+
+def llama3_rope_freqs(head_dim: int, theta: float, rope: dict[str, float]) -> np.ndarray:
+    """The `rope_freqs` tensor llama.cpp's converter writes for a llama3 rope scaling: each rotary
+    pair's frequency divisor, 1 for short wavelengths, `factor` for long ones, blended between."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    original = rope["original_max_position_embeddings"]
+    low, high, factor = rope["low_freq_factor"], rope["high_freq_factor"], rope["factor"]
+    smooth = (original / wavelen - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    divisors = np.where(wavelen < original / high, 1.0, blended)
+    return np.where(wavelen > original / low, factor, divisors).astype(np.float32)
+
+
+def test_a_llama3_gguf_rotates_by_its_rope_freqs(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tokenizer_fields: dict[str, Any],
+    make_attention_metadata: Callable,
+) -> None:
+    """Llama 3.1 and 3.2 GGUFs carry their llama3 rope scaling as `rope_freqs.weight`: vbatch's
+    logits, and transformers' on the converted directory, match transformers' llama3 model the
+    file was written from, on both sides of the pre-training length."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    rope = {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    config = LlamaConfig(
+        vocab_size=len(tokenizer_fields["tokenizer.ggml.tokens"]),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, **rope},
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.normal_(std=0.3)
+    rope_freqs = llama3_rope_freqs(16, 10000.0, rope)
+    assert rope_freqs.min() == 1.0 and rope_freqs.max() == 8.0
+    assert ((rope_freqs > 1.0) & (rope_freqs < 8.0)).any()
+    path = tmp_path / "tiny-llama3.gguf"
+    write_gguf(
+        path, "llama", reference, tokenizer_fields, extra_tensors={"rope_freqs.weight": rope_freqs}
+    )
+    resolved = resolve_model(path)
+    assert ModelConfig.from_hf_dir(resolved.hf_dir).rope_scaling["rope_type"] == "longrope"
+
+    ids = torch.randint(0, config.vocab_size, (100,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected = reference(ids[None]).logits[0]
+        converted = AutoModelForCausalLM.from_pretrained(resolved.hf_dir, dtype=torch.float32)
+        torch.testing.assert_close(converted.eval()(ids[None]).logits[0], expected)
+    model = load_model(resolved, torch.device("cpu"), torch.float32, TorchAttentionBackend())
+    block_size = 16
+    num_blocks = -(-len(ids) // block_size)
+    kv_caches = [
+        (
+            torch.zeros(num_blocks, block_size, config.num_key_value_heads, config.head_dim),
+            torch.zeros(num_blocks, block_size, config.num_key_value_heads, config.head_dim),
+        )
+        for _ in range(config.num_hidden_layers)
+    ]
+    meta = make_attention_metadata([len(ids)], [len(ids)], [list(range(num_blocks))], block_size)
+    with torch.inference_mode():
+        hidden = model(ids, torch.arange(len(ids)), kv_caches=kv_caches, meta=meta)
+        logits = model.compute_logits(hidden)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+    bad = tmp_path / "tiny-llama3-bad.gguf"
+    extra = {"rope_freqs.weight": rope_freqs[:5]}
+    write_gguf(bad, "llama", reference, tokenizer_fields, extra_tensors=extra)
+    with pytest.raises(ModelLoadError, match="rope_freqs.weight must hold 8 positive numbers"):
+        resolve_model(bad)
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -13,8 +12,6 @@ import numpy as np
 from vbatch.errors import ModelLoadError
 from vbatch.models.gguf_file import GGUFTensor, dequantize, read_gguf
 from vbatch.models.gguf_tokenizer import write_tokenizer
-
-logger = logging.getLogger(__name__)
 
 SUPPORTED_GGUF_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
@@ -107,18 +104,47 @@ def _build_config(
     if window:
         config["sliding_window"] = int(window)
     scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
-    if scaling_type == "linear":
-        config["rope_scaling"] = {
-            "rope_type": "linear",
-            "factor": float(get("rope.scaling.factor")),
-        }
-    elif scaling_type != "none":
+    if scaling_type not in ("linear", "none"):
         raise ModelLoadError(f"GGUF file {path} uses unsupported rope scaling {scaling_type!r}")
+    linear_factor = float(get("rope.scaling.factor")) if scaling_type == "linear" else 1.0
+    rope_freqs = next((t for t in tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:
+        config["rope_scaling"] = _rope_freqs_scaling(rope_freqs, linear_factor, config, path)
+    elif scaling_type == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": linear_factor}
     for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         value = metadata.get(f"tokenizer.ggml.{key}")
         if value is not None:
             config[name] = int(value)
     return config
+
+
+def _rope_freqs_scaling(
+    tensor: GGUFTensor, linear_factor: float, config: dict[str, Any], path: Path
+) -> dict[str, Any]:
+    """llama.cpp's `rope_freqs` tensor (how its converter writes Llama 3.1's llama3 scaling: a
+    divisor of each rotary pair's frequency, at every position) as transformers' longrope with
+    those divisors for both factor lists and the pre-training length at the full context, so
+    that no length switches lists or scales attention; a linear scaling multiplies them."""
+    try:
+        factors = dequantize(tensor).astype(np.float64).reshape(-1)
+    except Exception as e:
+        raise ModelLoadError(f"GGUF file {path}: cannot read tensor {tensor.name}: {e}") from e
+    num_pairs = config["head_dim"] // 2
+    if factors.size != num_pairs or not np.all(np.isfinite(factors) & (factors > 0)):
+        raise ModelLoadError(
+            f"GGUF file {path}: rope_freqs.weight must hold {num_pairs} positive numbers (one "
+            f"per rotary pair), got {factors.size} values"
+        )
+    divisors = [float(f) * linear_factor for f in factors]
+    return {
+        "rope_type": "longrope",
+        "short_factor": divisors,
+        "long_factor": divisors,
+        "original_max_position_embeddings": config["max_position_embeddings"],
+        "factor": 1.0,
+        "attention_factor": 1.0,
+    }
 
 
 def _convert_tensors(
@@ -129,7 +155,6 @@ def _convert_tensors(
         name = _hf_name(tensor.name)
         if name is None:
             if tensor.name == "rope_freqs.weight":
-                logger.warning("%s: ignoring rope_freqs.weight (llama3 rope scaling)", path)
                 continue
             raise ModelLoadError(f"GGUF file {path} has an unknown tensor {tensor.name}")
         try:

