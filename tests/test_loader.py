@@ -534,7 +534,9 @@ def test_a_llama3_gguf_rotates_by_its_rope_freqs(
         path, "llama", reference, tokenizer_fields, extra_tensors={"rope_freqs.weight": rope_freqs}
     )
     resolved = resolve_model(path)
-    assert ModelConfig.from_hf_dir(resolved.hf_dir).rope_scaling["rope_type"] == "longrope"
+    converted_config = ModelConfig.from_hf_dir(resolved.hf_dir)
+    assert converted_config.rope_scaling["rope_type"] == "longrope"
+    assert converted_config.long_rope_from is None
 
     ids = torch.randint(0, config.vocab_size, (100,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
@@ -542,6 +544,7 @@ def test_a_llama3_gguf_rotates_by_its_rope_freqs(
         converted = AutoModelForCausalLM.from_pretrained(resolved.hf_dir, dtype=torch.float32)
         torch.testing.assert_close(converted.eval()(ids[None]).logits[0], expected)
     model = load_model(resolved, torch.device("cpu"), torch.float32, TorchAttentionBackend())
+    assert model.long_rope_offset is None
     block_size = 16
     num_blocks = -(-len(ids) // block_size)
     kv_caches = [
@@ -560,7 +563,7 @@ def test_a_llama3_gguf_rotates_by_its_rope_freqs(
     bad = tmp_path / "tiny-llama3-bad.gguf"
     extra = {"rope_freqs.weight": rope_freqs[:5]}
     write_gguf(bad, "llama", reference, tokenizer_fields, extra_tensors=extra)
-    with pytest.raises(ModelLoadError, match="rope_freqs.weight must hold 8 positive numbers"):
+    with pytest.raises(ModelLoadError, match=r"rope_freqs\.weight must hold 8 positive numbers"):
         resolve_model(bad)
 
 

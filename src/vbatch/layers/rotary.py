@@ -59,7 +59,8 @@ class RotaryEmbedding:
     2 * max_positions rows: the short factors' rotations, then from row `long_offset` on the long
     factors' for the same positions, all scaled by its attention factor; a sequence longer than
     the pre-training length rotates every position by the long ones (position + long_offset), as
-    transformers, which picks one set per forward pass from its longest position.
+    transformers, which picks one set per forward pass from its longest position. Long factors
+    equal to the short ones make one table and no `long_offset`.
     """
 
     def __init__(
@@ -76,9 +77,10 @@ class RotaryEmbedding:
         self.attention_factor = 1.0
         if (rope_scaling or {}).get("rope_type") == "longrope":
             assert rope_scaling is not None
-            self.long_inv_freq = rope_inv_freq(rotary_dim, rope_theta, rope_scaling, long=True)
-            self.long_offset = max_positions
             self.attention_factor = float(rope_scaling["attention_factor"])
+            if rope_scaling["long_factor"] != rope_scaling["short_factor"]:
+                self.long_inv_freq = rope_inv_freq(rotary_dim, rope_theta, rope_scaling, long=True)
+                self.long_offset = max_positions
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def for_positions(

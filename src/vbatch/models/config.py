@@ -192,9 +192,13 @@ class ModelConfig:
     @property
     def long_rope_from(self) -> int | None:
         """With longrope, the pre-training length: a longer sequence rotates every position by
-        the long factors, so its K/V are recomputed once it grows past it; else None."""
+        the long factors, so its K/V are recomputed once it grows past it; else None, as with
+        long factors equal to the short ones (a converted llama.cpp `rope_freqs`), where no
+        length changes a rotation."""
         scaling = self.rope_scaling
         if scaling is None or scaling["rope_type"] != "longrope":
+            return None
+        if scaling["long_factor"] == scaling["short_factor"]:
             return None
         return int(scaling["original_max_position_embeddings"])
 
