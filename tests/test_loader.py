@@ -105,6 +105,23 @@ def test_unpermute_inverts_llama_cpp_permutation() -> None:
     np.testing.assert_array_equal(unpermute_qk(permuted, num_heads), weight)
 
 
+def prefill_logits(
+    model: torch.nn.Module, ids: torch.Tensor, make_attention_metadata: Callable
+) -> torch.Tensor:
+    """`model`'s logits for one prompt of token `ids`, prefilled at once into a fresh paged
+    cache whose blocks are in reverse order."""
+    config = model.config
+    block_size = 16
+    num_blocks = -(-len(ids) // block_size)
+    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_hidden_layers)]
+    table = list(reversed(range(num_blocks)))
+    meta = make_attention_metadata([len(ids)], [len(ids)], [table], block_size)
+    with torch.inference_mode():
+        hidden = model(ids, torch.arange(len(ids)), kv_caches=kv_caches, meta=meta)
+        return model.compute_logits(hidden)
+
+
 def test_prefill_logits_match_transformers_gguf(
     smollm2: ResolvedModel, make_attention_metadata: Callable
 ) -> None:
@@ -116,27 +133,11 @@ def test_prefill_logits_match_transformers_gguf(
     reference = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
     ).eval()
-    device = torch.device("cpu")
-    model = load_model(smollm2, device, torch.float32, TorchAttentionBackend())
-    config = model.config
-    block_size = 16
+    model = load_model(smollm2, torch.device("cpu"), torch.float32, TorchAttentionBackend())
     for prompt in PROMPTS:
         ids = tokenizer(prompt)["input_ids"]
-        num_blocks = -(-len(ids) // block_size)
-        kv_caches = [
-            (
-                torch.zeros(num_blocks, block_size, config.num_key_value_heads, config.head_dim),
-                torch.zeros(num_blocks, block_size, config.num_key_value_heads, config.head_dim),
-            )
-            for _ in range(config.num_hidden_layers)
-        ]
-        table = list(reversed(range(num_blocks)))
-        meta = make_attention_metadata([len(ids)], [len(ids)], [table], block_size)
+        logits = prefill_logits(model, torch.tensor(ids), make_attention_metadata)
         with torch.inference_mode():
-            hidden = model(
-                torch.tensor(ids), torch.arange(len(ids)), kv_caches=kv_caches, meta=meta
-            )
-            logits = model.compute_logits(hidden)
             expected = reference(torch.tensor([ids])).logits[0]
         assert logits.dtype == torch.float32
         assert (logits - expected).abs().max().item() < 1e-3, prompt
@@ -545,19 +546,7 @@ def test_a_llama3_gguf_rotates_by_its_rope_freqs(
         torch.testing.assert_close(converted.eval()(ids[None]).logits[0], expected)
     model = load_model(resolved, torch.device("cpu"), torch.float32, TorchAttentionBackend())
     assert model.long_rope_offset is None
-    block_size = 16
-    num_blocks = -(-len(ids) // block_size)
-    kv_caches = [
-        (
-            torch.zeros(num_blocks, block_size, config.num_key_value_heads, config.head_dim),
-            torch.zeros(num_blocks, block_size, config.num_key_value_heads, config.head_dim),
-        )
-        for _ in range(config.num_hidden_layers)
-    ]
-    meta = make_attention_metadata([len(ids)], [len(ids)], [list(range(num_blocks))], block_size)
-    with torch.inference_mode():
-        hidden = model(ids, torch.arange(len(ids)), kv_caches=kv_caches, meta=meta)
-        logits = model.compute_logits(hidden)
+    logits = prefill_logits(model, ids, make_attention_metadata)
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
     bad = tmp_path / "tiny-llama3-bad.gguf"
