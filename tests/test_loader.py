@@ -24,6 +24,7 @@ from vbatch.models.gguf import unpermute_qk
 from vbatch.models.llama import load_model
 from vbatch.models.loader import (
     CONVERSION_RECORD,
+    CONVERSION_VERSION,
     DEFAULT_GGUF_NAME,
     ResolvedModel,
     cache_dir,
@@ -477,6 +478,37 @@ def test_synthetic_gguf_round_trips(
     assert got.rms_norm_eps == pytest.approx(config.rms_norm_eps)
     assert (got.bos_token_id, got.eos_token_ids) == (1, (2,))
     assert resolve_model(tmp_path / f"tiny-{arch}.gguf") == resolved
+
+
+def test_a_new_conversion_removes_the_same_files_older_versions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tokenizer_fields: dict[str, Any]
+) -> None:
+    """A conversion version bump leaves a model-sized directory of the old one behind; the new
+    conversion removes the same file's, and no other file's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer_fields["tokenizer.ggml.tokens"]),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, "llama", LlamaForCausalLM(config).eval(), tokenizer_fields)
+    gguf_dir = cache_dir() / "gguf"
+    stem = hash_files([path])[:16]
+    older = [gguf_dir / f"{stem}-v{version}" for version in (1, CONVERSION_VERSION - 1)]
+    other = gguf_dir / f"{'f' * 16}-v1"
+    for directory in (*older, other):
+        directory.mkdir(parents=True)
+        (directory / "model.safetensors").write_bytes(b"old")
+    resolved = resolve_model(path)
+    assert resolved.hf_dir == gguf_dir / f"{stem}-v{CONVERSION_VERSION}"
+    assert not any(directory.exists() for directory in older)
+    assert (other / "model.safetensors").read_bytes() == b"old"
 
 
 def llama3_rope_freqs(head_dim: int, theta: float, rope: dict[str, float]) -> np.ndarray:

@@ -224,6 +224,7 @@ def _resolve_gguf(path: Path) -> ResolvedModel:
     try:
         if not _conversion_intact(out_dir):
             _convert_into_cache(path, out_dir)
+            _remove_older_conversions(out_dir)
     except OSError as e:
         raise ModelLoadError(
             f"cannot keep the conversion of {path} under {out_dir.parent} ({e}); "
@@ -233,6 +234,15 @@ def _resolve_gguf(path: Path) -> ResolvedModel:
     return ResolvedModel(
         source=str(path), hf_dir=out_dir, name=name, weights_hash=digest, is_gguf=True
     )
+
+
+def _remove_older_conversions(out_dir: Path) -> None:
+    """The same file's conversions by earlier CONVERSION_VERSIONs (a model's size each), which
+    this release never reads."""
+    stem = out_dir.name.rsplit("-v", 1)[0]
+    for old in out_dir.parent.glob(f"{stem}-v*"):
+        if old != out_dir and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _conversion_intact(out_dir: Path) -> bool:
