@@ -129,6 +129,46 @@ def test_a_ctrl_c_anywhere_in_the_start_up_is_one_line_never_a_traceback(
     assert any(code == 130 for _, code, _ in outcomes), outcomes
 
 
+@pytest.mark.parametrize("case", ["SIGINT ignored", "SIGTERM"])
+def test_a_stop_signal_while_the_command_imports_interrupts_it(
+    case: str, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A SIGINT the command was started ignoring (`cmd &` in a script) and a SIGTERM, sent as
+    the command starts its engine core: the first was lost and the job ran to its end (0), the
+    second killed it without a word (-15). Both now end it as a Ctrl-C does, before any job
+    exists. The signal is sent by the process itself at that moment, so no timing decides."""
+    (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
+    signum = "SIGINT" if case == "SIGINT ignored" else "SIGTERM"
+    argv = ["vbatch", "run", "in.jsonl", "-o", "out.jsonl", "--model", str(tiny_model_dir)]
+    code = "\n".join(
+        [
+            "import os, signal, sys",
+            "signal.signal(signal.SIGINT, signal.SIG_IGN)" if signum == "SIGINT" else "",
+            f"sys.argv = {[*argv, '--max-tokens', '2']!r}",
+            "import vbatch.engine.preload as preload",
+            "start = preload.preload_core",
+            "def preload_core():",
+            f"    os.kill(os.getpid(), signal.{signum})",
+            "    start()",
+            "preload.preload_core = preload_core",
+            "from vbatch.__main__ import main",
+            "main()",
+        ]
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert (proc.returncode, proc.stderr.splitlines()[-1:]) == (130, ["error: interrupted"])
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+    assert not (tmp_path / "out.jsonl.vbatch").exists()
+
+
 @pytest.mark.parametrize("stderr", ["full", "closed-pipe", "closed"])
 def test_a_job_whose_stderr_cannot_be_written_finishes_with_status_0(
     stderr: str, tmp_path: Path, tiny_model_dir: Path

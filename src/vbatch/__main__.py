@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import sys
 import threading
 from typing import Any, TextIO
@@ -69,7 +70,19 @@ def guard_standard_streams() -> None:
         sys.stderr = TolerantStream(sys.stderr)  # type: ignore[assignment]
 
 
+def interrupt_on_stop_signals() -> None:
+    """SIGINT and SIGTERM raise KeyboardInterrupt from the command's first line on, so one that
+    lands while it still imports ends it as `error: interrupted` (130), even where it was
+    started with them ignored (`cmd &` in a script, `trap '' INT`), which a job takes too
+    (docs/resume.md): an ignored one was lost and the job ran to its end, and SIGTERM killed it
+    without a word. The command's and the job's own handlers take over later; SIGHUP stays as
+    it came (`nohup`)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.default_int_handler)
+
+
 def main() -> None:
+    interrupt_on_stop_signals()
     guard_standard_streams()
     for name, value in BLAS_THREADS.items():
         os.environ.setdefault(name, value)
