@@ -367,7 +367,8 @@ def write_gguf(
     extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> None:
     """A float32 GGUF laid out as llama.cpp's converter does (Q/K permuted for llama);
-    `metadata` replaces values (an int as uint32, a str as string); `extra_tensors` are written
+    `metadata` replaces values (an int as uint32, a float as float32, a str as string);
+    `extra_tensors` are written
     first, under their GGUF names."""
     import gguf
 
@@ -392,7 +393,10 @@ def write_gguf(
     writer.add_eos_token_id(2)
     writer.add_chat_template(tokenizer_fields["tokenizer.chat_template"])
     for key, value in (metadata or {}).items():
-        (writer.add_uint32 if isinstance(value, int) else writer.add_string)(key, value)
+        if isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            (writer.add_uint32 if isinstance(value, int) else writer.add_string)(key, value)
     names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
     names |= {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
     names |= {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
@@ -524,24 +528,13 @@ def llama3_rope_freqs(head_dim: int, theta: float, rope: dict[str, float]) -> np
     return np.where(wavelen > original / low, factor, divisors).astype(np.float32)
 
 
-def test_a_llama3_gguf_rotates_by_its_rope_freqs(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    tokenizer_fields: dict[str, Any],
-    make_attention_metadata: Callable,
-) -> None:
-    """Llama 3.1 and 3.2 GGUFs carry their llama3 rope scaling as `rope_freqs.weight`: vbatch's
-    logits, and transformers' on the converted directory, match transformers' llama3 model the
-    file was written from, on both sides of the pre-training length."""
+def tiny_rope_reference(
+    tokenizer_fields: dict[str, Any], rope_parameters: dict[str, Any]
+) -> torch.nn.Module:
+    """A 2-layer Llama with head dim 16 (8 rotary pairs), `rope_parameters` and weights of std
+    0.3, so that a rotation wrong anywhere shows in its logits."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path / "cache"))
-    rope = {
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    }
     config = LlamaConfig(
         vocab_size=len(tokenizer_fields["tokenizer.ggml.tokens"]),
         hidden_size=64,
@@ -551,7 +544,7 @@ def test_a_llama3_gguf_rotates_by_its_rope_freqs(
         num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=512,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, **rope},
+        rope_parameters={"rope_theta": 10000.0, **rope_parameters},
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
@@ -559,7 +552,31 @@ def test_a_llama3_gguf_rotates_by_its_rope_freqs(
     with torch.no_grad():
         for param in reference.parameters():
             param.normal_(std=0.3)
-    rope_freqs = llama3_rope_freqs(16, 10000.0, rope)
+    return reference
+
+
+LLAMA3_ROPE = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def test_a_llama3_gguf_rotates_by_its_rope_freqs(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tokenizer_fields: dict[str, Any],
+    make_attention_metadata: Callable,
+) -> None:
+    """Llama 3.1 and 3.2 GGUFs carry their llama3 rope scaling as `rope_freqs.weight`: vbatch's
+    logits, and transformers' on the converted directory, match transformers' llama3 model the
+    file was written from, on both sides of the pre-training length."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    reference = tiny_rope_reference(tokenizer_fields, {"rope_type": "llama3", **LLAMA3_ROPE})
+    rope_freqs = llama3_rope_freqs(16, 10000.0, LLAMA3_ROPE)
     assert rope_freqs.min() == 1.0 and rope_freqs.max() == 8.0
     assert ((rope_freqs > 1.0) & (rope_freqs < 8.0)).any()
     path = tmp_path / "tiny-llama3.gguf"
@@ -571,7 +588,7 @@ def test_a_llama3_gguf_rotates_by_its_rope_freqs(
     assert converted_config.rope_scaling["rope_type"] == "longrope"
     assert converted_config.long_rope_from is None
 
-    ids = torch.randint(0, config.vocab_size, (100,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 257, (100,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         expected = reference(ids[None]).logits[0]
         converted = AutoModelForCausalLM.from_pretrained(resolved.hf_dir, dtype=torch.float32)
@@ -581,11 +598,83 @@ def test_a_llama3_gguf_rotates_by_its_rope_freqs(
     logits = prefill_logits(model, ids, make_attention_metadata)
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
-    bad = tmp_path / "tiny-llama3-bad.gguf"
-    extra = {"rope_freqs.weight": rope_freqs[:5]}
-    write_gguf(bad, "llama", reference, tokenizer_fields, extra_tensors=extra)
-    with pytest.raises(ModelLoadError, match=r"rope_freqs\.weight must hold 8 positive numbers"):
-        resolve_model(bad)
+
+@pytest.mark.parametrize(
+    ("metadata", "factor"),
+    [
+        ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, 4.0),
+        ({"llama.rope.scaling.factor": 4.0}, 4.0),
+        ({"llama.rope.scale_linear": 4.0}, 4.0),
+        ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 0.0}, None),
+        ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, None),
+    ],
+)
+def test_a_gguf_linear_rope_factor_is_read_as_llama_cpp_reads_it(
+    metadata: dict[str, Any],
+    factor: float | None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tokenizer_fields: dict[str, Any],
+    make_attention_metadata: Callable,
+) -> None:
+    """llama.cpp takes the factor from rope.scaling.factor, else the older rope.scale_linear, a
+    file without rope.scaling.type as linear, and a factor of 0 as none; a file with only the
+    factor, or only the older key, ran unscaled here, every position rotated wrong."""
+    monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    rope = {"rope_type": "default"} if factor is None else {"rope_type": "linear", "factor": factor}
+    reference = tiny_rope_reference(tokenizer_fields, rope)
+    path = tmp_path / "tiny-linear.gguf"
+    write_gguf(path, "llama", reference, tokenizer_fields, metadata)
+    model = load_model(
+        resolve_model(path), torch.device("cpu"), torch.float32, TorchAttentionBackend()
+    )
+    ids = torch.randint(0, 257, (100,), generator=torch.Generator().manual_seed(1))
+    logits = prefill_logits(model, ids, make_attention_metadata)
+    with torch.inference_mode():
+        expected = reference(ids[None]).logits[0]
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "rope_freqs", "message"),
+    [
+        ({}, "short", r"rope_freqs\.weight must hold 8 numbers, one per rotary pair, got 5"),
+        ({}, "zero", r"rope_freqs\.weight must hold positive numbers, got 0\.0 for rotary pair 3"),
+        ({}, "nan", r"rope_freqs\.weight must hold positive numbers, got nan for rotary pair 3"),
+        (
+            {"llama.rope.scaling.factor": -2.0},
+            "llama3",
+            r"rope\.scaling\.factor must be a positive",
+        ),
+        ({"llama.rope.scaling.factor": -2.0}, None, r"rope\.scaling\.factor must be a positive"),
+        ({"llama.rope.scale_linear": float("inf")}, None, r"rope\.scale_linear must be a positive"),
+    ],
+)
+def test_a_malformed_gguf_rope_is_a_model_load_error(
+    metadata: dict[str, Any],
+    rope_freqs: str | None,
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tokenizer_fields: dict[str, Any],
+) -> None:
+    """A rope_freqs tensor of the wrong length or with a value that divides no frequency, and a
+    negative or infinite linear factor (which, beside rope_freqs, made NaN logits), are refused
+    at load, each naming what is wrong."""
+    monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    reference = tiny_rope_reference(tokenizer_fields, {"rope_type": "default"})
+    extra = {}
+    if rope_freqs is not None:
+        freqs = llama3_rope_freqs(16, 10000.0, LLAMA3_ROPE)
+        if rope_freqs == "short":
+            freqs = freqs[:5]
+        elif rope_freqs in ("zero", "nan"):
+            freqs[3] = 0.0 if rope_freqs == "zero" else np.nan
+        extra["rope_freqs.weight"] = freqs
+    path = tmp_path / "bad-rope.gguf"
+    write_gguf(path, "llama", reference, tokenizer_fields, metadata, extra_tensors=extra)
+    with pytest.raises(ModelLoadError, match=message):
+        resolve_model(path)
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -103,20 +104,33 @@ def _build_config(
     }
     if window:
         config["sliding_window"] = int(window)
-    scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
+    # NOTE: as llama.cpp reads a file: no scaling type is linear, by a factor of 1 unless told.
+    scaling_type = metadata.get(f"{arch}.rope.scaling.type", "linear")
     if scaling_type not in ("linear", "none"):
         raise ModelLoadError(f"GGUF file {path} uses unsupported rope scaling {scaling_type!r}")
-    linear_factor = float(get("rope.scaling.factor")) if scaling_type == "linear" else 1.0
+    linear_factor = _linear_rope_factor(metadata, arch, path) if scaling_type == "linear" else 1.0
     rope_freqs = next((t for t in tensors if t.name == "rope_freqs.weight"), None)
     if rope_freqs is not None:
         config["rope_scaling"] = _rope_freqs_scaling(rope_freqs, linear_factor, config, path)
-    elif scaling_type == "linear":
+    elif linear_factor != 1.0:
         config["rope_scaling"] = {"rope_type": "linear", "factor": linear_factor}
     for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         value = metadata.get(f"tokenizer.ggml.{key}")
         if value is not None:
             config[name] = int(value)
     return config
+
+
+def _linear_rope_factor(metadata: dict[str, Any], arch: str, path: Path) -> float:
+    """The linear rope factor as llama.cpp reads it: `rope.scaling.factor`, else the older
+    `rope.scale_linear`; 0 or neither is none (1)."""
+    key = f"{arch}.rope.scaling.factor"
+    if key not in metadata:
+        key = f"{arch}.rope.scale_linear"
+    value = metadata.get(key, 0.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ModelLoadError(f"GGUF file {path}: {key} must be a positive number, got {value!r}")
+    return float(value) or 1.0
 
 
 def _rope_freqs_scaling(
@@ -131,10 +145,16 @@ def _rope_freqs_scaling(
     except Exception as e:
         raise ModelLoadError(f"GGUF file {path}: cannot read tensor {tensor.name}: {e}") from e
     num_pairs = config["head_dim"] // 2
-    if factors.size != num_pairs or not np.all(np.isfinite(factors) & (factors > 0)):
+    if factors.size != num_pairs:
         raise ModelLoadError(
-            f"GGUF file {path}: rope_freqs.weight must hold {num_pairs} positive numbers (one "
-            f"per rotary pair), got {factors.size} values"
+            f"GGUF file {path}: rope_freqs.weight must hold {num_pairs} numbers, one per rotary "
+            f"pair, got {factors.size}"
+        )
+    bad = np.flatnonzero(~(np.isfinite(factors) & (factors > 0)))
+    if bad.size:
+        raise ModelLoadError(
+            f"GGUF file {path}: rope_freqs.weight must hold positive numbers, got "
+            f"{factors[bad[0]]} for rotary pair {bad[0]}"
         )
     divisors = [float(f) * linear_factor for f in factors]
     return {
