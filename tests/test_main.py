@@ -129,28 +129,40 @@ def test_a_ctrl_c_anywhere_in_the_start_up_is_one_line_never_a_traceback(
     assert any(code == 130 for _, code, _ in outcomes), outcomes
 
 
-@pytest.mark.parametrize("case", ["SIGINT ignored", "SIGTERM"])
-def test_a_stop_signal_while_the_command_imports_interrupts_it(
-    case: str, tmp_path: Path, tiny_model_dir: Path
+@pytest.mark.parametrize(
+    ("signum", "moment"),
+    [
+        ("SIGINT", "preload"),
+        ("SIGTERM", "preload"),
+        ("SIGHUP", "preload"),
+        ("SIGTERM", "dispatch"),
+        ("SIGHUP", "dispatch"),
+    ],
+)
+def test_a_stop_signal_before_the_job_exists_interrupts_the_command(
+    signum: str, moment: str, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    """A SIGINT the command was started ignoring (`cmd &` in a script) and a SIGTERM, sent as
-    the command starts its engine core: the first was lost and the job ran to its end (0), the
-    second killed it without a word (-15). Both now end it as a Ctrl-C does, before any job
-    exists. The signal is sent by the process itself at that moment, so no timing decides."""
+    """A stop signal sent as the command starts its engine core (SIGINT with the command started
+    ignoring it, as `cmd &` in a script does) or as Typer dispatches: the ignored SIGINT was
+    lost and the job ran to its end (0), SIGTERM and SIGHUP killed the command without a word.
+    Each now ends it as a Ctrl-C does, before any job exists. The process signals itself at
+    that moment, so no timing decides."""
     (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
-    signum = "SIGINT" if case == "SIGINT ignored" else "SIGTERM"
     argv = ["vbatch", "run", "in.jsonl", "-o", "out.jsonl", "--model", str(tiny_model_dir)]
+    module, name = ("vbatch.engine.preload", "preload_core")
+    if moment == "dispatch":
+        module, name = ("vbatch.cli", "app")
     code = "\n".join(
         [
             "import os, signal, sys",
             "signal.signal(signal.SIGINT, signal.SIG_IGN)" if signum == "SIGINT" else "",
             f"sys.argv = {[*argv, '--max-tokens', '2']!r}",
-            "import vbatch.engine.preload as preload",
-            "start = preload.preload_core",
-            "def preload_core():",
+            f"import {module} as target",
+            f"start = target.{name}",
+            "def signalled(*args, **kwargs):",
             f"    os.kill(os.getpid(), signal.{signum})",
-            "    start()",
-            "preload.preload_core = preload_core",
+            "    return start(*args, **kwargs)",
+            f"target.{name} = signalled",
             "from vbatch.__main__ import main",
             "main()",
         ]

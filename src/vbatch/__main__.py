@@ -71,13 +71,15 @@ def guard_standard_streams() -> None:
 
 
 def interrupt_on_stop_signals() -> None:
-    """SIGINT and SIGTERM raise KeyboardInterrupt from the command's first line on, so one that
-    lands while it still imports ends it as `error: interrupted` (130), even where it was
-    started with them ignored (`cmd &` in a script, `trap '' INT`), which a job takes too
-    (docs/resume.md): an ignored one was lost and the job ran to its end, and SIGTERM killed it
-    without a word. The command's and the job's own handlers take over later; SIGHUP stays as
-    it came (`nohup`)."""
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    """The stop signals a job takes (SIGINT and SIGTERM even where the command was started with
+    them ignored, as `cmd &` in a script does; SIGHUP unless `nohup` ignores it) raise
+    KeyboardInterrupt from the command's first line on, so one that lands while it still imports
+    ends it as `error: interrupted` (130): an ignored SIGINT was lost there and the job ran to
+    its end, and SIGTERM or SIGHUP killed it without a word. The command's and the job's own
+    handlers take over later."""
+    from vbatch.job.stopping import taken_stop_signals
+
+    for signum in taken_stop_signals():
         signal.signal(signum, signal.default_int_handler)
 
 

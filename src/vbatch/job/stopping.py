@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import threading
 import time
@@ -116,13 +115,11 @@ def taken_stop_signals() -> list[int]:
 def _after_stop_signal(signum: int, frame: Any) -> None:
     """The `vbatch` command's handler under the job's: once a job took a stop signal, a late one
     (a fast second Ctrl-C landing as the job exits) is ignored, so the exit status stays 75;
-    before that, the signal acts as it would by default."""
+    before that, it interrupts the command as a Ctrl-C does (`error: interrupted`, 130), where
+    SIGTERM and SIGHUP had killed it without a word while it dispatched or checked its input."""
     if _stop_signal_seen.is_set():
         return
-    if signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
+    raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
