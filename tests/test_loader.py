@@ -489,19 +489,10 @@ def test_a_new_conversion_removes_the_same_files_older_versions(
 ) -> None:
     """A conversion version bump leaves a model-sized directory of the old one behind; the new
     conversion removes the same file's, and no other file's."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path / "cache"))
-    config = LlamaConfig(
-        vocab_size=len(tokenizer_fields["tokenizer.ggml.tokens"]),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
     path = tmp_path / "tiny.gguf"
-    write_gguf(path, "llama", LlamaForCausalLM(config).eval(), tokenizer_fields)
+    reference = tiny_rope_reference(tokenizer_fields, {"rope_type": "default"})
+    write_gguf(path, "llama", reference, tokenizer_fields)
     gguf_dir = cache_dir() / "gguf"
     stem = hash_files([path])[:16]
     older = [gguf_dir / f"{stem}-v{version}" for version in (1, CONVERSION_VERSION - 1)]
