@@ -156,6 +156,8 @@ def test_a_stop_signal_before_the_job_exists_interrupts_the_command(
         [
             "import os, signal, sys",
             "signal.signal(signal.SIGINT, signal.SIG_IGN)" if signum == "SIGINT" else "",
+            # NOTE: SIGHUP as a terminal's command has it, also where the suite runs under nohup.
+            "signal.signal(signal.SIGHUP, signal.SIG_DFL)" if signum == "SIGHUP" else "",
             f"sys.argv = {[*argv, '--max-tokens', '2']!r}",
             f"import {module} as target",
             f"start = target.{name}",
