@@ -183,6 +183,43 @@ def test_a_stop_signal_before_the_job_exists_interrupts_the_command(
     assert not (tmp_path / "out.jsonl.vbatch").exists()
 
 
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_a_stop_signal_as_a_finished_job_reports_leaves_its_status_0(
+    signum: str, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A stop signal landing as a finished job prints its summary: the command said `error:
+    interrupted` (130) over a complete output, and running it again, as that implies, was
+    refused for the job directory. The job's result stands; the process signals itself there."""
+    (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
+    argv = ["vbatch", "run", "in.jsonl", "-o", "out.jsonl", "--model", str(tiny_model_dir)]
+    code = "\n".join(
+        [
+            "import os, signal, sys",
+            f"sys.argv = {[*argv, '--max-tokens', '2']!r}",
+            "import vbatch.cli as cli",
+            "finish = cli._finish",
+            "def signalled(outcome, quiet):",
+            f"    os.kill(os.getpid(), signal.{signum})",
+            "    return finish(outcome, quiet)",
+            "cli._finish = signalled",
+            "from vbatch.__main__ import main",
+            "main()",
+        ]
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "error: interrupted" not in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("wrote "), proc.stderr
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 1
+
+
 @pytest.mark.parametrize("stderr", ["full", "closed-pipe", "closed"])
 def test_a_job_whose_stderr_cannot_be_written_finishes_with_status_0(
     stderr: str, tmp_path: Path, tiny_model_dir: Path

@@ -100,6 +100,8 @@ class StopControl:
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # NOTE: process-wide, set by the job's signal handlers; read by the command's own handlers.
 _stop_signal_seen = threading.Event()
+# NOTE: process-wide, set once a job's own handlers took the stop signals (StopOnSignal).
+_job_took_signals = threading.Event()
 
 
 def taken_stop_signals() -> list[int]:
@@ -113,11 +115,12 @@ def taken_stop_signals() -> list[int]:
 
 
 def _after_stop_signal(signum: int, frame: Any) -> None:
-    """The `vbatch` command's handler under the job's: once a job took a stop signal, a late one
-    (a fast second Ctrl-C landing as the job exits) is ignored, so the exit status stays 75;
-    before that, it interrupts the command as a Ctrl-C does (`error: interrupted`, 130), where
-    SIGTERM and SIGHUP had killed it without a word while it dispatched or checked its input."""
-    if _stop_signal_seen.is_set():
+    """The `vbatch` command's handler under the job's: once a job took the stop signals, a late
+    one is ignored, so the exit status stays the job's (75 after a fast second Ctrl-C landing as
+    the job exits, 0 after a signal landing as a finished job prints its summary); before that,
+    it interrupts the command as a Ctrl-C does (`error: interrupted`, 130), where SIGTERM and
+    SIGHUP had killed it without a word while it dispatched or checked its input."""
+    if _stop_signal_seen.is_set() or _job_took_signals.is_set():
         return
     raise KeyboardInterrupt
 
@@ -125,14 +128,15 @@ def _after_stop_signal(signum: int, frame: Any) -> None:
 @contextlib.contextmanager
 def command_signals() -> Iterator[None]:
     """Around the `vbatch` command (not library use): under the job's handlers, a late stop
-    signal is ignored once a job took one, through the interpreter's exit too."""
+    signal is ignored once a job took the signals, through the interpreter's exit too."""
+    _job_took_signals.clear()
     for signum in STOP_SIGNALS:
         if signal.getsignal(signum) is not signal.SIG_IGN:
             signal.signal(signum, _after_stop_signal)
     try:
         yield
     finally:
-        if _stop_signal_seen.is_set():
+        if _stop_signal_seen.is_set() or _job_took_signals.is_set():
             for signum in STOP_SIGNALS:
                 signal.signal(signum, signal.SIG_IGN)
 
@@ -175,6 +179,7 @@ class StopOnSignal:
 
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
+            _job_took_signals.set()
             self._previous = {
                 signum: signal.signal(signum, self._on_signal) for signum in taken_stop_signals()
             }
