@@ -39,6 +39,7 @@ class RawClient:
     """A bare client: binds the two sockets, spawns the core, and reads its messages."""
 
     def __init__(self, config: EngineConfig, ipc_dir: Path) -> None:
+        self.ipc_dir = ipc_dir
         self.ctx = zmq.Context(1)
         self.push = self.ctx.socket(zmq.PUSH)
         self.pull = self.ctx.socket(zmq.PULL)
@@ -48,7 +49,7 @@ class RawClient:
         self.pull.bind(f"ipc://{ipc_dir}/out")
         self.proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
-            args=(config, f"ipc://{ipc_dir}/in", f"ipc://{ipc_dir}/out", os.getpid()),
+            args=(config, f"ipc://{ipc_dir}/in", f"ipc://{ipc_dir}/out", os.getpid(), str(ipc_dir)),
             daemon=True,
         )
         self.proc.start()
@@ -227,9 +228,13 @@ def test_sigterm_sigint_and_sighup_leave_the_core_running(core: RawClient) -> No
 
 
 def test_shutdown_exits_cleanly(core: RawClient) -> None:
+    """The core removes the client's socket directory as it exits: a client that died while
+    waiting for that exit (a second Ctrl-C during the drain) left it behind."""
+    assert core.ipc_dir.is_dir()
     core.send(Shutdown())
     core.proc.join(10)
     assert core.proc.exitcode == 0
+    assert not core.ipc_dir.exists()
 
 
 def test_startup_failure_is_reported_then_exits(tmp_path: Path) -> None:

@@ -78,7 +78,9 @@ def run_engine_core(
 ) -> None:
     """Process entry: connect to the client, start the engine, serve requests until Shutdown.
 
-    `ipc_dir`, the client's socket directory, is removed here if the client dies first.
+    `ipc_dir`, the client's socket directory, is removed here if the client dies first, and
+    as the core exits: a client that died while it waited for that exit (a second Ctrl-C during
+    the drain) left it behind.
     `waits` (engine/openmp_waits.py) and `placement` (one core of several) are applied first,
     before torch is imported; a preloaded core, which imported it already, took its waits at
     its own spawn. The garbage collector pauses until the engine is built (engine/startup_gc.py),
@@ -128,6 +130,8 @@ def run_engine_core(
         in_sock.close()
         out_sock.close()
         ctx.term()
+        if ipc_dir is not None:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
     sys.stdout.flush()
     sys.stderr.flush()
     # NOTE: everything is closed; skipping interpreter teardown (torch's is slow) ends sooner.
