@@ -685,19 +685,10 @@ def test_gguf_metadata_of_the_wrong_value_is_a_model_load_error(
 ) -> None:
     """A zero alignment or head count, a string epsilon: these escaped as ZeroDivisionError or
     ValueError, which the CLI reported as a bug in vbatch."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path / "cache"))
-    config = LlamaConfig(
-        vocab_size=len(tokenizer_fields["tokenizer.ggml.tokens"]),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
     path = tmp_path / "bad.gguf"
-    write_gguf(path, "llama", LlamaForCausalLM(config).eval(), tokenizer_fields, metadata)
+    reference = tiny_rope_reference(tokenizer_fields, {"rope_type": "default"})
+    write_gguf(path, "llama", reference, tokenizer_fields, metadata)
     with pytest.raises(ModelLoadError, match=message):
         resolve_model(path)
     assert not list((tmp_path / "cache" / "gguf").glob(".converting-*"))

@@ -129,6 +129,41 @@ def test_a_ctrl_c_anywhere_in_the_start_up_is_one_line_never_a_traceback(
     assert any(code == 130 for _, code, _ in outcomes), outcomes
 
 
+def run_signalled_at(
+    tmp_path: Path, tiny_model_dir: Path, signum: str, module: str, name: str
+) -> subprocess.CompletedProcess[str]:
+    """`vbatch run` of one row on the tiny model, the process sending itself `signum` as it calls
+    `module.name`, so that no timing decides where the signal lands. A SIGINT case starts with
+    SIGINT ignored (`cmd &` in a script); a SIGHUP one with SIGHUP as a terminal's command has
+    it, also where the suite runs under nohup."""
+    (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
+    argv = ["vbatch", "run", "in.jsonl", "-o", "out.jsonl", "--model", str(tiny_model_dir)]
+    code = "\n".join(
+        [
+            "import os, signal, sys",
+            "signal.signal(signal.SIGINT, signal.SIG_IGN)" if signum == "SIGINT" else "",
+            "signal.signal(signal.SIGHUP, signal.SIG_DFL)" if signum == "SIGHUP" else "",
+            f"sys.argv = {[*argv, '--max-tokens', '2']!r}",
+            f"import {module} as target",
+            f"start = target.{name}",
+            "def signalled(*args, **kwargs):",
+            f"    os.kill(os.getpid(), signal.{signum})",
+            "    return start(*args, **kwargs)",
+            f"target.{name} = signalled",
+            "from vbatch.__main__ import main",
+            "main()",
+        ]
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
 @pytest.mark.parametrize(
     ("signum", "moment"),
     [
@@ -145,38 +180,11 @@ def test_a_stop_signal_before_the_job_exists_interrupts_the_command(
     """A stop signal sent as the command starts its engine core (SIGINT with the command started
     ignoring it, as `cmd &` in a script does) or as Typer dispatches: the ignored SIGINT was
     lost and the job ran to its end (0), SIGTERM and SIGHUP killed the command without a word.
-    Each now ends it as a Ctrl-C does, before any job exists. The process signals itself at
-    that moment, so no timing decides."""
-    (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
-    argv = ["vbatch", "run", "in.jsonl", "-o", "out.jsonl", "--model", str(tiny_model_dir)]
+    Each now ends it as a Ctrl-C does, before any job exists."""
     module, name = ("vbatch.engine.preload", "preload_core")
     if moment == "dispatch":
         module, name = ("vbatch.cli", "app")
-    code = "\n".join(
-        [
-            "import os, signal, sys",
-            "signal.signal(signal.SIGINT, signal.SIG_IGN)" if signum == "SIGINT" else "",
-            # NOTE: SIGHUP as a terminal's command has it, also where the suite runs under nohup.
-            "signal.signal(signal.SIGHUP, signal.SIG_DFL)" if signum == "SIGHUP" else "",
-            f"sys.argv = {[*argv, '--max-tokens', '2']!r}",
-            f"import {module} as target",
-            f"start = target.{name}",
-            "def signalled(*args, **kwargs):",
-            f"    os.kill(os.getpid(), signal.{signum})",
-            "    return start(*args, **kwargs)",
-            f"target.{name} = signalled",
-            "from vbatch.__main__ import main",
-            "main()",
-        ]
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = run_signalled_at(tmp_path, tiny_model_dir, signum, module, name)
     assert (proc.returncode, proc.stderr.splitlines()[-1:]) == (130, ["error: interrupted"])
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out.jsonl").exists()
@@ -189,31 +197,8 @@ def test_a_stop_signal_as_a_finished_job_reports_leaves_its_status_0(
 ) -> None:
     """A stop signal landing as a finished job prints its summary: the command said `error:
     interrupted` (130) over a complete output, and running it again, as that implies, was
-    refused for the job directory. The job's result stands; the process signals itself there."""
-    (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
-    argv = ["vbatch", "run", "in.jsonl", "-o", "out.jsonl", "--model", str(tiny_model_dir)]
-    code = "\n".join(
-        [
-            "import os, signal, sys",
-            f"sys.argv = {[*argv, '--max-tokens', '2']!r}",
-            "import vbatch.cli as cli",
-            "finish = cli._finish",
-            "def signalled(outcome, quiet):",
-            f"    os.kill(os.getpid(), signal.{signum})",
-            "    return finish(outcome, quiet)",
-            "cli._finish = signalled",
-            "from vbatch.__main__ import main",
-            "main()",
-        ]
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    refused for the job directory. The job's result stands."""
+    proc = run_signalled_at(tmp_path, tiny_model_dir, signum, "vbatch.cli", "_finish")
     assert proc.returncode == 0, proc.stderr
     assert "error: interrupted" not in proc.stderr
     assert proc.stderr.splitlines()[-1].startswith("wrote "), proc.stderr
