@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One command for a GPU machine (about 5 minutes): every gpu-marked test, decode attention
-# alone, a CLI job on CUDA, step times with one profiled prefill step, vbatch throughput on
-# CUDA (CUDA graphs, eager, async scheduling) against HF `generate` on the same GPU, and vLLM
-# offline on the same prompts when vLLM imports.
+# alone, CLI jobs on CUDA (generate, embed, perplexity), step times with one profiled prefill
+# step, vbatch throughput on CUDA (CUDA graphs, eager, async scheduling) against HF `generate`
+# on the same GPU, and vLLM offline on the same prompts when vLLM imports.
 #   bash benchmarks/gpu.sh [NUM_PROMPTS=256] [MAX_TOKENS=128]
 # MODEL (an HF directory or .gguf file) picks the model; by default the bundled SmolLM2-135M.
 set -uo pipefail
@@ -31,11 +31,12 @@ echo "== decode attention alone, checked against float32 attention"
 timeout 60 "$PYTHON" -m benchmarks.cuda_attention
 timeout 60 "$PYTHON" -m benchmarks.cuda_attention --context 1000 --num-seqs 64 | tail -1
 
-echo "== a CLI job on CUDA"
-out_dir="$(mktemp -d)"
-timeout 120 "$PYTHON" -m vbatch.cli run examples/prompts.jsonl -o "$out_dir/out.jsonl" \
-  --max-tokens 32 "${MODEL_ARGS[@]}" 2>&1 | tail -30
-"$PYTHON" - "$out_dir" <<'PY'
+for task in generate embed perplexity; do
+  echo "== a CLI job on CUDA, --task $task"
+  out_dir="$(mktemp -d)"
+  timeout 120 "$PYTHON" -m vbatch.cli run examples/prompts.jsonl -o "$out_dir/out.jsonl" \
+    --task "$task" --max-tokens 32 "${MODEL_ARGS[@]}" 2>&1 | tail -30
+  "$PYTHON" - "$out_dir" <<'PY'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
@@ -45,6 +46,7 @@ manifest = next(out.rglob("manifest.json"), None)
 if manifest is not None:
     print("kernels:", json.loads(manifest.read_text())["kernels"])
 PY
+done
 
 echo "== step times on CUDA (decode-only steps and steps with prompt tokens), one prefill profiled"
 timeout 150 "$PYTHON" -m benchmarks.step_times --num-prompts "$NUM_PROMPTS" \

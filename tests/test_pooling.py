@@ -254,6 +254,33 @@ def test_pooling_and_prompt_logprobs_under_data_parallel(
         assert np.abs(np.array(got) - targets).max() <= 1e-4
 
 
+@pytest.mark.gpu
+def test_pooling_and_prompt_logprobs_on_cuda(embedder: Path, tiny_model_dir: Path) -> None:
+    """The CUDA path (float32): embeddings against sentence-transformers, prompt logprobs and
+    perplexity against transformers, with prompts chunked across steps."""
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(str(embedder), device="cpu").encode(TEXTS)
+    engine = {**ENGINE, "device": "cuda", "dtype": "float32"}
+    with LLM(str(embedder), **engine) as llm:
+        outs = llm.embed(TEXTS)
+    for out, ref in zip(outs, reference, strict=True):
+        assert out.error is None
+        assert np.abs(np.array(out.outputs.embedding) - ref).max() <= 1e-4
+    with LLM(str(tiny_model_dir), **engine) as llm:
+        scored = llm.encode(
+            [Request(prompt=text) for text in TEXTS[2:]], PoolingParams(PoolingTask.PROMPT_LOGPROBS)
+        )
+    for out in scored:
+        ids = out.prompt_token_ids
+        want = _reference_logprobs(tiny_model_dir, ids)
+        targets = want.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
+        assert out.error is None
+        assert np.abs(out.outputs.data - targets).max() <= 5e-4
+        _, perplexity = perplexity_of(out.outputs.data)
+        assert abs(perplexity - np.exp(-targets.astype(np.float64).mean())) <= 1e-3 * perplexity
+
+
 def test_sentence_bert_config_caps_and_lowercases_as_sentence_transformers(
     tmp_path: Path, embedder: Path
 ) -> None:
