@@ -248,6 +248,23 @@ def test_unsupported_architecture(tmp_path: Path, tiny_model_dir: Path) -> None:
         load_model(model_dir, torch.device("cpu"), torch.float32, TorchAttentionBackend())
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq", "fp8", None])
+def test_a_pre_quantized_checkpoint_is_refused_by_name(
+    tmp_path: Path, tiny_model_dir: Path, method: str | None
+) -> None:
+    """Its weights would have been read as unknown tensors (`...q_proj.qweight`), or, where
+    the names match, as plain floats."""
+    model_dir = tmp_path / "quantized"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"bits": 4} if method is None else {"quant_method": method}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=f"{model_dir} is a pre-quantized checkpoint") as e:
+        resolve_model(model_dir)
+    assert f"quant_method {method!r}" in str(e.value)
+    assert "unquantized checkpoint" in str(e.value)
+
+
 def test_a_config_with_more_kv_heads_than_the_weights_names_the_short_tensor(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:

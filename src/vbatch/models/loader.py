@@ -192,9 +192,28 @@ def check_model_path(path: Path) -> None:
     )
 
 
+def refuse_prequantized(path: Path) -> None:
+    """ModelLoadError for a checkpoint stored quantized (GPTQ, AWQ, bitsandbytes, FP8 and the
+    like: config.json has a quantization_config), whose packed tensors no vbatch model reads."""
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    quantization = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if quantization is None:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    raise ModelLoadError(
+        f"{path} is a pre-quantized checkpoint (config.json's quantization_config, quant_method "
+        f"{method!r}), which vbatch cannot load: give the model's unquantized checkpoint "
+        "(--quantization int8 quantizes it as it loads) or a GGUF file"
+    )
+
+
 def _resolve_hf_dir(location: ModelLocation) -> ResolvedModel:
     path = location.path
     check_model_path(path)
+    refuse_prequantized(path)
     try:
         weights = weight_files(path)
     except ModelLoadError as e:
