@@ -4,7 +4,9 @@ it cannot trust."""
 
 from __future__ import annotations
 
+import json
 import logging
+import struct
 from pathlib import Path
 
 import pytest
@@ -92,6 +94,38 @@ def test_a_corrupt_file_is_packed_afresh_and_written_again(
     assert not second.mapped_names
     assert again_tokens == tokens and again_logprobs == logprobs
     assert run(tiny_model_dir)[2].mapped_names >= LINEARS
+
+
+def damage(path: Path, name: str, start: int, size: int) -> None:
+    """Overwrites `size` bytes of tensor `name` in the store's file, from byte `start` of its
+    data, in place (as a disk fault or a torn write would leave it)."""
+    with path.open("r+b") as f:
+        (header_size,) = struct.unpack("<Q", f.read(8))
+        begin, end = json.loads(f.read(header_size))[name]["data_offsets"]
+        assert start + size <= end - begin
+        f.seek(8 + header_size + begin + start)
+        flipped = bytes(255 - b for b in f.read(size))
+        f.seek(8 + header_size + begin + start)
+        f.write(flipped)
+
+
+@pytest.mark.parametrize("name", ["layers.1.down", "fp32.layers.0.self_attn.qkv_proj.weight"])
+def test_a_copy_damaged_in_place_is_packed_afresh_and_the_file_repaired(
+    store_root: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture, name: str
+) -> None:
+    """Bytes of one copy changed where its check against the weight does not look (a fused
+    projection's second row; a packed linear's second panel): its checksum catches it."""
+    tokens, logprobs, first = run(tiny_model_dir)
+    assert first.path is not None
+    row_bytes = PackedStore(first.path)._mapped[name].shape[-1] * 4
+    damage(first.path, name, row_bytes, 64)
+    with caplog.at_level(logging.WARNING, logger="vbatch.layers.packed_store"):
+        again_tokens, again_logprobs, second = run(tiny_model_dir)
+    assert f"is damaged ({name} does not match its checksum)" in caplog.text
+    assert second.mapped_names >= (LINEARS | FUSED) - {name}
+    assert name not in second.mapped_names
+    assert again_tokens == tokens and again_logprobs == logprobs
+    assert run(tiny_model_dir)[2].mapped_names >= LINEARS | FUSED
 
 
 def test_copies_that_do_not_compute_their_layer_are_not_used(

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import platform
+import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -127,7 +128,8 @@ def cached_choice(
     choice, free = free_cpus_while(measure, LOAD_WINDOW_S)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        # NOTE: the pid alone is not unique where cores in containers share a cache.
+        tmp = path.with_suffix(f".{os.getpid()}-{secrets.token_hex(4)}.tmp")
         entry = {"key": key, "choice": choice, "under_load": is_busy(free)}
         tmp.write_text(json.dumps(entry, indent=1))
         tmp.replace(path)

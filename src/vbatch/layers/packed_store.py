@@ -7,11 +7,12 @@ step (most of it page faults on 425 MB of fresh memory). The store keeps those c
 safetensors file per model under the cache directory, keyed by the weights, the loaded native
 library (its layout depends on the CPU's vector width) and the model code that loads them. A later
 core maps the file (read-only, shared with every core on the machine through the page cache)
-instead of packing, and checks each mapped copy against its weight before it uses it (a linear's
-by a one-row product, the int8 head by quantizing a few rows again, a fused projection by rows
-of each checkpoint part). Copies made in a core are
-written back by a background thread (a temporary file, then a rename), so the job never waits on
-the disk.
+instead of packing, and checks each mapped copy before it uses it: against the CRC-32 the file
+records for it (damage anywhere in its bytes; computed in a thread while the model loads, as zlib
+releases the GIL), and against its weight (a linear's by a one-row product, the int8 head by
+quantizing a few rows again, a fused projection by rows of each checkpoint part: a stale or
+foreign file). Copies made in a core are written back by a background thread (a temporary file,
+then a rename), so the job never waits on the disk.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import struct
 import threading
+import zlib
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -33,7 +37,8 @@ from vbatch.layers import native
 
 logger = logging.getLogger(__name__)
 
-STORE_VERSION = 1
+STORE_VERSION = 2
+CHECKSUMS_KEY = "crc32"
 STORE_DIR = "packed"
 HEADER_ALIGN = 8
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.int8: "I8"}
@@ -74,12 +79,16 @@ class PackedStore:
     packed here otherwise; `flush` writes the file again once this core has made new ones (no
     more after a write fails: the cache directory is then read-only or full).
 
-    Invariant: `_made` holds the copies packed here that the file on disk lacks."""
+    Invariants: `_made` holds the copies packed here that the file on disk lacks; `_checks`
+    holds, for each mapped copy, whether its bytes match the file's checksum."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self._mapped: dict[str, torch.Tensor] = {}
         self._made: dict[str, torch.Tensor] = {}
+        self._checks: dict[str, Future[bool]] = {}
+        self._checker: ThreadPoolExecutor | None = None
+        self._damage_reported = False
         self._writer: threading.Thread | None = None
         self._lock = threading.Lock()
         self.mapped_names: set[str] = set()
@@ -89,10 +98,19 @@ class PackedStore:
     def _map(self, path: Path) -> None:
         try:
             with safe_open(str(path), framework="pt") as f:
-                self._mapped = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+                mapped = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+                sums = json.loads((f.metadata() or {})[CHECKSUMS_KEY])
+            if not isinstance(sums, dict) or sums.keys() != mapped.keys():
+                raise ValueError("its checksums do not list its tensors")
         except Exception as e:
             logger.warning("ignoring the packed-weight cache %s (%s); packing afresh", path, e)
-            self._mapped = {}
+            return
+        self._mapped = mapped
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="vbatch-packed-check")
+        self._checks = {
+            name: self._checker.submit(lambda t=tensor, want=sums[name]: checksum(t) == want)
+            for name, tensor in mapped.items()
+        }
 
     def tensors(
         self,
@@ -103,15 +121,35 @@ class PackedStore:
         """The prepared tensors `names`: the file's if it has them all and `matches` accepts
         them, else make(), kept to be written back."""
         mapped = tuple(self._mapped.get(name) for name in names)
-        if all(t is not None for t in mapped) and matches(mapped):  # type: ignore[arg-type]
+        usable = all(t is not None for t in mapped) and self._intact(names)
+        if usable and matches(mapped):  # type: ignore[arg-type]
             self.mapped_names.update(names)
             return mapped  # type: ignore[return-value]
         made = tuple(t.contiguous() for t in make())
         with self._lock:
             for name, tensor in zip(names, made, strict=True):
                 self._mapped.pop(name, None)
+                self._checks.pop(name, None)
                 self._made[name] = tensor
         return made
+
+    def _intact(self, names: tuple[str, ...]) -> bool:
+        """Whether the mapped copies `names` match their checksums (waiting for their checks);
+        the first damaged one is reported."""
+        damaged = [name for name in names if not self._is_intact(name)]
+        if damaged and not self._damage_reported:
+            self._damage_reported = True
+            logger.warning(
+                "the packed-weight cache %s is damaged (%s does not match its checksum); "
+                "packing the damaged copies afresh",
+                self.path,
+                damaged[0],
+            )
+        return not damaged
+
+    def _is_intact(self, name: str) -> bool:
+        check = self._checks.get(name)
+        return check is None or check.result()
 
     def flush(self) -> None:
         """Write the file again in the background if copies were made here since the last
@@ -124,16 +162,23 @@ class PackedStore:
         self._writer.start()
 
     def close(self) -> None:
-        """Wait for a write under way."""
+        """Wait for a write under way (which waits for the checks of what it writes), then drop
+        the checks not yet run."""
         if self._writer is not None:
             self._writer.join()
+        if self._checker is not None:
+            self._checker.shutdown(cancel_futures=True)
 
     def _write(self) -> None:
         assert self.path is not None
         with self._lock:
             made = dict(self._made)
-            tensors = {**self._mapped, **made}
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            mapped = dict(self._mapped)
+        # NOTE: a damaged copy no core asked for is left out, not written with a new checksum.
+        intact = {name: t for name, t in mapped.items() if self._is_intact(name)}
+        tensors = {**intact, **made}
+        # NOTE: the pid alone is not unique where cores in containers share a cache.
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_safetensors(tmp, tensors)
@@ -154,9 +199,16 @@ class PackedStore:
                 del self._made[name]
 
 
+def checksum(tensor: torch.Tensor) -> int:
+    """The CRC-32 of a contiguous tensor's bytes."""
+    return zlib.crc32(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+
+
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """float32 and int8 `tensors` as a safetensors file, written straight from their memory."""
-    header: dict[str, object] = {}
+    """float32 and int8 `tensors` as a safetensors file, written straight from their memory,
+    with each one's checksum in the header's metadata."""
+    sums = {name: checksum(tensor) for name, tensor in tensors.items()}
+    header: dict[str, object] = {"__metadata__": {CHECKSUMS_KEY: json.dumps(sums)}}
     offset = 0
     for name, tensor in tensors.items():
         assert tensor.dtype in SAFETENSORS_DTYPES and tensor.is_contiguous()
