@@ -222,6 +222,27 @@ def test_model_identity_covers_tokenizer_template_and_configs(tmp_path: Path) ->
         "generation_config.json removed, special_tokens_map.json added)"
     )
 
+    # NOTE: an embedder's pooling: its modules, their configs, its longest prompt.
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text('{"pooling_mode_lasttoken": true}')
+    (tmp_path / "modules.json").write_text(
+        '[{"path": "", "type": "sentence_transformers.models.Transformer"}, '
+        '{"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]'
+    )
+    (tmp_path / "sentence_bert_config.json").write_text('{"max_seq_length": 64}')
+    embedder = model_identity(str(tmp_path))
+    assert {"1_Pooling/config.json", "modules.json", "sentence_bert_config.json"} <= set(
+        embedder.files or {}
+    )
+    manifest.model = embedder
+    (tmp_path / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    (tmp_path / "sentence_bert_config.json").write_text('{"max_seq_length": 8}')
+    (reason,) = manifest.mismatches(fingerprint, model_identity(str(tmp_path)))
+    assert reason == (
+        f"model files changed ({tmp_path}: 1_Pooling/config.json changed, "
+        "sentence_bert_config.json changed)"
+    )
+
     # NOTE: a manifest written before model files were recorded is read, and asks for --force.
     manifest.model = msgspec.structs.replace(first, files=None)
     manifest.save(tmp_path)

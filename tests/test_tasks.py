@@ -17,8 +17,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from helpers import SharedLLM, write_jsonl
+from typer.testing import CliRunner
 
 from benchmarks.tiny_pooling import write_tiny_classifier, write_tiny_embedder
+from vbatch.cli import app
 from vbatch.client.outputs import Request
 from vbatch.errors import InputError
 from vbatch.job.merge import merge_shards
@@ -176,6 +178,52 @@ def test_openai_embeddings_lines(
     assert np.abs(short - vector[:8] / np.linalg.norm(vector[:8])).max() <= 1e-5
     assert "body.input" in out["bad"]["error"]["message"]
     assert "user_field" in out["unknown"]["error"]["message"]
+
+
+def test_plain_rows_of_an_openai_file_and_row_settings_in_pooling_jobs(
+    tmp_path: Path, models: dict[str, Any], engines: dict[str, Any], tiny_model_dir: Path
+) -> None:
+    """A plain row of an OpenAI Batch file gets the embeddings body in an embed job (it was
+    computed, then written as a KeyError) and is an error row before it runs in a perplexity
+    job; a plain row's own generation settings are an error row in any pooling job."""
+    lines = [
+        {"custom_id": "line", "method": "POST", "url": "/v1/embeddings", "body": {"input": "hi"}},
+        {"custom_id": "plain", "prompt": "hi"},
+        {"custom_id": "tokens", "prompt": "hi", "sampling_params": {"max_tokens": 5}},
+        {"custom_id": "schema", "prompt": "hi", "response_format": {"type": "json_object"}},
+        {"custom_id": "empty", "prompt": "hi", "sampling_params": {}},
+    ]
+    input_path = write_jsonl(tmp_path / "in.jsonl", lines)
+    embed = JobSpec(
+        input_path, tmp_path / "embed.jsonl", model=str(models["embed"]), task="embed", dimensions=8
+    )
+    assert start_job(embed, QUIET, llm_factory=_factory(engines["embed"])).exit_code == 0
+    out = {r["custom_id"]: r for r in read_output(embed.output_path)}
+    vector = out["line"]["response"]["body"]["data"][0]["embedding"]
+    for custom_id in ("plain", "empty"):
+        assert out[custom_id]["error"] is None
+        body = out[custom_id]["response"]["body"]
+        assert body["object"] == "list" and body["data"][0]["embedding"] == vector
+    for custom_id in ("tokens", "schema"):
+        message = out[custom_id]["error"]["message"]
+        assert "generation settings, not read by a --task embed job" in message
+    perplexity = JobSpec(
+        input_path, tmp_path / "ppl.jsonl", model=str(tiny_model_dir), task="perplexity"
+    )
+    assert start_job(perplexity, QUIET, llm_factory=_factory(engines["lm"])).exit_code == 0
+    out = {r["custom_id"]: r for r in read_output(perplexity.output_path)}
+    assert "an embeddings line in a --task perplexity job" in out["line"]["error"]["message"]
+    for custom_id in ("plain", "empty"):
+        message = out[custom_id]["error"]["message"]
+        assert "no OpenAI response shape in a --task perplexity job" in message
+    # NOTE: `status` names a pooling job's task, not the sampling settings it does not read.
+    statuses = [
+        CliRunner().invoke(app, ["status", str(job.output_path)]).output
+        for job in (embed, perplexity)
+    ]
+    assert "task:        embed, dimensions=8\n" in statuses[0]
+    assert "task:        perplexity\n" in statuses[1]
+    assert not any("sampling:" in status for status in statuses)
 
 
 def test_a_list_input_embeddings_line_writes_its_vectors_to_parquet(

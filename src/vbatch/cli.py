@@ -418,7 +418,7 @@ def status(
         f"last commit: {info['last_commit_time'] or 'never'}",
         f"input:       {info['input']}",
         f"model:       {info['model']['source']}",
-        f"sampling:    {_settings(info['sampling'])}",
+        _task_line(info),
         f"engine:      {_settings(info['engine']) or 'defaults'}",
     ]
     if info["shard"] is not None:
@@ -426,6 +426,17 @@ def status(
     typer.echo("\n".join(lines))
     if "shards" in info:
         typer.echo(_shard_lines(output, info["shards"], is_merged=False))
+
+
+def _task_line(info: dict[str, Any]) -> str:
+    """A generation job's sampling settings; a pooling job's task (and --dimensions), whose
+    rows no sampling setting reaches."""
+    options = info["options"]
+    task = options.get("task") or "generate"
+    if task == "generate":
+        return f"sampling:    {_settings(info['sampling'])}"
+    dimensions = options.get("dimensions")
+    return f"task:        {task}" + (f", dimensions={dimensions}" if dimensions else "")
 
 
 def _shard_lines(output: Path, shards: list[dict[str, Any]], *, is_merged: bool) -> str:

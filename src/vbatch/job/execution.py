@@ -468,6 +468,17 @@ class JobExecution:
         where = row.location
         if self.task_params is not None and row.openai_kind in ("chat", "completions"):
             return f"{where}: a {row.openai_kind} line in a --task {self.task} job"
+        if self.task_params is not None and row.openai_kind is None:
+            if row.sampling_params is not None:
+                return (
+                    f"{where}: the row's sampling_params (or response_format, guided) are "
+                    f"generation settings, not read by a --task {self.task} job"
+                )
+            if self.manifest.options.openai_output and self.task != Task.EMBED.value:
+                return (
+                    f"{where}: a plain row in an OpenAI Batch file has no OpenAI response shape "
+                    f"in a --task {self.task} job; put the plain rows in a file of their own"
+                )
         if row.openai_kind == "embeddings" and self.task not in ("embed", "generate"):
             return f"{where}: an embeddings line in a --task {self.task} job"
         if row.openai_kind == "embeddings" and self.task == "generate" and self.schema is not None:

@@ -330,7 +330,7 @@ def openai_line(
             "response": None,
             "error": {"code": "invalid_request", "message": values["error"]},
         }
-    if row.openai_kind == "embeddings":
+    if row.openai_kind == "embeddings" or "embedding" in values:
         body = openai_embeddings_body(row, values, model_name)
     else:
         body = _completion_body(row, values, model_name, token_text, token_bytes)

@@ -290,7 +290,8 @@ class RowParser:
                     "perplexity job scores every prompt (--include-token-ids for each token's "
                     "logprob)"
                 )
-            row.sampling_params = self.defaults.updated(given)
+            if given:
+                row.sampling_params = self.defaults.updated(given)
         response_format = _struct_fields(record.get("response_format"))
         guided = _struct_fields(record.get("guided"))
         if isinstance(response_format, dict) and "json_schema" in response_format:

@@ -196,10 +196,12 @@ def embeddings_request(body: dict[str, Any]) -> tuple[str | list[str], PoolingPa
 def openai_embeddings_body(
     row: InputRow, values: dict[str, Any], model_name: str
 ) -> dict[str, Any]:
-    """OpenAI's embeddings response body for a finished embeddings row."""
+    """OpenAI's embeddings response body for a finished embeddings row (or a plain row of a
+    --task embed job)."""
     import numpy as np
 
-    vectors = values["embeddings"] if values["embeddings"] is not None else [values["embedding"]]
+    listed = values.get("embeddings")
+    vectors = listed if listed is not None else [values["embedding"]]
     as_base64 = row.encoding_format == "base64"
     data = [
         {

@@ -34,7 +34,9 @@ _HASHED_RECORD_BYTES = 8 << 20
 _HASH_CHUNK = 1 << 22
 _MAX_MEMO_ENTRIES = 256
 # NOTE: besides the weights, the files of an HF directory that change what the model writes:
-# the architecture and EOS ids, the tokenizer (any format transformers reads), the chat template.
+# the architecture and EOS ids, the tokenizer (any format transformers reads), the chat template,
+# an embedder's sentence-transformers modules and longest prompt (with each module's config.json,
+# found through modules.json: its pooling mode).
 MODEL_IDENTITY_FILES = (
     "config.json",
     "generation_config.json",
@@ -48,6 +50,8 @@ MODEL_IDENTITY_FILES = (
     "tokenizer.model",
     "chat_template.jinja",
     "chat_template.json",
+    "modules.json",
+    "sentence_bert_config.json",
 )
 ADDITIONAL_CHAT_TEMPLATES = "additional_chat_templates"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -344,6 +348,7 @@ def model_file_hashes(path: Path) -> dict[str, str]:
     extra = path / ADDITIONAL_CHAT_TEMPLATES
     if extra.is_dir():
         files += sorted(p for p in extra.glob("*.jinja") if p.is_file())
+    files += _module_configs(path)
     hashes = {}
     for file in files:
         digest = hashlib.sha256()
@@ -351,6 +356,18 @@ def model_file_hashes(path: Path) -> dict[str, str]:
             digest.update(chunk)
         hashes[file.relative_to(path).as_posix()] = digest.hexdigest()
     return hashes
+
+
+def _module_configs(path: Path) -> list[Path]:
+    """The config.json of each sentence-transformers module that modules.json names (a Pooling
+    module's without a path is 1_Pooling's, as models/poolers.py reads it)."""
+    try:
+        modules = json.loads((path / "modules.json").read_text())
+        folders = {"1_Pooling", *(module.get("path") for module in modules)}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return []
+    configs = (path / folder / "config.json" for folder in folders if isinstance(folder, str))
+    return sorted(p for p in configs if p.parent != path and p.is_file())
 
 
 def _chunks(path: Path) -> Iterator[bytes]:
