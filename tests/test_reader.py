@@ -380,6 +380,34 @@ def test_an_integer_beyond_64_bits_is_an_error_row_not_a_float(tmp_path: Path) -
     assert scan.num_rows == 4 and scan.duplicate is None
 
 
+def test_a_number_beyond_a_doubles_range_is_an_error_row_that_keeps_its_id(
+    tmp_path: Path,
+) -> None:
+    """Valid JSON that orjson refuses: the row was "invalid JSON" without its id. NaN and
+    Infinity literals, which are not JSON, stay invalid JSON."""
+    path = write_jsonl(
+        tmp_path / "in.jsonl",
+        [
+            '{"id": 1, "prompt": "a", "x": 1e400}',
+            '{"id": "b", "prompt": "b", "sampling_params": {"temperature": -1E+309}}',
+            '{"id": 3, "prompt": "c", "x": NaN}',
+            '{"id": 4, "prompt": "d", "x": 1e400, "y": Infinity}',
+            '{"id": 5, "prompt": "e", "x": 1e300}',
+        ],
+    )
+    rows = list(InputReader(path, None, ColumnOptions()).rows(PARSER))
+    assert [row.id for row in rows] == [1, "b", None, None, 5]
+    assert rows[0].error == (
+        "line 1: the number 1e400 does not fit a 64-bit float; write it as a string"
+    )
+    assert rows[1].error is not None and "the number -1E+309 does not fit" in rows[1].error
+    for row in rows[2:4]:
+        assert row.error is not None and f"line {row.index + 1}: invalid JSON" in row.error
+    assert rows[4].error is None
+    scan = scan_input(InputReader(path, None, ColumnOptions()), PARSER)
+    assert scan.num_rows == 5 and scan.duplicate is None
+
+
 def test_corrupt_parquet_page_is_one_clear_error(tmp_path: Path) -> None:
     path = tmp_path / "in.parquet"
     prompts = [f"prompt number {i} " * 5 for i in range(5000)]

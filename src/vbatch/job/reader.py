@@ -8,6 +8,7 @@ import gzip
 import io
 import itertools
 import json
+import math
 import re
 import shlex
 import zlib
@@ -79,11 +80,42 @@ def _exact_int(text: str) -> int:
     return value
 
 
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not JSON")
+
+
+def _loads_overflowing(line: bytes, error: orjson.JSONDecodeError) -> tuple[Any, str]:
+    """A line whose number overflows a double (valid JSON that orjson refuses): its values as
+    Python's json reads them (the number as inf), and the row an error that keeps its id."""
+    overflowing: list[str] = []
+
+    def read_float(text: str) -> float:
+        value = float(text)
+        if math.isinf(value):
+            overflowing.append(text)
+        return value
+
+    try:
+        value = json.loads(line, parse_float=read_float, parse_constant=_no_constant)
+    except ValueError:
+        raise error from None
+    if not overflowing:
+        raise error
+    shown = overflowing[0] if len(overflowing[0]) <= 40 else f"{overflowing[0][:37]}..."
+    return value, f"the number {shown} does not fit a 64-bit float; write it as a string"
+
+
 def loads_line(line: bytes) -> tuple[Any, str | None]:
     """One JSONL line's value, and why the row cannot run (None: it can); raises
     orjson.JSONDecodeError for invalid JSON. An integer that does not fit 64 bits, which orjson
-    would turn into a float, makes the row an error that keeps the line's other values exact."""
-    value = orjson.loads(line)
+    would turn into a float, or a number beyond a double's range, which orjson refuses, makes
+    the row an error that keeps the line's other values."""
+    try:
+        value = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        if "infinity" not in str(e):
+            raise
+        return _loads_overflowing(line, e)
     if not _LONG_DIGITS.search(line):
         return value, None
     try:
