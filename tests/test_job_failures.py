@@ -19,6 +19,7 @@ import gzip
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -286,6 +287,40 @@ def test_full_disk_leaves_a_resumable_job(
     if "--ordered" in flags:
         assert [r["index"] for r in rows] == list(range(NUM_ROWS))
     assert "parts" not in (log / "after-resume.ls").read_text().split()
+
+
+def test_a_metrics_file_on_a_full_disk_is_refused_before_the_job_exists(tmp_path: Path) -> None:
+    """An empty probe file fits on a full disk: the first update failed after the job was made,
+    with a raw errno message, and the same command was then refused (a job existed)."""
+    mount_dir = tmp_path / "disk"
+    mount_dir.mkdir()
+    prefix = _namespace_prefix(mount_dir)
+    if prefix is None:
+        pytest.skip("cannot mount a small tmpfs here (no user or mount namespace via unshare)")
+    input_path = write_input(tmp_path / "in.jsonl", 3)
+    output = tmp_path / "out.jsonl"
+    metrics = mount_dir / "m.json"
+    command = " ".join(
+        shlex.quote(part)
+        for part in vbatch_cmd(
+            *run_args(input_path, output, model_file(tmp_path), "--metrics-file", str(metrics))
+        )
+    )
+    script = (
+        f"mount -t tmpfs -o size=64k tmpfs {mount_dir} && "
+        f"(head -c 1048576 /dev/zero > {mount_dir}/ballast; true) && {command}"
+    )
+    proc = subprocess.run(
+        [*prefix, "sh", "-c", script],
+        env=standin_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    line = error_line(proc)
+    assert f"cannot write metrics file {metrics}: no space left on the device holding" in line
+    assert not output.exists() and not (tmp_path / "out.jsonl.vbatch").exists()
 
 
 # ---------------------------------------------------------------------------------------------

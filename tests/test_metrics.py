@@ -48,6 +48,19 @@ def test_counts_finish_reasons_and_errors() -> None:
     )
 
 
+def test_a_failed_job_counts_only_its_committed_rows_as_done() -> None:
+    """Its rows finished after the last commit are dropped and rerun on resume: the summary of
+    a job stopped by a full disk said 1350 done where 1300 were committed."""
+    metrics = JobMetrics(total_rows=10, rows_done_before=2)
+    for _ in range(5):
+        metrics.on_result(finish_reason="stop", prompt_tokens=5, completion_tokens=3)
+    metrics.on_commit(rows_committed=5)
+    assert metrics.snapshot().num_rows_done == 7
+    metrics.set_state("failed")
+    snap = metrics.snapshot()
+    assert (snap.num_rows_done, snap.num_rows_remaining) == (5, 5)
+
+
 def test_window_and_overall_rates_follow_the_clock() -> None:
     clock = FakeClock()
     metrics = JobMetrics(total_rows=1000, clock=clock)

@@ -82,6 +82,40 @@ def test_an_output_lost_mid_job_stops_at_the_next_commit_and_cannot_be_resumed(
         JsonlWriter(journal, output)
 
 
+def test_an_output_cut_in_place_mid_job_stops_at_the_next_commit(tmp_path: Path) -> None:
+    """The same file, truncated: commits went on recording offsets past its end, and `status`
+    counted rows the file did not hold, until finalize refused the job."""
+    output, journal, writer = one_committed_row(tmp_path)
+    with output.open("r+b") as f:
+        f.truncate(0)
+    writer.add(row_values(1), None, None)
+    with pytest.raises(OutputLostError, match=f"{output} was truncated outside vbatch while"):
+        writer.commit()
+    assert journal.state.committed.ranges() == [[0, 1]]
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_job_directory_lost_mid_job_stops_at_the_next_commit(tmp_path: Path, how: str) -> None:
+    """Its journal's records went to an unlinked file: the job ran on (to exit 0, for a JSONL
+    output), or failed with a resume command for a job that no longer existed."""
+    job_dir = tmp_path / "out.jsonl.vbatch"
+    job_dir.mkdir()
+    journal = Journal(job_dir)
+    writer = JsonlWriter(journal, tmp_path / "out.jsonl")
+    writer.add(row_values(0), None, None)
+    writer.commit()
+    moved = tmp_path / "moved"
+    job_dir.rename(moved)
+    if how == "replaced":
+        job_dir.mkdir()
+        (job_dir / journal.path.name).write_bytes((moved / journal.path.name).read_bytes())
+    writer.add(row_values(1), None, None)
+    with pytest.raises(OutputLostError, match=f"{job_dir} was {how} outside vbatch while the job"):
+        writer.commit()
+    with pytest.raises(OutputLostError, match="cannot be resumed: start it again"):
+        journal.check_still_there()
+
+
 def test_parquet_parts_are_sorted_when_ordered_and_orphans_removed(tmp_path: Path) -> None:
     journal = Journal(tmp_path)
     schema = parquet_schema("str", [])

@@ -215,6 +215,7 @@ class JobExecution:
             with StopOnSignal():
                 return self._run_job(output)
         except StopNow:
+            self.journal.check_still_there()
             self.metrics.set_state("interrupted")
             num_done = len(self.journal.state.committed)
             return EXIT_INTERRUPTED, (
@@ -281,6 +282,7 @@ class JobExecution:
                 else ""
             )
             return 0, f"wrote {output}: {num_done} rows, {self.num_errors} errored{invalid}"
+        self.journal.check_still_there()
         self.metrics.set_state("interrupted")
         return EXIT_INTERRUPTED, (
             f"interrupted: {num_done} of {self.manifest.num_rows} rows are committed. "
@@ -295,6 +297,10 @@ class JobExecution:
         output lost outside vbatch cannot be resumed, and says so itself."""
         if isinstance(error, OutputLostError):
             return error
+        try:
+            self.journal.check_still_there()
+        except OutputLostError as lost:
+            return lost
         note = ""
         if commit:
             try:

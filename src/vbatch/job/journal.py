@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from vbatch.errors import JobStateError, StorageError, storage_error
+from vbatch.errors import JobStateError, OutputLostError, StorageError, storage_error
 from vbatch.job.paths import fsync_dir
 
 JOURNAL_NAME = "journal.jsonl"
@@ -218,8 +218,25 @@ class Journal:
         except OSError as e:
             raise storage_error(e, self.path, "then resume the job") from e
 
+    def check_still_there(self) -> None:
+        """OutputLostError once the job directory no longer holds this journal (deleted, or
+        replaced, outside vbatch): no resume could read what it records."""
+        mine = os.fstat(self._fd)
+        try:
+            here = os.stat(self.path)
+        except OSError:
+            here = None
+        if here is None or (here.st_dev, here.st_ino) != (mine.st_dev, mine.st_ino):
+            raise OutputLostError(
+                f"{self.path.parent} was {'deleted' if here is None else 'replaced'} outside "
+                "vbatch while the job ran, with the journal of its committed rows; the job "
+                "cannot be resumed: start it again (`vbatch run` with --overwrite)"
+            )
+
     def append(self, kind: str, **fields: Any) -> dict[str, Any]:
-        """Append one record, or raise StorageError and leave the file as it was."""
+        """Append one record, or raise StorageError and leave the file as it was
+        (OutputLostError where the job directory no longer holds the journal)."""
+        self.check_still_there()
         if self.is_broken:
             raise StorageError(
                 f"an earlier write to {self.path} failed and could not be undone; resume the job"

@@ -328,7 +328,12 @@ class JobMetrics:
             if stats
             else (computed_prompt, self._completion_tokens)
         )
-        num_done = self._rows_done_before + self._num_rows
+        # NOTE: a failed job drops its rows finished since the last commit; resume reruns them.
+        num_done = (
+            self._rows_committed
+            if self._state == "failed"
+            else self._rows_done_before + self._num_rows
+        )
         remaining = None if self._total_rows is None else max(self._total_rows - num_done, 0)
         if remaining == 0:
             eta_s: float | None = 0.0

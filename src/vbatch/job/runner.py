@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import shlex
@@ -84,6 +85,8 @@ def reserved_columns(task: str) -> frozenset[str]:
 
 
 MAX_KEPT_COLUMNS = 1000
+# NOTE: more than a metrics file holds (a few KiB).
+_METRICS_PROBE_BYTES = 16 << 10
 
 
 @dataclass(frozen=True)
@@ -151,15 +154,23 @@ def _make_metrics_dir(path: Path) -> None:
             "socket), and vbatch replaces the file at each update"
         )
     _make_dir_for(path, "metrics file")
-    # NOTE: a file is made there and removed: permissions alone do not say (root on a read-only
-    # file system, /proc).
+    # NOTE: a file is made there, written as much as an update writes, and removed: permissions
+    # alone do not say (root on a read-only file system, /proc), nor does an empty file that
+    # the disk is full.
     try:
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe"):
-            pass
+        with tempfile.NamedTemporaryFile(
+            dir=path.parent, prefix=f".{path.name}.", suffix=".probe"
+        ) as probe:
+            probe.write(bytes(_METRICS_PROBE_BYTES))
+            probe.flush()
+            os.fsync(probe.fileno())
     except OSError as e:
-        raise InputError(
-            f"cannot write metrics file {path}: {path.parent} is not writable ({e.strerror})"
-        ) from None
+        where = (
+            f"no space left on the device holding {path.parent}"
+            if e.errno in (errno.ENOSPC, errno.EDQUOT)
+            else f"{path.parent} is not writable ({e.strerror})"
+        )
+        raise InputError(f"cannot write metrics file {path}: {where}") from None
 
 
 def _remove_job(job_dir: Path, output: Path) -> None:

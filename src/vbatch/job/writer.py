@@ -154,7 +154,8 @@ class JsonlWriter(OutputWriter):
 
     def _check_still_there(self) -> None:
         """OutputLostError once the output path no longer names the file this writer appends
-        to (deleted, or replaced), rather than committing rows that nothing holds."""
+        to (deleted, or replaced), or that file is shorter than what was written to it (cut),
+        rather than committing rows that nothing holds."""
         mine = os.fstat(self._file.fileno())
         try:
             here = os.stat(self.path)
@@ -164,6 +165,11 @@ class JsonlWriter(OutputWriter):
             raise OutputLostError(
                 f"{self.path} was {'deleted' if here is None else 'replaced'} outside vbatch "
                 f"while the job ran; {OUTPUT_LOST_FIX}"
+            )
+        if mine.st_size < self._offset:
+            raise OutputLostError(
+                f"{self.path} was truncated outside vbatch while the job ran (to {mine.st_size} "
+                f"bytes of the {self._offset} written); {OUTPUT_LOST_FIX}"
             )
 
     def _discard(self) -> None:
