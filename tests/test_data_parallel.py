@@ -90,6 +90,7 @@ def test_a_core_count_that_cannot_be_placed_is_refused_before_the_job_starts(
     result = CliRunner().invoke(app, [*args, "--device", "cpu", "--num-threads", "1", "-dp", "2"])
     assert result.exit_code == 1
     assert result.output.startswith("error: --num-threads 1 cannot be split between 2")
+    assert "give --num-threads 2 or more, or -dp 1 or fewer" in result.output
     assert "Traceback" not in result.output
     assert not (tmp_path / "out.jsonl.vbatch").exists()
 

@@ -217,6 +217,26 @@ def test_the_path_tracks_the_weights_the_library_and_the_model_code(
     assert store_path("a" * 64, torch.float32) is None
 
 
+def test_another_cpu_class_s_file_is_kept_and_a_superseded_one_removed(
+    store_root: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nodes of two CPU classes sharing one cache: each write removed every other file of the
+    model, so the classes deleted each other's and packed afresh at every switch."""
+    first = run(tiny_model_dir)[2].path
+    assert first is not None
+    legacy = store_root / f"{first.name[:16]}-{'0' * 16}.safetensors"
+    legacy.write_bytes(b"a file of the two-part naming")
+    library = native.library_key()
+    monkeypatch.setattr(native, "library_key", lambda: f"{library} on another CPU")
+    other_class = run(tiny_model_dir)[2].path
+    assert other_class is not None and other_class != first
+    assert first.exists() and not legacy.exists()
+    monkeypatch.setattr(native, "library_key", lambda: library)
+    monkeypatch.setattr(packed_store, "models_source_digest", lambda: "newer model code")
+    newer = run(tiny_model_dir)[2].path
+    assert sorted(store_root.glob("*.safetensors")) == sorted([other_class, newer])
+
+
 def test_a_cache_that_cannot_be_written_costs_one_warning(
     tmp_path: Path,
     tiny_model_dir: Path,

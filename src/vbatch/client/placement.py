@@ -26,8 +26,8 @@ def split_cpus(
     if num_threads < num_cores:
         raise ConfigError(
             f"--num-threads {num_threads} cannot be split between {num_cores} data-parallel "
-            f"cores; each needs at least one thread (a resumed job keeps its --num-threads: "
-            f"resume it with -dp {num_threads} or fewer)"
+            f"cores; each needs at least one thread: give --num-threads {num_cores} or more, or "
+            f"-dp {num_threads} or fewer (a resumed job keeps its --num-threads)"
         )
     threads = [num_threads // num_cores + (i < num_threads % num_cores) for i in range(num_cores)]
     if len(cpus) < num_cores:

@@ -71,7 +71,20 @@ def store_path(weights_hash: str, dtype: torch.dtype) -> Path | None:
         "version": STORE_VERSION,
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return store_root() / f"{weights_hash[:16]}-{digest}.safetensors"
+    build = {"dtype": str(dtype), "library": library}
+    build_digest = hashlib.sha256(json.dumps(build, sort_keys=True).encode()).hexdigest()[:8]
+    return store_root() / f"{weights_hash[:16]}-{build_digest}-{digest}.safetensors"
+
+
+def is_superseded(path: Path, current: Path) -> bool:
+    """Whether the store file `path` is one that `current` replaces: the same model's under the
+    same library and dtype (older model code or store version), or in the old two-part naming.
+    A file of another library (another CPU class sharing the cache) or dtype is kept."""
+    weights, build, _ = current.stem.split("-")
+    parts = path.stem.split("-")
+    if path == current or parts[0] != weights:
+        return False
+    return len(parts) == 2 or (len(parts) == 3 and parts[1] == build)
 
 
 class PackedStore:
@@ -190,7 +203,7 @@ class PackedStore:
             self.path = None
             return
         for stale in self.path.parent.glob(f"{self.path.name[:16]}-*.safetensors"):
-            if stale != self.path:
+            if is_superseded(stale, self.path):
                 with contextlib.suppress(OSError):
                     stale.unlink()
         with self._lock:
