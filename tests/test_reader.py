@@ -380,6 +380,18 @@ def test_an_integer_beyond_64_bits_is_an_error_row_not_a_float(tmp_path: Path) -
     assert scan.num_rows == 4 and scan.duplicate is None
 
 
+def test_a_line_that_is_not_utf8_is_named_so(tmp_path: Path) -> None:
+    """orjson calls such bytes "surrogates not allowed"."""
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"id": 1, "prompt": "a\xff\xfeb"}\n{"id": 2, "prompt": "caf\xc3\xa9"}\n')
+    bad, good = InputReader(path, None, ColumnOptions()).rows(PARSER)
+    assert bad.error == (
+        "line 1: invalid JSON (byte 0xff at byte 23 is not UTF-8; JSON Lines are UTF-8: convert "
+        "the file, e.g. with iconv)"
+    )
+    assert good.error is None and good.prompt == "café"
+
+
 def test_a_number_beyond_a_doubles_range_is_an_error_row_that_keeps_its_id(
     tmp_path: Path,
 ) -> None:

@@ -105,6 +105,19 @@ def _loads_overflowing(line: bytes, error: orjson.JSONDecodeError) -> tuple[Any,
     return value, f"the number {shown} does not fit a 64-bit float; write it as a string"
 
 
+def _why_invalid(line: bytes, error: orjson.JSONDecodeError) -> str:
+    """Why a line is no JSON; bytes that are not UTF-8 named as such (orjson calls them
+    "surrogates")."""
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return (
+            f"invalid JSON (byte 0x{line[e.start]:02x} at byte {e.start + 1} is not UTF-8; "
+            "JSON Lines are UTF-8: convert the file, e.g. with iconv)"
+        )
+    return f"invalid JSON ({error})"
+
+
 def loads_line(line: bytes) -> tuple[Any, str | None]:
     """One JSONL line's value, and why the row cannot run (None: it can); raises
     orjson.JSONDecodeError for invalid JSON. An integer that does not fit 64 bits, which orjson
@@ -437,9 +450,8 @@ class InputReader:
                         try:
                             record, problem = loads_line(line)
                         except orjson.JSONDecodeError as e:
-                            yield RawRecord(
-                                index, location, error=f"{location}: invalid JSON ({e})"
-                            )
+                            why = _why_invalid(line, e)
+                            yield RawRecord(index, location, error=f"{location}: {why}")
                         else:
                             error = None if problem is None else f"{location}: {problem}"
                             yield RawRecord(index, location, record, error)
