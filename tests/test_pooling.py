@@ -87,6 +87,12 @@ def test_classifier_logits_match_transformers(classifier: tuple[Any, Path]) -> N
         # NOTE: transformers scores the last token that is not the pad token (0 here).
         padded = llm.classify([{"prompt_token_ids": [500, 600, 700, 0, 0]}], use_tqdm=False)
         rewards = llm.reward(TEXTS[:1])
+        # NOTE: as vLLM's, encode's classify data are the probabilities, unless use_activation
+        # is False (the logits, as LLM.classify's probs then are).
+        encoded = llm.encode(TEXTS[:2], pooling_task="classify", use_tqdm=False)
+        raw = PoolingParams(task="classify", use_activation=False)
+        encoded_raw = llm.encode(TEXTS[:2], raw, use_tqdm=False)
+        classified_raw = llm.classify(TEXTS[:2], pooling_params=[raw, PoolingParams()])
         # NOTE: a cross-encoder scores a pair with its head; a cosine of embeddings would not.
         scored = llm.score("query", TEXTS[:2], use_tqdm=False)
     assert [s.error for s in scored] == [CROSS_ENCODER] * 2
@@ -104,6 +110,11 @@ def test_classifier_logits_match_transformers(classifier: tuple[Any, Path]) -> N
         assert np.abs(np.array(out.outputs.probs) - want_probs).max() <= 1e-4
         assert out.outputs.label == f"label_{int(np.argmax(want))}"
     assert np.allclose(rewards[0].outputs.data, outs[0].outputs.logits)
+    for i in range(2):
+        assert np.allclose(encoded[i].outputs.data, outs[i].outputs.probs, atol=1e-6)
+        assert np.allclose(encoded_raw[i].outputs.data, outs[i].outputs.logits)
+    assert np.allclose(classified_raw[0].outputs.probs, outs[0].outputs.logits)
+    assert np.allclose(classified_raw[1].outputs.probs, outs[1].outputs.probs)
     # NOTE: vLLM's tensor takes in-place operations; a view of the message's bytes did not.
     rewards[0].outputs.data /= 2
 

@@ -89,7 +89,9 @@ class PoolingMethods:
         A prompt is a string, a list of strings (pooled each on its own), {"prompt": str},
         {"prompt_token_ids": [int]}, a conversation (its chat template applied) or a Request.
         `pooling_params` default to an embedding; `pooling_task` ("embed", "classify", ...) sets
-        their task, and `truncate_prompt_tokens` their truncation, as in vLLM."""
+        their task, and `truncate_prompt_tokens` their truncation, as in vLLM. A classify
+        request's data are its class probabilities, as LLM.classify's (vLLM's default), or the
+        head's logits with `use_activation=False`."""
         _refuse_lora(lora_request)
         items = _prompt_items(prompts)
         per_prompt = _per_prompt(pooling_params, len(items))
@@ -106,7 +108,13 @@ class PoolingMethods:
         requests = [
             _pooling_request(item, params) for item, params in zip(items, per_prompt, strict=True)
         ]
-        return self._collect_all(requests, use_tqdm)
+        outs = self._collect_all(requests, use_tqdm)
+        for out, params in zip(outs, per_prompt, strict=True):
+            activate = params.task == PoolingTask.CLASSIFY and params.use_activation is not False
+            if activate and out.outputs.data.size:
+                probs = class_probs(out.outputs.data, self._problem_type)
+                out.outputs.data = probs.astype(np.float32)
+        return outs
 
     def embed(
         self,
@@ -148,15 +156,20 @@ class PoolingMethods:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[ClassificationRequestOutput]:
         """Class probabilities from the classifier head (softmax; a sigmoid for one label or a
-        multi-label `problem_type`; the logits for a regression), as vLLM's."""
+        multi-label `problem_type`; the logits for a regression), as vLLM's; the logits again
+        for pooling params with `use_activation=False`."""
         params = _task_params(
             PoolingTask.CLASSIFY, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens
         )
+        raw = _task_params(PoolingTask.CLASSIFY, params, use_activation=False)
         labels = self.id2label()
         results = []
-        for out in self.encode(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request):
+        outs = self.encode(prompts, raw, use_tqdm=use_tqdm, lora_request=lora_request)
+        for i, out in enumerate(outs):
+            own = params[i] if isinstance(params, list) else params
             logits = out.outputs.data
-            probs = class_probs(logits, self._problem_type) if logits.size else logits
+            is_active = own.use_activation is not False and logits.size
+            probs = class_probs(logits, self._problem_type) if is_active else logits
             label = labels.get(int(np.argmax(probs))) if probs.size else None
             results.append(
                 ClassificationRequestOutput(
@@ -179,7 +192,10 @@ class PoolingMethods:
     ) -> list[PoolingRequestOutput]:
         """A reward model's raw scores (the classifier head's logits)."""
         params = _task_params(
-            PoolingTask.CLASSIFY, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens
+            PoolingTask.CLASSIFY,
+            pooling_params,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            use_activation=False,
         )
         return self.encode(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
 

@@ -51,7 +51,8 @@ class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     `prompt_lens`, when set, splits the request's token array into that many prompts, each
     pooled on its own (an OpenAI embeddings line with a list `input`); a prompt longer than
     `truncate_prompt_tokens` keeps its last that many tokens, and is an error without it when
-    it exceeds the model's length.
+    it exceeds the model's length; `use_activation` (vLLM's) False makes LLM.encode's CLASSIFY
+    data the head's logits rather than its class probabilities.
     """
 
     task: PoolingTask = PoolingTask.EMBED
@@ -61,6 +62,7 @@ class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     prompt_lens: list[int] | None = None
     # NOTE: applied by the client: each prompt keeps its last this many tokens (as vLLM).
     truncate_prompt_tokens: int | None = None
+    use_activation: bool | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -78,6 +80,10 @@ class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise SamplingParamsError(
                 f"normalize must be true or false, got {self.normalize!r:.80}"
+            )
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise SamplingParamsError(
+                f"use_activation must be true or false, got {self.use_activation!r:.80}"
             )
         if bad_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_PROMPT_LOGPROBS:
             raise SamplingParamsError(
