@@ -93,6 +93,9 @@ def test_classifier_logits_match_transformers(classifier: tuple[Any, Path]) -> N
         raw = PoolingParams(task="classify", use_activation=False)
         encoded_raw = llm.encode(TEXTS[:2], raw, use_tqdm=False)
         classified_raw = llm.classify(TEXTS[:2], pooling_params=[raw, PoolingParams()])
+        # NOTE: its label was the argmax over both strings' probabilities, flattened.
+        with pytest.raises(PromptTypeError, match="classify takes one text per prompt"):
+            llm.classify([TEXTS[:2]])
         # NOTE: a cross-encoder scores a pair with its head; a cosine of embeddings would not.
         scored = llm.score("query", TEXTS[:2], use_tqdm=False)
     assert [s.error for s in scored] == [CROSS_ENCODER] * 2

@@ -162,9 +162,15 @@ class PoolingMethods:
             PoolingTask.CLASSIFY, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens
         )
         raw = _task_params(PoolingTask.CLASSIFY, params, use_activation=False)
+        items = _prompt_items(prompts)
+        if any(isinstance(item, list) and not is_conversation(item) for item in items):
+            raise PromptTypeError(
+                "classify takes one text per prompt; a list of strings is one prompt pooled "
+                "string by string (LLM.encode): give the strings as prompts of their own"
+            )
         labels = self.id2label()
         results = []
-        outs = self.encode(prompts, raw, use_tqdm=use_tqdm, lora_request=lora_request)
+        outs = self.encode(items, raw, use_tqdm=use_tqdm, lora_request=lora_request)
         for i, out in enumerate(outs):
             own = params[i] if isinstance(params, list) else params
             logits = out.outputs.data
