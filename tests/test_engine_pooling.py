@@ -142,6 +142,15 @@ def test_pooling_config_follows_the_sentence_transformers_files(tmp_path: Path) 
     (tmp_path / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ModelLoadError, match="Dense"):
         read_pooling_config(tmp_path, "cls")
+    # NOTE: these raised AttributeError in every row; {} dropped the Normalize module unsaid.
+    for bad in ("[1, 2]", '{"a": 1}', "{}", '[{"path": 5}]'):
+        (tmp_path / "modules.json").write_text(bad)
+        with pytest.raises(ModelLoadError, match=r"modules\.json is not a list of modules"):
+            read_pooling_config(tmp_path, "cls")
+    write_sentence_transformers_files(tmp_path, "mean", normalize=False)
+    (tmp_path / "1_Pooling" / "config.json").write_text("[1]")
+    with pytest.raises(ModelLoadError, match="is not an object of pooling_mode_"):
+        read_pooling_config(tmp_path, "cls")
 
 
 def test_pooling_config_refuses_modes_it_would_drop_and_reads_sentence_transformers_6(

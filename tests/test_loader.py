@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from vbatch.errors import ModelLoadError
@@ -246,6 +248,57 @@ def test_unsupported_architecture(tmp_path: Path, tiny_model_dir: Path) -> None:
         resolve_model(model_dir)
     with pytest.raises(ModelLoadError, match="GPT2LMHeadModel"):
         load_model(model_dir, torch.device("cpu"), torch.float32, TorchAttentionBackend())
+
+
+@pytest.mark.parametrize(
+    ("file", "key", "value", "message"),
+    [
+        ("config.json", "rope_theta", 0, "rope_theta must be a positive number, got 0"),
+        ("config.json", "rope_theta", -1e4, "rope_theta must be a positive number"),
+        ("config.json", "rms_norm_eps", -1, "rms_norm_eps must be zero or positive, got -1"),
+        ("config.json", "max_position_embeddings", 0, "max_position_embeddings must be positive"),
+        ("config.json", "vocab_size", 0, "vocab_size must be positive, got 0"),
+        (
+            "generation_config.json",
+            "eos_token_id",
+            [2, "x"],
+            "generation_config.json: eos_token_id [2, 'x'] is not a token id",
+        ),
+    ],
+)
+def test_config_values_out_of_range_are_refused_by_name(
+    tmp_path: Path, tiny_model_dir: Path, file: str, key: str, value: Any, message: str
+) -> None:
+    """A rope base or norm epsilon out of range loaded, and every output was NaN: empty texts,
+    null embeddings, no error; a bad EOS id in generation_config.json was blamed on
+    config.json."""
+    model_dir = tmp_path / "bad"
+    shutil.copytree(tiny_model_dir, model_dir)
+    path = model_dir / file
+    config = json.loads(path.read_text()) if path.exists() else {}
+    if key == "rope_theta":
+        config.pop("rope_parameters", None)
+    config[key] = value
+    path.write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=re.escape(message)):
+        resolve_model(model_dir)
+
+
+def test_a_shard_index_naming_files_outside_the_directory_is_refused(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """It loaded weights from `../x.safetensors`; a value that is no name said the index named
+    no files."""
+    model_dir = tmp_path / "sharded"
+    shutil.copytree(tiny_model_dir, model_dir)
+    shutil.copy(model_dir / "model.safetensors", tmp_path / "outside.safetensors")
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+    index = model_dir / "model.safetensors.index.json"
+    for shard in ("../outside.safetensors", str(tmp_path / "outside.safetensors"), 5, "."):
+        index.write_text(json.dumps({"weight_map": dict.fromkeys(names, shard)}))
+        with pytest.raises(ModelLoadError, match="values are file names in the model's"):
+            resolve_model(model_dir)
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq", "fp8", None])

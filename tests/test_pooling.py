@@ -18,7 +18,7 @@ from benchmarks.tiny_pooling import write_tiny_classifier, write_tiny_embedder
 from vbatch import LLM
 from vbatch.client.outputs import Request
 from vbatch.client.pooling_outputs import perplexity_of
-from vbatch.errors import PromptTypeError, PromptValueError
+from vbatch.errors import ModelLoadError, PromptTypeError, PromptValueError
 from vbatch.llm_pooling import CROSS_ENCODER
 from vbatch.models.loader import ResolvedModel
 from vbatch.pooling_params import PoolingParams, PoolingTask
@@ -293,6 +293,15 @@ def test_pooling_and_prompt_logprobs_on_cuda(embedder: Path, tiny_model_dir: Pat
         assert np.abs(out.outputs.data - targets).max() <= 5e-4
         _, perplexity = perplexity_of(out.outputs.data)
         assert abs(perplexity - np.exp(-targets.astype(np.float64).mean())) <= 1e-3 * perplexity
+
+
+def test_a_bad_sentence_bert_config_fails_the_start(tmp_path: Path, embedder: Path) -> None:
+    """It failed the first rows, after a job had been made that no resume could finish."""
+    bad = tmp_path / "bad"
+    shutil.copytree(embedder, bad)
+    (bad / "sentence_bert_config.json").write_text('{"max_seq_length": -1}')
+    with pytest.raises(ModelLoadError, match="max_seq_length must be a positive integer"):
+        LLM(str(bad), **ENGINE)
 
 
 def test_sentence_bert_config_caps_and_lowercases_as_sentence_transformers(

@@ -549,6 +549,38 @@ def test_bad_words_ban_the_spaced_form_only_where_vllm_does(llm: LLM) -> None:
         assert both[0] not in out.outputs[0].token_ids
 
 
+def test_invalid_sampling_defaults_in_generation_config(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The API names the file and the way past it; a job, whose rows never take those
+    defaults, runs (every CLI job failed, and kept a job that no resume could finish)."""
+    from vbatch.engine_args import default_sampling_params
+    from vbatch.job.runner import JobSpec, RunOptions, start_job
+
+    model = tmp_path / "bad-defaults"
+    shutil.copytree(tiny_model_dir, model)
+    config_path = model / "generation_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "temperature": -1}))
+    with pytest.raises(
+        ConfigError,
+        match=rf"{config_path}: its sampling defaults are invalid \(temperature must be >= 0",
+    ):
+        default_sampling_params(model, "auto")
+    assert default_sampling_params(model, "vllm") == SamplingParams()
+    input_path = tmp_path / "in.jsonl"
+    input_path.write_text('{"prompt": "Hello"}\n')
+    job = JobSpec(
+        input_path,
+        tmp_path / "out.jsonl",
+        model=str(model),
+        sampling={"max_tokens": 2, "temperature": 0.0},
+        engine_args={"num_threads": 1},
+    )
+    outcome = start_job(job, RunOptions(display="quiet"))
+    assert outcome.exit_code == 0, outcome.message
+    assert json.loads((tmp_path / "out.jsonl").read_text())["error"] is None
+
+
 def test_a_generation_config_eos_is_the_stop_reason(tiny_model_dir: Path, tmp_path: Path) -> None:
     """A model whose generation_config.json lists a second EOS id: a sample ending on it stops
     with that id as its stop_reason (vLLM makes it a stop token id); on the tokenizer's EOS,

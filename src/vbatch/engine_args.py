@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from vbatch.config import EngineConfig
-from vbatch.errors import ConfigError
+from vbatch.errors import ConfigError, SamplingParamsError
 from vbatch.sampling_params import SamplingParams
 
 # NOTE: arguments of vLLM's LLM/EngineArgs that change nothing vbatch does; accepted and
@@ -180,8 +180,16 @@ def default_sampling_params(hf_dir: Path, generation_config: str) -> SamplingPar
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read {path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} is not a JSON object")
     values = {ours: raw[key] for key, ours in GENERATION_CONFIG_KEYS.items() if key in raw}
-    return SamplingParams.from_dict(values)
+    try:
+        return SamplingParams.from_dict(values)
+    except SamplingParamsError as e:
+        raise ConfigError(
+            f"{path}: its sampling defaults are invalid ({e}); fix the file, or ignore it with "
+            'generation_config="vllm"'
+        ) from None
 
 
 @dataclass

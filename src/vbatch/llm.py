@@ -57,6 +57,7 @@ from vbatch.errors import (
 )
 from vbatch.llm_pooling import PoolingMethods
 from vbatch.lora.request import LoRARequest
+from vbatch.models.config import read_sentence_bert_config
 from vbatch.protocol import (
     AddRequest,
     EngineOutputs,
@@ -317,6 +318,8 @@ class LLM(PoolingMethods):
     def _load_client_side(self, tokenizer_dir: Path, hf_dir: Path, generation_config: str) -> None:
         self.tokenizer = TextTokenizer.from_dir(tokenizer_dir)
         self.default_sampling_params = default_sampling_params(hf_dir, generation_config)
+        # NOTE: read here, so that a bad file fails the start-up rather than the first rows.
+        self._sentence_bert = read_sentence_bert_config(hf_dir)
 
     @property
     def latest_stats(self) -> SchedulerStats | None:

@@ -34,7 +34,6 @@ from vbatch.models.config import (
     declared_head,
     read_id2label,
     read_problem_type,
-    read_sentence_bert_config,
 )
 from vbatch.pooling_params import PoolingParams, PoolingTask
 from vbatch.protocol import AddRequest, pack_token_ids
@@ -67,6 +66,7 @@ class PoolingMethods:
 
     tokenizer: TextTokenizer
     model: ResolvedModel
+    _sentence_bert: SentenceBertConfig
     _client: Any
     _request_ids: Any
     _stream: Any
@@ -255,10 +255,6 @@ class PoolingMethods:
     @functools.cached_property
     def _problem_type(self) -> str | None:
         return read_problem_type(self.model.hf_dir)
-
-    @functools.cached_property
-    def _sentence_bert(self) -> SentenceBertConfig:
-        return read_sentence_bert_config(self.model.hf_dir)
 
     def id2label(self) -> dict[int, str]:
         """The classifier's label names from config.json (empty without them)."""

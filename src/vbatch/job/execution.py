@@ -341,7 +341,9 @@ class JobExecution:
 
     def _run_engine(self) -> None:
         self.metrics.set_state("loading model")
-        engine_args = dict(self.manifest.engine)
+        # NOTE: rows take the run's sampling settings, never the model's generation_config
+        # defaults, which are then not read (an invalid one failed every job).
+        engine_args = {**self.manifest.engine, "generation_config": "vllm"}
         self.interruptible = not starts_briefly(self.options.ray)
         self.stop.is_waiting = self.interruptible
         self.stop.starting = True

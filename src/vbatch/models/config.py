@@ -8,6 +8,7 @@ models/families.py, which also defines the supported architectures.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -290,6 +291,21 @@ class ModelConfig:
         return config
 
     def _check(self) -> None:
+        # NOTE: `not x > 0` also refuses NaN; a rope base or norm epsilon out of range ran,
+        # giving NaN logits and empty texts without an error.
+        for name in ("rope_theta", "sliding_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ModelLoadError(f"{name} must be a positive number, got {value}")
+        if not (self.rms_norm_eps >= 0 and math.isfinite(self.rms_norm_eps)):
+            raise ModelLoadError(f"rms_norm_eps must be zero or positive, got {self.rms_norm_eps}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+            if getattr(self, name) < 1:
+                raise ModelLoadError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_position_embeddings < 1:
+            raise ModelLoadError(
+                f"max_position_embeddings must be positive, got {self.max_position_embeddings}"
+            )
         if self.rotary_dim <= 0 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ModelLoadError(f"bad rotary_dim {self.rotary_dim} for head_dim {self.head_dim}")
         for name in ("sliding_windows", "sliding_rope_layers", "moe_layers"):
@@ -359,8 +375,19 @@ def _num_labels(raw: dict[str, Any]) -> int:
 
 def _eos_token_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
     eos_ids: list[int] = []
-    for value in (generation.get("eos_token_id"), raw.get("eos_token_id")):
+    for source, value in (
+        ("generation_config.json", generation.get("eos_token_id")),
+        ("config.json", raw.get("eos_token_id")),
+    ):
         for token_id in value if isinstance(value, list) else [value]:
-            if token_id is not None and int(token_id) not in eos_ids:
-                eos_ids.append(int(token_id))
+            if token_id is None:
+                continue
+            try:
+                eos_id = int(token_id)
+            except (TypeError, ValueError):
+                raise ModelLoadError(
+                    f"{source}: eos_token_id {value!r:.60} is not a token id or a list of them"
+                ) from None
+            if eos_id not in eos_ids:
+                eos_ids.append(eos_id)
     return tuple(eos_ids)

@@ -165,8 +165,15 @@ def weight_files(hf_dir: Path) -> list[Path]:
         names = set(json.loads(index.read_text())["weight_map"].values())
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ModelLoadError(f"cannot read the shard index {index}: {e!r}") from None
-    if not names or not all(isinstance(name, str) for name in names):
+    if not names:
         raise ModelLoadError(f"the shard index {index} names no safetensors files")
+    for name in names:
+        # NOTE: a shard is a file of the model's directory, as the hub lays them out.
+        if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
+            raise ModelLoadError(
+                f"the shard index {index} names {name!r:.80} as a shard: its weight_map "
+                "values are file names in the model's directory"
+            )
     missing = sorted(name for name in names if not (hf_dir / name).is_file())
     if missing:
         raise ModelLoadError(

@@ -51,6 +51,12 @@ def read_pooling_config(hf_dir: str | Path, default_mode: str) -> PoolingConfig:
         modules = json.loads(modules_path.read_text())
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read {modules_path}: {e}") from e
+    if not isinstance(modules, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("path", ""), str) for m in modules
+    ):
+        raise ModelLoadError(
+            f"{modules_path} is not a list of modules ({{'type': ..., 'path': ...}} objects)"
+        )
     mode, normalize = default_mode, False
     for module in modules:
         kind = module.get("type", "")
@@ -72,6 +78,8 @@ def _pooling_mode(path: Path) -> str:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read {path}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path} is not an object of pooling_mode_* switches")
     # NOTE: every switch that is on, those vbatch has no pooling for (mean_sqrt_len,
     # weightedmean) included: sentence-transformers concatenates the modes it is given.
     modes = [
