@@ -299,7 +299,7 @@ class ModelConfig:
                 raise ModelLoadError(f"{name} must be a positive number, got {value}")
         if not (self.rms_norm_eps >= 0 and math.isfinite(self.rms_norm_eps)):
             raise ModelLoadError(f"rms_norm_eps must be zero or positive, got {self.rms_norm_eps}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers"):
             if getattr(self, name) < 1:
                 raise ModelLoadError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_position_embeddings < 1:
