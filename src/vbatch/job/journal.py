@@ -14,7 +14,7 @@ import numpy as np
 import orjson
 
 from vbatch.errors import JobStateError, OutputLostError, StorageError, storage_error
-from vbatch.job.paths import fsync_dir
+from vbatch.job.paths import fsync_dir, lost_file
 
 JOURNAL_NAME = "journal.jsonl"
 
@@ -221,16 +221,12 @@ class Journal:
     def check_still_there(self) -> None:
         """OutputLostError once the job directory no longer holds this journal (deleted, or
         replaced, outside vbatch): no resume could read what it records."""
-        mine = os.fstat(self._fd)
-        try:
-            here = os.stat(self.path)
-        except OSError:
-            here = None
-        if here is None or (here.st_dev, here.st_ino) != (mine.st_dev, mine.st_ino):
+        how = lost_file(self.path, self._fd)
+        if how is not None:
             raise OutputLostError(
-                f"{self.path.parent} was {'deleted' if here is None else 'replaced'} outside "
-                "vbatch while the job ran, with the journal of its committed rows; the job "
-                "cannot be resumed: start it again (`vbatch run` with --overwrite)"
+                f"{self.path.parent} was {how} outside vbatch while the job ran, with the "
+                "journal of its committed rows; the job cannot be resumed: start it again "
+                "(`vbatch run` with --overwrite)"
             )
 
     def append(self, kind: str, **fields: Any) -> dict[str, Any]:

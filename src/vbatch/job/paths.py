@@ -74,6 +74,17 @@ def refuse_clashing_paths(writes: dict[str, Path], reads: dict[str, Path]) -> No
                 raise InputError(f"{what} {path} is inside {dir_what} {job_dir}")
 
 
+def lost_file(path: Path, fd: int) -> str | None:
+    """How `path` stopped naming the file open as `fd` outside vbatch ("deleted" or
+    "replaced"); None while it still names it."""
+    mine = os.fstat(fd)
+    try:
+        here = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return "deleted"
+    return None if (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino) else "replaced"
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename or a file creation inside the directory `path` durable (or, given a file,
     its contents)."""

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from vbatch.errors import OutputLostError, StorageError, storage_error
 from vbatch.job.encoding import KeptJson, table_from_rows
 from vbatch.job.journal import JobState, Journal, to_ranges, write_all
-from vbatch.job.paths import fsync_dir
+from vbatch.job.paths import fsync_dir, lost_file
 from vbatch.job.results import jsonl_bytes, parquet_values
 
 if TYPE_CHECKING:
@@ -156,19 +156,15 @@ class JsonlWriter(OutputWriter):
         """OutputLostError once the output path no longer names the file this writer appends
         to (deleted, or replaced), or that file is shorter than what was written to it (cut),
         rather than committing rows that nothing holds."""
-        mine = os.fstat(self._file.fileno())
-        try:
-            here = os.stat(self.path)
-        except FileNotFoundError:
-            here = None
-        if here is None or (here.st_dev, here.st_ino) != (mine.st_dev, mine.st_ino):
+        how = lost_file(self.path, self._file.fileno())
+        if how is not None:
             raise OutputLostError(
-                f"{self.path} was {'deleted' if here is None else 'replaced'} outside vbatch "
-                f"while the job ran; {OUTPUT_LOST_FIX}"
+                f"{self.path} was {how} outside vbatch while the job ran; {OUTPUT_LOST_FIX}"
             )
-        if mine.st_size < self._offset:
+        size = os.fstat(self._file.fileno()).st_size
+        if size < self._offset:
             raise OutputLostError(
-                f"{self.path} was truncated outside vbatch while the job ran (to {mine.st_size} "
+                f"{self.path} was truncated outside vbatch while the job ran (to {size} "
                 f"bytes of the {self._offset} written); {OUTPUT_LOST_FIX}"
             )
 
