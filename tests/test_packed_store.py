@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import struct
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -202,6 +204,31 @@ def test_a_fused_copy_that_differs_from_a_part_is_copied_afresh(
     assert torch.equal(weight, fused_checkpoint_weights(tiny_model_dir, 0)[name])
     assert greedy_run(core, PROMPT) == (tokens, logprobs)
     core.shutdown()
+
+
+def test_a_copy_asked_for_is_checked_at_once_not_after_the_queue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The int8 head, asked for while the model was built, waited for the checks of every
+    linear queued ahead of it: 0.1-0.2 s of each start with the greedy screen."""
+    tensors = {f"t{i}": torch.full((4,), float(i)) for i in range(3)}
+    write_safetensors(tmp_path / "store.safetensors", tensors)
+    release = threading.Event()
+    real_checksum = packed_store.checksum
+
+    def held_in_the_checker(tensor: torch.Tensor) -> int:
+        if threading.current_thread().name.startswith("vbatch-packed-check"):
+            release.wait(30)
+        return real_checksum(tensor)
+
+    monkeypatch.setattr(packed_store, "checksum", held_in_the_checker)
+    store = PackedStore(tmp_path / "store.safetensors")
+    start = time.monotonic()
+    (got,) = store.tensors(("t2",), lambda: (torch.zeros(4),), lambda mapped: True)
+    assert time.monotonic() - start < 10
+    assert torch.equal(got, tensors["t2"]) and store.mapped_names == {"t2"}
+    release.set()
+    store.close()
 
 
 def test_the_path_tracks_the_weights_the_library_and_the_model_code(
