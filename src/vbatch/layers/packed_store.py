@@ -135,11 +135,10 @@ class PackedStore:
     ) -> tuple[torch.Tensor, ...]:
         """The prepared tensors `names`: the file's if it has them all and `matches` accepts
         them, else make(), kept to be written back."""
-        mapped = tuple(self._mapped.get(name) for name in names)
-        usable = all(t is not None for t in mapped) and self._intact(names)
-        if usable and matches(mapped):  # type: ignore[arg-type]
+        mapped = tuple(t for t in (self._mapped.get(name) for name in names) if t is not None)
+        if len(mapped) == len(names) and self._intact(names, mapped) and matches(mapped):
             self.mapped_names.update(names)
-            return mapped  # type: ignore[return-value]
+            return mapped
         made = tuple(t.contiguous() for t in make())
         with self._lock:
             for name, tensor in zip(names, made, strict=True):
@@ -148,10 +147,14 @@ class PackedStore:
                 self._made[name] = tensor
         return made
 
-    def _intact(self, names: tuple[str, ...]) -> bool:
-        """Whether the mapped copies `names` match their checksums (waiting for their checks);
-        the first damaged one is reported."""
-        damaged = [name for name in names if not self._is_intact(name)]
+    def _intact(self, names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> bool:
+        """Whether the mapped copies `names` (`tensors`) match their checksums (waiting for
+        their checks); the first damaged one is reported."""
+        damaged = [
+            name
+            for name, tensor in zip(names, tensors, strict=True)
+            if not self._is_intact(name, tensor)
+        ]
         if damaged and not self._damage_reported:
             self._damage_reported = True
             logger.warning(
@@ -162,14 +165,17 @@ class PackedStore:
             )
         return not damaged
 
-    def _is_intact(self, name: str) -> bool:
+    def _is_intact(self, name: str, tensor: torch.Tensor) -> bool:
         check = self._checks.get(name)
         if check is None:
             return True
         if check.cancel():
             # NOTE: a check not yet started runs here, rather than after the whole queue ahead
-            # of it (the int8 head, asked for at start-up, was checked after every linear).
-            return checksum(self._mapped[name]) == self._sums[name]
+            # of it (the int8 head, asked for at start-up, was checked after every linear); its
+            # result is kept for the write-back.
+            check = Future()
+            check.set_result(checksum(tensor) == self._sums[name])
+            self._checks[name] = check
         return check.result()
 
     def flush(self) -> None:
@@ -196,7 +202,7 @@ class PackedStore:
             made = dict(self._made)
             mapped = dict(self._mapped)
         # NOTE: a damaged copy no core asked for is left out, not written with a new checksum.
-        intact = {name: t for name, t in mapped.items() if self._is_intact(name)}
+        intact = {name: t for name, t in mapped.items() if self._is_intact(name, t)}
         tensors = {**intact, **made}
         # NOTE: the pid alone is not unique where cores in containers share a cache.
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
