@@ -209,6 +209,53 @@ def test_a_swiglu_mlp_times_gate_up_with_its_activation(
     assert set(fused) == set(plain)
 
 
+def test_a_weight_ring_spans_the_cold_span_in_fresh_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    weights = {"gate_up": torch.randn(128, 32), "down": torch.randn(32, 64)}
+    size = (128 * 32 + 32 * 64) * 4
+    monkeypatch.setattr(linear_choice, "COLD_SPAN", 3 * size - 1)
+    ring = linear_choice.weight_ring(weights)
+    assert len(ring) == 3 and ring[0] is weights
+    pointers = {member[name].data_ptr() for member in ring for name in weights}
+    assert len(pointers) == 6, "each copy in its own memory"
+    for member in ring[1:]:
+        for name, weight in weights.items():
+            assert torch.equal(member[name], weight)
+    monkeypatch.setattr(linear_choice, "COLD_SPAN", size // 2)
+    assert linear_choice.weight_ring(weights) == [weights]
+    monkeypatch.setattr(linear_choice, "COLD_SPAN", 1000 * size)
+    assert len(linear_choice.weight_ring(weights)) == linear_choice.MAX_RING_COPIES
+
+
+def test_the_mlp_forms_are_timed_from_a_ring_of_copies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step reads each layer's MLP weights from memory, the other layers' having
+    streamed past the caches; each timed call of either MLP form runs from the next copy in a
+    ring, not from one copy the caches keep."""
+    monkeypatch.setenv("VBATCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernel_choice, "free_cpus_while", lambda work, *_: (work(), 64.0))
+    weights = layer_weights()
+    size = sum(weights[name].numel() * 4 for name in ("gate_up", "down"))
+    monkeypatch.setattr(linear_choice, "COLD_SPAN", 3 * size)
+    pairs: dict[str, dict[str, object]] = {}
+    fastest = linear_choice.fastest_ms
+
+    def recording(sets: dict[str, dict[str, object]]) -> dict[str, dict[str, float]]:
+        pairs.update({key: fns for key, fns in sets.items() if key.startswith("mlp@")})
+        return fastest(sets)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(linear_choice, "fastest_ms", recording)
+    choose_linear_backends(weights, swiglu=True)
+    assert set(pairs) == {"mlp@1", "mlp@8", "mlp@64"}
+    for key, fns in pairs.items():
+        for form in (TRANSPOSED, SEPARATE):
+            outputs = [fns[form]() for _ in range(7)]  # type: ignore[operator]
+            first = outputs[0] if form == TRANSPOSED else outputs[0][-1]
+            turns = [out if form == TRANSPOSED else out[-1] for out in outputs]
+            repeats = [i for i, out in enumerate(turns) if torch.equal(out, first)]
+            assert repeats == [0, 3, 6], f"{key} {form}: one call per copy, 3 copies in turn"
+
+
 def test_the_engine_runs_alike_on_either_backend_and_says_which(tiny_model_dir: Path) -> None:
     prompt = list(range(100, 140))
     runs = {}

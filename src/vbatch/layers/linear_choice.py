@@ -14,6 +14,7 @@ they already do between batch sizes.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
@@ -45,6 +46,15 @@ TRANSPOSED = "torch-transposed"
 SEPARATE = "separate"
 MAX_TRANSPOSED_CLASS = 2
 PADDED_ROW_MULTIPLE = 8
+# NOTE: in a decode step each layer's MLP weights come from memory, the other layers' having
+# streamed past the caches since. Timed from one copy they stay cached, and there MKL's W @ x^T
+# tied the packed kernel at 64 rows on the Intel Xeon held to AVX2 (72.1 against 70.7 ms over
+# 30 layers), while over the 30 layers' own weights it ran 1.23x slower at 64 rows and 1.6x at
+# 32 (91.2 against 74.3 ms, 65.2 against 40.9). So the pair is timed over a ring of copies that
+# spans this many bytes: a ring of 8 layers' weights already ran within 2-6% of the 30 layers'.
+# A model whose MLP is smaller than COLD_SPAN / MAX_RING_COPIES stays in the caches anyway.
+COLD_SPAN = 64 << 20
+MAX_RING_COPIES = 16
 HEAD_CHUNK = 3072
 ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
 # NOTE: the prepared copies (about the model's size again per backend that needs one) are made
@@ -387,6 +397,35 @@ def _head_candidates(
     return {backend: run(backend) for backend in ("torch", *chunks)}
 
 
+def _prepared(
+    role: str, weight: torch.Tensor, backends: Collection[str], swiglu: bool
+) -> dict[str, torch.Tensor]:
+    """`weight`'s prepared copy for each of `backends` but torch (gate_up's native copy in the
+    SwiGLU packing where `swiglu`)."""
+    prepared = {b: prepared_weight(weight, b) for b in backends if b not in ("torch", NATIVE)}
+    if NATIVE in backends:
+        if role == "gate_up" and swiglu:
+            prepared[NATIVE] = torch.ops.vbatch.pack_swiglu_weight(weight.detach())
+        else:
+            prepared[NATIVE] = prepared_weight(weight, NATIVE)
+    return prepared
+
+
+def _layer_candidates(
+    role: str,
+    weight: torch.Tensor,
+    prepared: dict[str, torch.Tensor],
+    rows: int,
+    generator: torch.Generator,
+    swiglu: bool,
+) -> dict[str, Callable[[], object]]:
+    """A layer projection's candidates at `rows` rows (gate_up with its activation where
+    `swiglu`)."""
+    if role == "gate_up" and swiglu:
+        return swiglu_candidates(weight, prepared, rows, generator)
+    return linear_candidates(weight, prepared, rows, generator)
+
+
 def _role_sets(
     role: str,
     weight: torch.Tensor,
@@ -397,32 +436,75 @@ def _role_sets(
 ) -> dict[str, dict[str, Callable[[], object]]]:
     """The candidates of one projection ("lm_head": the LM head, up to `timed_head_rows` rows;
     "gate_up" with its activation where `swiglu`) per row class, keyed "role@rows"."""
-    copied = [b for b in backends if b != "torch"]
-    if role == "gate_up" and swiglu:
-        prepared = {b: prepared_weight(weight, b) for b in copied if b != NATIVE}
-        if NATIVE in copied:
-            prepared[NATIVE] = torch.ops.vbatch.pack_swiglu_weight(weight.detach())
-        return {
-            f"{role}@{rows}": swiglu_candidates(weight, prepared, rows, generator)
-            for rows in TIMED_ROWS
-        }
     if role == "lm_head":
-        chunks = {b: head_chunks(weight, b) for b in copied}
+        chunks = {b: head_chunks(weight, b) for b in backends if b != "torch"}
         return {
             f"{role}@{rows}": _head_candidates(weight, chunks, rows, generator)
             for rows in TIMED_ROWS
             if rows <= timed_head_rows
         }
-    prepared = {b: prepared_weight(weight, b) for b in copied}
+    prepared = _prepared(role, weight, backends, swiglu)
     return {
-        f"{role}@{rows}": linear_candidates(weight, prepared, rows, generator)
+        f"{role}@{rows}": _layer_candidates(role, weight, prepared, rows, generator, swiglu)
         for rows in TIMED_ROWS
     }
+
+
+def weight_ring(weights: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """`weights` itself, then fresh copies of it, enough to span COLD_SPAN bytes (at most
+    MAX_RING_COPIES in all)."""
+    size = sum(weight.numel() * weight.element_size() for weight in weights.values())
+    copies = min(MAX_RING_COPIES, -(-COLD_SPAN // max(size, 1)))
+    return [weights] + [
+        {name: weight.detach().clone() for name, weight in weights.items()}
+        for _ in range(copies - 1)
+    ]
+
+
+def _cold_mlp_pairs(
+    weights: dict[str, torch.Tensor],
+    picks: dict[str, list[str]],
+    generator: torch.Generator,
+    swiglu: bool,
+) -> dict[str, dict[str, Callable[[], object]]]:
+    """Per row class the transposed form may run (timed as "mlp@rows"), it and the separate
+    GEMMs' picks run back to back, each call from the next copy of a ring spanning COLD_SPAN
+    bytes."""
+    mlp_roles = ("gate_up", "down")
+    ring = weight_ring({role: weights[role] for role in mlp_roles})
+    prepared = [
+        {role: _prepared(role, member[role], set(picks[role]), swiglu) for role in mlp_roles}
+        for member in ring
+    ]
+    pairs = {}
+    for index, rows in enumerate(TIMED_ROWS):
+        if row_class(rows) > MAX_TRANSPOSED_CLASS:
+            continue
+        transposed, separate = [], []
+        for member, copies in zip(ring, prepared, strict=True):
+            transposed.append(
+                _transposed_mlp(member["gate_up"], member["down"], rows, generator, swiglu)
+            )
+            gemms = [
+                _layer_candidates(role, member[role], copies[role], rows, generator, swiglu)[
+                    picks[role][index]
+                ]
+                for role in mlp_roles
+            ]
+            separate.append(_in_turn(*gemms))
+        pairs[f"mlp@{rows}"] = {TRANSPOSED: _cycling(transposed), SEPARATE: _cycling(separate)}
+    return pairs
 
 
 def _in_turn(*fns: Callable[[], object]) -> Callable[[], object]:
     """One call that runs `fns` back to back."""
     return lambda: [fn() for fn in fns]
+
+
+def _cycling(fns: list[Callable[[], object]]) -> Callable[[], object]:
+    """One call of the next of `fns`, in turn."""
+    turns = itertools.cycle(fns)
+    return lambda: next(turns)()
 
 
 def choose_linear_backends(
@@ -450,7 +532,6 @@ def choose_linear_backends(
     def measure() -> dict[str, Any]:
         generator = torch.Generator().manual_seed(0)
         choice: dict[str, Any] = {"rows": list(TIMED_ROWS), "ms": {}}
-        picked: dict[str, Callable[[], object]] = {}
         roles = [role for role in ("qkv", "o", "gate_up", "down") if role in weights]
         # NOTE: the LM head's copies, the largest, are timed apart from the layers' and after.
         for group in (roles, ["lm_head"] if "lm_head" in weights else []):
@@ -468,20 +549,10 @@ def choose_linear_backends(
                         picks.append(picks[-1])
                         continue
                     picks.append(min(timed, key=timed.__getitem__))
-                    picked[f"{role}@{rows}"] = sets[f"{role}@{rows}"][picks[-1]]
                 choice[role] = picks
         # NOTE: the transposed MLP is timed against the two picks run back to back in the same
         # rounds, so that load from another process weighs on both sides alike.
-        pairs = {
-            f"mlp@{rows}": {
-                TRANSPOSED: _transposed_mlp(
-                    weights["gate_up"], weights["down"], rows, generator, swiglu
-                ),
-                SEPARATE: _in_turn(picked[f"gate_up@{rows}"], picked[f"down@{rows}"]),
-            }
-            for rows in TIMED_ROWS
-            if transposed_mlp and row_class(rows) <= MAX_TRANSPOSED_CLASS
-        }
+        pairs = _cold_mlp_pairs(weights, choice, generator, swiglu) if transposed_mlp else {}
         choice["ms"] |= fastest_ms(pairs)
         choice["mlp"] = [SEPARATE] * len(TIMED_ROWS)
         for index, rows in enumerate(TIMED_ROWS):
@@ -499,6 +570,7 @@ def choose_linear_backends(
         "native_in_every_class": True,
         "native_head": "argmax",
         "swiglu": swiglu,
+        "mlp_from_memory": COLD_SPAN,
     }
 
     def is_valid(choice: Any) -> bool:
