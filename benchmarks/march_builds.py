@@ -89,6 +89,12 @@ def time_kernels(threads: int) -> dict[str, float]:
             )
 
     times["decode attention, 64 x 240"] = best_ms(attention, 7)
+    gate, up = torch.randn(64, INTERMEDIATE), torch.randn(64, INTERMEDIATE)
+    times["silu_mul, 64 x 1536"] = best_ms(lambda: ops.silu_mul(gate, up), 21)
+    times["torch silu(gate) * up, 64 x 1536 (the peer)"] = best_ms(
+        lambda: torch.nn.functional.silu(gate) * up, 21
+    )
+    times["gelu_erf_, 64 x 1536 (with a copy)"] = best_ms(lambda: ops.gelu_erf_(gate.clone()), 21)
     return times
 
 

@@ -1050,6 +1050,29 @@ def test_packed_swiglu_gives_the_bits_of_packed_linear_then_silu_mul(
     torch.library.opcheck(torch.ops.vbatch.packed_swiglu.default, (x[:3], packed, intermediate, b))
 
 
+@pytest.mark.parametrize("kernel", ["silu_mul", "packed_swiglu", "int8_scale_sums"])
+def test_a_kernel_that_flushes_denormals_gives_each_thread_its_setting_back(
+    ops: None, kernel: str
+) -> None:
+    """The SiLU kernels flush denormals while they run (a lane an AVX2 vector computes and then
+    drops took a microcode assist per vector), and restore each thread's setting: torch's
+    arithmetic after them, on every thread, still gives denormals."""
+    torch.set_num_threads(2)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 64, generator=gen)
+    weight = torch.randn(2 * 1536, 64, generator=gen)
+    if kernel == "silu_mul":
+        torch.ops.vbatch.silu_mul(*(x @ weight.t()).split(1536, dim=-1))
+    elif kernel == "packed_swiglu":
+        torch.ops.vbatch.packed_swiglu(x, torch.ops.vbatch.pack_swiglu_weight(weight), 1536, None)
+    else:
+        sums = torch.randint(-1000, 1000, (256, 2 * 1536), dtype=torch.int32, generator=gen)
+        ones = torch.ones(2 * 1536)
+        torch.ops.vbatch.int8_scale_sums(sums, torch.ones(256), ones, ones * 0, True)
+    tiny = torch.full((1 << 20,), 1e-38) / 4
+    assert bool((tiny > 0).all()), "a thread kept flushing denormals to zero"
+
+
 def test_packed_swiglu_rejects_bad_inputs(ops: None) -> None:
     packed = torch.ops.vbatch.pack_swiglu_weight(torch.randn(80, 16))
     op = torch.ops.vbatch.packed_swiglu

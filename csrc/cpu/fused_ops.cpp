@@ -161,7 +161,7 @@ void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& qk, const at:
 // below 1.5e-7) on SIMD lanes. For x < 0, 1 + erf is formed directly from the tail, so it does
 // not cancel.
 #pragma omp declare simd
-inline float gelu_erf(float x) {
+__attribute__((always_inline)) inline float gelu_erf(float x) {
   const float a = std::fabs(x) * 0.70710678118654752f;
   const float t = 1.0f / (1.0f + 0.3275911f * a);
   const float poly =
@@ -192,6 +192,7 @@ void silu_mul_impl(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out
   scalar_t* o = out.mutable_data_ptr<scalar_t>();
   const int64_t g_stride = gate.stride(0), u_stride = up.stride(0);
   at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+    const DenormalsFlushed flushed;
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* g_row = g + r * g_stride;
       const scalar_t* u_row = u + r * u_stride;

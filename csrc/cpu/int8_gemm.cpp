@@ -428,6 +428,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
           }
           float* row = op + (m + r) * out_features + p * cols_per_panel;
           if (swiglu) {
+            const DenormalsFlushed flushed;
 #pragma omp simd
             for (int64_t c = 0; c < cols; ++c) row[c] = silu_times(y[c], y[kVecCols + c]);
           } else {
@@ -478,6 +479,7 @@ at::Tensor int8_scale_sums(const at::Tensor& sums, const at::Tensor& row_scale,
   float* op = out.mutable_data_ptr<float>();
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1)),
                    [&](int64_t begin, int64_t end) {
+    const DenormalsFlushed flushed(swiglu);
     for (int64_t m = begin; m < end; ++m) {
       const int32_t* row = sp + m * N;
       float* dst = op + m * width;

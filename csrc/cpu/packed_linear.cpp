@@ -218,6 +218,7 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& packed,
   const float* bias_ptr = bias_panels.defined() ? bias_panels.const_data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    const DenormalsFlushed flushed(kSwiglu);
     walk_panels(M, K, begin, end, [&](int64_t p) { return wp + p * K * kPanel; },
                 [&](int64_t p, const float* panel, int64_t m, int64_t rows,
                     const Prefetch& prefetch) {
