@@ -18,7 +18,9 @@ def test_threads_are_split_and_each_core_gets_its_own_cpus() -> None:
     assert split_cpus([4, 5, 6], 6, 2) == [((4, 5), 3), ((6,), 3)]
     # NOTE: fewer CPUs than cores: they are shared round-robin rather than refused.
     assert split_cpus([3], 2, 2) == [((3,), 1), ((3,), 1)]
-    with pytest.raises(ConfigError, match=r"between 2 .*give --num-threads 2 or more, or -dp 1 or fewer"):
+    with pytest.raises(
+        ConfigError, match=r"between 2 .*give --num-threads 2 or more, or -dp 1 or fewer"
+    ):
         split_cpus([0, 1], 1, 2)
 
 
