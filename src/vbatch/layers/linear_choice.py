@@ -471,15 +471,18 @@ def _cold_mlp_pairs(
     GEMMs' picks run back to back, each call from the next copy of a ring spanning COLD_SPAN
     bytes."""
     mlp_roles = ("gate_up", "down")
+    classes = [i for i, rows in enumerate(TIMED_ROWS) if row_class(rows) <= MAX_TRANSPOSED_CLASS]
     ring = weight_ring({role: weights[role] for role in mlp_roles})
     prepared = [
-        {role: _prepared(role, member[role], set(picks[role]), swiglu) for role in mlp_roles}
+        {
+            role: _prepared(role, member[role], {picks[role][i] for i in classes}, swiglu)
+            for role in mlp_roles
+        }
         for member in ring
     ]
     pairs = {}
-    for index, rows in enumerate(TIMED_ROWS):
-        if row_class(rows) > MAX_TRANSPOSED_CLASS:
-            continue
+    for index in classes:
+        rows = TIMED_ROWS[index]
         transposed, separate = [], []
         for member, copies in zip(ring, prepared, strict=True):
             transposed.append(
