@@ -413,6 +413,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       static_cast<const int8_t*>(q.const_data_ptr()), M, k_padded * q.element_size(),
       static_cast<const int8_t*>(packed.const_data_ptr()), 0, panels,
       [&](const int32_t* tile, int64_t rows, int64_t m, int64_t p) {
+        const DenormalsFlushed flushed(swiglu);
         const int64_t c0 = p * kPanelCols;
         const int64_t cols = std::min(cols_per_panel, out_features - p * cols_per_panel);
         for (int64_t r = 0; r < rows; ++r) {
@@ -428,7 +429,6 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
           }
           float* row = op + (m + r) * out_features + p * cols_per_panel;
           if (swiglu) {
-            const DenormalsFlushed flushed;
 #pragma omp simd
             for (int64_t c = 0; c < cols; ++c) row[c] = silu_times(y[c], y[kVecCols + c]);
           } else {
