@@ -47,7 +47,9 @@ __attribute__((always_inline)) inline float fast_exp(float x) {
 // packed SwiGLU's epilogue, so that both give the same bits. Vector loops over it (or over
 // another fast_exp of a clamped input) run under DenormalsFlushed.
 #pragma omp declare simd
-__attribute__((always_inline)) inline float silu_times(float gate, float up) { return gate / (1.0f + fast_exp(-gate)) * up; }
+__attribute__((always_inline)) inline float silu_times(float gate, float up) {
+  return gate / (1.0f + fast_exp(-gate)) * up;
+}
 
 // While in scope (and `active`), the calling thread's SSE/AVX arithmetic flushes denormal
 // results and reads denormal inputs as zero; the thread's setting is restored at exit.

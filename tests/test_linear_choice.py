@@ -250,9 +250,8 @@ def test_the_mlp_forms_are_timed_from_a_ring_of_copies(
     for key, fns in pairs.items():
         for form in (TRANSPOSED, SEPARATE):
             outputs = [fns[form]() for _ in range(7)]  # type: ignore[operator]
-            first = outputs[0] if form == TRANSPOSED else outputs[0][-1]
             turns = [out if form == TRANSPOSED else out[-1] for out in outputs]
-            repeats = [i for i, out in enumerate(turns) if torch.equal(out, first)]
+            repeats = [i for i, out in enumerate(turns) if torch.equal(out, turns[0])]
             assert repeats == [0, 3, 6], f"{key} {form}: one call per copy, 3 copies in turn"
 
 

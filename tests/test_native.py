@@ -1057,19 +1057,24 @@ def test_a_kernel_that_flushes_denormals_gives_each_thread_its_setting_back(
     """The SiLU kernels flush denormals while they run (a lane an AVX2 vector computes and then
     drops took a microcode assist per vector), and restore each thread's setting: torch's
     arithmetic after them, on every thread, still gives denormals."""
+    num_threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 64, generator=gen)
-    weight = torch.randn(2 * 1536, 64, generator=gen)
-    if kernel == "silu_mul":
-        torch.ops.vbatch.silu_mul(*(x @ weight.t()).split(1536, dim=-1))
-    elif kernel == "packed_swiglu":
-        torch.ops.vbatch.packed_swiglu(x, torch.ops.vbatch.pack_swiglu_weight(weight), 1536, None)
-    else:
-        sums = torch.randint(-1000, 1000, (256, 2 * 1536), dtype=torch.int32, generator=gen)
-        ones = torch.ones(2 * 1536)
-        torch.ops.vbatch.int8_scale_sums(sums, torch.ones(256), ones, ones * 0, True)
-    tiny = torch.full((1 << 20,), 1e-38) / 4
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(256, 64, generator=gen)
+        weight = torch.randn(2 * 1536, 64, generator=gen)
+        if kernel == "silu_mul":
+            torch.ops.vbatch.silu_mul(*(x @ weight.t()).split(1536, dim=-1))
+        elif kernel == "packed_swiglu":
+            packed = torch.ops.vbatch.pack_swiglu_weight(weight)
+            torch.ops.vbatch.packed_swiglu(x, packed, 1536, None)
+        else:
+            sums = torch.randint(-1000, 1000, (256, 2 * 1536), dtype=torch.int32, generator=gen)
+            ones = torch.ones(2 * 1536)
+            torch.ops.vbatch.int8_scale_sums(sums, torch.ones(256), ones, ones * 0, True)
+        tiny = torch.full((1 << 20,), 1e-38) / 4
+    finally:
+        torch.set_num_threads(num_threads)
     assert bool((tiny > 0).all()), "a thread kept flushing denormals to zero"
 
 
