@@ -192,8 +192,10 @@ at::Tensor pack_panels(const at::Tensor& weight, int64_t panels, F source_row) {
 
 // Visits panels [begin, end) of x [M, K]'s rows in blocks whose inputs stay in L2 while the
 // panels stream past them (a decode batch is one block, so its weights are read once):
-// block(p, panel, m, rows, prefetch) for each kRowBlock rows from m, panel_at(p) being panel p.
-// A panel's row blocks split the next panel's prefetch between them (Prefetch).
+// block(p, panel, m, rows, prefetch) for each micro-kernel's rows from m, panel_at(p) being
+// panel p. A block's rows split evenly into as few micro-kernel calls as kRowBlock allows
+// (16 rows: 8 + 8, not 14 + 2), as a call of few rows leaves its FMAs waiting on each other's
+// latency. A panel's calls split the next panel's prefetch between them (Prefetch).
 template <typename PanelAt, typename Block>
 void walk_panels(int64_t M, int64_t K, int64_t begin, int64_t end, const PanelAt& panel_at,
                  const Block& block) {
@@ -201,11 +203,13 @@ void walk_panels(int64_t M, int64_t K, int64_t begin, int64_t end, const PanelAt
       std::max<int64_t>(kRowBlock, kRowBlockBytes / (K * 4) / kRowBlock * kRowBlock);
   for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
     const int64_t m_end = std::min(M, m0 + block_rows);
+    const int64_t calls = (m_end - m0 + kRowBlock - 1) / kRowBlock;
     for (int64_t p = begin; p < end; ++p) {
       const float* panel = panel_at(p);
       const float* next = p + 1 < end ? panel_at(p + 1) : nullptr;
-      for (int64_t m = m0; m < m_end; m += kRowBlock) {
-        const int64_t rows = std::min<int64_t>(kRowBlock, m_end - m);
+      for (int64_t call = 0; call < calls; ++call) {
+        const int64_t m = m0 + (m_end - m0) * call / calls;
+        const int64_t rows = m0 + (m_end - m0) * (call + 1) / calls - m;
         const int64_t first = K * (m - m0) / (m_end - m0);
         const int64_t last = K * (m - m0 + rows) / (m_end - m0);
         block(p, panel, m, rows, Prefetch{next, first, last - first});
